@@ -1,0 +1,81 @@
+"""The one error tree of Concordia-FT.
+
+Every message says what happened, the values involved, and what to do next. Exceptions are picklable
+(they cross process boundaries): each keeps its constructor arguments in ``args``.
+"""
+
+from __future__ import annotations
+
+
+class ConcordiaError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class ConfigError(ConcordiaError, ValueError):
+    """A caller's input is wrong (bad region, bad option value, bad path). Nothing was changed."""
+
+
+class RegionError(ConfigError):
+    """A region registration is invalid (overlap, zero size, duplicate name, bad alignment...)."""
+
+
+class LogError(ConcordiaError):
+    """The recovery log cannot be used as asked (locked, missing, wrong format version...)."""
+
+
+class LogCorruptError(LogError):
+    """Damage before the tail of the log: committed data cannot be trusted past ``offset``."""
+
+    def __init__(self, path: str, offset: int, reason: str, hint: str = "") -> None:
+        super().__init__(path, offset, reason, hint)
+        self.path = path
+        self.offset = offset
+        self.reason = reason
+        self.hint = hint or (
+            "the epochs before this offset are intact; run `concordia log check DIR` for a report, "
+            "and restore this segment from a replica if you have one"
+        )
+
+    def __str__(self) -> str:
+        return f"{self.reason} in {self.path} at offset {self.offset}; {self.hint}"
+
+
+class LogLockedError(LogError):
+    """Another writer (or compactor) holds the log directory."""
+
+
+class RecoveryError(ConcordiaError):
+    """Recovery could not produce a verified state (nothing committed, or it does not fit the target)."""
+
+
+class CompileError(ConcordiaError):
+    """NVRTC (or ptxas) rejected generated device code. ``log`` holds the compiler output."""
+
+    def __init__(self, name: str, log: str) -> None:
+        super().__init__(name, log)
+        self.name = name
+        self.log = log
+
+    def __str__(self) -> str:
+        return f"compiling {self.name} failed:\n{self.log}"
+
+
+class DeviceError(ConcordiaError):
+    """A CUDA driver call failed. ``sticky`` errors poison the context: the process must restart."""
+
+    def __init__(self, code: int, name: str, sticky: bool, what: str = "") -> None:
+        super().__init__(code, name, sticky, what)
+        self.code = code
+        self.name = name
+        self.sticky = sticky
+        self.what = what
+
+    def __str__(self) -> str:
+        todo = (
+            "the CUDA context is poisoned: restart the process and recover from the log "
+            "(concordia_ft.recover / Session.recover)"
+            if self.sticky
+            else "the context is still usable"
+        )
+        where = f" in {self.what}" if self.what else ""
+        return f"CUDA error {self.code} ({self.name}){where}; {todo}"
