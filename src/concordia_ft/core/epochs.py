@@ -1,0 +1,220 @@
+"""Encoding one epoch into the buffers a single vectored write sends, and decoding one back.
+
+``plan_epoch`` lays out header, descriptor area, 4 KiB-aligned payloads (referenced, never copied) and the
+commit marker. ``decode_epoch`` validates an epoch completely (header CRC, descriptor CRC, every payload CRC,
+commit marker) before the caller applies any of it, so an epoch is applied whole or not at all.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .format import (
+    ALIGN,
+    COMMIT_BYTES,
+    EPOCH_FLAG_FULL,
+    EPOCH_HEADER_BYTES,
+    REC_DROP,
+    REC_META,
+    REC_PAGES,
+    REC_REGION,
+    REC_RUNS,
+    Entry,
+    EpochHeader,
+    FormatError,
+    align_up,
+    check_commit,
+    crc32c,
+    decode_entries,
+    decode_json,
+    encode_commit,
+    encode_entry,
+    encode_json,
+    entry_size,
+)
+from .regions import RegionSpec
+from .tracking import RegionDelta, pages_to_runs, runs_to_pages
+
+_ZEROS = bytes(ALIGN)
+
+
+@dataclass
+class EpochPlan:
+    """The buffers of one epoch, in file order, and what they hold."""
+
+    epoch: int
+    parts: list[memoryview | bytes]
+    total_bytes: int
+    payload_bytes: int
+    n_pages: int
+    region_pages: dict[str, int] = field(default_factory=dict)
+
+
+def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: list[str],
+               deltas: list[RegionDelta], meta: Any = None, full: bool = False) -> EpochPlan:
+    """Lay out one epoch that will start at file offset ``start_offset``."""
+    records: list[tuple[int, bytes, bytes, int, memoryview | None, int]] = []
+    for spec in defs:
+        records.append((REC_REGION, spec.name.encode(), encode_json(spec.describe()), 0, None, 0))
+    for name in drops:
+        records.append((REC_DROP, name.encode(), b"", 0, None, 0))
+    for d in deltas:
+        if not len(d.pages):
+            continue
+        runs = pages_to_runs(d.pages)
+        if len(runs) * 2 <= len(d.pages):
+            var = runs.astype("<i8").tobytes()
+            records.append((REC_RUNS, d.spec.name.encode(), var, len(runs), d.payload, len(d.pages)))
+        else:
+            var = d.pages.astype("<i8").tobytes()
+            records.append((REC_PAGES, d.spec.name.encode(), var, len(d.pages), d.payload, len(d.pages)))
+    if meta is not None:
+        records.append((REC_META, b"", encode_json(meta), 0, None, 0))
+
+    desc_bytes = sum(entry_size(len(r[1]), len(r[2])) for r in records)
+    cursor = align_up(start_offset + EPOCH_HEADER_BYTES + desc_bytes) - start_offset
+    payload_area = cursor
+    offsets: list[int] = []
+    for *_, payload, _ in records:
+        if payload is not None:
+            cursor = align_up(start_offset + cursor) - start_offset
+            offsets.append(cursor)
+            cursor += payload.nbytes
+        else:
+            offsets.append(0)
+    total = cursor + COMMIT_BYTES
+
+    desc = bytearray()
+    parts_after: list[memoryview | bytes] = []
+    pos = payload_area
+    n_pages = 0
+    region_pages: dict[str, int] = {}
+    for (rtype, name, var, count, payload, pages), off in zip(records, offsets):
+        if payload is not None:
+            pcrc = crc32c(payload)
+            plen = payload.nbytes
+            if off > pos:
+                parts_after.append(_ZEROS[: off - pos])
+            parts_after.append(payload)
+            pos = off + plen
+            n_pages += pages
+            region_pages[name.decode()] = pages
+        else:
+            pcrc, plen = 0, 0
+        if rtype in (REC_REGION, REC_META):
+            count = len(var)
+        desc += encode_entry(rtype, name, var, count, off, plen, pcrc)
+    desc_crc = crc32c(desc)
+    payload_bytes = pos - payload_area
+    header = EpochHeader(epoch, len(records), len(desc), total, payload_bytes,
+                         EPOCH_FLAG_FULL if full else 0, desc_crc).encode()
+    head = header + bytes(desc) + _ZEROS[: payload_area - EPOCH_HEADER_BYTES - len(desc)]
+    parts: list[memoryview | bytes] = [head, *parts_after, encode_commit(epoch, total, desc_crc)]
+    return EpochPlan(epoch, parts, total, payload_bytes, n_pages, region_pages)
+
+
+class TailKind(str, enum.Enum):
+    TORN = "torn"  # the epoch's bytes end before its declared end: a write that never finished
+    DAMAGED = "damaged"  # the epoch is whole in length but fails a check (media damage or a lost write)
+
+
+class EpochTail(Exception):
+    """Raised by decode_epoch when the epoch at ``offset`` cannot be used; ``kind`` says why."""
+
+    def __init__(self, kind: TailKind, reason: str) -> None:
+        super().__init__(kind, reason)
+        self.kind = kind
+        self.reason = reason
+
+
+@dataclass
+class DecodedEpoch:
+    epoch: int
+    flags: int
+    offset: int
+    total_bytes: int
+    payload_bytes: int
+    entries: list[Entry]
+    view: memoryview  # the epoch's bytes
+
+    @property
+    def full(self) -> bool:
+        return bool(self.flags & EPOCH_FLAG_FULL)
+
+    def payload(self, e: Entry) -> memoryview:
+        return self.view[e.payload_off : e.payload_off + e.payload_len]
+
+
+def decode_epoch(buf: memoryview, offset: int, *, verify_payloads: bool = True) -> DecodedEpoch:
+    """Validate and decode the epoch at ``offset`` of a segment mapped as ``buf``."""
+    remaining = len(buf) - offset
+    if remaining < EPOCH_HEADER_BYTES:
+        raise EpochTail(TailKind.TORN, f"epoch header cut short ({remaining} of {EPOCH_HEADER_BYTES} bytes)")
+    try:
+        h = EpochHeader.decode(buf[offset : offset + EPOCH_HEADER_BYTES])
+    except FormatError as e:
+        raise EpochTail(TailKind.DAMAGED, str(e)) from None
+    if h.total_bytes > remaining:
+        raise EpochTail(TailKind.TORN, f"epoch {h.epoch} declares {h.total_bytes} bytes, only {remaining} present")
+    view = buf[offset : offset + h.total_bytes]
+    desc = view[EPOCH_HEADER_BYTES : EPOCH_HEADER_BYTES + h.desc_bytes]
+    try:
+        if crc32c(desc) != h.desc_crc:
+            raise FormatError(f"epoch {h.epoch} descriptor checksum mismatch")
+        payload_start = EPOCH_HEADER_BYTES + h.desc_bytes
+        entries = decode_entries(desc, h.n_records, payload_start, h.total_bytes)
+        check_commit(view[h.total_bytes - COMMIT_BYTES :], h.epoch, h.total_bytes, h.desc_crc)
+        if verify_payloads:
+            for i, e in enumerate(entries):
+                if e.payload_len and crc32c(view[e.payload_off : e.payload_off + e.payload_len]) != e.payload_crc:
+                    raise FormatError(f"epoch {h.epoch} record {i} ({e.name!r}) payload checksum mismatch")
+    except FormatError as e:
+        raise EpochTail(TailKind.DAMAGED, str(e)) from None
+    return DecodedEpoch(h.epoch, h.flags, offset, h.total_bytes, h.payload_bytes, entries, view)
+
+
+def entry_pages(e: Entry, spec: RegionSpec) -> npt.NDArray[np.int64]:
+    """The page indices a PAGES/RUNS record covers, validated against the region's geometry."""
+    arr = np.frombuffer(e.var, dtype="<i8")
+    if e.rtype == REC_RUNS:
+        runs = arr.reshape(-1, 2)
+        if len(runs) and (np.any(runs[:, 1] <= 0) or np.any(runs[:, 0] < 0)):
+            raise FormatError(f"record for {e.name!r} has an empty or negative run")
+        if len(runs) and int(runs[:, 1].sum()) > spec.n_pages:
+            raise FormatError(f"record for {e.name!r} covers more pages than the region has")
+        pages = runs_to_pages(runs)
+    else:
+        pages = arr.astype(np.int64)
+    if len(pages):
+        if pages[0] < 0 or pages[-1] >= spec.n_pages or (len(pages) > 1 and np.any(np.diff(pages) <= 0)):
+            raise FormatError(f"record for {e.name!r} has page indices outside [0, {spec.n_pages}) or out of order")
+    if len(pages) * spec.page_bytes != e.payload_len:
+        raise FormatError(f"record for {e.name!r}: {len(pages)} pages of {spec.page_bytes} bytes but "
+                          f"{e.payload_len} payload bytes")
+    return pages
+
+
+def entry_spec(e: Entry) -> RegionSpec:
+    doc = decode_json(e.var, f"region record {e.name!r}")
+    if not isinstance(doc, dict):
+        raise FormatError(f"region record {e.name!r} is not an object")
+    try:
+        spec = RegionSpec.from_description(doc)
+    except ValueError as err:
+        raise FormatError(str(err)) from None
+    if spec.name != e.name:
+        raise FormatError(f"region record named {e.name!r} describes {spec.name!r}")
+    return spec
+
+
+def entry_meta(e: Entry) -> Any:
+    return decode_json(e.var, "session metadata")
+
+
+_ = struct  # struct is re-exported for tests that build hostile epochs by hand

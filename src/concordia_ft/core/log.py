@@ -1,0 +1,356 @@
+"""The recovery log writer: one committed epoch per ``append``, Redis-AOF style.
+
+A log directory holds ``MANIFEST`` (which segments, in order), ``LOCK`` (held by the one writer or
+compactor), an optional base segment (one full epoch) and incremental segments. ``RecoveryLog.open``
+replays what is there, cuts a torn tail (and says so), removes orphans left by a crash, and appends after
+the last committed epoch.
+
+fsync policies and their loss windows (what a power failure or kernel crash can take; a killed *process*
+loses nothing that ``append`` returned under any policy, since the bytes are in the page cache):
+
+- ``always``: fdatasync before ``append`` returns: nothing that returned is lost.
+- ``interval``: a background thread syncs every ``fsync_interval_ms``: at most that many ms of epochs.
+- ``never``: the kernel's writeback decides (dirty_expire_centisecs, 30 s by default).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, LogCorruptError, LogLockedError
+from .epochs import EpochPlan, plan_epoch
+from .format import SEGMENT_BASE, SEGMENT_INCR, SegmentHeader
+from .manifest import MANIFEST_NAME, SEGMENT_RE, Manifest, fsync_dir, store_manifest
+from .regions import RegionSpec
+from .replay import Outcome, ReplayResult, replay
+from .segment import DaxSegment, FileSegment, SegmentWriter, check_backend
+from .tracking import RegionDelta
+
+log = logging.getLogger("concordia_ft.log")
+
+FSYNC_POLICIES = ("always", "interval", "never")
+LOCK_NAME = "LOCK"
+
+
+@dataclass
+class LogOptions:
+    fsync: str = "always"
+    fsync_interval_ms: int = 100
+    backend: str = "file"
+    segment_max_bytes: int = 1 << 30
+    dax_segment_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.fsync not in FSYNC_POLICIES:
+            raise ConfigError(f"unknown fsync policy {self.fsync!r}; use one of {', '.join(FSYNC_POLICIES)}")
+        if self.fsync_interval_ms <= 0:
+            raise ConfigError(f"fsync_interval_ms must be positive, got {self.fsync_interval_ms}")
+        if self.segment_max_bytes < 1 << 20:
+            raise ConfigError(f"segment_max_bytes must be at least 1 MiB, got {self.segment_max_bytes}")
+
+    @classmethod
+    def coerce(cls, value: LogOptions | dict[str, Any] | None) -> LogOptions:
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            try:
+                return cls(**value)
+            except TypeError as e:
+                raise ConfigError(f"bad log options {value!r}: {e}") from None
+        raise ConfigError(f"log options must be LogOptions or a dict, got {type(value).__name__}")
+
+
+@dataclass
+class AppendResult:
+    epoch: int
+    segment: str
+    offset: int
+    total_bytes: int
+    payload_bytes: int
+    n_pages: int
+    region_pages: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class OpenReport:
+    """What ``RecoveryLog.open`` found and did, for the caller to show."""
+
+    created: bool
+    outcome: Outcome
+    last_epoch: int | None
+    cut_bytes: int = 0
+    cut_reason: str = ""
+    removed_orphans: list[str] = field(default_factory=list)
+    durable: bool = True
+
+
+class DirLock:
+    """An exclusive flock on ``DIR/LOCK``; released when the process dies, so a SIGKILL never wedges it."""
+
+    def __init__(self, log_dir: Path, what: str) -> None:
+        self.path = log_dir / LOCK_NAME
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._fd)
+            raise LogLockedError(
+                f"{log_dir} is in use by another writer or compactor; only one {what} may hold a log. "
+                "Close the other Runtime (or wait for `concordia log compact` to finish)"
+            ) from None
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"{os.getpid()}\n".encode())
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _open_segment(path: Path, opts: LogOptions, *, header: bytes | None = None, end: int | None = None
+                  ) -> SegmentWriter:
+    if opts.backend == "dax":
+        return DaxSegment(path, opts.dax_segment_bytes, create_with=header, end=end)
+    return FileSegment(path, create_with=header)
+
+
+def remove_orphans(log_dir: Path, manifest: Manifest) -> list[str]:
+    """Delete segment files the manifest does not name and leftover temp files (both crash debris)."""
+    keep = set(manifest.segments())
+    removed = []
+    for p in sorted(log_dir.iterdir()):
+        if (SEGMENT_RE.match(p.name) and p.name not in keep) or p.name.endswith(".tmp"):
+            p.unlink()
+            removed.append(p.name)
+    if removed:
+        fsync_dir(log_dir)
+    return removed
+
+
+class RecoveryLog:
+    """The single writer of a log directory. Thread-safe: the compactor runs beside the appender."""
+
+    def __init__(self, log_dir: Path, opts: LogOptions, lock: DirLock, manifest: Manifest,
+                 segment: SegmentWriter, last_epoch: int | None, report: OpenReport,
+                 replayed: ReplayResult | None) -> None:
+        self.dir = log_dir
+        self.options = opts
+        self._lock = lock
+        self.manifest = manifest
+        self._segment = segment
+        self.last_epoch = last_epoch
+        self.report = report
+        self.replayed = replayed  # what open() replayed (the Runtime restores from it without a second pass)
+        self._mutex = threading.RLock()
+        self._dirty = False
+        self._closed = False
+        self._segment_epochs = 0
+        self._syncer: threading.Thread | None = None
+        self._stop = threading.Event()
+        if opts.fsync == "interval":
+            self._syncer = threading.Thread(target=self._sync_loop, name="concordia-fsync", daemon=True)
+            self._syncer.start()
+
+    # ------------------------------------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, log_dir: str | os.PathLike[str], options: LogOptions | dict[str, Any] | None = None
+             ) -> RecoveryLog:
+        opts = LogOptions.coerce(options)
+        path = Path(log_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        check_backend(opts.backend, path)
+        lock = DirLock(path, "writer")
+        try:
+            return cls._open_locked(path, opts, lock)
+        except BaseException:
+            lock.release()
+            raise
+
+    @classmethod
+    def _open_locked(cls, path: Path, opts: LogOptions, lock: DirLock) -> RecoveryLog:
+        result = replay(path)
+        if result.manifest is None:
+            log_id = secrets.token_bytes(16)
+            manifest = Manifest(log_id=log_id.hex())
+            name = manifest.new_segment_name("incr")
+            header = SegmentHeader(SEGMENT_INCR, log_id, 1, time.time_ns()).encode()
+            seg = _open_segment(path / name, opts, header=header)
+            manifest.incr.append(name)
+            store_manifest(path, manifest)
+            report = OpenReport(True, Outcome.EMPTY, None, durable=seg.durable)
+            return cls(path, opts, lock, manifest, seg, None, report, result)
+        manifest = result.manifest
+        report = OpenReport(False, result.outcome, result.epoch)
+        if result.outcome is Outcome.DAMAGED_TAIL:
+            assert result.tail is not None
+            raise LogCorruptError(
+                str(path / result.tail.segment), result.tail.offset, result.tail.reason,
+                "the last epoch is whole but fails its checksum (media damage or a lost write), so the "
+                "writer will not append after it. Run `concordia log check DIR --fix` to cut it "
+                f"(epoch after {result.epoch} is lost), then reopen",
+            )
+        report.removed_orphans = remove_orphans(path, manifest)
+        if not manifest.incr:  # only a base (after an offline compaction): appends go to a new segment
+            name = manifest.new_segment_name("incr")
+            gen = int(SEGMENT_RE.match(name).group(2))  # type: ignore[union-attr]
+            header = SegmentHeader(SEGMENT_INCR, bytes.fromhex(manifest.log_id), gen, time.time_ns()).encode()
+            seg = _open_segment(path / name, opts, header=header)
+            manifest.incr.append(name)
+            store_manifest(path, manifest)
+            report.durable = seg.durable
+            return cls(path, opts, lock, manifest, seg, result.epoch, report, result)
+        last = manifest.segments()[-1]
+        end = result.end_offset if result.end_segment == last else None
+        if end is None:  # the tail segment never got its header: start it again
+            (path / last).unlink(missing_ok=True)
+            gen = int(SEGMENT_RE.match(last).group(2))  # type: ignore[union-attr]
+            header = SegmentHeader(SEGMENT_INCR, bytes.fromhex(manifest.log_id), gen, time.time_ns()).encode()
+            seg = _open_segment(path / last, opts, header=header)
+        else:
+            seg = _open_segment(path / last, opts, end=end)
+            size = os.path.getsize(path / last)
+            if result.tail is not None or (opts.backend != "dax" and size > end):
+                reason = result.tail.reason if result.tail else "trailing zero bytes"
+                report.cut_bytes = size - end if opts.backend != "dax" else (result.tail.size_bytes
+                                                                             if result.tail else 0)
+                report.cut_reason = reason
+                seg.cut(end)
+                log.warning("cut %d bytes of torn tail from %s at offset %d (%s): that epoch never committed",
+                            report.cut_bytes, last, end, reason)
+        report.durable = seg.durable
+        return cls(path, opts, lock, manifest, seg, result.epoch, report, result)
+
+    # ------------------------------------------------------------------------------------------ writing
+    def append(self, *, defs: Sequence[RegionSpec] = (), drops: Sequence[str] = (),
+               deltas: Sequence[RegionDelta] = (), meta: Any = None, epoch: int | None = None) -> AppendResult:
+        """Write one epoch and commit it per the fsync policy. Returns once committed."""
+        with self._mutex:
+            self._check_open()
+            number = (self.last_epoch or 0) + 1 if epoch is None else epoch
+            if self.last_epoch is not None and number != self.last_epoch + 1:
+                raise ConfigError(f"epoch {number} does not follow the last committed epoch {self.last_epoch}")
+            plan = plan_epoch(number, self._segment.end, defs=list(defs), drops=list(drops), deltas=list(deltas),
+                              meta=meta)
+            if self._segment_epochs and self._segment.end + plan.total_bytes > self.options.segment_max_bytes:
+                self._roll()
+                plan = plan_epoch(number, self._segment.end, defs=list(defs), drops=list(drops),
+                                  deltas=list(deltas), meta=meta)
+            offset = self._segment.append(plan.parts)
+            if self.options.fsync == "always":
+                self._segment.sync()
+            else:
+                self._dirty = True
+            self.last_epoch = number
+            self._segment_epochs += 1
+            return AppendResult(number, self._segment.path.name, offset, plan.total_bytes, plan.payload_bytes,
+                                plan.n_pages, plan.region_pages)
+
+    def _roll(self) -> None:
+        """Seal the active incremental segment and continue in a new one (manifest updated atomically)."""
+        self._segment.sync()
+        name = self.manifest.new_segment_name("incr")
+        gen = int(SEGMENT_RE.match(name).group(2))  # type: ignore[union-attr]
+        header = SegmentHeader(SEGMENT_INCR, bytes.fromhex(self.manifest.log_id), gen, time.time_ns()).encode()
+        seg = _open_segment(self.dir / name, self.options, header=header)
+        self.manifest.incr.append(name)
+        store_manifest(self.dir, self.manifest)
+        self._segment.close()
+        self._segment = seg
+        self._segment_epochs = 0
+
+    def sync(self) -> None:
+        with self._mutex:
+            if not self._closed:
+                self._segment.sync()
+                self._dirty = False
+
+    def _sync_loop(self) -> None:
+        period = self.options.fsync_interval_ms / 1000
+        while not self._stop.wait(period):
+            if self._dirty:
+                try:
+                    self.sync()
+                except OSError as e:  # keep trying; the next append reports a real failure
+                    log.error("background fsync of %s failed: %s", self.dir, e)
+
+    # ------------------------------------------------------------------------------------ compaction
+    def seal_for_compaction(self) -> list[str]:
+        """Start a new incremental segment; return the sealed segments a compactor may rewrite."""
+        with self._mutex:
+            self._check_open()
+            if self._segment_epochs:
+                self._roll()
+            return self.manifest.segments()[:-1]
+
+    def install_base(self, base_name: str, replaced: Sequence[str]) -> None:
+        """Swap ``replaced`` (a prefix of the manifest) for the new base, atomically; delete the old files."""
+        with self._mutex:
+            self._check_open()
+            install_base(self.dir, self.manifest, base_name, replaced)
+
+    def bytes_since_base(self) -> int:
+        with self._mutex:
+            return sum(os.path.getsize(self.dir / n) for n in self.manifest.incr if (self.dir / n).exists())
+
+    def base_bytes(self) -> int:
+        b = self.manifest.base
+        return os.path.getsize(self.dir / b) if b and (self.dir / b).exists() else 0
+
+    # ----------------------------------------------------------------------------------------- closing
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError(f"the log {self.dir} is closed")
+
+    def close(self) -> None:
+        with self._mutex:
+            if self._closed:
+                return
+            self._stop.set()
+            try:
+                if self.options.fsync != "never":
+                    self._segment.sync()
+            finally:
+                self._segment.close()
+                self._closed = True
+                self._lock.release()
+        if self._syncer is not None:
+            self._syncer.join(timeout=5)
+
+    def __enter__(self) -> RecoveryLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def install_base(log_dir: Path, manifest: Manifest, base_name: str, replaced: Sequence[str]) -> None:
+    current = manifest.segments()
+    if list(replaced) != current[: len(replaced)]:
+        raise ConfigError(f"segments {list(replaced)} are not a prefix of the manifest {current}")
+    manifest.base = base_name
+    manifest.incr = [n for n in current[len(replaced) :] if n != base_name]
+    store_manifest(log_dir, manifest)
+    for name in replaced:
+        if name != base_name:
+            (log_dir / name).unlink(missing_ok=True)
+    fsync_dir(log_dir)
+
+
+def base_segment_header(manifest: Manifest, name: str) -> bytes:
+    gen = int(SEGMENT_RE.match(name).group(2))  # type: ignore[union-attr]
+    return SegmentHeader(SEGMENT_BASE, bytes.fromhex(manifest.log_id), gen, time.time_ns()).encode()
+
+
+__all__ = ["AppendResult", "LogOptions", "MANIFEST_NAME", "OpenReport", "RecoveryLog", "EpochPlan"]

@@ -1,0 +1,119 @@
+"""The manifest: which segments make up the log, replaced atomically (temp, fsync, rename, fsync dir).
+
+``MANIFEST`` is a small JSON document followed by a line holding its CRC32C, so a damaged manifest is caught
+instead of being half-understood:
+
+    {"format": 1, "log_id": "...", "next_generation": 7, "base": "base.000005.cft", "incr": ["incr.000006.cft"]}
+    crc32c 1a2b3c4d
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import LogCorruptError, LogError
+from .format import FORMAT_VERSION, crc32c
+
+MANIFEST_NAME = "MANIFEST"
+MAX_MANIFEST_BYTES = 1 << 20
+SEGMENT_RE = re.compile(r"^(base|incr)\.(\d{6,12})\.cft$")
+
+
+@dataclass
+class Manifest:
+    log_id: str
+    next_generation: int = 1
+    base: str | None = None
+    incr: list[str] = field(default_factory=list)
+
+    def segments(self) -> list[str]:
+        return ([self.base] if self.base else []) + list(self.incr)
+
+    def new_segment_name(self, kind: str) -> str:
+        name = f"{kind}.{self.next_generation:06d}.cft"
+        self.next_generation += 1
+        return name
+
+    def encode(self) -> bytes:
+        body = json.dumps(
+            {"format": FORMAT_VERSION, "log_id": self.log_id, "next_generation": self.next_generation,
+             "base": self.base, "incr": self.incr},
+            sort_keys=True,
+        ).encode()
+        return body + b"\ncrc32c %08x\n" % crc32c(body)
+
+
+def decode_manifest(data: bytes, path: str) -> Manifest:
+    body, sep, tail = data.rpartition(b"\ncrc32c ")
+    if not sep:
+        raise LogCorruptError(path, 0, "manifest has no checksum line",
+                              "the manifest is damaged; run `concordia log check DIR` to see which segments exist")
+    try:
+        want = int(tail.strip(), 16)
+    except ValueError:
+        raise LogCorruptError(path, len(body), "manifest checksum line is unreadable") from None
+    if crc32c(body) != want:
+        raise LogCorruptError(path, 0, "manifest checksum mismatch",
+                              "the manifest is damaged; the segments are intact: run `concordia log check DIR`")
+    try:
+        doc = json.loads(body)
+        version = int(doc["format"])
+        if version != FORMAT_VERSION:
+            raise LogError(f"{path}: log format version {version} is not supported (this build reads "
+                           f"{FORMAT_VERSION}); upgrade concordia-ft")
+        m = Manifest(log_id=str(doc["log_id"]), next_generation=int(doc["next_generation"]),
+                     base=doc["base"], incr=[str(x) for x in doc["incr"]])
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, LogError):
+            raise
+        raise LogCorruptError(path, 0, f"manifest fields are malformed ({e})") from None
+    for name in m.segments():
+        if not isinstance(name, str) or not SEGMENT_RE.match(name):
+            raise LogCorruptError(path, 0, f"manifest names a segment {name!r} that is not a segment file name")
+    return m
+
+
+def load_manifest(log_dir: Path) -> Manifest | None:
+    path = log_dir / MANIFEST_NAME
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise LogCorruptError(str(path), MAX_MANIFEST_BYTES, "manifest is larger than 1 MiB")
+    return decode_manifest(data, str(path))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes, *, sync: bool = True) -> None:
+    """temp file, fsync, rename over ``path``, fsync the directory."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    if sync:
+        fsync_dir(path.parent)
+
+
+def store_manifest(log_dir: Path, manifest: Manifest, *, sync: bool = True) -> None:
+    write_atomically(log_dir / MANIFEST_NAME, manifest.encode(), sync=sync)

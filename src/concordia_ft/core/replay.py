@@ -1,0 +1,282 @@
+"""Replay: base + every committed epoch after it, verified, into host buffers. A reader never cuts anything.
+
+``replay(log_dir)`` returns a ``ReplayResult`` with a named ``outcome``:
+
+- ``ok``: every byte of the log belongs to a committed epoch (trailing zero bytes from preallocation aside);
+- ``empty``: no log, or a log without a committed epoch;
+- ``torn-tail``: the last epoch of the last segment was cut short (a write that never finished): it was never
+  committed, it is not applied, and a writer reopening the log cuts it;
+- ``damaged-tail``: the last epoch is whole in length but fails a checksum: it is not applied; a writer
+  refuses to continue until `concordia log check DIR --fix` cuts it (that epoch is lost).
+
+Damage anywhere before the tail raises ``LogCorruptError(path, offset, reason)``: the state after that point
+cannot be trusted, and nothing is silently skipped.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import LogCorruptError, LogError
+from .epochs import DecodedEpoch, EpochTail, TailKind, decode_epoch, entry_meta, entry_pages, entry_spec
+from .format import (
+    EPOCH_HEADER_BYTES,
+    EPOCH_MAGIC,
+    REC_DROP,
+    REC_META,
+    REC_PAGES,
+    REC_REGION,
+    REC_RUNS,
+    SEGMENT_BASE,
+    SEGMENT_HEADER_BYTES,
+    EpochHeader,
+    FormatError,
+    SegmentHeader,
+)
+from .manifest import Manifest, load_manifest
+from .regions import RegionSpec
+from .segment import read_segment
+
+
+class Outcome(str, enum.Enum):
+    OK = "ok"
+    EMPTY = "empty"
+    TORN_TAIL = "torn-tail"
+    DAMAGED_TAIL = "damaged-tail"
+
+
+@dataclass
+class TailInfo:
+    segment: str
+    offset: int  # where the unusable bytes start (= end of the last good epoch)
+    size_bytes: int  # bytes from offset to the end of the file
+    kind: TailKind
+    reason: str
+
+
+@dataclass
+class EpochSummary:
+    epoch: int
+    segment: str
+    offset: int
+    total_bytes: int
+    payload_bytes: int
+    full: bool
+    pages: dict[str, int]
+
+
+@dataclass
+class RegionImage:
+    """A region's recovered bytes: ``data`` is exactly ``spec.nbytes`` long."""
+
+    spec: RegionSpec
+    padded: npt.NDArray[np.uint8]  # n_pages * page_bytes
+
+    @property
+    def data(self) -> npt.NDArray[np.uint8]:
+        return self.padded[: self.spec.nbytes]
+
+    def pages_view(self) -> npt.NDArray[np.uint8]:
+        return self.padded.reshape(self.spec.n_pages, self.spec.page_bytes)
+
+
+@dataclass
+class ReplayResult:
+    outcome: Outcome
+    epoch: int | None
+    regions: dict[str, RegionImage]
+    meta: Any
+    manifest: Manifest | None
+    tail: TailInfo | None = None
+    end_segment: str | None = None
+    end_offset: int = 0
+    trailing_zero_bytes: int = 0
+    epochs: list[EpochSummary] = field(default_factory=list)
+    bytes_read: int = 0
+
+    @property
+    def specs(self) -> dict[str, RegionSpec]:
+        return {n: r.spec for n, r in self.regions.items()}
+
+
+class _State:
+    def __init__(self) -> None:
+        self.regions: dict[str, RegionImage] = {}
+        self.meta: Any = None
+        self.epoch: int | None = None
+
+    def apply(self, ep: DecodedEpoch, path: str) -> dict[str, int]:
+        """Validate every record against the geometry first, then apply: all or nothing."""
+        specs = {} if ep.full else {n: r.spec for n, r in self.regions.items()}
+        plan: list[tuple[str, Any, Any]] = []
+        pages_of: dict[str, int] = {}
+        try:
+            for e in ep.entries:
+                if e.rtype == REC_REGION:
+                    spec = entry_spec(e)
+                    specs[spec.name] = spec
+                    plan.append(("def", spec, None))
+                elif e.rtype == REC_DROP:
+                    specs.pop(e.name, None)
+                    plan.append(("drop", e.name, None))
+                elif e.rtype in (REC_PAGES, REC_RUNS):
+                    if e.name not in specs:
+                        raise FormatError(f"pages for region {e.name!r}, which no earlier record defines")
+                    pages = entry_pages(e, specs[e.name])
+                    pages_of[e.name] = len(pages)
+                    plan.append(("pages", e.name, (pages, ep.payload(e))))
+                elif e.rtype == REC_META:
+                    plan.append(("meta", entry_meta(e), None))
+        except FormatError as err:
+            raise LogCorruptError(path, ep.offset, f"epoch {ep.epoch}: {err}") from None
+        if ep.full:
+            self.regions = {}
+        for op, a, b in plan:
+            if op == "def":
+                old = self.regions.get(a.name)
+                if old is None or old.spec != a:
+                    self.regions[a.name] = RegionImage(a, np.zeros(a.n_pages * a.page_bytes, dtype=np.uint8))
+            elif op == "drop":
+                self.regions.pop(a, None)
+            elif op == "pages":
+                img = self.regions[a]
+                pages, payload = b
+                _scatter(img, pages, payload)
+            else:
+                self.meta = a
+        self.epoch = ep.epoch
+        return pages_of
+
+
+def _scatter(img: RegionImage, pages: npt.NDArray[np.int64], payload: memoryview) -> None:
+    pb = img.spec.page_bytes
+    src = np.frombuffer(payload, dtype=np.uint8)
+    n = len(pages)
+    if n == 0:
+        return
+    if int(pages[-1]) - int(pages[0]) + 1 == n:  # one run: a straight copy
+        start = int(pages[0]) * pb
+        img.padded[start : start + n * pb] = src
+    else:
+        img.pages_view()[pages] = src.reshape(n, pb)
+
+
+def _valid_epoch_header_after(buf: memoryview, start: int) -> int | None:
+    """Offset of the next epoch header with a good checksum after ``start``, if any (damage vs tail)."""
+    obj = buf.obj
+    raw: Any = obj if hasattr(obj, "find") and len(obj) == len(buf) else bytes(buf)  # type: ignore[arg-type]
+    pos = start
+    while (idx := int(raw.find(EPOCH_MAGIC, pos))) >= 0:
+        try:
+            EpochHeader.decode(buf[idx : idx + EPOCH_HEADER_BYTES])
+            return idx
+        except FormatError:
+            pos = idx + 1
+    return None
+
+
+def _all_zero(buf: memoryview, start: int) -> bool:
+    rest = np.frombuffer(buf[start:], dtype=np.uint8)
+    return not rest.any()
+
+
+def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Sequence[str] | None = None,
+           collect_summaries: bool = False, manifest: Manifest | None = None,
+           on_epoch: Callable[[EpochSummary], None] | None = None) -> ReplayResult:
+    """Replay the log in ``log_dir`` (or only ``segments``, a prefix of the manifest's list)."""
+    log_dir = Path(log_dir)
+    if manifest is None:
+        manifest = load_manifest(log_dir)
+    if manifest is None:
+        if log_dir.is_dir() and any(log_dir.glob("*.cft")):
+            raise LogError(f"{log_dir} holds segment files but no MANIFEST; it was not written by a complete "
+                           "`Runtime` start. Run `concordia log check DIR` to see what is there")
+        return ReplayResult(Outcome.EMPTY, None, {}, None, None)
+    names = list(segments) if segments is not None else manifest.segments()
+    st = _State()
+    result = ReplayResult(Outcome.OK, None, {}, None, manifest)
+    for i, name in enumerate(names):
+        last = i == len(names) - 1
+        path = log_dir / name
+        try:
+            mapping, buf = read_segment(path)
+        except FileNotFoundError:
+            raise LogCorruptError(str(path), 0, "segment named in the manifest is missing",
+                                  "restore it from a replica, or the log cannot be replayed past this point") from None
+        try:
+            _replay_segment(st, result, name, str(path), buf, last, manifest, verify_payloads,
+                            collect_summaries, on_epoch, i == 0)
+        finally:
+            del buf
+            if mapping is not None:
+                mapping.close()
+        if result.tail is not None:
+            break
+    result.epoch = st.epoch
+    result.regions = st.regions
+    result.meta = st.meta
+    if st.epoch is None and result.outcome is Outcome.OK:
+        result.outcome = Outcome.EMPTY
+    return result
+
+
+def _replay_segment(st: _State, result: ReplayResult, name: str, path: str, buf: memoryview, last: bool,
+                    manifest: Manifest, verify: bool, summaries: bool,
+                    on_epoch: Callable[[EpochSummary], None] | None, first: bool) -> None:
+    size = len(buf)
+    if size < SEGMENT_HEADER_BYTES:
+        if last and _all_zero(buf, 0):
+            result.tail = TailInfo(name, 0, size, TailKind.TORN, "segment header never finished")
+            result.outcome = Outcome.TORN_TAIL
+            return
+        raise LogCorruptError(path, 0, f"segment is {size} bytes, shorter than its header")
+    try:
+        header = SegmentHeader.decode(buf[:SEGMENT_HEADER_BYTES])
+    except FormatError as e:
+        raise LogCorruptError(path, 0, str(e)) from None
+    if header.log_id.hex() != manifest.log_id:
+        raise LogCorruptError(path, 0, f"segment belongs to log {header.log_id.hex()}, not {manifest.log_id}",
+                              "a segment from another log was copied in; remove it from this directory")
+    if header.kind == SEGMENT_BASE and not first:
+        raise LogCorruptError(path, 0, "a base segment appears after the first position in the manifest")
+    pos = SEGMENT_HEADER_BYTES
+    result.end_segment, result.end_offset = name, pos
+    while pos < size:
+        try:
+            ep = decode_epoch(buf, pos, verify_payloads=verify)
+        except EpochTail as t:
+            if _all_zero(buf, pos):
+                result.trailing_zero_bytes = size - pos
+                return
+            if not last:
+                raise LogCorruptError(path, pos, t.reason,
+                                      "this is not the last segment: later epochs depend on this one") from None
+            later = _valid_epoch_header_after(buf, pos + 1)
+            if later is not None:
+                raise LogCorruptError(path, pos, f"{t.reason} (a valid epoch follows at offset {later})",
+                                      "damage before the tail: the epochs before this offset are intact; "
+                                      "run `concordia log check DIR` for a full report") from None
+            result.tail = TailInfo(name, pos, size - pos, t.kind, t.reason)
+            result.outcome = Outcome.TORN_TAIL if t.kind is TailKind.TORN else Outcome.DAMAGED_TAIL
+            return
+        if st.epoch is not None and not ep.full and ep.epoch != st.epoch + 1:
+            raise LogCorruptError(path, pos, f"epoch {ep.epoch} follows epoch {st.epoch}: epochs are missing")
+        if st.epoch is not None and ep.full and ep.epoch <= st.epoch:
+            raise LogCorruptError(path, pos, f"base epoch {ep.epoch} does not advance past epoch {st.epoch}")
+        pages = st.apply(ep, path)
+        result.bytes_read += ep.total_bytes
+        pos += ep.total_bytes
+        result.end_offset = pos
+        if summaries or on_epoch is not None:
+            s = EpochSummary(ep.epoch, name, ep.offset, ep.total_bytes, ep.payload_bytes, ep.full, pages)
+            if summaries:
+                result.epochs.append(s)
+            if on_epoch is not None:
+                on_epoch(s)

@@ -1,0 +1,221 @@
+"""Segment files: appending whole epochs with one vectored write, syncing, cutting, and reading back.
+
+Backends:
+- ``file``: an ordinary file; durable after fdatasync.
+- ``dram``: the same file code on a tmpfs (/dev/shm): survives the process, not a reboot. Space is reserved
+  ahead with fallocate(KEEP_SIZE) so appends copy into pages that already exist (about 3x faster on tmpfs).
+- ``dax``: a file on a DAX filesystem mapped with MAP_SYNC; called durable only when the kernel accepts
+  MAP_SYNC (then msync makes the CPU stores persistent). Where MAP_SYNC is refused the mapping still works
+  but ``durable`` is False and the report says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from ..errors import ConfigError, LogError
+
+IOV_MAX = 1024
+PREALLOC_BYTES = 64 << 20
+_FALLOC_FL_KEEP_SIZE = 1
+_MAP_SHARED_VALIDATE = 0x03
+_MAP_SYNC = 0x80000
+TMPFS_MAGIC = 0x01021994
+
+_libc: ctypes.CDLL | None = None
+
+
+def _fallocate_keep_size(fd: int, offset: int, length: int) -> bool:
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+        return int(_libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def is_tmpfs(path: Path) -> bool:
+    """True when ``path`` lives on a tmpfs (statfs magic), i.e. in DRAM."""
+
+    class _Statfs(ctypes.Structure):
+        _fields_ = [("f_type", ctypes.c_long), ("_rest", ctypes.c_byte * 120)]
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        buf = _Statfs()
+        if libc.statfs(str(path).encode(), ctypes.byref(buf)) != 0:
+            return False
+        return (buf.f_type & 0xFFFFFFFF) == TMPFS_MAGIC
+    except (OSError, AttributeError):
+        return False
+
+
+Buffer = bytes | bytearray | memoryview
+
+
+class SegmentWriter(Protocol):
+    path: Path
+    end: int
+    durable: bool
+
+    def append(self, parts: Sequence[Buffer]) -> int: ...
+
+    def sync(self) -> None: ...
+
+    def cut(self, offset: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class FileSegment:
+    """Appends with pwritev at the tracked end; a failed append is cut back so the file stays clean."""
+
+    def __init__(self, path: Path, *, create_with: bytes | None = None, prealloc: bool = True) -> None:
+        self.path = path
+        self.durable = True
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create_with is not None else 0)
+        self._fd = os.open(path, flags, 0o644)
+        self._prealloc = prealloc
+        self._reserved = 0
+        self.end = os.fstat(self._fd).st_size
+        if create_with is not None:
+            self.append([create_with])
+            self.sync()
+
+    def _reserve(self, upto: int) -> None:
+        if self._prealloc and upto > self._reserved:
+            want = max(upto, self.end) + PREALLOC_BYTES
+            if _fallocate_keep_size(self._fd, self.end, want - self.end):
+                self._reserved = want
+            else:
+                self._prealloc = False
+
+    def append(self, parts: Sequence[Buffer]) -> int:
+        start = self.end
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        total = sum(v.nbytes for v in views)
+        self._reserve(start + total)
+        offset = start
+        try:
+            i = 0
+            while i < len(views):
+                batch = views[i : i + IOV_MAX]
+                n = os.pwritev(self._fd, batch, offset)
+                offset += n
+                # a short write: drop what was written from the batch and go on
+                while batch and n >= batch[0].nbytes:
+                    n -= batch[0].nbytes
+                    batch = batch[1:]
+                    i += 1
+                if batch and n:
+                    views[i] = batch[0][n:]
+        except OSError as e:
+            self._cut_quietly(start)
+            hint = " (the disk is full: free space or move the log)" if e.errno == errno.ENOSPC else ""
+            raise LogError(f"appending {total} bytes to {self.path} at offset {start} failed: {e}{hint}; "
+                           "nothing of this epoch was committed, earlier epochs are intact") from e
+        self.end = offset
+        return start
+
+    def _cut_quietly(self, offset: int) -> None:
+        try:
+            os.ftruncate(self._fd, offset)
+        except OSError:
+            pass
+
+    def sync(self) -> None:
+        os.fdatasync(self._fd)
+
+    def cut(self, offset: int) -> None:
+        os.ftruncate(self._fd, offset)
+        os.fdatasync(self._fd)
+        self.end = offset
+        self._reserved = 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class DaxSegment:
+    """A fixed-capacity mapped segment. Appends are stores into the mapping; sync is msync."""
+
+    def __init__(self, path: Path, capacity: int, *, create_with: bytes | None = None, end: int | None = None) -> None:
+        self.path = path
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create_with is not None else 0)
+        self._fd = os.open(path, flags, 0o644)
+        size = os.fstat(self._fd).st_size
+        if size < capacity:
+            os.ftruncate(self._fd, capacity)
+        self.capacity = max(size, capacity)
+        try:
+            self._map = mmap.mmap(self._fd, self.capacity, flags=_MAP_SHARED_VALIDATE | _MAP_SYNC,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.durable = True
+        except OSError:
+            self._map = mmap.mmap(self._fd, self.capacity, flags=mmap.MAP_SHARED,
+                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self.durable = False
+        self._view = memoryview(self._map)
+        self.end = 0 if create_with is not None else (end if end is not None else size)
+        if create_with is not None:
+            self.append([create_with])
+            self.sync()
+
+    def append(self, parts: Sequence[Buffer]) -> int:
+        start = self.end
+        total = sum(memoryview(p).nbytes for p in parts)
+        if start + total > self.capacity:
+            raise LogError(f"epoch of {total} bytes does not fit in DAX segment {self.path} "
+                           f"({self.capacity - start} bytes left); raise segment_max_bytes")
+        off = start
+        for p in parts:
+            v = memoryview(p).cast("B")
+            self._view[off : off + v.nbytes] = v
+            off += v.nbytes
+        self.end = off
+        return start
+
+    def sync(self) -> None:
+        self._map.flush()
+
+    def cut(self, offset: int) -> None:
+        self._view[offset : self.end] = bytes(self.end - offset)
+        self._map.flush()
+        self.end = offset
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._view.release()
+            self._map.close()
+            os.close(self._fd)
+            self._fd = -1
+
+
+def check_backend(backend: str, log_dir: Path) -> None:
+    if backend not in ("file", "dram", "dax"):
+        raise ConfigError(f"unknown log backend {backend!r}; use 'file', 'dram' or 'dax'")
+    if backend == "dram" and not is_tmpfs(log_dir):
+        raise ConfigError(f"backend 'dram' needs a directory on tmpfs (e.g. /dev/shm/NAME); {log_dir} is not on tmpfs")
+
+
+def read_segment(path: Path) -> tuple[mmap.mmap | None, memoryview]:
+    """Map a segment read-only. Returns (mapping or None for an empty file, view)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return None, memoryview(b"")
+        m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        return m, memoryview(m)
+    finally:
+        os.close(fd)

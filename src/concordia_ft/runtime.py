@@ -1,0 +1,349 @@
+"""Runtime: the region registry + a backend per region + the recovery log.
+
+``checkpoint()`` collects every region's dirty pages, appends them (with the session metadata) as ONE
+epoch, and returns only once that epoch is committed per the fsync policy; trackers advance only after the
+commit, so a failed epoch is found again by the next one. ``recover()`` replays a log into host arrays in
+any process; ``Runtime.recover_into()`` restores registered buffers (host or GPU) in place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .core.compaction import CompactionResult, compact_with_writer
+from .core.log import LogOptions, OpenReport, RecoveryLog
+from .core.regions import DiffMode, MemoryRange, RegionKind, RegionSpec, RegionTable, check_page_bytes
+from .core.replay import Outcome, RegionImage, ReplayResult, TailInfo, replay
+from .core.tracking import RegionDelta, Tracker
+from .cpu.trackers import CpuTracker
+from .errors import ConfigError, RecoveryError, RegionError
+
+log = logging.getLogger("concordia_ft.runtime")
+
+
+# ----------------------------------------------------------------------------------------- buffers
+def _is_torch(obj: Any) -> bool:
+    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
+
+
+def describe_buffer(buf: Any) -> tuple[str, tuple[int, ...], MemoryRange]:
+    """dtype string, shape and memory range of a numpy array or torch tensor (contiguous)."""
+    if _is_torch(buf):
+        if not buf.is_contiguous():
+            raise RegionError("register a contiguous tensor (call .contiguous() and register that buffer)")
+        nbytes = buf.numel() * buf.element_size()
+        return str(buf.dtype), tuple(buf.shape), MemoryRange(str(buf.device), buf.data_ptr(), nbytes)
+    if isinstance(buf, np.ndarray):
+        if not buf.flags.c_contiguous:
+            raise RegionError("register a C-contiguous array (np.ascontiguousarray makes a copy you can register)")
+        if not buf.flags.writeable:
+            raise RegionError("the array is read-only; register a writable array so recovery can restore into it")
+        return str(buf.dtype), tuple(buf.shape), MemoryRange("cpu", buf.__array_interface__["data"][0], buf.nbytes)
+    raise RegionError(f"register a numpy array or a torch tensor, got {type(buf).__name__}")
+
+
+def host_bytes(buf: Any) -> npt.NDArray[np.uint8]:
+    """A writable 1-D uint8 view of a host buffer's bytes (no copy)."""
+    if _is_torch(buf):
+        import torch
+
+        t = buf.detach()
+        return t.reshape(-1).view(torch.uint8).numpy()  # type: ignore[no-any-return]
+    return buf.reshape(-1).view(np.uint8)  # type: ignore[no-any-return]
+
+
+def _bitmap(buf: Any) -> Any:
+    if buf is None or not _is_torch(buf) or buf.is_cuda:
+        return buf
+    return buf.numpy()
+
+
+# ----------------------------------------------------------------------------------------- results
+@dataclass
+class CheckpointStats:
+    epoch: int
+    pages: int
+    payload_bytes: int
+    total_bytes: int
+    full_bytes: int  # bytes of every recovered region: what a full copy would write
+    seconds: float
+    detect_seconds: float
+    append_seconds: float
+    region_pages: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def reduction(self) -> float:
+        return self.full_bytes / max(1, self.payload_bytes)
+
+
+@dataclass
+class Recovered:
+    """A verified state from the log: the last committed epoch, its regions' exact bytes and its metadata."""
+
+    epoch: int
+    outcome: Outcome
+    meta: Any
+    images: dict[str, RegionImage]
+    tail: TailInfo | None = None
+    seconds: float = 0.0
+
+    @property
+    def regions(self) -> dict[str, npt.NDArray[np.uint8]]:
+        return {n: img.data for n, img in self.images.items()}
+
+    @property
+    def specs(self) -> dict[str, RegionSpec]:
+        return {n: img.spec for n, img in self.images.items()}
+
+    def array(self, name: str) -> npt.NDArray[Any]:
+        """The region as a numpy array of its registered dtype and shape (numpy dtypes only)."""
+        spec = self.images[name].spec
+        if spec.dtype.startswith("torch."):
+            raise ConfigError(f"region {name!r} holds {spec.dtype}; use .tensor({name!r}) for torch dtypes")
+        return self.images[name].data.view(np.dtype(spec.dtype)).reshape(spec.shape)
+
+    def tensor(self, name: str, device: str | None = None) -> Any:
+        """The region as a torch tensor of its registered dtype and shape (a copy, on ``device``)."""
+        import torch
+
+        spec = self.images[name].spec
+        raw = torch.from_numpy(self.images[name].data.copy())
+        dtype = getattr(torch, spec.dtype.removeprefix("torch.")) if spec.dtype else torch.uint8
+        t = raw.view(dtype).reshape(spec.shape)
+        return t.to(device) if device else t
+
+
+def _recovered(res: ReplayResult, t0: float) -> Recovered:
+    if res.epoch is None:
+        raise RecoveryError(f"nothing to recover: the log holds no committed epoch (outcome {res.outcome.value})")
+    return Recovered(res.epoch, res.outcome, res.meta, res.regions, res.tail, time.perf_counter() - t0)
+
+
+def recover(log_dir: str | Path, *, verify: bool = True) -> Recovered:
+    """Replay ``log_dir`` (base + committed suffix, checksums verified) into host arrays."""
+    t0 = time.perf_counter()
+    path = Path(log_dir)
+    if not path.exists():
+        raise RecoveryError(f"no log at {path}: the directory does not exist")
+    return _recovered(replay(path, verify_payloads=verify), t0)
+
+
+# ------------------------------------------------------------------------------------------- runtime
+class Runtime:
+    """Registers regions, checkpoints them as committed epochs, and restores them."""
+
+    def __init__(self, log_dir: str | Path, fsync: str = "always", *, backend: str = "file",
+                 fsync_interval_ms: int = 100, page_bytes: int = 4096, segment_max_bytes: int = 1 << 30,
+                 compact_after_bytes: int | None = 256 << 20, background_compaction: bool = True,
+                 device_handlers: str = "auto") -> None:
+        self.page_bytes = check_page_bytes(page_bytes)
+        if device_handlers not in ("auto", "cuda", "cpu"):
+            raise ConfigError(f"device_handlers must be 'auto', 'cuda' or 'cpu', got {device_handlers!r}")
+        self.device_handlers = device_handlers
+        self.log = RecoveryLog.open(log_dir, LogOptions(fsync=fsync, fsync_interval_ms=fsync_interval_ms,
+                                                        backend=backend, segment_max_bytes=segment_max_bytes))
+        self.log_dir = Path(log_dir)
+        self.table = RegionTable()
+        self._trackers: dict[str, Tracker] = {}
+        self._buffers: dict[str, Any] = {}
+        self._pending_defs: dict[str, RegionSpec] = {}
+        self._pending_drops: list[str] = []
+        self._needs_full: set[str] = set()
+        self._mutex = threading.RLock()
+        self._compact_after = compact_after_bytes
+        self._background = background_compaction
+        self._appended_since_compact = 0
+        self._compactor: threading.Thread | None = None
+        self.last_compaction: CompactionResult | None = None
+        self.compaction_error: BaseException | None = None
+        self.last_stats: CheckpointStats | None = None
+        self._executor: Any = None
+
+    # --------------------------------------------------------------------------------------- registry
+    @property
+    def open_report(self) -> OpenReport:
+        return self.log.report
+
+    @property
+    def epoch(self) -> int | None:
+        """The last committed epoch (of this log, including earlier processes)."""
+        return self.log.last_epoch
+
+    def register(self, name: str, buf: Any, kind: str | RegionKind = "opaque", *, page_bytes: int | None = None,
+                 block_bytes: int = 0, dirty_blocks: Any = None, diff: str | DiffMode = "shadow") -> RegionSpec:
+        """Register ``buf`` (numpy array or torch tensor, contiguous) under ``name``."""
+        with self._mutex:
+            kind = RegionKind.parse(kind)
+            dtype, shape, where = describe_buffer(buf)
+            if where.nbytes == 0:
+                raise RegionError(f"region {name!r} is empty (0 bytes); register a buffer with data")
+            spec = RegionSpec(name=name, kind=kind, nbytes=where.nbytes, page_bytes=page_bytes or self.page_bytes,
+                              dtype=dtype, shape=shape, block_bytes=block_bytes, diff=DiffMode.parse(diff))
+            if kind is RegionKind.PAGED and dirty_blocks is None:
+                raise RegionError(f"paged region {name!r} needs dirty_blocks= (a bitmap of {spec.n_blocks} blocks)")
+            tracker = None if kind is RegionKind.SCRATCH else self._make_tracker(spec, buf, dirty_blocks, where)
+            self.table.add(spec, where)
+            self._buffers[name] = buf
+            if tracker is not None:
+                self._trackers[name] = tracker
+                self._pending_defs[name] = spec
+                self._needs_full.add(name)
+                if name in self._pending_drops:
+                    self._pending_drops.remove(name)
+            return spec
+
+    def _make_tracker(self, spec: RegionSpec, buf: Any, dirty_blocks: Any, where: MemoryRange) -> Tracker:
+        if where.device.startswith("cuda"):
+            if self.device_handlers == "cpu":
+                raise ConfigError(f"region {spec.name!r} is on {where.device} but device_handlers='cpu'")
+            from .cuda.trackers import make_cuda_tracker
+
+            return make_cuda_tracker(spec, buf, dirty_blocks=dirty_blocks)  # type: ignore[no-any-return]
+        try:
+            return CpuTracker(spec, host_bytes(buf), _bitmap(dirty_blocks))
+        except ValueError as e:
+            raise RegionError(str(e)) from None
+
+    def unregister(self, name: str) -> None:
+        with self._mutex:
+            self.table.remove(name)
+            self._buffers.pop(name, None)
+            tracker = self._trackers.pop(name, None)
+            if tracker is not None:
+                tracker.close()
+                if self._pending_defs.pop(name, None) is None:
+                    self._pending_drops.append(name)
+                self._needs_full.discard(name)
+
+    # ------------------------------------------------------------------------------------- checkpoint
+    def checkpoint(self, meta: Any = None) -> int:
+        """Commit every region's dirty pages and ``meta`` (JSON-able) as one epoch; return its number."""
+        with self._mutex:
+            t0 = time.perf_counter()
+            deltas: list[RegionDelta] = []
+            for name, tracker in self._trackers.items():
+                deltas.append(tracker.collect(full=name in self._needs_full))
+            t1 = time.perf_counter()
+            res = self.log.append(defs=list(self._pending_defs.values()), drops=self._pending_drops,
+                                  deltas=deltas, meta=meta)
+            t2 = time.perf_counter()
+            for d in deltas:
+                self._trackers[d.spec.name].advance(d)
+            self._pending_defs.clear()
+            self._pending_drops = []
+            self._needs_full.clear()
+            full_bytes = sum(t.spec.nbytes for t in self._trackers.values())
+            self.last_stats = CheckpointStats(res.epoch, res.n_pages, res.payload_bytes, res.total_bytes, full_bytes,
+                                              time.perf_counter() - t0, t1 - t0, t2 - t1, res.region_pages)
+            self._appended_since_compact += res.total_bytes
+            self._maybe_compact()
+            return res.epoch
+
+    # ---------------------------------------------------------------------------------------- restore
+    def recover_into(self, targets: Mapping[str, Any] | None = None) -> Recovered:
+        """Restore registered regions (or ``targets``: name -> buffer) from the last committed epoch."""
+        with self._mutex:
+            t0 = time.perf_counter()
+            res = self.log.replayed if self.log.replayed is not None and self.log.replayed.epoch == self.epoch \
+                else replay(self.log_dir)
+            self.log.replayed = None  # restore once from the open-time replay; later calls replay afresh
+            rec = _recovered(res, t0)
+            names = list(targets) if targets is not None else [n for n in self._trackers if n in rec.images]
+            for name in names:
+                if name not in rec.images:
+                    raise RecoveryError(f"region {name!r} is not in the log (it has: {sorted(rec.images)})")
+                img = rec.images[name]
+                if targets is not None and name not in self._trackers:
+                    dst = host_bytes(targets[name])
+                    if dst.nbytes != img.spec.nbytes:
+                        raise RecoveryError(f"region {name!r}: target has {dst.nbytes} bytes, log has {img.spec.nbytes}")
+                    dst[:] = img.data
+                    continue
+                tracker = self._trackers[name]
+                if tracker.spec.nbytes != img.spec.nbytes or tracker.spec.page_bytes != img.spec.page_bytes:
+                    raise RecoveryError(
+                        f"region {name!r}: registered as {tracker.spec.nbytes} bytes in {tracker.spec.page_bytes}-byte "
+                        f"pages, the log holds {img.spec.nbytes} bytes in {img.spec.page_bytes}-byte pages; "
+                        "register a buffer of the logged size")
+                pages = np.arange(img.spec.n_pages, dtype=np.int64)
+                tracker.restore(pages, memoryview(img.padded).cast("B"))
+                if tracker.spec == img.spec:
+                    self._needs_full.discard(name)
+                    self._pending_defs.pop(name, None)
+            rec.seconds = time.perf_counter() - t0
+            return rec
+
+    # -------------------------------------------------------------------------------------- compaction
+    def compact(self, *, wait: bool = True) -> CompactionResult | None:
+        """Rewrite base + sealed suffix into a new base. ``wait=False`` runs it in a background thread."""
+        if wait:
+            self._join_compactor()
+            result = compact_with_writer(self.log)
+            self.last_compaction = result
+            self._appended_since_compact = 0
+            return result
+        self._start_compactor()
+        return None
+
+    def _maybe_compact(self) -> None:
+        if self._compact_after is None or self._appended_since_compact < self._compact_after:
+            return
+        if self._background:
+            self._start_compactor()
+        else:
+            self.compact()
+
+    def _start_compactor(self) -> None:
+        if self._compactor is not None and self._compactor.is_alive():
+            return
+        self._appended_since_compact = 0
+
+        def run() -> None:
+            try:
+                self.last_compaction = compact_with_writer(self.log)
+            except BaseException as e:  # noqa: BLE001 - reported, never lost: the old segments stay valid
+                self.compaction_error = e
+                log.error("background compaction of %s failed: %s (the log is unchanged)", self.log_dir, e)
+
+        self._compactor = threading.Thread(target=run, name="concordia-compactor", daemon=True)
+        self._compactor.start()
+
+    def _join_compactor(self) -> None:
+        if self._compactor is not None:
+            self._compactor.join()
+            self._compactor = None
+
+    # ------------------------------------------------------------------------------------------ misc
+    @contextlib.contextmanager
+    def quiesced(self) -> Iterator[None]:
+        """Suspend the resident GPU executor (if one is attached) around module loads, syncs and frees."""
+        if self._executor is None:
+            yield
+            return
+        from .cuda.guard import quiesced
+
+        with quiesced(self._executor):
+            yield
+
+    def close(self) -> None:
+        self._join_compactor()
+        with self._mutex:
+            for t in self._trackers.values():
+                t.close()
+            self.log.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
