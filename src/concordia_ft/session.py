@@ -1,0 +1,482 @@
+"""An LLM generation session whose every checkpoint holds exactly what is needed to finish it elsewhere.
+
+One epoch commits, atomically:
+
+- ``kv``      (paged)  the ArenaKVCache arena: only the blocks appended since the last epoch;
+- ``tokens``  (paged)  every token id of the conversation (int64, 64 per 512-byte block);
+- ``rng``     (paged)  the sampler's torch.Generator state (5056 bytes on CPU, 16 on CUDA), logged when it drew;
+- ``meta``             token count, cache lengths per layer, the generation settings, where the current
+                       generate() started and whether it finished, chat turns, arena parameters, a model
+                       fingerprint.
+
+Weights are not logged by default: the model is reloadable from its own files, so logging ~GBs of immutable
+bytes into the base snapshot would only slow the first epoch and the recovery; recovery checks a fingerprint
+of the model instead. ``log_weights=True`` registers every parameter as an immutable region (base snapshot
+once, never diffed) for models that cannot be reloaded. See integrations/LLM.md.
+
+The decode loop is our own (greedy or sampled, transformers' logits processors, ``torch.multinomial`` with a
+private generator): it reproduces ``model.generate()`` token for token, and a recovered session continues with
+exactly the tokens the killed one would have produced, because the epoch is cut right after a token is sampled
+and that token's KV is computed on the next step in both runs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch  # noqa: TID251 - the session is the torch side of the runtime
+
+from .errors import ConfigError, RecoveryError
+from .integrations.transformers import ArenaKVCache, dtype_name, parse_dtype, plan_arena
+
+META_KEY = "concordia.session"
+META_VERSION = 1
+TOKEN_BLOCK_BYTES = 512  # 64 int64 token ids per block
+DEFAULT_MAX_CACHE_LEN = 2048
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Everything the sampler needs, recorded in every epoch so resume() uses the same settings."""
+
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def processors(self) -> Any:
+        from transformers.generation.logits_process import (
+            LogitsProcessorList,
+            MinPLogitsWarper,
+            RepetitionPenaltyLogitsProcessor,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        procs = LogitsProcessorList()
+        if self.repetition_penalty != 1.0:
+            procs.append(RepetitionPenaltyLogitsProcessor(penalty=self.repetition_penalty))
+        if self.do_sample:  # same order as GenerationMixin._get_logits_processor
+            if self.temperature != 1.0:
+                procs.append(TemperatureLogitsWarper(self.temperature))
+            if self.top_k:
+                procs.append(TopKLogitsWarper(top_k=self.top_k, min_tokens_to_keep=1))
+            if self.top_p < 1.0:
+                procs.append(TopPLogitsWarper(top_p=self.top_p, min_tokens_to_keep=1))
+            if self.min_p is not None:
+                procs.append(MinPLogitsWarper(min_p=self.min_p, min_tokens_to_keep=1))
+        return procs
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> GenerationSettings:
+        d = dict(d)
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+@dataclass
+class GenerationState:
+    """The generate() call in progress (or the last one)."""
+
+    settings: GenerationSettings
+    start: int  # index in ``ids`` of its first new token
+    n_new: int = 0
+    done: bool = False
+    turn: int | None = None  # index into ``turns`` when this is a chat reply
+
+
+@dataclass
+class SessionStats:
+    epochs: int = 0
+    checkpoint_s: list[float] = field(default_factory=list)
+    epoch_bytes: list[int] = field(default_factory=list)
+    epoch_full_bytes: list[int] = field(default_factory=list)
+    epoch_pages: list[int] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    prefill_s: float = 0.0
+
+
+def model_fingerprint(model: Any) -> str:
+    """A cheap identity check: config + a hash of a few bytes of a few parameters (no full weight read)."""
+    cfg = model.config
+    h = hashlib.sha256()
+    h.update(type(model).__name__.encode())
+    for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+        h.update(f"{k}={getattr(cfg, k, None)};".encode())
+    params = list(model.named_parameters())
+    for name, p in params[:2] + params[-2:]:
+        flat = p.detach().reshape(-1)
+        sample = torch.cat([flat[:256], flat[-256:]]).float().cpu().numpy()
+        h.update(name.encode())
+        h.update(sample.tobytes())
+    return h.hexdigest()[:32]
+
+
+def _default_eos(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+class Session:
+    """A crash-safe generation session over a transformers causal LM.
+
+    ``s = Session(model, log_dir)``; ``s.generate(ids)`` returns the new token ids; after a crash,
+    ``Session.recover(log_dir, model).resume()`` returns ALL the new tokens of the interrupted generate().
+    """
+
+    def __init__(self, model: Any, log_dir: str | Path, tokenizer: Any = None, checkpoint_every: int = 1, *,
+                 max_cache_len: int = DEFAULT_MAX_CACHE_LEN, fsync: str = "never", backend: str = "file",
+                 log_weights: bool = False, block_bytes: int = 4096, system_prompt: str | None = None,
+                 runtime_options: dict[str, Any] | None = None,
+                 _recovering: dict[str, Any] | None = None, _runtime: Any = None) -> None:
+        from . import runtime as _rt
+
+        if _recovering is None and Path(log_dir).is_dir() and any(Path(log_dir).iterdir()):
+            raise ConfigError(
+                f"{log_dir} already holds a log; continue it with Session.recover(log_dir, model) or pass an "
+                "empty directory for a new session"
+            )
+        if checkpoint_every < 1:
+            raise ConfigError(f"checkpoint_every={checkpoint_every} must be >= 1 (tokens per epoch)")
+        self.model, self.tokenizer = model, tokenizer
+        self.log_dir = Path(log_dir)
+        self.checkpoint_every = int(checkpoint_every)
+        self.log_weights = log_weights
+        p = next(model.parameters())
+        self.device, self.kv_dtype = p.device, p.dtype
+        if _recovering is not None:
+            max_cache_len, block_bytes = int(_recovering["max_cache_len"]), int(_recovering["block_bytes"])
+            self.kv_dtype = parse_dtype(_recovering["kv_dtype"])
+        self.cache = ArenaKVCache(model.config, max_cache_len, dtype=self.kv_dtype, device=self.device,
+                                  block_bytes=block_bytes)
+        self.max_cache_len = max_cache_len
+        self.tokens = np.zeros(-(-(max_cache_len + 1) * 8 // TOKEN_BLOCK_BYTES) * TOKEN_BLOCK_BYTES // 8, np.int64)
+        self.tokens_dirty = np.zeros(self.tokens.nbytes // TOKEN_BLOCK_BYTES, np.uint8)
+        self.n_tokens = 0
+        self._tokens_marked = 0
+        self.generator = torch.Generator(device=self.device)
+        if _recovering is None:
+            self.generator.seed()  # unseeded sampling is random; its state is logged, so resume is exact
+        rng_bytes = self.generator.get_state().numel()
+        self.rng = np.zeros(-(-rng_bytes // 512) * 512, np.uint8)  # whole 512-byte blocks
+        self.rng_bytes = rng_bytes
+        self.rng_dirty = np.zeros(len(self.rng) // 512, np.uint8)  # set when the sampler drew (greedy: never)
+        self.gen: GenerationState | None = None
+        self.turns: list[dict[str, Any]] = []
+        if system_prompt is not None:
+            self.turns.append({"role": "system", "content": system_prompt})
+        self.fingerprint = model_fingerprint(model)
+        self.stats = SessionStats()
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.runtime = _runtime if _runtime is not None else _rt.Runtime(
+            str(self.log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
+        self._register()
+
+    # -- registration ----------------------------------------------------------------------------------------
+    def _register(self) -> None:
+        rt = self.runtime
+        bb = self.cache.geometry.block_bytes
+        rt.register("kv", self.cache.arena, kind="paged", page_bytes=min(bb, 4096), block_bytes=bb,
+                    dirty_blocks=self.cache.dirty_blocks)
+        rt.register("tokens", self.tokens, kind="paged", page_bytes=TOKEN_BLOCK_BYTES,
+                    block_bytes=TOKEN_BLOCK_BYTES, dirty_blocks=self.tokens_dirty)
+        rt.register("rng", self.rng, kind="paged", page_bytes=512, block_bytes=512, dirty_blocks=self.rng_dirty)
+        if self.log_weights:
+            for name, prm in self.model.named_parameters():
+                rt.register(f"weights:{name}", prm.data, kind="immutable")
+
+    # -- state -----------------------------------------------------------------------------------------------
+    @property
+    def ids(self) -> list[int]:
+        return self.tokens[: self.n_tokens].tolist()
+
+    def _append(self, new: Sequence[int]) -> None:
+        n = len(new)
+        if self.n_tokens + n > self.max_cache_len:
+            raise ConfigError(
+                f"the conversation would hold {self.n_tokens + n} tokens; this session's cache holds "
+                f"{self.max_cache_len}: create the Session with a larger max_cache_len"
+            )
+        self.tokens[self.n_tokens: self.n_tokens + n] = np.asarray(new, dtype=np.int64)
+        self.n_tokens += n
+
+    def _meta(self) -> dict[str, Any]:
+        g = self.gen
+        return {META_KEY: {
+            "version": META_VERSION,
+            "n_tokens": self.n_tokens,
+            "cache_lengths": self.cache.lengths(),
+            "max_cache_len": self.max_cache_len,
+            "block_bytes": self.cache.geometry.block_bytes,
+            "kv_dtype": dtype_name(self.kv_dtype),
+            "arena_nbytes": self.cache.geometry.nbytes,
+            "fingerprint": self.fingerprint,
+            "log_weights": self.log_weights,
+            "rng_device": str(self.device.type),
+            "gen": None if g is None else {**asdict(g), "settings": asdict(g.settings)},
+            "turns": self.turns,
+            "time": time.time(),
+        }}
+
+    def checkpoint(self) -> int:
+        """Commit the session (new KV blocks, new token ids, sampler state, metadata) as ONE epoch."""
+        t0 = time.perf_counter()
+        self.cache.mark_dirty()
+        bb = TOKEN_BLOCK_BYTES
+        lo, hi = self._tokens_marked * 8, self.n_tokens * 8
+        if hi > lo:
+            self.tokens_dirty[lo // bb: -(-hi // bb)] = 1
+        if self.rng_dirty.any():
+            self.rng[: self.rng_bytes] = self.generator.get_state().numpy()
+        epoch = self.runtime.checkpoint(meta=self._meta())
+        self.cache.mark_clean()
+        self._tokens_marked = self.n_tokens
+        st = self.runtime.last_stats
+        self.stats.epochs += 1
+        self.stats.checkpoint_s.append(time.perf_counter() - t0)
+        self.stats.epoch_bytes.append(int(_stat(st, "total_bytes")))
+        self.stats.epoch_full_bytes.append(int(_stat(st, "full_bytes")))
+        self.stats.epoch_pages.append(int(_stat(st, "pages")))
+        return int(epoch)
+
+    # -- decoding --------------------------------------------------------------------------------------------
+    def settings(self, max_new_tokens: int = 64, do_sample: bool = False, **kw: Any) -> GenerationSettings:
+        eos = kw.pop("eos_token_ids", None)
+        if eos is None:
+            eos = _default_eos(self.model, self.tokenizer)
+        elif isinstance(eos, int):
+            eos = (eos,)
+        try:
+            return GenerationSettings(max_new_tokens=int(max_new_tokens), do_sample=bool(do_sample),
+                                      eos_token_ids=tuple(int(e) for e in eos), **kw)
+        except TypeError as e:
+            raise ConfigError(f"unknown generation setting: {e}") from None
+
+    def generate(self, input_ids: Any, max_new_tokens: int = 64, do_sample: bool = False,
+                 on_token: Callable[[int], Any] | None = None, **settings: Any) -> list[int]:
+        """Generate up to ``max_new_tokens`` after ``input_ids`` (the whole sequence: when the session already
+        holds a prefix of it, that prefix's KV is reused). Returns the new token ids."""
+        ids = _as_id_list(input_ids)
+        if not ids:
+            raise ConfigError("input_ids is empty: generate() needs at least one prompt token")
+        s = self.settings(max_new_tokens, do_sample, **settings)
+        self._start(ids, s)
+        return self._run(on_token)
+
+    def _start(self, ids: list[int], s: GenerationSettings, turn: int | None = None) -> None:
+        keep = _common_prefix(self.ids, ids)
+        cached = int(self.cache.get_seq_length())
+        if cached > keep or cached >= len(ids):  # the cache holds KV the new sequence does not share
+            self.cache.reset()  # marks every block dirty: the next epoch rewrites the arena
+            keep = 0
+        self.n_tokens = keep
+        self._tokens_marked = min(self._tokens_marked, keep)
+        self._append(ids[keep:])
+        if s.seed is not None:
+            self.generator.manual_seed(int(s.seed))
+        self.rng_dirty[:] = 1  # the first epoch of every generate() records the sampler state
+        self.gen = GenerationState(settings=s, start=self.n_tokens, turn=turn)
+        self.checkpoint()  # the prompt is durable before any compute: a kill during prefill is resumable
+
+    def _run(self, on_token: Callable[[int], Any] | None) -> list[int]:
+        g = self.gen
+        if g is None:
+            raise RecoveryError("no generate() to run: this session has never generated")
+        s = g.settings
+        procs = s.processors()
+        eos = set(s.eos_token_ids)
+        with torch.inference_mode():
+            while not g.done:
+                t0 = time.perf_counter()
+                cached = int(self.cache.get_seq_length())
+                feed = torch.as_tensor(self.tokens[cached: self.n_tokens], device=self.device).unsqueeze(0)
+                kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
+                out = self.model(input_ids=feed, cache=self.cache, use_cache=True, **kw)
+                logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+                if procs:
+                    seq = torch.as_tensor(self.tokens[: self.n_tokens], device=self.device).unsqueeze(0)
+                    scores = procs(seq, logits)
+                else:
+                    scores = logits
+                if s.do_sample:
+                    probs = torch.nn.functional.softmax(scores, dim=-1)
+                    tok = int(torch.multinomial(probs, num_samples=1, generator=self.generator).item())
+                    self.rng_dirty[:] = 1
+                else:
+                    tok = int(torch.argmax(scores, dim=-1).item())
+                self._append([tok])
+                g.n_new += 1
+                g.done = tok in eos or g.n_new >= s.max_new_tokens
+                if feed.shape[1] > 1:
+                    self.stats.prefill_s = time.perf_counter() - t0
+                else:
+                    self.stats.step_s.append(time.perf_counter() - t0)
+                if g.done or g.n_new % self.checkpoint_every == 0:
+                    self.checkpoint()
+                if on_token is not None:
+                    on_token(tok)
+        return self.tokens[g.start: g.start + g.n_new].tolist()
+
+    def resume(self, on_token: Callable[[int], Any] | None = None) -> list[int]:
+        """Finish the interrupted generate() (or return the last one's tokens); returns ALL its new tokens."""
+        if self.gen is None:
+            raise RecoveryError(f"the log in {self.log_dir} holds no generate() call to resume")
+        out = self._run(on_token)
+        if self.gen.turn is not None:
+            self._finish_turn()
+        return out
+
+    # -- chat ------------------------------------------------------------------------------------------------
+    def chat(self, text: str, *, max_new_tokens: int = 64, do_sample: bool = False,
+             on_token: Callable[[int], Any] | None = None, **settings: Any) -> str:
+        """One user turn through the tokenizer's chat template; returns the assistant's reply text."""
+        if self.tokenizer is None:
+            raise ConfigError("chat() needs a tokenizer: create the Session with tokenizer=...")
+        self.turns.append({"role": "user", "content": text})
+        ids = self._render_turns()
+        s = self.settings(max_new_tokens, do_sample, **settings)
+        self.turns.append({"role": "assistant", "start": len(ids), "end": -1})  # end -1: being generated
+        self._start(ids, s, turn=len(self.turns) - 1)
+        self._run(on_token)
+        return self._finish_turn()
+
+    def _finish_turn(self) -> str:
+        g = self.gen
+        assert g is not None and g.turn is not None
+        turn = self.turns[g.turn]
+        turn["start"], turn["end"] = g.start, g.start + g.n_new
+        return self.reply_text(g.turn)
+
+    def reply_text(self, turn: int) -> str:
+        t = self.turns[turn]
+        if "content" in t:
+            return str(t["content"])
+        end = t["end"]
+        if end < 0:  # the reply being generated
+            end = t["start"] + (self.gen.n_new if self.gen is not None and self.gen.turn == turn else 0)
+        return str(self.tokenizer.decode(self.tokens[t["start"]: end].tolist(), skip_special_tokens=True))
+
+    def messages(self) -> list[dict[str, str]]:
+        return [{"role": t["role"], "content": self.reply_text(i)} for i, t in enumerate(self.turns)]
+
+    def _render_turns(self) -> list[int]:
+        """Token ids of the conversation + generation prompt, reusing the cached ids as an exact prefix."""
+        tok = self.tokenizer
+        text_new = tok.apply_chat_template(self.messages(), add_generation_prompt=True, tokenize=False)
+        if self.n_tokens:
+            text_prev = tok.decode(self.ids, skip_special_tokens=False)
+            if text_new.startswith(text_prev):
+                suffix = tok(text_new[len(text_prev):], add_special_tokens=False)["input_ids"]
+                return self.ids + list(suffix)
+        return list(tok(text_new, add_special_tokens=False)["input_ids"])
+
+    # -- recovery --------------------------------------------------------------------------------------------
+    @classmethod
+    def recover(cls, log_dir: str | Path, model: Any, tokenizer: Any = None, *, fsync: str = "never",
+                backend: str = "file", checkpoint_every: int = 1,
+                runtime_options: dict[str, Any] | None = None) -> Session:
+        """Rebuild the session from the last committed epoch (in a fresh process); then call resume()."""
+        from . import runtime as _rt
+
+        if not Path(log_dir).is_dir():
+            raise RecoveryError(f"no log at {log_dir}: the directory does not exist")
+        rt = _rt.Runtime(str(log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
+        try:
+            replayed = getattr(rt.log, "replayed", None)
+            meta = replayed.meta if replayed is not None else _rt.recover(str(log_dir)).meta
+            m = (meta or {}).get(META_KEY)
+            if m is None:
+                raise RecoveryError(f"the last epoch ({rt.epoch}) in {log_dir} holds no session metadata; "
+                                    "was this log written by concordia_ft.Session?")
+            if m["version"] != META_VERSION:
+                raise RecoveryError(f"session metadata version {m['version']}; this code reads {META_VERSION}")
+            fp = model_fingerprint(model)
+            if fp != m["fingerprint"] and not m.get("log_weights"):
+                raise RecoveryError(
+                    f"the model passed to recover() is not the one that wrote {log_dir} (fingerprint {fp} != "
+                    f"{m['fingerprint']}); load the same model files (weights are not in the log)"
+                )
+            geo = plan_arena(model.config, int(m["max_cache_len"]), dtype=parse_dtype(m["kv_dtype"]),
+                             block_bytes=int(m["block_bytes"]))
+            if geo.nbytes != int(m["arena_nbytes"]):
+                raise RecoveryError(f"the model's KV arena would be {geo.nbytes} bytes; the log's is "
+                                    f"{m['arena_nbytes']}: recover with the same model configuration")
+            s = cls(model, log_dir, tokenizer, checkpoint_every, log_weights=bool(m.get("log_weights")),
+                    _recovering=m, _runtime=rt)
+            s._load(m)
+        except BaseException:
+            rt.close()
+            raise
+        return s
+
+    def _load(self, m: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        self.recovered = self.runtime.recover_into()
+        self.n_tokens = self._tokens_marked = int(m["n_tokens"])
+        self.cache.set_lengths(list(m["cache_lengths"]))
+        self.cache.mark_clean()
+        self.generator.set_state(torch.from_numpy(self.rng[: self.rng_bytes].copy()))
+        self.turns = list(m["turns"])
+        gd = m["gen"]
+        if gd is not None:
+            gd = dict(gd)
+            self.gen = GenerationState(settings=GenerationSettings.from_dict(gd.pop("settings")), **gd)
+        self.fingerprint = str(m["fingerprint"])
+        self.restore_s = time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.runtime.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _stat(st: Any, key: str) -> float:
+    if st is None:
+        return 0
+    if isinstance(st, dict):
+        return st.get(key, 0)
+    return getattr(st, key, 0)
+
+
+def _as_id_list(input_ids: Any) -> list[int]:
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise ConfigError(f"input_ids has batch size {input_ids.shape[0]}; a Session holds one sequence")
+            input_ids = input_ids[0]
+        return [int(x) for x in input_ids.tolist()]
+    if isinstance(input_ids, dict) or hasattr(input_ids, "keys"):
+        return _as_id_list(input_ids["input_ids"])
+    return [int(x) for x in input_ids]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+__all__ = ["GenerationSettings", "Session", "model_fingerprint"]
