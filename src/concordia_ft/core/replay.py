@@ -70,6 +70,7 @@ class EpochSummary:
     payload_bytes: int
     full: bool
     pages: dict[str, int]
+    region_bytes: int = 0  # bytes of all regions after this epoch: what a full copy would write
 
 
 @dataclass
@@ -275,7 +276,8 @@ def _replay_segment(st: _State, result: ReplayResult, name: str, path: str, buf:
         pos += ep.total_bytes
         result.end_offset = pos
         if summaries or on_epoch is not None:
-            s = EpochSummary(ep.epoch, name, ep.offset, ep.total_bytes, ep.payload_bytes, ep.full, pages)
+            s = EpochSummary(ep.epoch, name, ep.offset, ep.total_bytes, ep.payload_bytes, ep.full, pages,
+                             sum(r.spec.nbytes for r in st.regions.values()))
             if summaries:
                 result.epochs.append(s)
             if on_epoch is not None:
