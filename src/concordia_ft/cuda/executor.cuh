@@ -1,0 +1,249 @@
+// Concordia-FT executor: the resident ring consumer and the full-width dispatcher, one module.
+//
+// executor.py renders the CCR_* constants from concordia_ft/core/ring.py in front of this file (layout,
+// opcodes, states), plus CCR_IMAGE_ID and CCR_THREADS. Nothing here calls into another module: a hot-swap
+// hands the ring (host-mapped memory) to a newly built image of this file.
+//
+// Shared words follow ring.py: the host writes head/stop/slots, this kernel writes tail/results/heartbeat/
+// state. System-scope acquire loads and release stores only (no atomics across PCIe).
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+__device__ __forceinline__ u64 ccr_ld_acquire(const u64* p) {
+  u64 v; asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v; }
+__device__ __forceinline__ u32 ccr_ld_acquire32(const u32* p) {
+  u32 v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+__device__ __forceinline__ u64 ccr_ld_relaxed(const u64* p) {
+  u64 v; asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v; }
+__device__ __forceinline__ void ccr_st_release(u64* p, u64 v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory"); }
+__device__ __forceinline__ void ccr_st_release32(u32* p, u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
+__device__ __forceinline__ void ccr_st_relaxed32(u32* p, u32 v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
+__device__ __forceinline__ u64 ccr_now_ns() {
+  u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+
+#define CCR_W(base, off) ((u64*)((unsigned char*)(base) + (off)))
+#define CCR_W32(base, off) ((u32*)((unsigned char*)(base) + (off)))
+
+// ---------------------------------------------------------------- built-in operations
+template <int OP> __device__ __forceinline__ float ccr_f(float x, float y, float alpha) {
+  if (OP == CCR_OP_ADD) return x + y;
+  if (OP == CCR_OP_MUL) return x * y;
+  if (OP == CCR_OP_SUB) return x - y;
+  if (OP == CCR_OP_RELU) return fmaxf(x, 0.0f);
+  if (OP == CCR_OP_SILU) return x / (1.0f + expf(-x));
+  if (OP == CCR_OP_SCALE) return alpha * x;
+  return fmaxf(x + y, 0.0f);  // CCR_OP_ADD_RELU
+}
+template <int OP> __device__ __forceinline__ float4 ccr_f4(float4 x, float4 y, float alpha) {
+  return make_float4(ccr_f<OP>(x.x, y.x, alpha), ccr_f<OP>(x.y, y.y, alpha), ccr_f<OP>(x.z, y.z, alpha),
+                     ccr_f<OP>(x.w, y.w, alpha));
+}
+template <int OP> __device__ __forceinline__ constexpr bool ccr_binary() {
+  return OP == CCR_OP_ADD || OP == CCR_OP_MUL || OP == CCR_OP_SUB || OP == CCR_OP_ADD_RELU;
+}
+
+// out[i] = f(a[i], b[i]) for i = i0, i0 + stride, ... (float4 when every pointer is 16-byte aligned)
+template <int OP>
+__device__ void ccr_elementwise(const float* a, const float* b, float* out, u64 n, float alpha, u64 i0, u64 stride) {
+  const bool vec = ((((u64)a) | ((u64)b) | ((u64)out)) & 15) == 0;
+  u64 n4 = vec ? n / 4 : 0;
+  const float4* a4 = (const float4*)a; const float4* b4 = (const float4*)b; float4* o4 = (float4*)out;
+  u64 i = i0;
+  for (; i + 3 * stride < n4; i += 4 * stride) {  // four independent 16-byte loads in flight per thread
+    float4 x[4], y[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) { x[j] = a4[i + j * stride]; y[j] = ccr_binary<OP>() ? b4[i + j * stride] : x[j]; }
+#pragma unroll
+    for (int j = 0; j < 4; j++) o4[i + j * stride] = ccr_f4<OP>(x[j], y[j], alpha);
+  }
+  for (; i < n4; i += stride) o4[i] = ccr_f4<OP>(a4[i], ccr_binary<OP>() ? b4[i] : a4[i], alpha);
+  for (u64 k = n4 * 4 + i0; k < n; k += stride) out[k] = ccr_f<OP>(a[k], ccr_binary<OP>() ? b[k] : 0.0f, alpha);
+}
+
+// Page diff, a warp per page (page bytes a multiple of 512): flags[p] = page p of cur differs from shadow.
+// Returns this thread's count of dirty pages (lane 0 of each warp counts).
+__device__ u32 ccr_page_diff(const uint4* cur, const uint4* shadow, u32* flags, u64 npages, u32 page_bytes,
+                             u64 warp0, u64 nwarps) {
+  const u32 lane = threadIdx.x & 31; const u64 per = page_bytes / 16; u32 count = 0;
+  for (u64 p = warp0; p < npages; p += nwarps) {
+    const uint4* x = cur + p * per; const uint4* y = shadow + p * per; u32 d = 0;
+    for (u64 k = lane; k < per; k += 32) { uint4 u = x[k], v = y[k]; d |= (u.x ^ v.x) | (u.y ^ v.y) | (u.z ^ v.z) | (u.w ^ v.w); }
+    d = __any_sync(0xffffffffu, d != 0);
+    if (lane == 0) { if (flags) flags[p] = d; count += d; }
+  }
+  return count;
+}
+
+// Restore: page i of src (packed) goes to page idx[i] of dst (idx == 0: page i).
+__device__ void ccr_restore(const uint4* src, const u32* idx, uint4* dst, u64 npages, u32 page_bytes, u64 warp0, u64 nwarps) {
+  const u32 lane = threadIdx.x & 31; const u64 per = page_bytes / 16;
+  for (u64 p = warp0; p < npages; p += nwarps) {
+    const u64 to = idx ? (u64)idx[p] : p;
+    for (u64 k = lane; k < per; k += 32) dst[to * per + k] = src[p * per + k];
+  }
+}
+
+// One descriptor, run by every thread of the calling grid (resident: one block; wide: the whole grid).
+// d: 8 words (seq, op|flags|aux, args[6]). Returns (status << 32 | value) for thread 0 of block 0 in the
+// resident case; wide callers add page counts into args[4] when it is non-zero.
+__device__ u64 ccr_run(const u64* d, bool resident, u32* s_count) {
+  const u32 op = (u32)(d[1] & 0xffff); const u32 aux = (u32)(d[1] >> 32);
+  const u64 a = d[2], b = d[3], out = d[4], n = d[5];
+  const u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, nthreads = (u64)gridDim.x * blockDim.x;
+  const float alpha = __uint_as_float(aux);
+  switch (op) {
+    case CCR_OP_NOP: return 0;
+    case CCR_OP_ADD: ccr_elementwise<CCR_OP_ADD>((const float*)a, (const float*)b, (float*)out, n, alpha, tid, nthreads); return 0;
+    case CCR_OP_MUL: ccr_elementwise<CCR_OP_MUL>((const float*)a, (const float*)b, (float*)out, n, alpha, tid, nthreads); return 0;
+    case CCR_OP_SUB: ccr_elementwise<CCR_OP_SUB>((const float*)a, (const float*)b, (float*)out, n, alpha, tid, nthreads); return 0;
+    case CCR_OP_RELU: ccr_elementwise<CCR_OP_RELU>((const float*)a, (const float*)b, (float*)out, n, alpha, tid, nthreads); return 0;
+    case CCR_OP_SILU: ccr_elementwise<CCR_OP_SILU>((const float*)a, (const float*)b, (float*)out, n, alpha, tid, nthreads); return 0;
+    case CCR_OP_SCALE: ccr_elementwise<CCR_OP_SCALE>((const float*)a, (const float*)b, (float*)out, n, alpha, tid, nthreads); return 0;
+    case CCR_OP_ADD_RELU: ccr_elementwise<CCR_OP_ADD_RELU>((const float*)a, (const float*)b, (float*)out, n, alpha, tid, nthreads); return 0;
+    case CCR_OP_MARK:
+      if (tid == 0) { u32* p = (u32*)a + b; u32 v = *p + 1; *p = v; return v; }
+      return 0;
+    case CCR_OP_TRIGGER:
+      if (tid == 0) { __threadfence_system(); ccr_st_release32((u32*)a, aux); }
+      return 0;
+    case CCR_OP_PAGE_DIFF: {
+      if (aux == 0 || aux % 512) return (u64)CCR_STATUS_BAD_ARGS << 32;
+      u32 c = ccr_page_diff((const uint4*)a, (const uint4*)b, (u32*)out, n, aux, tid >> 5, nthreads >> 5);
+      if (resident) { if (c) atomicAdd(s_count, c); }
+      else if (c && d[6]) atomicAdd((u32*)d[6], c);
+      return 0;  // the resident caller reads *s_count after a barrier
+    }
+    case CCR_OP_RESTORE:
+      if (aux == 0 || aux % 16) return (u64)CCR_STATUS_BAD_ARGS << 32;
+      ccr_restore((const uint4*)a, (const u32*)b, (uint4*)out, n, aux, tid >> 5, nthreads >> 5);
+      return 0;
+    case CCR_OP_SLEEP:
+      if (tid == 0) { u64 t0 = ccr_now_ns(); while (ccr_now_ns() - t0 < a) __nanosleep(1000); }
+      return 0;
+    default:
+      return (u64)CCR_STATUS_BAD_OPCODE << 32;
+  }
+}
+
+// ---------------------------------------------------------------- the resident executor (one block)
+__device__ void ccr_exit(unsigned char* ring, u32 state) {
+  const u32 nrel = *(volatile u32*)CCR_W32(ring, CCR_OFF_RELEASE_COUNT);
+  __threadfence_system();
+  for (u32 i = 0; i < nrel && i < CCR_MAX_RELEASES; i++) {  // release armed waits this executor could fire
+    u64 addr = *(volatile u64*)CCR_W(ring, CCR_OFF_RELEASES + 16 * i);
+    u32 value = *(volatile u32*)CCR_W32(ring, CCR_OFF_RELEASES + 16 * i + 8);
+    if (addr) ccr_st_release32((u32*)addr, value);
+  }
+  ccr_st_release32(CCR_W32(ring, CCR_OFF_STATE), state);
+}
+
+extern "C" __global__ void __launch_bounds__(CCR_THREADS)
+concordia_executor(unsigned char* ring, u32 capacity, u64 idle_timeout_ns, u64 lease_ns, u32 poll_sleep_ns) {
+  __shared__ u64 s_desc[CCR_BATCH][8];
+  __shared__ u64 s_tail;
+  __shared__ u32 s_n, s_cmd, s_count, s_status;
+  const u32 tid = threadIdx.x, lane = tid & 31;
+  const u64 mask = capacity - 1;
+  const u64* slots = (const u64*)(ring + CCR_SLOTS_OFF);
+  u64 t_start = 0, t_last = 0, t_beat = 0, beats = 0;  // lane 0 of warp 0 only
+  if (tid == 0) {
+    s_tail = *(volatile u64*)CCR_W(ring, CCR_OFF_TAIL);
+    beats = *(volatile u64*)CCR_W(ring, CCR_OFF_HEARTBEAT);
+    ccr_st_relaxed32(CCR_W32(ring, CCR_OFF_IMAGE), CCR_IMAGE_ID);
+    *(volatile u64*)CCR_W(ring, CCR_OFF_STARTS) = *(volatile u64*)CCR_W(ring, CCR_OFF_STARTS) + 1;
+    ccr_st_release32(CCR_W32(ring, CCR_OFF_STATE), CCR_STATE_RUNNING);
+    t_start = t_last = t_beat = ccr_now_ns();
+  }
+  __syncthreads();
+  while (true) {
+    if (tid < 32) {  // warp 0 polls: lane 0 loads head, lane 1 the stop word, in parallel
+      const u64 tail = s_tail;
+      u32 n = 0, cmd = 0;
+      while (true) {
+        u64 w = 0;
+        if (lane == 0) w = ccr_ld_acquire(CCR_W(ring, CCR_OFF_HEAD));
+        else if (lane == 1) w = ccr_ld_acquire32(CCR_W32(ring, CCR_OFF_STOP));
+        const u64 head = __shfl_sync(0xffffffffu, w, 0);
+        const u64 stop = __shfl_sync(0xffffffffu, w, 1);
+        if (lane == 0) {
+          const u64 now = ccr_now_ns();
+          if (stop) cmd = CCR_STATE_EXITED_STOP;
+          else if (head - tail > capacity) cmd = CCR_STATE_EXITED_ERROR;
+          else if (head != tail) n = (u32)min(head - tail, (u64)CCR_BATCH);
+          else if (now - t_last > idle_timeout_ns) cmd = CCR_STATE_EXITED_IDLE;
+          if (!cmd && now - t_start > lease_ns) cmd = CCR_STATE_EXITED_LEASE;
+          if (now - t_beat > CCR_HEARTBEAT_NS) { t_beat = now; ccr_st_release(CCR_W(ring, CCR_OFF_HEARTBEAT), ++beats); }
+        }
+        n = __shfl_sync(0xffffffffu, n, 0); cmd = __shfl_sync(0xffffffffu, cmd, 0);
+        if (n || cmd) break;
+        if (poll_sleep_ns) __nanosleep(poll_sleep_ns);
+      }
+      __syncwarp();  // orders lane 0's acquire of head before every lane's slot loads
+      if (!cmd) {  // the warp fetches up to CCR_BATCH descriptors at once: lane l reads word l%8 of slot l/8
+        const u32 s = lane >> 3, w = lane & 7;
+        if (s < n) s_desc[s][w] = ccr_ld_relaxed(slots + ((tail + s) & mask) * 8 + w);
+      }
+      if (lane == 0) { s_n = n; s_cmd = cmd; if (cmd == CCR_STATE_EXITED_ERROR) s_status = 2; }
+    }
+    __syncthreads();
+    const u32 n = s_n, cmd = s_cmd;
+    if (cmd) {
+      if (tid == 0) {
+        if (cmd == CCR_STATE_EXITED_ERROR) {
+          *(volatile u64*)CCR_W(ring, CCR_OFF_ERROR_SEQ) = s_tail + 1;
+          *(volatile u32*)CCR_W32(ring, CCR_OFF_ERROR) = s_status;
+        }
+        ccr_exit(ring, cmd);
+      }
+      return;
+    }
+    for (u32 s = 0; s < n; s++) {
+      const u64 seq = s_tail + 1;
+      if (s_desc[s][0] != seq) {  // torn or stale slot: never run it
+        if (tid == 0) {
+          *(volatile u64*)CCR_W(ring, CCR_OFF_ERROR_SEQ) = seq;
+          *(volatile u32*)CCR_W32(ring, CCR_OFF_ERROR) = 1;
+          ccr_exit(ring, CCR_STATE_EXITED_ERROR);
+        }
+        return;
+      }
+      if (tid == 0) s_count = 0;
+      __syncthreads();
+      u64 r = ccr_run(s_desc[s], true, &s_count);
+      __syncthreads();  // every thread's writes happen before thread 0's release below
+      if (tid == 0) {
+        const u32 op = (u32)(s_desc[s][1] & 0xffff);
+        if (op == CCR_OP_PAGE_DIFF && (r >> 32) == 0) r = s_count;
+        u64* res = (u64*)(ring + CCR_SLOTS_OFF + (u64)capacity * CCR_SLOT_BYTES + ((seq - 1) & mask) * CCR_RESULT_BYTES);
+        __threadfence_system();
+        *(volatile u64*)res = r;  // value u32 | status u32
+        ccr_st_release(res + 1, seq);
+        ccr_st_release(CCR_W(ring, CCR_OFF_TAIL), seq);
+        s_tail = seq;
+      }
+      __syncthreads();
+    }
+    if (tid == 0) t_last = ccr_now_ns();
+  }
+}
+
+// ---------------------------------------------------------------- full-width dispatch
+// Plain launch: the descriptor by value. Armed launch: the descriptor in (host-mapped) memory, written by
+// whoever fires the launch just before it does; a pending armed launch holds a NOP there (cancel = release).
+extern "C" __global__ void concordia_exec_wide(u64 w0, u64 w1, u64 w2, u64 w3, u64 w4, u64 w5, u64 w6, u64 w7) {
+  __shared__ u32 s_count;
+  u64 d[8] = {w0, w1, w2, w3, w4, w5, w6, w7};
+  ccr_run(d, false, &s_count);
+}
+
+extern "C" __global__ void concordia_exec_wide_at(const u64* desc) {
+  __shared__ u64 s_d[8];
+  __shared__ u32 s_count;
+  if (threadIdx.x < 8) s_d[threadIdx.x] = ccr_ld_relaxed(desc + threadIdx.x);
+  __syncthreads();
+  ccr_run(s_d, false, &s_count);
+}

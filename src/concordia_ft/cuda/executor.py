@@ -1,0 +1,559 @@
+"""Executors: one interface over three ways of running built-in device work.
+
+- :class:`ResidentExecutor`: one persistent block on a non-blocking stream consumes the ring of
+  ``core/ring.py`` in host-mapped memory. A task costs a host store, no launch. It exits by itself after an
+  idle timeout or a lease (so a hazard it misses is a bounded stall, never a hang) and is relaunched on the
+  next submit; ``suspend()``/``resume()`` for the hazard guard; ``swap()`` hands the ring to a newly built
+  image (the old one exits at a task boundary, the new one resumes from the ring's tail).
+- :class:`ArmedChannel`: full-width launches enqueued ahead of time (stream wait on a flag -> the wide
+  dispatcher -> stream write of a done word). Fired by a host store, or by the resident executor itself
+  (a ``TRIGGER`` task), so the GPU starts full-width work with no host launch.
+- :class:`LaunchExecutor`: a plain launch of the wide dispatcher per task.
+
+All three run the same opcodes (``core.ring.Opcode``) from one module built from ``executor.cuh``.
+:func:`choose_path` picks one per region kind and size from measurements (benchmarks/bench_executor.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+import time
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Protocol
+
+from ..core import ring as R
+from ..core.regions import RegionKind
+from ..errors import ConcordiaError, ConfigError
+from . import driver, nvrtc
+from .memory import PinnedBuffer
+
+BATCH = 4  # descriptors a warp fetches per poll (32 lanes x 8 bytes = 4 slots)
+HEARTBEAT_NS = 100_000
+DEFAULT_THREADS = 256
+_U32 = 0xFFFFFFFF
+
+
+class ExecutorError(ConcordiaError):
+    """A task failed on the device, the executor stopped on a protocol error, or a wait timed out."""
+
+
+class ExecutorTimeout(ExecutorError):
+    """A task did not complete within its timeout."""
+
+
+# ---------------------------------------------------------------------------------------------- source
+
+
+def render_executor_source(image_id: int = 1, threads: int = DEFAULT_THREADS) -> str:
+    """executor.cuh with the ring layout, opcodes and states of core/ring.py rendered in front of it."""
+    if not 32 <= threads <= 1024 or threads % 32:
+        raise ConfigError(f"executor threads must be a multiple of 32 in [32, 1024], got {threads}")
+    if not 0 < image_id < 1 << 31:
+        raise ConfigError(f"image_id must be in [1, 2**31), got {image_id}")
+    d: dict[str, int] = {"CCR_IMAGE_ID": image_id, "CCR_THREADS": threads, "CCR_BATCH": BATCH,
+                         "CCR_HEARTBEAT_NS": HEARTBEAT_NS, "CCR_SLOTS_OFF": R.CTRL_BYTES,
+                         "CCR_SLOT_BYTES": R.SLOT_BYTES, "CCR_RESULT_BYTES": R.RESULT_BYTES,
+                         "CCR_MAX_RELEASES": R.MAX_RELEASES}
+    for name in ("HEAD", "STOP", "TAIL", "HEARTBEAT", "STATE", "IMAGE", "ERROR", "ERROR_SEQ", "STARTS",
+                 "RELEASE_COUNT", "RELEASES"):
+        d[f"CCR_OFF_{name}"] = getattr(R, f"OFF_{name}")
+    d.update({f"CCR_OP_{op.name}": int(op) for op in R.Opcode})
+    d.update({f"CCR_STATE_{s.name}": int(s) for s in R.ConsumerState})
+    d.update({f"CCR_STATUS_{s.name}": int(s) for s in R.Status})
+    header = "\n".join(f"#define {k} {v}u" if k.startswith("CCR_OFF") else f"#define {k} {v}"
+                       for k, v in d.items())
+    body = resources.files(__package__).joinpath("executor.cuh").read_text()
+    return f"// rendered by concordia_ft.cuda.executor (image {image_id})\n{header}\n\n{body}"
+
+
+def compile_executor(image_id: int = 1, threads: int = DEFAULT_THREADS, arch: str = nvrtc.DEFAULT_ARCH,
+                     use_cache: bool = True) -> nvrtc.CompiledModule:
+    """NVRTC-compile an executor image to a cubin (no GPU needed)."""
+    return nvrtc.compile_cubin(render_executor_source(image_id, threads), f"concordia_executor_v{image_id}",
+                               nvrtc.CompileOptions(arch=arch), use_cache=use_cache)
+
+
+class ExecutorImage:
+    """A loaded executor module. Loading blocks while any kernel is resident: build under guard.quiesced()."""
+
+    def __init__(self, image_id: int = 1, threads: int = DEFAULT_THREADS, device: int | None = None,
+                 compiled: nvrtc.CompiledModule | None = None) -> None:
+        self.device = driver.ensure_context(device)
+        self.image_id = image_id
+        self.threads = threads
+        self.compiled = compiled or compile_executor(image_id, threads, driver.arch_of(self.device))
+        self.module = nvrtc.Module(self.compiled, self.device)
+        self.resident = self.module.function("concordia_executor")
+        self.wide = self.module.function("concordia_exec_wide")
+        self.wide_at = self.module.function("concordia_exec_wide_at")
+
+    def attribute(self, function: Any, name: str) -> int:
+        drv = driver.bindings()
+        attr = getattr(drv.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")
+        return int(driver.check(drv.cuFuncGetAttribute(attr, function), f"cuFuncGetAttribute({name})"))
+
+    def close(self) -> None:
+        self.module.close()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _stream_wait(stream: driver.Stream, addr: int, value: int) -> None:
+    drv = driver.bindings()
+    driver.check(drv.cuStreamWaitValue32(drv.CUstream(stream.handle), drv.CUdeviceptr(addr), value & _U32,
+                                         drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
+                 "cuStreamWaitValue32")
+
+
+def _stream_write(stream: driver.Stream, addr: int, value: int) -> None:
+    drv = driver.bindings()
+    driver.check(drv.cuStreamWriteValue32(drv.CUstream(stream.handle), drv.CUdeviceptr(addr), value & _U32,
+                                          drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+                 "cuStreamWriteValue32")
+
+
+def cyclic_reached(word: int, target: int) -> bool:
+    """The stream-wait comparison (GEQ is cyclic: (int32)(word - target) >= 0)."""
+    return ((word - target) & _U32) < 0x80000000
+
+
+def wide_grid(sms: int, opcode: int, n: int, threads: int = DEFAULT_THREADS) -> int:
+    """Blocks for a full-width task: enough to cover the work, at most 4 per SM."""
+    if opcode in (R.Opcode.PAGE_DIFF, R.Opcode.RESTORE):
+        need = math.ceil(n / max(1, threads // 32))
+    elif opcode in (R.Opcode.NOP, R.Opcode.MARK, R.Opcode.TRIGGER, R.Opcode.SLEEP):
+        need = 1
+    else:
+        need = math.ceil(n / (threads * 16))  # four float4 per thread per pass
+    return max(1, min(4 * sms, need))
+
+
+class Executor(Protocol):
+    """What every path offers: submit a task (opcode + up to 6 args + aux), wait for it, get out of the way."""
+
+    kind: str
+
+    def submit(self, opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0,
+               a5: int = 0, aux: int = 0) -> int: ...
+
+    def wait(self, ticket: int, timeout_s: float = 10.0) -> int: ...
+
+    def suspend(self) -> None: ...
+
+    def resume(self, eager: bool = True) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def run_task(ex: Executor, opcode: int, *args: int, aux: int = 0, timeout_s: float = 10.0) -> int:
+    a = tuple(args) + (0,) * (R.MAX_ARGS - len(args))
+    return ex.wait(ex.submit(opcode, a[0], a[1], a[2], a[3], a[4], a[5], aux), timeout_s)
+
+
+# ---------------------------------------------------------------------------------------------- resident
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    capacity: int = 1024
+    threads: int = DEFAULT_THREADS
+    idle_timeout_ms: float = 100.0  # exit after this long without a task (relaunched on the next submit)
+    lease_ms: float = 1000.0  # exit at a task boundary after this long resident, busy or not
+    poll_sleep_ns: int = 0  # __nanosleep between polls (0: spin)
+    image_id: int = 1
+
+
+class ResidentExecutor:
+    """One resident block consuming the ring. Thread-safe submit/wait (one lock around the producer)."""
+
+    kind = "resident"
+
+    def __init__(self, options: ExecutorOptions | None = None, *, image: ExecutorImage | None = None,
+                 device: int | None = None, start: bool = True) -> None:
+        from . import guard
+
+        self.options = o = options or ExecutorOptions()
+        R.check_capacity(o.capacity)
+        self.device = driver.ensure_context(device)
+        self._lock = threading.RLock()
+        self._launched = False
+        self._suspended = False
+        self._closed = False
+        self.launches = 0
+        self._releases: dict[int, tuple[int, int]] = {}
+        with guard.quiesced():  # loading a module blocks behind anything resident
+            self.image = image or ExecutorImage(o.image_id, o.threads, self.device)
+            self.mem = PinnedBuffer(R.ring_bytes(o.capacity))
+            self.layout = R.RingLayout(self.mem.view(), o.capacity)
+            self.layout.initialise()
+            self.producer = R.RingProducer(self.layout)
+            self.stream = driver.Stream.create(non_blocking=True, device=self.device)
+            self._scratch = PinnedBuffer(4096)
+            self._scratch.view()[:] = bytes(4096)
+            self._args = driver.KernelArgs([
+                (ctypes.c_uint64, self.mem.device_ptr), (ctypes.c_uint32, o.capacity),
+                (ctypes.c_uint64, int(o.idle_timeout_ms * 1e6)), (ctypes.c_uint64, int(o.lease_ms * 1e6)),
+                (ctypes.c_uint32, o.poll_sleep_ns)])
+            self.warm_up(self.image)
+        self._q = self.layout.q
+        self._u32 = self.layout.u32
+        guard.register(self)
+        if start:
+            self.resume()
+
+    # -- state
+    @property
+    def state(self) -> R.ConsumerState:
+        return R.ConsumerState(self._u32[R.OFF_STATE >> 2])
+
+    @property
+    def tail(self) -> int:
+        return int(self._q[R.OFF_TAIL >> 3])
+
+    @property
+    def heartbeat(self) -> int:
+        return int(self._q[R.OFF_HEARTBEAT >> 3])
+
+    @property
+    def image_id(self) -> int:
+        return int(self._u32[R.OFF_IMAGE >> 2])
+
+    @property
+    def resident(self) -> bool:
+        return self._launched and self.state in (R.ConsumerState.NOT_STARTED, R.ConsumerState.RUNNING)
+
+    # -- lifecycle
+    def warm_up(self, image: ExecutorImage) -> None:
+        """Run every kernel path of ``image`` once with nothing resident (first launches load code)."""
+        nop = self._scratch.device_ptr  # 64 zero bytes: a NOP descriptor
+        self.producer.request_stop()
+        driver.launch(image.resident, 1, image.threads, self._args, self.stream, what="executor warm-up")
+        self.stream.synchronize()
+        self.producer.clear_stop()
+        wide_args = driver.KernelArgs([(ctypes.c_uint64, 0)] * 8)
+        driver.launch(image.wide, 1, image.threads, wide_args, self.stream, what="wide warm-up")
+        driver.launch(image.wide_at, 1, image.threads, driver.KernelArgs([(ctypes.c_uint64, nop)]), self.stream,
+                      what="wide_at warm-up")
+        _stream_write(self.stream, nop + 128, 1)
+        _stream_wait(self.stream, nop + 128, 1)
+        self.stream.synchronize()
+        self._check_error()
+
+    def _launch(self) -> None:
+        self.layout.store32(R.OFF_STATE, R.ConsumerState.NOT_STARTED)  # the new instance takes the word over
+        driver.launch(self.image.resident, 1, self.image.threads, self._args, self.stream,
+                      what=f"concordia_executor v{self.image.image_id}")
+        self._launched = True
+        self.launches += 1
+
+    def _check_error(self) -> None:
+        if self.state == R.ConsumerState.EXITED_ERROR:
+            raise ExecutorError(
+                f"executor stopped on a protocol error {self.layout.load32(R.OFF_ERROR)} at task "
+                f"{self.layout.load(R.OFF_ERROR_SEQ)} (head {self.producer.head}, tail {self.tail}); the ring "
+                "was written by more than one producer or corrupted: close this executor and make a new one")
+
+    def _ensure_running(self) -> None:
+        with self._lock:
+            if self._suspended or self._closed:
+                return
+            if self._launched:
+                if self.state in (R.ConsumerState.NOT_STARTED, R.ConsumerState.RUNNING):
+                    return
+                self.stream.synchronize()  # the instance has exited (idle, lease): returns at once
+                self._launched = False
+                self._check_error()
+            self._launch()
+
+    def suspend(self) -> None:
+        """Make the resident block exit at its next task boundary and wait for it (tasks stay queued)."""
+        with self._lock:
+            self._suspended = True
+            if self._launched:
+                self.producer.request_stop()
+                self.stream.synchronize()
+                self._launched = False
+                self.producer.clear_stop()
+                self._check_error()
+
+    def resume(self, eager: bool = True) -> None:
+        """Allow the executor to run again; ``eager`` relaunches now, else on the next submit/wait."""
+        with self._lock:
+            self._suspended = False
+            if eager or self.producer.head != self.tail:
+                self._ensure_running()
+
+    def close(self) -> None:
+        from . import guard
+
+        guard.unregister(self)
+        self.suspend()
+        self._closed = True
+
+    def swap(self, image_id: int | None = None, image: ExecutorImage | None = None) -> ExecutorImage:
+        """Hand the ring to a new image: compile (no GPU), let this one exit at a task boundary, load and warm
+        the new one, resume from the ring's tail. Returns the new image; the old module is unloaded."""
+        from . import guard
+
+        new_id = image_id if image_id is not None else self.image.image_id + 1
+        compiled = None if image is not None else compile_executor(new_id, self.image.threads,
+                                                                   driver.arch_of(self.device))
+        with self._lock, guard.quiesced():
+            new = image or ExecutorImage(new_id, self.image.threads, self.device, compiled)
+            self.warm_up(new)
+            old, self.image = self.image, new
+            old.close()
+        return new
+
+    # -- tasks
+    def submit(self, opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0,
+               a5: int = 0, aux: int = 0) -> int:
+        with self._lock:
+            seq = self.producer.try_publish(opcode, a0, a1, a2, a3, a4, a5, 0, aux)
+            if seq and self._launched and self._u32[R.OFF_STATE >> 2] == R.ConsumerState.RUNNING:
+                return seq
+        if not seq:
+            deadline = time.monotonic() + 10.0
+            while not seq:
+                self._ensure_running()
+                with self._lock:
+                    seq = self.producer.try_publish(opcode, a0, a1, a2, a3, a4, a5, 0, aux)
+                if not seq and time.monotonic() > deadline:
+                    raise R.RingFullError(f"ring full for 10 s (head {self.producer.head}, tail {self.tail}, "
+                                          f"state {self.state.name}, suspended {self._suspended})")
+        self._ensure_running()
+        return seq
+
+    def wait(self, ticket: int, timeout_s: float = 10.0) -> int:
+        q = self._q
+        ti = R.OFF_TAIL >> 3
+        if q[ti] < ticket:
+            deadline = time.monotonic() + timeout_s
+            spins = 0
+            while q[ti] < ticket:
+                spins += 1
+                if spins & 1023 == 0:
+                    self._ensure_running()
+                    if time.monotonic() > deadline:
+                        self._check_error()
+                        raise ExecutorTimeout(
+                            f"task {ticket} not done after {timeout_s}s: tail {self.tail}, head "
+                            f"{self.producer.head}, state {self.state.name}, suspended {self._suspended}")
+        r = self.producer.result(ticket)
+        if r.status:
+            raise ExecutorError(f"task {ticket} failed on the device: {R.Status(r.status).name}")
+        return r.value
+
+    def set_release(self, key: int, flag_addr: int | None, value: int = 0) -> None:
+        """Entry ``key`` of the exit-release table (None removes it): stored by the block when it exits."""
+        with self._lock:
+            if flag_addr is None:
+                self._releases.pop(key, None)
+            else:
+                self._releases[key] = (flag_addr, value)
+            self.producer.set_releases(list(self._releases.values()))
+
+
+# ---------------------------------------------------------------------------------------------- armed
+
+
+class ArmedChannel:
+    """Pre-armed full-width launches: ``depth`` instances of (wait flag >= k -> wide dispatcher reading
+    descriptor slot k -> write done = k) wait on a non-blocking stream. ``fire`` writes the descriptor and
+    releases one instance: by a host store, or (``fired_by``) by the resident executor's TRIGGER task.
+
+    A pending instance holds a NOP descriptor, so cancelling (``suspend``: release every pending instance)
+    runs nothing. Flag values count up and compare cyclically (int32): never released with 0xffffffff.
+    """
+
+    kind = "armed"
+
+    def __init__(self, image: ExecutorImage, *, depth: int = 2, grid: int | None = None,
+                 fired_by: ResidentExecutor | None = None) -> None:
+        from . import guard
+
+        if depth < 1:
+            raise ConfigError(f"depth must be >= 1, got {depth}")
+        self.image = image
+        self.depth = depth
+        self.nslots = depth + 1
+        self.grid = grid or 4 * driver.sm_count(image.device)
+        self.fired_by = fired_by
+        self.mem = PinnedBuffer(128 + 64 * self.nslots)
+        self.mem.view()[:] = bytes(self.mem.nbytes)
+        self.u32 = self.mem.view().cast("I")
+        self.q = self.mem.view().cast("Q")
+        self.flag_ptr = self.mem.device_ptr
+        self.done_ptr = self.mem.device_ptr + 64
+        self.stream = driver.Stream.create(non_blocking=True, device=image.device)
+        self._slot_args = [driver.KernelArgs([(ctypes.c_uint64, self.mem.device_ptr + 128 + 64 * i)])
+                           for i in range(self.nslots)]
+        self.armed = 0
+        self.fired = 0
+        self._suspended = False
+        self._lock = threading.RLock()
+        self._key = id(self)
+        self._arm_up_to_depth()
+        guard.register(self)
+
+    def _done(self) -> int:
+        return int(self.u32[16])
+
+    def _slot_q(self, k: int) -> int:
+        return (128 + 64 * (k % self.nslots)) >> 3
+
+    def _arm(self) -> None:
+        k = self.armed + 1
+        old = k - self.nslots  # the instance that used this slot must have finished with it
+        if old > 0:
+            self._wait_done(old, 10.0)
+        sq = self._slot_q(k)
+        for i in range(1, 8):
+            self.q[sq + i] = 0  # NOP body
+        self.q[sq] = k
+        _stream_wait(self.stream, self.flag_ptr, k)
+        driver.launch(self.image.wide_at, self.grid, self.image.threads, self._slot_args[k % self.nslots],
+                      self.stream, what="armed wide dispatcher")
+        _stream_write(self.stream, self.done_ptr, k)
+        self.armed = k
+        if self.fired_by is not None:
+            self.fired_by.set_release(self._key, self.flag_ptr, k)
+
+    def _arm_up_to_depth(self) -> None:
+        while self.armed - self.fired < self.depth:
+            self._arm()
+
+    def fire(self, opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0,
+             a5: int = 0, aux: int = 0) -> int:
+        """Release the next armed instance with this task; returns its ticket (wait with ``wait``)."""
+        with self._lock:
+            if self._suspended:
+                self._suspended = False
+            if self.armed == self.fired:
+                self._arm()
+            k = self.fired + 1
+            sq = self._slot_q(k)
+            self.mem.view()[(sq << 3) + 8:(sq << 3) + 64] = R.encode_body(opcode, (a0, a1, a2, a3, a4, a5), 0, aux)
+            if self.fired_by is None:
+                self.u32[0] = k & _U32  # the host store that starts the full-width launch
+            else:
+                self.fired_by.submit(R.Opcode.TRIGGER, self.flag_ptr, aux=k & _U32)
+            self.fired = k
+            return k
+
+    submit = fire
+
+    def rearm(self) -> None:
+        """Top the pending instances back up to ``depth`` (after fires; costs 3 driver calls each)."""
+        with self._lock:
+            if not self._suspended:
+                self._arm_up_to_depth()
+
+    def _wait_done(self, k: int, timeout_s: float) -> None:
+        u = self.u32
+        if cyclic_reached(int(u[16]), k):
+            return
+        deadline = time.monotonic() + timeout_s
+        spins = 0
+        while not cyclic_reached(int(u[16]), k):
+            spins += 1
+            if spins & 1023 == 0:
+                if self.fired_by is not None:
+                    self.fired_by._ensure_running()
+                if time.monotonic() > deadline:
+                    raise ExecutorTimeout(f"armed launch {k} not done after {timeout_s}s (done word {int(u[16])}, "
+                                          f"fired {self.fired}, armed {self.armed})")
+
+    def wait(self, ticket: int, timeout_s: float = 10.0) -> int:
+        self._wait_done(ticket, timeout_s)
+        return 0
+
+    def suspend(self) -> None:
+        """Release every pending instance (they run NOP) and wait for the stream: nothing waits on a flag."""
+        with self._lock:
+            self._suspended = True
+            if self.armed != self.fired:
+                # the resident firer (if any) is suspended first by the guard: the host is the only writer now
+                self.u32[0] = self.armed & _U32
+                self.fired = self.armed
+            self.stream.synchronize()
+            if self.fired_by is not None:
+                self.fired_by.set_release(self._key, None)
+
+    def resume(self, eager: bool = True) -> None:
+        with self._lock:
+            self._suspended = False
+            if eager:
+                self._arm_up_to_depth()
+
+    def close(self) -> None:
+        from . import guard
+
+        guard.unregister(self)
+        self.suspend()
+
+
+# ---------------------------------------------------------------------------------------------- plain launch
+
+
+class LaunchExecutor:
+    """One launch of the wide dispatcher per task (descriptor by value); wait = stream synchronize."""
+
+    kind = "launch"
+
+    def __init__(self, image: ExecutorImage, *, max_grid: int | None = None) -> None:
+        self.image = image
+        self.sms = driver.sm_count(image.device)
+        self.max_grid = max_grid or 4 * self.sms
+        self.stream = driver.Stream.create(non_blocking=True, device=image.device)
+        self._args = driver.KernelArgs([(ctypes.c_uint64, 0)] * 8)
+        self.tickets = 0
+
+    def submit(self, opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0,
+               a5: int = 0, aux: int = 0) -> int:
+        self.tickets += 1
+        words = (self.tickets, opcode | (aux << 32), a0, a1, a2, a3, a4, a5)
+        for i, w in enumerate(words):
+            self._args.set(i, w)
+        grid = min(self.max_grid, wide_grid(self.sms, opcode, a3, self.image.threads))
+        driver.launch(self.image.wide, grid, self.image.threads, self._args, self.stream, what="wide dispatcher")
+        return self.tickets
+
+    def wait(self, ticket: int, timeout_s: float = 10.0) -> int:
+        self.stream.synchronize()
+        return 0
+
+    def suspend(self) -> None:
+        self.stream.synchronize()
+
+    def resume(self, eager: bool = True) -> None:
+        pass
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------- policy
+
+# Work a single resident block handles itself; above this a full-width launch wins (bench_executor.py T2-4,
+# T7: the ring's round trip beats a launch by ~4x for small N, one block scans at ~15-60 GB/s).
+RING_MAX_BYTES = 1 << 20
+
+
+def choose_path(kind: RegionKind | str, size_bytes: int, *, recurring: bool = True) -> str:
+    """'resident', 'armed', 'launch' or 'none' for checkpoint work on a region of ``kind``.
+
+    paged: the dirty-block bitmap is tiny work -> the resident block runs it. dense/opaque: a scan or gather of
+    the whole region needs the whole GPU -> a pre-armed launch when the trigger recurs (every epoch), else a
+    plain launch; small regions stay on the resident block. immutable/scratch: no per-epoch work.
+    """
+    k = RegionKind.parse(kind)
+    if k in (RegionKind.IMMUTABLE, RegionKind.SCRATCH):
+        return "none"
+    if k == RegionKind.PAGED or size_bytes <= RING_MAX_BYTES:
+        return "resident"
+    return "armed" if recurring else "launch"

@@ -1,0 +1,66 @@
+"""CPU CI: the executor image renders from core/ring.py's constants and NVRTC-compiles for sm_90 (no GPU)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from concordia_ft.core import ring as R
+from concordia_ft.core.regions import RegionKind
+from concordia_ft.cuda import executor as E
+from concordia_ft.errors import ConfigError
+
+
+def defines(src: str) -> dict[str, int]:
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^#define (CCR_\w+) (\d+)u?$", src, re.M)}
+
+
+def test_render_carries_the_ring_layout() -> None:
+    d = defines(E.render_executor_source(image_id=7, threads=128))
+    assert d["CCR_IMAGE_ID"] == 7 and d["CCR_THREADS"] == 128
+    assert d["CCR_OFF_HEAD"] == R.OFF_HEAD and d["CCR_OFF_TAIL"] == R.OFF_TAIL
+    assert d["CCR_OFF_STOP"] == R.OFF_STOP and d["CCR_OFF_RELEASES"] == R.OFF_RELEASES
+    assert d["CCR_SLOTS_OFF"] == R.CTRL_BYTES and d["CCR_SLOT_BYTES"] == R.SLOT_BYTES
+    for op in R.Opcode:
+        assert d[f"CCR_OP_{op.name}"] == int(op)
+    for s in R.ConsumerState:
+        assert d[f"CCR_STATE_{s.name}"] == int(s)
+    # the batch read (32 lanes x 8 bytes) must be whole slots
+    assert d["CCR_BATCH"] * R.SLOT_BYTES == 32 * 8
+
+
+@pytest.mark.parametrize("bad", [dict(threads=100), dict(threads=2048), dict(image_id=0)])
+def test_render_rejects_bad_options(bad: dict[str, int]) -> None:
+    with pytest.raises(ConfigError):
+        E.render_executor_source(**bad)
+
+
+def test_nvrtc_compiles_every_kernel_for_sm90(tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("cuda.bindings.nvrtc")
+    monkeypatch.setenv("CONCORDIA_CACHE_DIR", str(tmp_path))
+    one = E.compile_executor(image_id=1)
+    two = E.compile_executor(image_id=2)
+    assert one.cubin.startswith(b"\x7fELF") and not one.cache_hit
+    for name in (b"concordia_executor", b"concordia_exec_wide", b"concordia_exec_wide_at"):
+        assert name in one.cubin
+    assert one.key != two.key  # a new image is a new module (hot-swap loads it beside nothing)
+    again = E.compile_executor(image_id=1)
+    assert again.cache_hit and again.cubin == one.cubin
+
+
+def test_cyclic_comparison_and_grid_policy() -> None:
+    assert E.cyclic_reached(5, 5) and E.cyclic_reached(6, 5) and not E.cyclic_reached(4, 5)
+    assert E.cyclic_reached(2, 0xFFFFFFFE)  # wrapped: 2 is "after" 0xfffffffe
+    assert not E.cyclic_reached(0xFFFFFFFF, 2)
+    assert E.wide_grid(132, R.Opcode.ADD, 64) == 1
+    assert E.wide_grid(132, R.Opcode.ADD, 1 << 30) == 4 * 132
+    assert E.wide_grid(132, R.Opcode.PAGE_DIFF, 65536) == 4 * 132
+
+
+def test_choose_path() -> None:
+    assert E.choose_path(RegionKind.PAGED, 1 << 30) == "resident"
+    assert E.choose_path("opaque", 256 << 20) == "armed"
+    assert E.choose_path("opaque", 256 << 20, recurring=False) == "launch"
+    assert E.choose_path("dense", 4096) == "resident"
+    assert E.choose_path("scratch", 1 << 30) == "none"
