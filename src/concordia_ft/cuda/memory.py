@@ -1,0 +1,89 @@
+"""Host and device buffers: pinned (page-locked) host memory, host-mapped pinned memory, device memory.
+
+``PinnedBuffer`` comes from ``cuMemHostAlloc(PORTABLE | DEVICEMAP)``: it is page-locked (fast DMA) and mapped
+into the device's address space; with unified addressing the device pointer equals the host pointer, so a
+kernel can write payloads straight into it (zero-copy). ``view()`` exposes it as a memoryview without a copy.
+
+``DeviceBuffer`` is a plain ``cuMemAlloc`` allocation (not torch's caching allocator: these live as long as
+the tracker that owns them). Freeing device memory waits for a resident kernel to exit (see DESIGN.md §3):
+trackers allocate up front and free only on close().
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from . import driver
+
+
+class PinnedBuffer:
+    """Page-locked host memory, mapped into the device address space (``device_ptr``)."""
+
+    def __init__(self, nbytes: int, *, mapped: bool = True) -> None:
+        driver.ensure_context()
+        drv = driver.bindings()
+        flags = drv.CU_MEMHOSTALLOC_PORTABLE | (drv.CU_MEMHOSTALLOC_DEVICEMAP if mapped else 0)
+        self.nbytes = int(nbytes)
+        self.host_ptr = int(driver.check(drv.cuMemHostAlloc(max(1, self.nbytes), flags),
+                                         f"cuMemHostAlloc({nbytes} bytes)"))
+        self.device_ptr = 0
+        if mapped:
+            self.device_ptr = int(driver.check(drv.cuMemHostGetDevicePointer(self.host_ptr, 0),
+                                               "cuMemHostGetDevicePointer"))
+        self._raw = (ctypes.c_char * max(1, self.nbytes)).from_address(self.host_ptr)
+
+    def view(self, nbytes: int | None = None, offset: int = 0) -> memoryview:
+        n = self.nbytes - offset if nbytes is None else nbytes
+        if offset < 0 or n < 0 or offset + n > self.nbytes:
+            raise ValueError(f"view [{offset}, +{n}) is outside the {self.nbytes}-byte pinned buffer")
+        return memoryview(self._raw).cast("B")[offset:offset + n]
+
+    def numpy(self, dtype: npt.DTypeLike = np.uint8, count: int = -1, offset: int = 0) -> npt.NDArray[Any]:
+        out: npt.NDArray[Any] = np.frombuffer(memoryview(self._raw).cast("B"), dtype=dtype, count=count,
+                                              offset=offset)
+        return out
+
+    def close(self) -> None:
+        if self.host_ptr:
+            driver.check(driver.bindings().cuMemFreeHost(self.host_ptr), "cuMemFreeHost")
+            self.host_ptr = 0
+            self.device_ptr = 0
+
+    def __del__(self) -> None:  # best effort; close() is the contract
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown or a poisoned context
+            pass
+
+
+class DeviceBuffer:
+    """``nbytes`` of device memory from cuMemAlloc, freed on close()."""
+
+    def __init__(self, nbytes: int, *, zero: bool = False) -> None:
+        self.device = driver.ensure_context()
+        self.nbytes = int(nbytes)
+        self.ptr = driver.mem_alloc(self.nbytes)
+        if zero:
+            driver.check(driver.bindings().cuMemsetD8(self.ptr, 0, max(1, self.nbytes)), "cuMemsetD8")
+
+    def close(self) -> None:
+        if self.ptr:
+            driver.mem_free(self.ptr)
+            self.ptr = 0
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def pinned_tensor(nbytes: int) -> Any:
+    """A torch uint8 CPU tensor in pinned memory (torch's pinned allocator; also device-mapped under UVA)."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

@@ -1,0 +1,373 @@
+"""CUDA trackers: ``make_cuda_tracker(spec, tensor)`` implements core.tracking's Tracker for a CUDA tensor.
+
+One epoch (see core/tracking.py): ``collect`` finds the dirty pages ON THE GPU and stages them into ONE pinned
+host buffer (the delta's ``payload`` is a memoryview of it, valid until the next ``collect`` of this tracker);
+``advance`` runs after the commit and moves shadows / hashes / dirty flags forward from exactly the committed
+bytes; ``restore`` scatters pages back into the tensor.
+
+Per kind:
+- opaque, ``diff=hash`` (the default we recommend, see DESIGN.md): ``concordia_scan_hash`` over the whole
+  region (1x bytes read) against 8 B of state per page; advance hashes the committed payload pages.
+- opaque, ``diff=shadow``: ``concordia_scan_shadow`` against a device copy (2x bytes read, 100% memory);
+  advance scatters the committed payload pages into the shadow.
+- paged: the owner's ``dirty_blocks`` (uint8/bool, one per KV block) -> page list; advance clears the flags
+  of the committed blocks.
+- dense: every page, every epoch (one DtoH). immutable: every page once, then nothing.
+
+Staging (``staging=``): ``"mapped"`` (default) - the gather kernel writes the payload straight into the
+host-mapped pinned buffer: scan + gather + ONE stream sync, no memcpy; ``"device"`` - gather into device
+memory, sync to learn the count, one DtoH of exactly the dirty bytes, sync. bench_delta_gpu.py measures both.
+Work runs on torch's current stream of the tensor's device (ordered after the application's writes) unless
+a ``stream`` is given.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..core.regions import DiffMode, RegionKind, RegionSpec
+from ..core.tracking import RegionDelta
+from ..errors import ConfigError, RegionError
+from . import driver
+from .handlers import HandlerModule
+from .memory import DeviceBuffer, PinnedBuffer
+
+_modules: dict[tuple[Any, int], HandlerModule] = {}
+_LIST_OFFSET = 64  # the mapped list buffer: count word at 0, int64 page list from byte 64
+
+
+def handler_module(spec: RegionSpec, device: int) -> HandlerModule:
+    """One loaded module per (geometry, device), shared by trackers (module loads are hazards: do few)."""
+    from .handlers import Geometry
+
+    key = (Geometry.of(spec), device)
+    m = _modules.get(key)
+    if m is None:
+        m = _modules[key] = HandlerModule(spec, device)
+    return m
+
+
+class CudaTracker:
+    """Shared machinery; the kind-specific parts are ``_collect_sparse`` and ``_advance_sparse``."""
+
+    def __init__(self, spec: RegionSpec, tensor: Any, *, stream: driver.Stream | None = None,
+                 staging: str = "mapped", profile: bool = False) -> None:
+        if staging not in ("mapped", "device"):
+            raise ConfigError(f"staging={staging!r}; use 'mapped' or 'device'")
+        if not getattr(tensor, "is_cuda", False):
+            raise RegionError(f"region {spec.name!r}: make_cuda_tracker needs a CUDA tensor, got {type(tensor)}")
+        if not tensor.is_contiguous():
+            raise RegionError(f"region {spec.name!r}: the tensor is not contiguous; register a contiguous tensor")
+        have = tensor.numel() * tensor.element_size()
+        if have < spec.nbytes:
+            raise RegionError(f"region {spec.name!r}: spec says {spec.nbytes} bytes, the tensor has {have}")
+        self.base = int(tensor.data_ptr())
+        if self.base % 16:
+            raise RegionError(f"region {spec.name!r}: data pointer {self.base:#x} is not 16-byte aligned; "
+                              "register a tensor that starts on a 16-byte boundary")
+        self.spec = spec
+        self.tensor = tensor
+        self.device = driver.ensure_context(int(tensor.device.index or 0))
+        self._stream = stream
+        self.staging = staging
+        self.profile = profile
+        self.mod = handler_module(spec, self.device)
+        self.page_bytes = spec.page_bytes
+        self.n_pages = spec.n_pages
+        self.padded_bytes = self.n_pages * self.page_bytes
+        self.initialised = False  # state (shadow / hashes / flags) reflects a committed epoch
+        self._payload: PinnedBuffer | None = None  # ONE pinned staging buffer, all epochs
+        self._list = PinnedBuffer(_LIST_OFFSET + 8 * self.n_pages)  # mapped: count + page list
+        self._list_np = self._list.numpy(np.int64, count=self.n_pages, offset=_LIST_OFFSET)
+        self._count_np = self._list.numpy(np.uint32, count=1)
+        self._dev_stage: DeviceBuffer | None = None
+        self._needs_sync = False
+        self.last_collect_device_ms = float("nan")
+        self._events: list[driver.Event] = []
+        if profile:
+            self._events = [driver.Event() for _ in range(4)]
+
+    # ---- plumbing ----
+    @property
+    def stream(self) -> driver.Stream:
+        if self._stream is not None:
+            return self._stream
+        import torch
+
+        return driver.Stream(int(torch.cuda.current_stream(self.device).cuda_stream), owned=False,
+                             device=self.device)
+
+    def _staging(self) -> PinnedBuffer:
+        if self._payload is None:
+            self._payload = PinnedBuffer(self.padded_bytes)
+        return self._payload
+
+    def _list_dev(self) -> int:
+        return self._list.device_ptr + _LIST_OFFSET
+
+    def _delta(self, pages: npt.NDArray[np.int64], scanned: int) -> RegionDelta:
+        n = len(pages) * self.page_bytes
+        view = self._staging().view(n) if n else memoryview(b"")
+        return RegionDelta(self.spec, pages, view, scanned_bytes=scanned)
+
+    def _collect_full(self, stream: driver.Stream) -> RegionDelta:
+        buf = self._staging()
+        driver.memcpy_dtoh_async(buf.host_ptr, self.base, self.spec.nbytes, stream)
+        stream.synchronize()
+        if self.padded_bytes > self.spec.nbytes:
+            ctypes.memset(buf.host_ptr + self.spec.nbytes, 0, self.padded_bytes - self.spec.nbytes)
+        return self._delta(np.arange(self.n_pages, dtype=np.int64), self.spec.nbytes)
+
+    def _payload_device_ptr(self, delta: RegionDelta) -> int:
+        """A device-readable address of the delta's payload (ours, or copied into ours)."""
+        buf = self._staging()
+        n = delta.payload.nbytes
+        if n == 0:
+            return buf.device_ptr
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(delta.payload)) if not delta.payload.readonly else 0
+        if addr == buf.host_ptr:
+            if self._dev_stage is not None and self.staging == "device" and len(delta.pages) < self.n_pages:
+                return self._dev_stage.ptr  # the same bytes, already on the device
+            return buf.device_ptr
+        self._staging().view(n)[:] = delta.payload
+        return buf.device_ptr
+
+    def _write_list(self, pages: npt.NDArray[np.int64]) -> int:
+        """Put ``pages`` into the mapped list buffer (unless already there); return its device address."""
+        n = len(pages)
+        if n and not (np.shares_memory(pages, self._list_np) or np.array_equal(self._list_np[:n], pages)):
+            self._list_np[:n] = pages
+        return self._list_dev()
+
+    def _is_full(self, delta: RegionDelta) -> bool:
+        return delta.n_pages == self.n_pages
+
+    def _gather_after_scan(self, stream: driver.Stream, meta_ptr: int, scanned: int) -> RegionDelta:
+        """Detector has run (list + count on the device); stage the payload; return the delta."""
+        m = self.mod
+        if self.staging == "mapped":
+            m.launch("concordia_gather",
+                     m.gather_args(self.base, self._list_dev(), meta_ptr + 4, 0, self._staging().device_ptr),
+                     stream)
+            if self.profile:
+                self._events[1].record(stream)
+            stream.synchronize()
+            count = int(self._count_np[0])
+        else:
+            stream.synchronize()
+            count = int(self._count_np[0])
+            if count:
+                need = count * self.page_bytes
+                if self._dev_stage is None or self._dev_stage.nbytes < need:
+                    if self._dev_stage is not None:
+                        self._dev_stage.close()
+                    self._dev_stage = DeviceBuffer(max(need, 64 * self.page_bytes))
+                m.launch("concordia_gather",
+                         m.gather_args(self.base, self._list_dev(), 0, count, self._dev_stage.ptr), stream,
+                         grid=m.grid_for("concordia_gather", count))
+                driver.memcpy_dtoh_async(self._staging().host_ptr, self._dev_stage.ptr, need, stream)
+            if self.profile:
+                self._events[1].record(stream)
+            stream.synchronize()
+        if self.profile:
+            self.last_collect_device_ms = self._events[0].elapsed_ms(self._events[1])
+        pages = self._list_np[:count].copy()
+        return self._delta(pages, scanned)
+
+    # ---- the Tracker contract ----
+    def collect(self, *, full: bool) -> RegionDelta:
+        driver.ensure_context(self.device)
+        stream = self.stream
+        if self.profile:
+            self._events[0].record(stream)
+        if full or not self.initialised:
+            d = self._collect_full(stream)
+            if self.profile:
+                self._events[1].record(stream)
+                self._events[1].synchronize()
+                self.last_collect_device_ms = self._events[0].elapsed_ms(self._events[1])
+            return d
+        return self._collect_sparse(stream)
+
+    def advance(self, delta: RegionDelta) -> None:
+        if delta.spec.name != self.spec.name:
+            raise ConfigError(f"advance: delta of region {delta.spec.name!r} given to tracker {self.spec.name!r}")
+        driver.ensure_context(self.device)
+        stream = self.stream
+        if self._needs_sync:
+            stream.synchronize()  # the last advance may still read the buffers we are about to rewrite
+        self._advance(delta, stream)
+        self._needs_sync = True
+        self.initialised = True
+
+    def restore(self, pages: npt.NDArray[np.int64], payload: memoryview) -> None:
+        import torch
+
+        driver.ensure_context(self.device)
+        pages = np.ascontiguousarray(pages, dtype=np.int64)
+        want = len(pages) * self.page_bytes
+        if payload.nbytes != want:
+            raise ConfigError(f"restore {self.spec.name!r}: payload is {payload.nbytes} bytes for "
+                              f"{len(pages)} pages of {self.page_bytes} (want {want})")
+        if len(pages) and (pages.min() < 0 or pages.max() >= self.n_pages):
+            raise ConfigError(f"restore {self.spec.name!r}: page indices outside [0, {self.n_pages})")
+        stream = self.stream
+        if len(pages):
+            src = np.frombuffer(payload, dtype=np.uint8)
+            dev_payload = torch.empty(want, dtype=torch.uint8, device=self.tensor.device)
+            dev_pages = torch.empty(len(pages), dtype=torch.int64, device=self.tensor.device)
+            driver.memcpy_htod_async(dev_payload.data_ptr(), src.ctypes.data, want, stream)
+            driver.memcpy_htod_async(dev_pages.data_ptr(), pages.ctypes.data, pages.nbytes, stream)
+            m = self.mod
+            m.launch("concordia_scatter",
+                     m.list_args(self.base, dev_pages.data_ptr(), len(pages), dev_payload.data_ptr()), stream,
+                     grid=m.grid_for("concordia_scatter", len(pages)))
+            stream.synchronize()  # the sources are pageable / temporary
+        self.initialised = False  # the next epoch re-bases (state must match the restored bytes)
+
+    def close(self) -> None:
+        for b in (self._payload, self._list, self._dev_stage):
+            if b is not None:
+                b.close()
+        for e in self._events:
+            e.close()
+
+    # ---- per kind ----
+    def _collect_sparse(self, stream: driver.Stream) -> RegionDelta:
+        return self._collect_full(stream)
+
+    def _advance(self, delta: RegionDelta, stream: driver.Stream) -> None:
+        return None
+
+
+class DenseTracker(CudaTracker):
+    """Every page is dirty every epoch: one DtoH of the region, no scan."""
+
+    def collect(self, *, full: bool) -> RegionDelta:
+        return super().collect(full=True)
+
+
+class ImmutableTracker(CudaTracker):
+    """Every page at the first epoch (or when asked for full), nothing afterwards."""
+
+    def _collect_sparse(self, stream: driver.Stream) -> RegionDelta:
+        return self._delta(np.zeros(0, dtype=np.int64), 0)
+
+
+class OpaqueTracker(CudaTracker):
+    """Shadow diff or page hash over the whole region, on the whole GPU."""
+
+    def __init__(self, spec: RegionSpec, tensor: Any, **kw: Any) -> None:
+        super().__init__(spec, tensor, **kw)
+        self.mode = spec.diff
+        words = (self.n_pages + 31) // 32
+        self._meta = DeviceBuffer(16 + 4 * words, zero=True)  # meta[0]: blocks done, meta[1]: count; bitmap
+        if self.mode is DiffMode.SHADOW:
+            self._state = DeviceBuffer(spec.nbytes)
+            kernel = "concordia_scan_shadow"
+        else:
+            self._state = DeviceBuffer(8 * self.n_pages, zero=True)
+            kernel = "concordia_scan_hash"
+        self._scan_kernel = kernel
+        self._scan_args = self.mod.scan_args(self.base, self._state.ptr, self._meta.ptr + 16, self._meta.ptr,
+                                             self._list_dev(), self._list.device_ptr)
+
+    @property
+    def device_state_bytes(self) -> int:
+        """Device memory this tracker holds for detection (state + bitmap + meta)."""
+        return self._state.nbytes + self._meta.nbytes
+
+    def _collect_sparse(self, stream: driver.Stream) -> RegionDelta:
+        self.mod.launch(self._scan_kernel, self._scan_args, stream)
+        scanned = self.spec.nbytes * (2 if self.mode is DiffMode.SHADOW else 1)
+        return self._gather_after_scan(stream, self._meta.ptr, scanned)
+
+    def _advance(self, delta: RegionDelta, stream: driver.Stream) -> None:
+        n = delta.n_pages
+        if n == 0:
+            return
+        m = self.mod
+        payload = self._payload_device_ptr(delta)
+        if self._is_full(delta):
+            if self.mode is DiffMode.SHADOW:
+                driver.memcpy_htod_async(self._state.ptr, self._staging().host_ptr, self.spec.nbytes, stream)
+            else:
+                m.launch("concordia_hash_store", m.list_args(payload, 0, n, self._state.ptr), stream)
+            return
+        lst = self._write_list(delta.pages)
+        g = m.grid_for("concordia_scatter", n)
+        if self.mode is DiffMode.SHADOW:
+            m.launch("concordia_scatter", m.list_args(self._state.ptr, lst, n, payload), stream, grid=g)
+        else:
+            m.launch("concordia_hash_store", m.list_args(payload, lst, n, self._state.ptr), stream, grid=g)
+
+    def close(self) -> None:
+        super().close()
+        self._state.close()
+        self._meta.close()
+
+
+class PagedTracker(CudaTracker):
+    """The owner's per-block dirty flags say which KV blocks changed; no scan of the data."""
+
+    def __init__(self, spec: RegionSpec, tensor: Any, dirty_blocks: Any, **kw: Any) -> None:
+        super().__init__(spec, tensor, **kw)
+        if dirty_blocks is None:
+            raise RegionError(f"paged region {spec.name!r}: pass dirty_blocks (uint8/bool CUDA tensor of "
+                              f"{spec.n_blocks} flags, one per KV block)")
+        if (not getattr(dirty_blocks, "is_cuda", False) or dirty_blocks.element_size() != 1
+                or dirty_blocks.numel() != spec.n_blocks or not dirty_blocks.is_contiguous()
+                or dirty_blocks.device != tensor.device):
+            raise RegionError(
+                f"paged region {spec.name!r}: dirty_blocks must be a contiguous 1-byte CUDA tensor of "
+                f"{spec.n_blocks} flags on {tensor.device}; got {tuple(dirty_blocks.shape)} "
+                f"{dirty_blocks.dtype} on {dirty_blocks.device}")
+        self.dirty_blocks = dirty_blocks
+        self._meta = DeviceBuffer(16, zero=True)
+        self._scan_args = self.mod.paged_scan_args(int(dirty_blocks.data_ptr()), self._meta.ptr,
+                                                   self._list_dev(), self._list.device_ptr)
+        self.initialised = True  # the flags ARE the state: no base needed to find changes
+
+    def collect(self, *, full: bool) -> RegionDelta:
+        driver.ensure_context(self.device)
+        stream = self.stream
+        if self.profile:
+            self._events[0].record(stream)
+        if full:
+            return self._collect_full(stream)
+        self.mod.launch("concordia_paged_scan", self._scan_args, stream)
+        return self._gather_after_scan(stream, self._meta.ptr, self.spec.n_blocks)
+
+    def _advance(self, delta: RegionDelta, stream: driver.Stream) -> None:
+        n = delta.n_pages
+        if n == 0:
+            return
+        lst = self._write_list(delta.pages)
+        m = self.mod
+        m.launch("concordia_paged_clear", m.list_args(int(self.dirty_blocks.data_ptr()), lst, n, 0), stream,
+                 grid=max(1, min(m.sms, -(-n // 256))))
+
+    def close(self) -> None:
+        super().close()
+        self._meta.close()
+
+
+def make_cuda_tracker(spec: RegionSpec, tensor: Any, *, dirty_blocks: Any = None,
+                      stream: driver.Stream | None = None, staging: str = "mapped", profile: bool = False
+                      ) -> CudaTracker:
+    """The Tracker for a CUDA tensor registered as ``spec`` (runtime.py calls exactly this)."""
+    kind = spec.kind
+    if kind is RegionKind.SCRATCH:
+        raise RegionError(f"region {spec.name!r} is scratch: scratch regions are never tracked or recovered")
+    kw: dict[str, Any] = {"stream": stream, "staging": staging, "profile": profile}
+    if kind is RegionKind.OPAQUE:
+        return OpaqueTracker(spec, tensor, **kw)
+    if kind is RegionKind.PAGED:
+        return PagedTracker(spec, tensor, dirty_blocks, **kw)
+    if kind is RegionKind.DENSE:
+        return DenseTracker(spec, tensor, **kw)
+    return ImmutableTracker(spec, tensor, **kw)
