@@ -53,3 +53,42 @@ def tiny_model(family: str, *, seed: int = 0, sliding_window: int | None = None,
 def prompt_ids(n: int = 12, *, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (1, n), generator=g)
+
+
+GEN_KW = {
+    "greedy": dict(do_sample=False),
+    "sampled": dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, seed=1234),
+}
+
+
+def run_writer(log_dir: str, family: str, window: int | None, mode: str, max_new: int, every: int,
+               delay_s: float) -> None:
+    """Child process: generate with a checkpoint every ``every`` tokens, print each token as it is produced.
+
+    ``delay_s`` makes the consumer slow (like a terminal or a network client) so the parent can kill it
+    mid-answer; it does not change what is generated.
+    """
+    import sys
+    import time
+
+    from concordia_ft.session import Session
+
+    model = tiny_model(family, sliding_window=window)
+    s = Session(model, log_dir, checkpoint_every=every, max_cache_len=96)
+
+    def on_token(tok: int) -> None:
+        print(f"TOKEN {tok}", flush=True)
+        time.sleep(delay_s)
+
+    print("READY", flush=True)
+    s.generate(prompt_ids(12), max_new_tokens=max_new, eos_token_ids=(), on_token=on_token, **GEN_KW[mode])
+    print("DONE", flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    import sys
+
+    _, log_dir, family, window, mode, max_new, every, delay = sys.argv
+    run_writer(log_dir, family, None if window == "none" else int(window), mode, int(max_new), int(every),
+               float(delay))

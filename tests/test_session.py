@@ -1,0 +1,119 @@
+"""Session: token-identical to model.generate(), and a SIGKILLed generating process recovered in another
+process finishes with exactly the tokens the uninterrupted run produces (greedy and seeded sampling)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+from llm_helpers import GEN_KW, prompt_ids, tiny_model  # noqa: E402
+
+from concordia_ft.errors import ConfigError, RecoveryError  # noqa: E402
+from concordia_ft.session import Session  # noqa: E402
+
+HELPERS = Path(__file__).with_name("llm_helpers.py")
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _reference(family, window, mode, max_new, tmp_path):
+    model = tiny_model(family, sliding_window=window)
+    with Session(model, tmp_path / "ref", max_cache_len=96) as s:
+        toks = s.generate(prompt_ids(12), max_new_tokens=max_new, eos_token_ids=(), **GEN_KW[mode])
+    return model, toks
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_generate_equals_model_generate(family, mode, tmp_path):
+    model = tiny_model(family)
+    ids = prompt_ids(12)
+    kw = dict(GEN_KW[mode])
+    seed = kw.pop("seed", None)
+    if seed is not None:
+        torch.manual_seed(seed)
+    ref = model.generate(ids, max_new_tokens=24, eos_token_id=None, **kw)[0, 12:].tolist()
+    with Session(model, tmp_path / "log") as s:
+        got = s.generate(ids, max_new_tokens=24, eos_token_ids=(), **GEN_KW[mode])
+    assert got == ref
+    assert len(set(got)) > 3
+
+
+@pytest.mark.parametrize(("family", "window", "mode", "every"), [
+    ("qwen3", 5, "sampled", 1),  # sliding-window layer rolls during the run; the sampler state is restored
+    pytest.param("llama", None, "greedy", 1, marks=pytest.mark.slow),
+    pytest.param("llama", None, "sampled", 3, marks=pytest.mark.slow),  # resume redoes up to 2 tokens
+])
+def test_sigkill_mid_generate_then_recover(family, window, mode, every, tmp_path):
+    max_new = 40
+    log_dir = tmp_path / "log"
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    child = subprocess.Popen(
+        [sys.executable, str(HELPERS), str(log_dir), family, str(window).lower(), mode, str(max_new), str(every),
+         "0.03"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    seen: list[int] = []
+    try:
+        assert child.stdout is not None
+        for line in child.stdout:
+            if line.startswith("TOKEN "):
+                seen.append(int(line.split()[1]))
+                if len(seen) == 13:
+                    os.kill(child.pid, signal.SIGKILL)
+                    break
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert len(seen) == 13, f"child ended early: {child.stderr.read() if child.stderr else ''}"
+    assert child.returncode == -signal.SIGKILL
+
+    model, ref = _reference(family, window, mode, max_new, tmp_path)
+    s = Session.recover(log_dir, model)
+    assert s.gen is not None and not s.gen.done
+    assert 13 - every <= s.gen.n_new < max_new  # killed mid-answer, after the 13th token was printed
+    committed = s.ids[s.gen.start:]
+    assert committed == ref[: len(committed)] == seen[: len(committed)]
+    got = s.resume()
+    s.close()
+    assert got == ref
+    assert seen == ref[: len(seen)]
+
+
+def test_recover_rejects_a_different_model(tmp_path):
+    model = tiny_model("llama")
+    with Session(model, tmp_path / "log") as s:
+        s.generate(prompt_ids(8), max_new_tokens=4, eos_token_ids=())
+    with pytest.raises(RecoveryError, match="fingerprint"):
+        Session.recover(tmp_path / "log", tiny_model("llama", seed=1))
+
+
+def test_new_session_refuses_an_existing_log(tmp_path):
+    model = tiny_model("llama")
+    with Session(model, tmp_path / "log") as s:
+        s.generate(prompt_ids(8), max_new_tokens=2, eos_token_ids=())
+    with pytest.raises(ConfigError, match="already holds a log"):
+        Session(model, tmp_path / "log")
+
+
+def test_second_generate_reuses_the_prefix_and_recovers(tmp_path):
+    model = tiny_model("qwen3")
+    p = prompt_ids(10)
+    with Session(model, tmp_path / "log") as s:
+        first = s.generate(p, max_new_tokens=6, eos_token_ids=())
+        follow = s.ids + [5, 6, 7]
+        second = s.generate(follow, max_new_tokens=6, eos_token_ids=())
+        cached_before = s.stats.epoch_bytes[-1]
+    # the same two calls with the full sequence each time (no reuse) give the same tokens
+    with Session(model, tmp_path / "ref") as r:
+        assert r.generate(p, max_new_tokens=6, eos_token_ids=()) == first
+    ref2 = model.generate(torch.tensor([follow]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert second == ref2[0, len(follow):].tolist()
+    rec = Session.recover(tmp_path / "log", model)
+    assert rec.ids == follow + second and rec.resume() == second and cached_before > 0
+    rec.close()
