@@ -83,7 +83,7 @@ def plot_results(path: Path) -> Path | None:
     cols = _numeric_columns(rows)
     labels = [str(r.get("case") or r.get("name") or i) for i, r in enumerate(rows)]
     fig, axes = plt.subplots(len(cols), 1, figsize=(max(6, 0.45 * len(rows) + 3), 2.6 * len(cols)), squeeze=False)
-    for ax, col in zip(axes[:, 0], cols):
+    for ax, col in zip(axes[:, 0], cols, strict=True):
         vals = [float(r.get(col, float("nan"))) for r in rows]
         ax.bar(range(len(rows)), vals, color=["tab:gray" if lab.startswith("baseline") else "tab:blue" for lab in labels])
         ax.set_ylabel(col)

@@ -81,9 +81,9 @@ def check(path: Path, *, fix: bool, drop_after_damage: bool = False, as_json: bo
                   lambda: _cut(path, t.segment, t.offset), f"cut {t.size_bytes} bytes from {t.segment} at {t.offset}")
     except LogCorruptError as e:
         report.update(outcome="corrupt", error=str(e))
-        seg = Path(e.path).name
-        repair = (lambda: _cut(path, seg, e.offset, drop_later=True)) if drop_after_damage else None
-        found(str(e), repair, f"cut {seg} at offset {e.offset} and dropped every later segment")
+        seg, offset = Path(e.path).name, e.offset
+        repair = (lambda: _cut(path, seg, offset, drop_later=True)) if drop_after_damage else None
+        found(str(e), repair, f"cut {seg} at offset {offset} and dropped every later segment")
         if fix and not drop_after_damage:
             left.append("not fixed: damage before the tail; rerun with --fix --drop-after-damage to keep only the "
                         "epochs before it (every later epoch is lost)")

@@ -42,7 +42,7 @@ class CompactionResult:
 
 def _full_delta(img: RegionImage) -> RegionDelta:
     pages = np.arange(img.spec.n_pages, dtype=np.int64)
-    return RegionDelta(img.spec, pages, memoryview(img.padded).cast("B"))
+    return RegionDelta(img.spec, pages, img.padded.data.cast("B"))
 
 
 def write_base(log_dir: Path, name: str, header: bytes, epoch: int, regions: dict[str, RegionImage],

@@ -62,8 +62,8 @@ def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: 
     records: list[tuple[int, bytes, bytes, int, memoryview | None, int]] = []
     for spec in defs:
         records.append((REC_REGION, spec.name.encode(), encode_json(spec.describe()), 0, None, 0))
-    for name in drops:
-        records.append((REC_DROP, name.encode(), b"", 0, None, 0))
+    for dropped in drops:
+        records.append((REC_DROP, dropped.encode(), b"", 0, None, 0))
     for d in deltas:
         if not len(d.pages):
             continue
@@ -95,7 +95,7 @@ def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: 
     pos = payload_area
     n_pages = 0
     region_pages: dict[str, int] = {}
-    for (rtype, name, var, count, payload, pages), off in zip(records, offsets):
+    for (rtype, name, var, count, payload, pages), off in zip(records, offsets, strict=True):
         if payload is not None:
             pcrc = crc32c(payload)
             plen = payload.nbytes
@@ -171,11 +171,11 @@ def decode_epoch(buf: memoryview, offset: int, *, verify_payloads: bool = True) 
         entries = decode_entries(desc, h.n_records, payload_start, h.total_bytes)
         check_commit(view[h.total_bytes - COMMIT_BYTES :], h.epoch, h.total_bytes, h.desc_crc)
         if verify_payloads:
-            for i, e in enumerate(entries):
-                if e.payload_len and crc32c(view[e.payload_off : e.payload_off + e.payload_len]) != e.payload_crc:
-                    raise FormatError(f"epoch {h.epoch} record {i} ({e.name!r}) payload checksum mismatch")
-    except FormatError as e:
-        raise EpochTail(TailKind.DAMAGED, str(e)) from None
+            for i, ent in enumerate(entries):
+                if ent.payload_len and crc32c(view[ent.payload_off : ent.payload_off + ent.payload_len]) != ent.payload_crc:
+                    raise FormatError(f"epoch {h.epoch} record {i} ({ent.name!r}) payload checksum mismatch")
+    except FormatError as err:
+        raise EpochTail(TailKind.DAMAGED, str(err)) from None
     return DecodedEpoch(h.epoch, h.flags, offset, h.total_bytes, h.payload_bytes, entries, view)
 
 

@@ -37,7 +37,7 @@ def _fallocate_keep_size(fd: int, offset: int, length: int) -> bool:
         if _libc is None:
             _libc = ctypes.CDLL(None, use_errno=True)
             _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-        return int(_libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length)) == 0
+        return bool(int(_libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length)) == 0)
     except (OSError, AttributeError):
         return False
 
@@ -53,7 +53,7 @@ def is_tmpfs(path: Path) -> bool:
         buf = _Statfs()
         if libc.statfs(str(path).encode(), ctypes.byref(buf)) != 0:
             return False
-        return (buf.f_type & 0xFFFFFFFF) == TMPFS_MAGIC
+        return bool((buf.f_type & 0xFFFFFFFF) == TMPFS_MAGIC)
     except (OSError, AttributeError):
         return False
 
