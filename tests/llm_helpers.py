@@ -86,9 +86,29 @@ def run_writer(log_dir: str, family: str, window: int | None, mode: str, max_new
     sys.stdout.flush()
 
 
+def run_lora_writer(log_dir: str, family: str, steps: int, delay_s: float) -> None:
+    """Child process: LoRA SFT with one epoch per step; prints each step's loss after it is committed."""
+    import time
+
+    from concordia_ft.integrations.peft import LoraTrainer, synthetic_batch
+
+    trainer = LoraTrainer(tiny_model(family), log_dir, lr=1e-2)
+    print("READY", flush=True)
+
+    def on_step(res) -> None:
+        print(f"STEP {res.step} {res.loss!r}", flush=True)
+        time.sleep(delay_s)
+
+    trainer.train(lambda k: synthetic_batch(k, vocab=VOCAB), steps, on_step=on_step)
+    print("DONE", flush=True)
+
+
 if __name__ == "__main__":
     import sys
 
+    if sys.argv[1] == "lora":
+        run_lora_writer(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
+        raise SystemExit(0)
     _, log_dir, family, window, mode, max_new, every, delay = sys.argv
     run_writer(log_dir, family, None if window == "none" else int(window), mode, int(max_new), int(every),
                float(delay))

@@ -9,11 +9,11 @@ pytest.importorskip("transformers")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from llm_helpers import prompt_ids, tiny_config, tiny_model  # noqa: E402
 from transformers import DynamicCache, StaticCache  # noqa: E402
 
 from concordia_ft.errors import ConfigError  # noqa: E402
 from concordia_ft.integrations.transformers import ArenaKVCache, plan_arena  # noqa: E402
+from llm_helpers import prompt_ids, tiny_config, tiny_model  # noqa: E402
 
 CASES = [("llama", None), ("qwen3", None), ("qwen3", 6)]
 IDS = ["llama", "qwen3", "qwen3-sliding6"]

@@ -14,10 +14,10 @@ import pytest
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-from llm_helpers import GEN_KW, prompt_ids, tiny_model  # noqa: E402
 
 from concordia_ft.errors import ConfigError, RecoveryError  # noqa: E402
 from concordia_ft.session import Session  # noqa: E402
+from llm_helpers import GEN_KW, prompt_ids, tiny_model  # noqa: E402
 
 HELPERS = Path(__file__).with_name("llm_helpers.py")
 SRC = Path(__file__).resolve().parents[1] / "src"

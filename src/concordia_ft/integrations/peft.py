@@ -1,0 +1,216 @@
+"""PEFT LoRA fine-tuning with one committed epoch per optimizer step.
+
+Every trainable adapter tensor is moved into ONE flat buffer (``lora.params``), and AdamW's ``exp_avg`` /
+``exp_avg_sq`` into another (``lora.adam``), both registered ``dense`` (every page is rewritten by each step:
+no scan). AdamW's per-parameter ``step`` counters (CPU scalars unless fused) live in ``lora.steps``. The base
+weights are frozen: not logged by default (reload them from their files), or registered ``immutable`` with
+``log_weights=True`` (base snapshot once, never diffed). The metadata of each epoch holds the step number,
+the loss and the torch CPU RNG state (dropout), so a killed run resumes with the same next-step loss as an
+uninterrupted one as long as the data for step ``k`` is a function of ``k`` (``batch_fn(step)``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, RecoveryError
+
+META_KEY = "concordia.lora"
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def default_lora_config(r: int = 8, alpha: int = 16, dropout: float = 0.0,
+                        targets: Iterable[str] = ALL_PROJECTIONS) -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets),
+                      task_type="CAUSAL_LM", bias="none")
+
+
+def _flatten_into(tensors: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """One contiguous buffer holding every tensor; each tensor's storage is re-pointed at its slice."""
+    total = sum(t.numel() for t in tensors)
+    flat = torch.zeros(total, dtype=dtype, device=device)
+    off = 0
+    for t in tensors:
+        n = t.numel()
+        flat[off: off + n].copy_(t.detach().reshape(-1))
+        t.data = flat[off: off + n].view_as(t)
+        off += n
+    return flat
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    epoch: int
+    step_s: float
+    checkpoint_s: float
+    pages: int
+    payload_bytes: int
+
+
+@dataclass
+class TrainStats:
+    results: list[StepResult] = field(default_factory=list)
+
+
+class LoraTrainer:
+    """LoRA SFT with AdamW: ``trainer.train_step(batch)`` = forward + backward + step + ONE committed epoch."""
+
+    def __init__(self, base_model: Any, log_dir: str | Path, *, lora_config: Any = None, lr: float = 1e-4,
+                 weight_decay: float = 0.0, fsync: str = "never", backend: str = "file", log_weights: bool = False,
+                 runtime_options: dict[str, Any] | None = None, _runtime: Any = None) -> None:
+        from peft import get_peft_model
+
+        from .. import runtime as _rt
+
+        if _runtime is None and Path(log_dir).is_dir() and any(Path(log_dir).iterdir()):
+            raise ConfigError(f"{log_dir} already holds a log; continue it with LoraTrainer.recover(...) or pass "
+                              "an empty directory")
+        self.lora_config = lora_config or default_lora_config()
+        self.model = get_peft_model(base_model, self.lora_config)
+        self.model.train()
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ConfigError("the LoRA config matched no module: no trainable parameter (check target_modules)")
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) != 1:
+            raise ConfigError(f"adapter tensors have mixed dtypes {sorted(map(str, dtypes))}; use one dtype")
+        self.param_names = [n for n, _ in named]
+        params = [p for _, p in named]
+        dev, dt = params[0].device, params[0].dtype
+        self.params_flat = _flatten_into(params, dev, dt)
+        n = self.params_flat.numel()
+        self.adam_flat = torch.zeros(2 * n, dtype=dt, device=dev)
+        self.steps_flat = torch.zeros(len(params), dtype=torch.float32)  # AdamW keeps `step` on the CPU
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
+        off = 0
+        for i, p in enumerate(params):
+            k = p.numel()
+            self.optimizer.state[p] = {
+                "step": self.steps_flat[i],
+                "exp_avg": self.adam_flat[off: off + k].view_as(p),
+                "exp_avg_sq": self.adam_flat[n + off: n + off + k].view_as(p),
+            }
+            off += k
+        self.rng = np.zeros(torch.get_rng_state().numel(), np.uint8)
+        self.step = 0
+        self.last_loss: float | None = None
+        self.stats = TrainStats()
+        self.runtime = _runtime if _runtime is not None else _rt.Runtime(
+            str(log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
+        self.log_dir = Path(log_dir)
+        self.log_weights = log_weights
+        rt = self.runtime
+        rt.register("lora.params", self.params_flat, kind="dense")
+        rt.register("lora.adam", self.adam_flat, kind="dense")
+        rt.register("lora.steps", self.steps_flat, kind="dense", page_bytes=512)
+        rt.register("lora.rng", self.rng, kind="dense", page_bytes=512)
+        if log_weights:
+            for name, p in self.model.named_parameters():
+                if not p.requires_grad:
+                    rt.register(f"weights:{name}", p.data, kind="immutable")
+
+    @property
+    def n_adapter_params(self) -> int:
+        return int(self.params_flat.numel())
+
+    def _meta(self) -> dict[str, Any]:
+        return {META_KEY: {"step": self.step, "loss": self.last_loss, "names_n": len(self.param_names),
+                           "n_params": self.n_adapter_params, "dtype": str(self.params_flat.dtype),
+                           "log_weights": self.log_weights, "time": time.time()}}
+
+    def checkpoint(self) -> int:
+        self.rng[:] = torch.get_rng_state().numpy()
+        return int(self.runtime.checkpoint(meta=self._meta()))
+
+    def loss_of(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.model(**batch)
+        return out.loss
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
+        """One optimizer step on ``batch`` (input_ids, labels, ...) followed by one committed epoch."""
+        t0 = time.perf_counter()
+        loss = self.loss_of(batch)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.last_loss = float(loss.detach())
+        t1 = time.perf_counter()
+        epoch = self.checkpoint()
+        t2 = time.perf_counter()
+        st = self.runtime.last_stats
+        res = StepResult(self.step, self.last_loss, epoch, t1 - t0, t2 - t1,
+                         int(getattr(st, "pages", 0)), int(getattr(st, "payload_bytes", 0)))
+        self.stats.results.append(res)
+        return res
+
+    def train(self, batch_fn: Callable[[int], dict[str, torch.Tensor]], until_step: int,
+              on_step: Callable[[StepResult], Any] | None = None) -> list[StepResult]:
+        """Run steps ``self.step .. until_step-1``; the batch of step ``k`` is ``batch_fn(k)``."""
+        out = []
+        while self.step < until_step:
+            res = self.train_step(batch_fn(self.step))
+            out.append(res)
+            if on_step is not None:
+                on_step(res)
+        return out
+
+    @classmethod
+    def recover(cls, log_dir: str | Path, base_model: Any, *, lora_config: Any = None, lr: float = 1e-4,
+                weight_decay: float = 0.0, fsync: str = "never", backend: str = "file",
+                runtime_options: dict[str, Any] | None = None) -> LoraTrainer:
+        """Rebuild adapter + optimizer state from the last committed step (pass the same base model + config)."""
+        from .. import runtime as _rt
+
+        if not Path(log_dir).is_dir():
+            raise RecoveryError(f"no log at {log_dir}: the directory does not exist")
+        rt = _rt.Runtime(str(log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
+        try:
+            replayed = getattr(rt.log, "replayed", None)
+            meta = replayed.meta if replayed is not None else _rt.recover(str(log_dir)).meta
+            m = (meta or {}).get(META_KEY)
+            if m is None:
+                raise RecoveryError(f"the last epoch in {log_dir} holds no LoRA training metadata")
+            t = cls(base_model, log_dir, lora_config=lora_config, lr=lr, weight_decay=weight_decay,
+                    log_weights=bool(m.get("log_weights")), _runtime=rt)
+            if t.n_adapter_params != int(m["n_params"]):
+                raise RecoveryError(f"this LoRA config makes {t.n_adapter_params} adapter parameters; the log holds "
+                                    f"{m['n_params']}: recover with the same base model and LoRA config")
+            t.runtime.recover_into()
+            torch.set_rng_state(torch.from_numpy(t.rng.copy()))
+            t.step, t.last_loss = int(m["step"]), m["loss"]
+        except BaseException:
+            rt.close()
+            raise
+        return t
+
+    def close(self) -> None:
+        self.runtime.close()
+
+    def __enter__(self) -> LoraTrainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def synthetic_batch(step: int, *, vocab: int, batch: int = 2, seq: int = 16, seed: int = 0,
+                    device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A deterministic SFT batch for step ``step`` (the data loader state is the step number)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    ids = torch.randint(3, vocab, (batch, seq), generator=g)
+    return {"input_ids": ids.to(device), "labels": ids.clone().to(device)}
+
+
+__all__ = ["LoraTrainer", "StepResult", "default_lora_config", "synthetic_batch"]
