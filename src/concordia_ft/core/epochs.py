@@ -67,10 +67,11 @@ def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: 
     for d in deltas:
         if not len(d.pages):
             continue
-        runs = pages_to_runs(d.pages)
-        if len(runs) * 2 <= len(d.pages):
-            var = runs.astype("<i8").tobytes()
-            records.append((REC_RUNS, d.spec.name.encode(), var, len(runs), d.payload, len(d.pages)))
+        n = len(d.pages)
+        n_runs = 1 if n == 1 else 1 + int(np.count_nonzero(np.diff(d.pages) != 1))
+        if n > 1 and n_runs * 2 <= n:
+            var = pages_to_runs(d.pages).astype("<i8").tobytes()
+            records.append((REC_RUNS, d.spec.name.encode(), var, n_runs, d.payload, n))
         else:
             var = d.pages.astype("<i8").tobytes()
             records.append((REC_PAGES, d.spec.name.encode(), var, len(d.pages), d.payload, len(d.pages)))
