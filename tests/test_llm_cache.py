@@ -65,14 +65,14 @@ def test_dirty_blocks_follow_append_positions():
         model(input_ids=prompt_ids(5), cache=cache, use_cache=True)
     assert cache.lengths() == [5, 5]
     cache.mark_dirty()
-    assert np.flatnonzero(cache.dirty_blocks).tolist() == [0, 1, 2, 3, 4]
+    assert np.flatnonzero(cache.dirty_blocks.numpy()).tolist() == [0, 1, 2, 3, 4]
     cache.dirty_blocks[:] = 0  # what the runtime does after the commit
     cache.mark_clean()
     assert cache.mark_dirty() == 0  # nothing new
     with torch.no_grad():
         model(input_ids=torch.tensor([[7]]), cache=cache, use_cache=True)
     cache.mark_dirty()
-    assert np.flatnonzero(cache.dirty_blocks).tolist() == [5]
+    assert np.flatnonzero(cache.dirty_blocks.numpy()).tolist() == [5]
     # the bytes outside the dirty blocks did not change since the commit: only block 5 differs from a copy
     # taken before the step (checked the other way round: row 5 is non-zero now, row 6 still zero)
     arena = cache.arena.numpy()

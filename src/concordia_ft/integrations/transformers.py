@@ -24,7 +24,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
 
@@ -174,8 +173,8 @@ class _ArenaLayerMixin:
 
     def _bind(self, keys: torch.Tensor, values: torch.Tensor, slot: LayerSlot) -> None:
         self._arena_k, self._arena_v, self.slot = keys, values, slot
-        self.marked_rows = 0  # rows [0, marked_rows) are committed (or known clean)
-        self.all_dirty = True  # the first checkpoint logs the whole layer
+        self.marked_rows = 0  # rows [0, marked_rows) are committed (a fresh arena is all zeros: clean)
+        self.all_dirty = False  # set by reset(): every row must be logged again
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         k = self._arena_k
@@ -265,7 +264,7 @@ class ArenaSlidingLayer(_ArenaLayerMixin, StaticSlidingWindowLayer):
 class ArenaKVCache(Cache):
     """StaticCache semantics, one arena per model, dirty blocks from append positions.
 
-    ``dirty_blocks`` (numpy uint8, one per block) is owned by this cache: ``mark_dirty()`` sets the blocks
+    ``dirty_blocks`` (torch uint8 on the arena's device, one flag per block) is owned by this cache: ``mark_dirty()`` sets the blocks
     written since the last ``mark_clean()``; the runtime reads it at checkpoint and clears committed blocks.
     """
 
@@ -279,7 +278,8 @@ class ArenaKVCache(Cache):
             geometry = plan_arena(config, max_cache_len, batch_size=batch_size, dtype=dt, block_bytes=block_bytes)
         self.geometry = geometry
         self.arena = torch.zeros(geometry.nbytes, dtype=torch.uint8, device=device)
-        self.dirty_blocks = np.zeros(geometry.n_blocks, dtype=np.uint8)
+        # on the arena's device: the CUDA paged handler reads the flags there (the CPU runtime reads them as numpy)
+        self.dirty_blocks = torch.zeros(geometry.n_blocks, dtype=torch.uint8, device=device)
         layers: list[Any] = []
         for slot in geometry.slots:
             k, v = _views(self.arena, geometry, slot)
@@ -312,11 +312,18 @@ class ArenaKVCache(Cache):
         return out
 
     def mark_dirty(self) -> int:
-        """Set ``dirty_blocks`` for every block written since the last commit; return how many are set."""
+        """Set ``dirty_blocks`` for every block written since the last commit; return how many were marked."""
         bb = self.geometry.block_bytes
-        for lo, hi in self.dirty_byte_ranges():
-            self.dirty_blocks[lo // bb: -(-hi // bb)] = 1
-        return int(np.count_nonzero(self.dirty_blocks))
+        spans: list[tuple[int, int]] = []
+        for lo, hi in sorted(self.dirty_byte_ranges()):
+            b0, b1 = lo // bb, -(-hi // bb)
+            if spans and b0 <= spans[-1][1]:
+                spans[-1] = (spans[-1][0], max(spans[-1][1], b1))
+            else:
+                spans.append((b0, b1))
+        for b0, b1 in spans:  # one fill per contiguous span (one small kernel on a GPU)
+            self.dirty_blocks[b0:b1] = 1
+        return sum(b1 - b0 for b0, b1 in spans)
 
     def mark_clean(self) -> None:
         """After a commit: the current lengths are the new marks (the runtime clears ``dirty_blocks``)."""
