@@ -240,10 +240,13 @@ extern "C" __global__ void concordia_exec_wide(u64 w0, u64 w1, u64 w2, u64 w3, u
   ccr_run(d, false, &s_count);
 }
 
-extern "C" __global__ void concordia_exec_wide_at(const u64* desc) {
+// ``ran`` (device-written, one word per slot) records (seq << 16 | opcode) of what this instance read, so
+// the host can tell a task it fired from an instance an executor exit released with the pending NOP.
+extern "C" __global__ void concordia_exec_wide_at(const u64* desc, u64* ran) {
   __shared__ u64 s_d[8];
   __shared__ u32 s_count;
   if (threadIdx.x < 8) s_d[threadIdx.x] = ccr_ld_relaxed(desc + threadIdx.x);
   __syncthreads();
+  if (blockIdx.x == 0 && threadIdx.x == 0 && ran) *(volatile u64*)ran = (s_d[0] << 16) | (s_d[1] & 0xffff);
   ccr_run(s_d, false, &s_count);
 }

@@ -236,7 +236,8 @@ class ResidentExecutor:
         self.producer.clear_stop()
         wide_args = driver.KernelArgs([(ctypes.c_uint64, 0)] * 8)
         driver.launch(image.wide, 1, image.threads, wide_args, self.stream, what="wide warm-up")
-        driver.launch(image.wide_at, 1, image.threads, driver.KernelArgs([(ctypes.c_uint64, nop)]), self.stream,
+        driver.launch(image.wide_at, 1, image.threads,
+                      driver.KernelArgs([(ctypes.c_uint64, nop), (ctypes.c_uint64, nop + 256)]), self.stream,
                       what="wide_at warm-up")
         _stream_write(self.stream, nop + 128, 1)
         _stream_wait(self.stream, nop + 128, 1)
@@ -294,16 +295,17 @@ class ResidentExecutor:
         self.suspend()
         self._closed = True
 
-    def swap(self, image_id: int | None = None, image: ExecutorImage | None = None) -> ExecutorImage:
-        """Hand the ring to a new image: compile (no GPU), let this one exit at a task boundary, load and warm
-        the new one, resume from the ring's tail. Returns the new image; the old module is unloaded."""
+    def swap(self, image_id: int | None = None, compiled: nvrtc.CompiledModule | None = None) -> ExecutorImage:
+        """Hand the ring to a new image: compile it (no GPU; pass ``compiled`` to do that ahead), let this one
+        exit at a task boundary, load and warm the new one, resume from the ring's tail. Tasks submitted
+        meanwhile wait in the ring. Returns the new image; the old module is unloaded."""
         from . import guard
 
         new_id = image_id if image_id is not None else self.image.image_id + 1
-        compiled = None if image is not None else compile_executor(new_id, self.image.threads,
-                                                                   driver.arch_of(self.device))
-        with self._lock, guard.quiesced():
-            new = image or ExecutorImage(new_id, self.image.threads, self.device, compiled)
+        if compiled is None:
+            compiled = compile_executor(new_id, self.image.threads, driver.arch_of(self.device))
+        with guard.quiesced():  # suspends this executor too (lock order: guard, then executor)
+            new = ExecutorImage(new_id, self.image.threads, self.device, compiled)
             self.warm_up(new)
             old, self.image = self.image, new
             old.close()
@@ -383,15 +385,21 @@ class ArmedChannel:
         self.nslots = depth + 1
         self.grid = grid or 4 * driver.sm_count(image.device)
         self.fired_by = fired_by
-        self.mem = PinnedBuffer(128 + 64 * self.nslots)
+        # flag u32 @0 (one writer: the host, or the firing executor), done u32 @64 (the stream), descriptor
+        # slots @128 (host), ran words after them (device): one per slot
+        self._ran_off = 128 + 64 * self.nslots
+        self.mem = PinnedBuffer(self._ran_off + 8 * self.nslots)
         self.mem.view()[:] = bytes(self.mem.nbytes)
         self.u32 = self.mem.view().cast("I")
         self.q = self.mem.view().cast("Q")
         self.flag_ptr = self.mem.device_ptr
         self.done_ptr = self.mem.device_ptr + 64
         self.stream = driver.Stream.create(non_blocking=True, device=image.device)
-        self._slot_args = [driver.KernelArgs([(ctypes.c_uint64, self.mem.device_ptr + 128 + 64 * i)])
+        self._slot_args = [driver.KernelArgs([(ctypes.c_uint64, self.mem.device_ptr + 128 + 64 * i),
+                                              (ctypes.c_uint64, self.mem.device_ptr + self._ran_off + 8 * i)])
                            for i in range(self.nslots)]
+        self._bodies: dict[int, bytes] = {}  # fired, not yet confirmed: ticket -> descriptor body
+        self.refires = 0
         self.armed = 0
         self.fired = 0
         self._suspended = False
@@ -430,14 +438,21 @@ class ArmedChannel:
     def fire(self, opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0,
              a5: int = 0, aux: int = 0) -> int:
         """Release the next armed instance with this task; returns its ticket (wait with ``wait``)."""
+        return self._fire(R.encode_body(opcode, (a0, a1, a2, a3, a4, a5), 0, aux))
+
+    def _fire(self, body: bytes) -> int:
         with self._lock:
-            if self._suspended:
-                self._suspended = False
+            self._suspended = False
+            if self.fired_by is not None and self.armed != self.fired and cyclic_reached(int(self.u32[0]), self.fired + 1):
+                self.fired = self.armed  # the executor exited and released the pending instances (as NOPs)
             if self.armed == self.fired:
                 self._arm()
             k = self.fired + 1
             sq = self._slot_q(k)
-            self.mem.view()[(sq << 3) + 8:(sq << 3) + 64] = R.encode_body(opcode, (a0, a1, a2, a3, a4, a5), 0, aux)
+            self.mem.view()[(sq << 3) + 8:(sq << 3) + 64] = body
+            self._bodies[k] = body
+            if len(self._bodies) > 4 * self.nslots + 64:  # fired and never waited for: forget the oldest
+                self._bodies.pop(next(iter(self._bodies)))
             if self.fired_by is None:
                 self.u32[0] = k & _U32  # the host store that starts the full-width launch
             else:
@@ -469,8 +484,18 @@ class ArmedChannel:
                                           f"fired {self.fired}, armed {self.armed})")
 
     def wait(self, ticket: int, timeout_s: float = 10.0) -> int:
-        self._wait_done(ticket, timeout_s)
-        return 0
+        """Wait for ``ticket``; if an executor exit released its instance before the descriptor was in place
+        (it ran a NOP), fire the task again, so a fired task is never lost."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._wait_done(ticket, max(0.0, deadline - time.monotonic()))
+            body = self._bodies.pop(ticket, None)
+            ran = int(self.q[(self._ran_off >> 3) + ticket % self.nslots])
+            # ran names a later ticket when the slot was reused before this wait: nothing left to check
+            if body is None or (ran >> 16) != ticket or (ran & 0xFFFF) == int.from_bytes(body[:2], "little"):
+                return 0
+            self.refires += 1
+            ticket = self._fire(body)
 
     def suspend(self) -> None:
         """Release every pending instance (they run NOP) and wait for the stream: nothing waits on a flag."""
