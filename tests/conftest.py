@@ -1,0 +1,65 @@
+"""Shared fixtures: DRAM (tmpfs) scratch directories, the `gpu` skip, and subprocess helpers.
+
+`gpu` tests are skipped only when no CUDA device is usable (torch missing or torch.cuda unavailable): a real
+setup failure, never a bug turned into a skip. torch is imported only when a collected test carries the
+marker, so CPU CI pays nothing for it. tests/gpu/conftest.py (another owner) may add GPU-only fixtures.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SRC = REPO / "src"
+
+
+def _cuda_available() -> tuple[bool, str]:
+    try:
+        import torch
+    except ImportError as e:
+        return False, f"torch is not importable ({e})"
+    if not torch.cuda.is_available():
+        return False, "torch.cuda.is_available() is False (no CUDA device on this machine)"
+    return True, ""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [it for it in items if it.get_closest_marker("gpu") is not None]
+    if not gpu_items:
+        return
+    ok, why = _cuda_available()
+    if ok:
+        return
+    skip = pytest.mark.skip(reason=f"gpu test: {why}")
+    for it in gpu_items:
+        it.add_marker(skip)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A fresh directory on tmpfs (/dev/shm), removed afterwards; falls back to /tmp where there is none."""
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK) else Path("/tmp")
+    path = root / f"cft-test-{os.getpid()}-{uuid.uuid4().hex[:10]}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for a child Python that imports this checkout's package (src layout)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SRC) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+PYTHON = sys.executable
