@@ -86,10 +86,22 @@ class CudaTracker:
         self._count_np = self._list.numpy(np.uint32, count=1)
         self._dev_stage: DeviceBuffer | None = None
         self._needs_sync = False
+        self._last_delta: RegionDelta | None = None  # the delta collect() handed out last
+        self._list_holds: Any = None  # the pages array whose values the mapped list buffer holds
+        self._staging_view: memoryview | None = None
+        self._gather_args: driver.KernelArgs | None = None
+        self._adv_args: driver.KernelArgs | None = None
         self.last_collect_device_ms = float("nan")
         self._events: list[driver.Event] = []
+        self._gate: PinnedBuffer | None = None
+        self._gate_seq = 0
         if profile:
+            # profile mode times the GPU work alone: the stream waits on a host flag while the host enqueues
+            # the kernels between two events, then the flag is released (no host launch gaps in the time)
             self._events = [driver.Event() for _ in range(4)]
+            self._gate = PinnedBuffer(64)
+            self._gate_np = self._gate.numpy(np.uint32, count=1)
+            self._gate_np[0] = 0
 
     # ---- plumbing ----
     @property
@@ -104,20 +116,48 @@ class CudaTracker:
     def _staging(self) -> PinnedBuffer:
         if self._payload is None:
             self._payload = PinnedBuffer(self.padded_bytes)
+            self._staging_view = self._payload.view()
         return self._payload
+
+    def _gate_hold(self, stream: driver.Stream) -> None:
+        """Profile mode: hold the stream until _gate_release, then record the start event."""
+        if self._gate is None:
+            return
+        self._gate_seq = (self._gate_seq + 1) & 0x7FFFFFFF or 1
+        drv = driver.bindings()
+        driver.check(drv.cuStreamWaitValue32(stream.handle, self._gate.device_ptr, self._gate_seq,
+                                             drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ),
+                     "cuStreamWaitValue32")
+
+    def _gate_release(self) -> None:
+        if self._gate is not None:
+            self._gate_np[0] = self._gate_seq
+
+    @property
+    def last_advance_device_ms(self) -> float:
+        """Profile mode: GPU time of the last advance (waits for it)."""
+        if not self._events:
+            return float("nan")
+        self._events[3].synchronize()
+        return self._events[2].elapsed_ms(self._events[3])
 
     def _list_dev(self) -> int:
         return self._list.device_ptr + _LIST_OFFSET
 
     def _delta(self, pages: npt.NDArray[np.int64], scanned: int) -> RegionDelta:
         n = len(pages) * self.page_bytes
-        view = self._staging().view(n) if n else memoryview(b"")
-        return RegionDelta(self.spec, pages, view, scanned_bytes=scanned)
+        self._staging()
+        assert self._staging_view is not None
+        view = self._staging_view[:n]
+        d = RegionDelta(self.spec, pages, view, scanned_bytes=scanned)
+        self._last_delta = d
+        return d
 
     def _collect_full(self, stream: driver.Stream) -> RegionDelta:
         buf = self._staging()
         driver.memcpy_dtoh_async(buf.host_ptr, self.base, self.spec.nbytes, stream)
         stream.synchronize()
+        self._needs_sync = False
         if self.padded_bytes > self.spec.nbytes:
             ctypes.memset(buf.host_ptr + self.spec.nbytes, 0, self.padded_bytes - self.spec.nbytes)
         return self._delta(np.arange(self.n_pages, dtype=np.int64), self.spec.nbytes)
@@ -127,6 +167,10 @@ class CudaTracker:
         buf = self._staging()
         n = delta.payload.nbytes
         if n == 0:
+            return buf.device_ptr
+        if delta is self._last_delta:
+            if self._dev_stage is not None and self.staging == "device" and len(delta.pages) < self.n_pages:
+                return self._dev_stage.ptr  # the same bytes, already on the device
             return buf.device_ptr
         addr = ctypes.addressof(ctypes.c_char.from_buffer(delta.payload)) if not delta.payload.readonly else 0
         if addr == buf.host_ptr:
@@ -139,8 +183,9 @@ class CudaTracker:
     def _write_list(self, pages: npt.NDArray[np.int64]) -> int:
         """Put ``pages`` into the mapped list buffer (unless already there); return its device address."""
         n = len(pages)
-        if n and not (np.shares_memory(pages, self._list_np) or np.array_equal(self._list_np[:n], pages)):
+        if n and pages is not self._list_holds and not np.array_equal(self._list_np[:n], pages):
             self._list_np[:n] = pages
+        self._list_holds = pages
         return self._list_dev()
 
     def _is_full(self, delta: RegionDelta) -> bool:
@@ -150,15 +195,22 @@ class CudaTracker:
         """Detector has run (list + count on the device); stage the payload; return the delta."""
         m = self.mod
         if self.staging == "mapped":
-            m.launch("concordia_gather",
-                     m.gather_args(self.base, self._list_dev(), meta_ptr + 4, 0, self._staging().device_ptr),
-                     stream)
+            if self._gather_args is None:
+                self._gather_args = m.gather_args(self.base, self._list_dev(), meta_ptr + 4, 0,
+                                                  self._staging().device_ptr)
+            m.launch("concordia_gather", self._gather_args, stream)
             if self.profile:
                 self._events[1].record(stream)
+                self._gate_release()
             stream.synchronize()
             count = int(self._count_np[0])
         else:
+            if self.profile:
+                self._events[1].record(stream)
+            self._gate_release()
             stream.synchronize()
+            if self.profile:
+                self._events[2].record(stream)  # the part after the host learnt the count
             count = int(self._count_np[0])
             if count:
                 need = count * self.page_bytes
@@ -171,26 +223,26 @@ class CudaTracker:
                          grid=m.grid_for("concordia_gather", count))
                 driver.memcpy_dtoh_async(self._staging().host_ptr, self._dev_stage.ptr, need, stream)
             if self.profile:
-                self._events[1].record(stream)
+                self._events[3].record(stream)
             stream.synchronize()
+        self._needs_sync = False
         if self.profile:
             self.last_collect_device_ms = self._events[0].elapsed_ms(self._events[1])
+            if self.staging == "device":  # scan part + gather/DtoH part (host round trip excluded)
+                self.last_collect_device_ms += self._events[2].elapsed_ms(self._events[3])
         pages = self._list_np[:count].copy()
+        self._list_holds = pages
         return self._delta(pages, scanned)
 
     # ---- the Tracker contract ----
     def collect(self, *, full: bool) -> RegionDelta:
         driver.ensure_context(self.device)
         stream = self.stream
-        if self.profile:
-            self._events[0].record(stream)
         if full or not self.initialised:
-            d = self._collect_full(stream)
-            if self.profile:
-                self._events[1].record(stream)
-                self._events[1].synchronize()
-                self.last_collect_device_ms = self._events[0].elapsed_ms(self._events[1])
-            return d
+            return self._collect_full(stream)
+        if self.profile:
+            self._gate_hold(stream)
+            self._events[0].record(stream)
         return self._collect_sparse(stream)
 
     def advance(self, delta: RegionDelta) -> None:
@@ -200,7 +252,13 @@ class CudaTracker:
         stream = self.stream
         if self._needs_sync:
             stream.synchronize()  # the last advance may still read the buffers we are about to rewrite
+        if self.profile:
+            self._gate_hold(stream)
+            self._events[2].record(stream)
         self._advance(delta, stream)
+        if self.profile:
+            self._events[3].record(stream)
+            self._gate_release()
         self._needs_sync = True
         self.initialised = True
 
@@ -230,7 +288,7 @@ class CudaTracker:
         self.initialised = False  # the next epoch re-bases (state must match the restored bytes)
 
     def close(self) -> None:
-        for b in (self._payload, self._list, self._dev_stage):
+        for b in (self._payload, self._list, self._dev_stage, self._gate):
             if b is not None:
                 b.close()
         for e in self._events:
@@ -300,10 +358,17 @@ class OpaqueTracker(CudaTracker):
             return
         lst = self._write_list(delta.pages)
         g = m.grid_for("concordia_scatter", n)
+        if self._adv_args is None:
+            self._adv_args = (m.list_args(self._state.ptr, lst, n, payload) if self.mode is DiffMode.SHADOW
+                              else m.list_args(payload, lst, n, self._state.ptr))
+        a = self._adv_args
+        a.set(2, n)
         if self.mode is DiffMode.SHADOW:
-            m.launch("concordia_scatter", m.list_args(self._state.ptr, lst, n, payload), stream, grid=g)
+            a.set(3, payload)
+            m.launch("concordia_scatter", a, stream, grid=g)
         else:
-            m.launch("concordia_hash_store", m.list_args(payload, lst, n, self._state.ptr), stream, grid=g)
+            a.set(0, payload)
+            m.launch("concordia_hash_store", a, stream, grid=g)
 
     def close(self) -> None:
         super().close()
@@ -335,10 +400,11 @@ class PagedTracker(CudaTracker):
     def collect(self, *, full: bool) -> RegionDelta:
         driver.ensure_context(self.device)
         stream = self.stream
-        if self.profile:
-            self._events[0].record(stream)
         if full:
             return self._collect_full(stream)
+        if self.profile:
+            self._gate_hold(stream)
+            self._events[0].record(stream)
         self.mod.launch("concordia_paged_scan", self._scan_args, stream)
         return self._gather_after_scan(stream, self._meta.ptr, self.spec.n_blocks)
 
