@@ -217,12 +217,12 @@ class Session:
         self.tokens[self.n_tokens: self.n_tokens + n] = np.asarray(new, dtype=np.int64)
         self.n_tokens += n
 
-    def _meta(self) -> dict[str, Any]:
+    def _meta(self, lengths: list[int]) -> dict[str, Any]:
         g = self.gen
         return {META_KEY: {
             "version": META_VERSION,
             "n_tokens": self.n_tokens,
-            "cache_lengths": self.cache.lengths(),
+            "cache_lengths": lengths,
             "max_cache_len": self.max_cache_len,
             "block_bytes": self.cache.geometry.block_bytes,
             "kv_dtype": dtype_name(self.kv_dtype),
@@ -238,15 +238,16 @@ class Session:
     def checkpoint(self) -> int:
         """Commit the session (new KV blocks, new token ids, sampler state, metadata) as ONE epoch."""
         t0 = time.perf_counter()
-        self.cache.mark_dirty()
+        lengths = self.cache.lengths()  # one device read
+        self.cache.mark_dirty(lengths)
         bb = TOKEN_BLOCK_BYTES
         lo, hi = self._tokens_marked * 8, self.n_tokens * 8
         if hi > lo:
             self.tokens_dirty[lo // bb: -(-hi // bb)] = 1
         if self.rng_dirty.any():
             self.rng[: self.rng_bytes] = self.generator.get_state().numpy()
-        epoch = self.runtime.checkpoint(meta=self._meta())
-        self.cache.mark_clean()
+        epoch = self.runtime.checkpoint(meta=self._meta(lengths))
+        self.cache.mark_clean(lengths)
         self._tokens_marked = self.n_tokens
         st = self.runtime.last_stats
         self.stats.epochs += 1

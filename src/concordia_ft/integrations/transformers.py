@@ -222,16 +222,15 @@ class ArenaFullLayer(_ArenaLayerMixin, StaticLayer):
     def set_length(self, n: int) -> None:
         self.cumulative_length.fill_(n)
 
-    def dirty_rows(self) -> tuple[int, int]:
-        n = self.length()
+    def dirty_rows(self, n: int) -> tuple[int, int]:
         return (0, self.slot.rows) if self.all_dirty else (min(self.marked_rows, n), n)
 
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
         self.marked_rows = min(self.marked_rows, self.length())
 
-    def mark_clean(self) -> None:
-        self.marked_rows, self.all_dirty = self.length(), False
+    def mark_clean(self, n: int) -> None:
+        self.marked_rows, self.all_dirty = n, False
 
 
 class ArenaSlidingLayer(_ArenaLayerMixin, StaticSlidingWindowLayer):
@@ -247,8 +246,7 @@ class ArenaSlidingLayer(_ArenaLayerMixin, StaticSlidingWindowLayer):
         self.cumulative_length_int = n
         self.cumulative_length.fill_(min(n, self.max_cache_len))
 
-    def dirty_rows(self) -> tuple[int, int]:
-        n = self.length()
+    def dirty_rows(self, n: int) -> tuple[int, int]:
         if self.all_dirty or n > self.max_cache_len:  # rolled (or became full in one update): every row moved
             return (0, self.slot.rows) if (self.all_dirty or n != self.marked_rows) else (0, 0)
         return min(self.marked_rows, n), n
@@ -257,8 +255,8 @@ class ArenaSlidingLayer(_ArenaLayerMixin, StaticSlidingWindowLayer):
         super().crop(tokens_to_remove)
         self.marked_rows = min(self.marked_rows, self.length())
 
-    def mark_clean(self) -> None:
-        self.marked_rows, self.all_dirty = self.length(), False
+    def mark_clean(self, n: int) -> None:
+        self.marked_rows, self.all_dirty = n, False
 
 
 class ArenaKVCache(Cache):
@@ -291,7 +289,17 @@ class ArenaKVCache(Cache):
 
     # -- lengths -------------------------------------------------------------------------------------------
     def lengths(self) -> list[int]:
-        return [layer.length() for layer in self.layers]
+        """Every layer's cumulative length, read with ONE device sync (not one per layer)."""
+        full = [i for i, layer in enumerate(self.layers) if isinstance(layer, ArenaFullLayer)]
+        out = [0] * len(self.layers)
+        if full:
+            vals = torch.stack([self.layers[i].cumulative_length for i in full]).tolist()
+            for i, v in zip(full, vals, strict=True):
+                out[i] = int(v)
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, ArenaFullLayer):
+                out[i] = layer.length()
+        return out
 
     def set_lengths(self, lengths: list[int]) -> None:
         if len(lengths) != len(self.layers):
@@ -300,22 +308,23 @@ class ArenaKVCache(Cache):
             layer.set_length(int(n))
 
     # -- dirty tracking ------------------------------------------------------------------------------------
-    def dirty_byte_ranges(self) -> list[tuple[int, int]]:
+    def dirty_byte_ranges(self, lengths: list[int] | None = None) -> list[tuple[int, int]]:
         """Byte ranges of the arena written since the last ``mark_clean()`` (from lengths, not hooks)."""
         geo, out = self.geometry, []
-        for layer in self.layers:
-            lo, hi = layer.dirty_rows()
+        lengths = self.lengths() if lengths is None else lengths
+        for layer, n in zip(self.layers, lengths, strict=True):
+            lo, hi = layer.dirty_rows(n)
             if hi <= lo:
                 continue
             sec = geo.sections[layer.slot.section]
             out.append((sec.start_bytes + lo * sec.row_bytes, sec.start_bytes + hi * sec.row_bytes))
         return out
 
-    def mark_dirty(self) -> int:
+    def mark_dirty(self, lengths: list[int] | None = None) -> int:
         """Set ``dirty_blocks`` for every block written since the last commit; return how many were marked."""
         bb = self.geometry.block_bytes
         spans: list[tuple[int, int]] = []
-        for lo, hi in sorted(self.dirty_byte_ranges()):
+        for lo, hi in sorted(self.dirty_byte_ranges(lengths)):
             b0, b1 = lo // bb, -(-hi // bb)
             if spans and b0 <= spans[-1][1]:
                 spans[-1] = (spans[-1][0], max(spans[-1][1], b1))
@@ -325,10 +334,11 @@ class ArenaKVCache(Cache):
             self.dirty_blocks[b0:b1] = 1
         return sum(b1 - b0 for b0, b1 in spans)
 
-    def mark_clean(self) -> None:
-        """After a commit: the current lengths are the new marks (the runtime clears ``dirty_blocks``)."""
-        for layer in self.layers:
-            layer.mark_clean()
+    def mark_clean(self, lengths: list[int] | None = None) -> None:
+        """After a commit: the committed lengths are the new marks (the runtime clears ``dirty_blocks``)."""
+        lengths = self.lengths() if lengths is None else lengths
+        for layer, n in zip(self.layers, lengths, strict=True):
+            layer.mark_clean(n)
 
     def describe(self) -> dict[str, Any]:
         return {"geometry": self.geometry.describe(), "lengths": self.lengths()}
