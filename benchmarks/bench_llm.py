@@ -1,0 +1,319 @@
+"""LLM sessions on one GPU: decode with a checkpoint every token, base snapshots, 2k-token recovery, LoRA SFT.
+
+Random weights (values do not change speed), bf16:
+- decode: Qwen3-0.6B dimensions; tokens/s with a checkpoint EVERY token vs none (same process, interleaved
+  runs, same decode loop), plus plain ``model.generate()`` for reference; dirty pages/bytes of the first epoch
+  and per token.
+- base snapshot: the first epoch with and without the weights registered immutable.
+- recovery: a 2k-token session (2000-token prompt + 24 generated tokens, a checkpoint per token) is abandoned
+  mid-answer; time for Session.recover (log replay + restore into a fresh GPU arena) + the first new token,
+  the model already loaded (same process: the fresh-process path is tested on CPU in tests/test_session.py).
+- LoRA SFT: Qwen2.5-0.5B dimensions, r=8 on every attention and MLP projection, AdamW; per-step checkpoint
+  time through the CUDA handlers vs the CPU path (sync + DtoH into pinned host mirrors + CPU dense trackers),
+  and dirty pages vs total pages (weights registered immutable).
+
+Usage: python benchmarks/bench_llm.py [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+
+from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
+
+RT_OPTS = {"compact_after_bytes": None}  # no background compaction while timing
+
+
+def qwen3_06b():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       tie_word_embeddings=True, rope_theta=1_000_000.0)
+
+
+def qwen25_05b():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                       tie_word_embeddings=True, rope_theta=1_000_000.0)
+
+
+def build(cfg: Any, device: str, dtype: torch.dtype = torch.bfloat16) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    return model.eval()
+
+
+def log_place(work: Path, need_bytes: int) -> tuple[Path, str]:
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 2 * need_bytes:
+        return Path(tempfile.mkdtemp(prefix="cft-bench-", dir=shm)), "dram"
+    return Path(tempfile.mkdtemp(prefix="cft-bench-", dir=work)), "file"
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------- decode
+def decode_run(model: Any, log_root: Path, backend: str, every: int, prompt: torch.Tensor, new: int,
+               device: str) -> dict[str, Any]:
+    from concordia_ft.session import Session
+
+    stamps: list[float] = []
+    d = Path(tempfile.mkdtemp(dir=log_root))
+    s = Session(model, d / "log", checkpoint_every=every, max_cache_len=prompt.shape[1] + new + 8,
+                backend=backend, runtime_options=RT_OPTS)
+    try:
+        s.generate(prompt, max_new_tokens=new, eos_token_ids=(), on_token=lambda t: stamps.append(time.perf_counter()))
+        sync(device)
+        gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+        st = s.stats
+        return {"ms_per_token": 1e3 * median(gaps), "tokens_per_s": 1.0 / median(gaps),
+                "first_epoch_pages": st.epoch_pages[0], "first_epoch_bytes": st.epoch_bytes[0],
+                "token_epoch_pages": median(st.epoch_pages[2:]) if len(st.epoch_pages) > 3 else None,
+                "token_epoch_bytes": median(st.epoch_bytes[2:]) if len(st.epoch_bytes) > 3 else None,
+                "checkpoint_ms": 1e3 * median(st.checkpoint_s[2:]) if len(st.checkpoint_s) > 3 else None,
+                "full_bytes": st.epoch_full_bytes[-1], "tokens": s.ids[prompt.shape[1]:]}
+    finally:
+        s.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def bench_decode(model: Any, log_root: Path, backend: str, device: str, quick: bool) -> list[dict[str, Any]]:
+    new = 16 if quick else 64
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=g)
+    decode_run(model, log_root, backend, 1, prompt, 8, device)  # warm-up (kernels, handler module load)
+    runs: dict[str, list[dict[str, Any]]] = {"none": [], "every": []}
+    for _ in range(1 if quick else 3):
+        runs["none"].append(decode_run(model, log_root, backend, 10**9, prompt, new, device))
+        runs["every"].append(decode_run(model, log_root, backend, 1, prompt, new, device))
+    assert all(r["tokens"] == runs["none"][0]["tokens"] for r in runs["none"] + runs["every"]), "tokens differ"
+    # plain generate() (DynamicCache, its own loop) for reference
+    ids = prompt.to(device)
+    model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
+    sync(device)
+    t0 = time.perf_counter()
+    model.generate(ids, max_new_tokens=new, do_sample=False, eos_token_id=None)
+    sync(device)
+    gen_tps = new / (time.perf_counter() - t0)
+    none_ms = median(r["ms_per_token"] for r in runs["none"])
+    every_ms = median(r["ms_per_token"] for r in runs["every"])
+    e = runs["every"][-1]
+    return [{
+        "case": "decode qwen3-0.6b bf16", "tokens": new, "log_backend": backend,
+        "tok_s_no_ckpt": 1e3 / none_ms, "tok_s_ckpt_every_token": 1e3 / every_ms,
+        "overhead_pct": 100.0 * (every_ms / none_ms - 1.0), "checkpoint_ms": e["checkpoint_ms"],
+        "first_epoch_pages": e["first_epoch_pages"], "first_epoch_bytes": e["first_epoch_bytes"],
+        "token_epoch_pages": e["token_epoch_pages"], "token_epoch_bytes": e["token_epoch_bytes"],
+        "full_bytes": e["full_bytes"], "reduction_x": e["full_bytes"] / max(1, e["token_epoch_bytes"] or 1),
+        "generate_tok_s": gen_tps, "runs_ms_none": [r["ms_per_token"] for r in runs["none"]],
+        "runs_ms_every": [r["ms_per_token"] for r in runs["every"]],
+    }]
+
+
+# ------------------------------------------------------------------------------------------ base snapshot
+def bench_base(model: Any, log_root: Path, backend: str, device: str) -> list[dict[str, Any]]:
+    from concordia_ft.session import Session
+
+    rows = []
+    for with_weights in (False, True):
+        d = Path(tempfile.mkdtemp(dir=log_root))
+        s = Session(model, d / "log", max_cache_len=256, backend=backend, log_weights=with_weights,
+                    runtime_options=RT_OPTS)
+        try:
+            sync(device)
+            t0 = time.perf_counter()
+            s.checkpoint()
+            dt = time.perf_counter() - t0
+            st = s.runtime.last_stats
+            rows.append({"case": f"base snapshot {'with' if with_weights else 'without'} immutable weights",
+                         "seconds": dt, "pages": st.pages, "bytes": st.total_bytes,
+                         "weights_bytes": sum(p.numel() * p.element_size() for p in model.parameters())})
+            if with_weights:  # immutable: the next epoch logs none of them
+                s.checkpoint()
+                rows[-1]["next_epoch_pages"] = s.runtime.last_stats.pages
+        finally:
+            s.close()
+            shutil.rmtree(d, ignore_errors=True)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- recovery
+class _Abandon(Exception):
+    pass
+
+
+def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick: bool) -> list[dict[str, Any]]:
+    from concordia_ft.session import Session
+
+    n_prompt, n_new = (1000, 24) if quick else (2000, 48)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (1, n_prompt), generator=g)
+    d = Path(tempfile.mkdtemp(dir=log_root))
+    log = d / "log"
+    s = Session(model, log, max_cache_len=n_prompt + n_new + 16, backend=backend, runtime_options=RT_OPTS)
+    count = [0]
+
+    def stop_at_half(tok: int) -> None:
+        count[0] += 1
+        if count[0] == n_new // 2:
+            raise _Abandon  # the process "dies" here: nothing more is written
+
+    try:
+        s.generate(prompt, max_new_tokens=n_new, eos_token_ids=(), on_token=stop_at_half)
+    except _Abandon:
+        pass
+    s.runtime.close()
+    with Session(model, d / "ref", max_cache_len=n_prompt + n_new + 16, checkpoint_every=10**9, backend=backend,
+                 runtime_options=RT_OPTS) as u:  # the uninterrupted run, to check the recovered tokens
+        ref = u.generate(prompt, max_new_tokens=n_new, eos_token_ids=())
+    log_bytes = sum(f.stat().st_size for f in log.rglob("*") if f.is_file())
+    reps = []
+    for _ in range(3):
+        sync(device)
+        t0 = time.perf_counter()
+        r = Session.recover(log, model, backend=backend, runtime_options=RT_OPTS)
+        t1 = time.perf_counter()
+        first: list[float] = []
+        got: list[int] = []
+
+        def first_token(tok: int, first: list = first, got: list = got) -> None:
+            sync(device)
+            first.append(time.perf_counter())
+            got.append(tok)
+            raise _Abandon
+
+        try:
+            r.resume(on_token=first_token)
+        except _Abandon:
+            pass
+        r.runtime.close()
+        assert r.ids[n_prompt:] + got == ref[: r.n_tokens - n_prompt + 1], "recovered continuation differs"
+        reps.append({"recover_ms": 1e3 * (t1 - t0), "restore_ms": 1e3 * r.restore_s,
+                     "replay_ms": 1e3 * r.recovered.seconds, "first_token_ms": 1e3 * (first[0] - t1),
+                     "total_ms": 1e3 * (first[0] - t0), "tokens_in_session": r.n_tokens})
+    shutil.rmtree(d, ignore_errors=True)
+    row = {"case": f"recover {n_prompt + n_new // 2}-token session (model loaded)", "log_bytes": log_bytes}
+    for k in ("recover_ms", "restore_ms", "first_token_ms", "total_ms"):
+        row[k] = median(x[k] for x in reps)
+    row["reps_total_ms"] = [x["total_ms"] for x in reps]
+    return [row]
+
+
+# -------------------------------------------------------------------------------------------------- LoRA
+def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[dict[str, Any]]:
+    import numpy as np
+
+    from concordia_ft.integrations.peft import LoraTrainer, synthetic_batch
+    from concordia_ft.runtime import Runtime
+
+    base = build(qwen25_05b(), device)
+    d = Path(tempfile.mkdtemp(dir=log_root))
+    t = LoraTrainer(base, d / "log", lr=1e-4, backend=backend, log_weights=True, runtime_options=RT_OPTS)
+    total_pages = sum(sp.n_pages for sp in t.runtime.table)
+    # the CPU path: pinned host mirrors of the same dense state, CPU trackers, its own log
+    mirrors = {n: torch.empty(b.shape, dtype=b.dtype, pin_memory=device.startswith("cuda"))
+               for n, b in (("params", t.params_flat), ("adam", t.adam_flat))}
+    rt_cpu = Runtime(str(d / "cpu-log"), fsync="never", backend=backend, **RT_OPTS)
+    for n, m in mirrors.items():
+        rt_cpu.register(f"lora.{n}", m, kind="dense")
+    steps = 5 if quick else 20
+    gpu_ms, cpu_ms, step_ms, pages, losses = [], [], [], [], []
+    try:
+        for k in range(steps):
+            res = t.train_step(synthetic_batch(k, vocab=base.config.vocab_size, batch=1, seq=256, device=device))
+            sync(device)
+            t0 = time.perf_counter()
+            mirrors["params"].copy_(t.params_flat, non_blocking=True)
+            mirrors["adam"].copy_(t.adam_flat, non_blocking=True)
+            sync(device)
+            rt_cpu.checkpoint(meta={"step": k})
+            cpu = time.perf_counter() - t0
+            if k >= 3:  # skip the base epoch and warm-up
+                gpu_ms.append(1e3 * res.checkpoint_s)
+                cpu_ms.append(1e3 * cpu)
+                step_ms.append(1e3 * res.step_s)
+                pages.append(res.pages)
+            losses.append(res.loss)
+        first_pages = t.stats.results[0].pages
+    finally:
+        t.close()
+        rt_cpu.close()
+        shutil.rmtree(d, ignore_errors=True)
+    assert np.isfinite(losses).all()
+    return [{
+        "case": "LoRA SFT qwen2.5-0.5b r=8 all proj, AdamW", "adapter_params": t.n_adapter_params,
+        "adapter_pages": -(-t.n_adapter_params * 4 // 4096), "dirty_pages_per_step": median(pages),
+        "total_pages": total_pages, "first_epoch_pages": first_pages, "step_ms": median(step_ms),
+        "delta_ms_gpu_handlers": median(gpu_ms), "delta_ms_cpu_path": median(cpu_ms),
+        "speedup_x": median(cpu_ms) / max(1e-9, median(gpu_ms)), "losses_first_last": [losses[0], losses[-1]],
+    }]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--only", default="decode,base,recovery,lora")
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="cft-llm-"))
+    log_root, backend = log_place(work, 3 << 30)
+    print(f"device {a.device}, log backend {backend} in {log_root}", flush=True)
+    rows: list[dict[str, Any]] = []
+    errors: list[str] = []
+    parts = a.only.split(",")
+    model = build(qwen3_06b(), a.device) if set(parts) & {"decode", "base", "recovery"} else None
+    for part in parts:
+        t0 = time.time()
+        try:
+            if part == "decode":
+                rows += bench_decode(model, log_root, backend, a.device, a.quick)
+            elif part == "base":
+                rows += bench_base(model, log_root, backend, a.device)
+            elif part == "recovery":
+                rows += bench_recovery(model, log_root, backend, a.device, a.quick)
+            elif part == "lora":
+                del model
+                model = None
+                torch.cuda.empty_cache() if a.device.startswith("cuda") else None
+                rows += bench_lora(log_root, backend, a.device, a.quick)
+        except Exception as e:  # noqa: BLE001 - record and go on: one broken part must not hide the others
+            errors.append(f"{part}: {type(e).__name__}: {e}")
+            traceback.print_exc()
+        print(f"[{part}] {time.time() - t0:.1f} s", flush=True)
+    shutil.rmtree(log_root, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    notes = ("random weights, bf16; decode = Session's own loop (eager), overhead from interleaved runs in one "
+             f"process; log backend {backend}, fsync never. errors: {errors or 'none'}")
+    path = write_results("llm", rows, baseline=[{"case": "checkpoint none / CPU path: columns *_no_ckpt and "
+                                                 "delta_ms_cpu_path of the rows"}], notes=notes, out_dir=a.out)
+    print(f"wrote {path}")
+    for r in rows:
+        print_table(r["case"], [{k: v for k, v in r.items() if not isinstance(v, list)}])
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
