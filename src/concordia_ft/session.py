@@ -184,7 +184,9 @@ class Session:
             self.turns.append({"role": "system", "content": system_prompt})
         self.fingerprint = model_fingerprint(model)
         self.stats = SessionStats()
-        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        fwd = inspect.signature(model.forward).parameters
+        self._logits_to_keep = "logits_to_keep" in fwd
+        self._cache_kw = "cache" if "cache" in fwd else "past_key_values"  # transformers renamed it in 5.x
         self.runtime = _runtime if _runtime is not None else _rt.Runtime(
             str(self.log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
         self._register()
@@ -309,7 +311,8 @@ class Session:
                 cached = int(self.cache.get_seq_length())
                 feed = torch.as_tensor(self.tokens[cached: self.n_tokens], device=self.device).unsqueeze(0)
                 kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
-                out = self.model(input_ids=feed, cache=self.cache, use_cache=True, **kw)
+                kw[self._cache_kw] = self.cache
+                out = self.model(input_ids=feed, use_cache=True, **kw)
                 logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
                 if procs:
                     seq = torch.as_tensor(self.tokens[: self.n_tokens], device=self.device).unsqueeze(0)

@@ -25,7 +25,22 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
+
+try:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+except ImportError:  # transformers 5.x before per-layer configs
+
+    def get_layer_types_and_kwargs(config: Any) -> tuple[list[str], list[dict[str, Any]]]:
+        n = int(config.num_hidden_layers)
+        types = list(getattr(config, "layer_types", None) or [])
+        if not types:
+            sw = getattr(config, "sliding_window", None)
+            types = ["sliding_attention" if sw else "full_attention"] * n
+        kws = [{"sliding_window": config.sliding_window} if t == "sliding_attention"
+               else {"sliding_window": getattr(config, "attention_chunk_size", None)} if t == "chunked_attention"
+               else {} for t in types]
+        return types, kws
 
 from ..errors import ConfigError
 
