@@ -22,13 +22,18 @@ _LIBS = ("numpy", "crc32c", "torch", "transformers", "peft", "cuda-bindings", "c
 
 
 def git_commit(cwd: str | os.PathLike[str] | None = None) -> str:
+    """HEAD of the checkout (``+dirty`` with uncommitted changes); $CONCORDIA_GIT_COMMIT where git can't tell
+    (a copy of the tree without .git, as on the device machine)."""
+    fallback = os.environ.get("CONCORDIA_GIT_COMMIT", "unknown")
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
+        if out.returncode != 0:
+            return fallback
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
                                capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
+        return out.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("CONCORDIA_GIT_COMMIT", "unknown")
+        return fallback
 
 
 def library_versions() -> dict[str, str]:

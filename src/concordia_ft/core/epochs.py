@@ -185,10 +185,14 @@ def entry_pages(e: Entry, spec: RegionSpec) -> npt.NDArray[np.int64]:
     arr = np.frombuffer(e.var, dtype="<i8")
     if e.rtype == REC_RUNS:
         runs = arr.reshape(-1, 2)
-        if len(runs) and (np.any(runs[:, 1] <= 0) or np.any(runs[:, 0] < 0)):
-            raise FormatError(f"record for {e.name!r} has an empty or negative run")
-        if len(runs) and int(runs[:, 1].sum()) > spec.n_pages:
-            raise FormatError(f"record for {e.name!r} covers more pages than the region has")
+        starts, lengths = runs[:, 0], runs[:, 1]
+        # each bound alone first (no int64 overflow), then ascending and disjoint: together they cap the
+        # total at n_pages before anything is expanded
+        if len(runs) and (np.any(lengths <= 0) or np.any(starts < 0) or np.any(starts >= spec.n_pages)
+                          or np.any(lengths > spec.n_pages - starts)
+                          or np.any(starts[1:] < starts[:-1] + lengths[:-1])):
+            raise FormatError(f"record for {e.name!r} has runs that are empty, overlapping, out of order or "
+                              f"outside [0, {spec.n_pages})")
         pages = runs_to_pages(runs)
     else:
         pages = arr.astype(np.int64)

@@ -228,7 +228,7 @@ def encode_json(obj: Any) -> bytes:
 def decode_json(buf: bytes | memoryview, what: str) -> Any:
     try:
         return json.loads(bytes(buf).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, 5000-digit ints, deep nesting
         raise FormatError(f"{what} is not valid JSON ({e})") from None
 
 

@@ -15,7 +15,9 @@ cannot be trusted, and nothing is silently skipped.
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,7 +110,8 @@ class ReplayResult:
 
 
 class _State:
-    def __init__(self) -> None:
+    def __init__(self, log_bytes: int) -> None:
+        self.log_bytes = log_bytes  # a valid log holds every page of every region: no region is larger
         self.regions: dict[str, RegionImage] = {}
         self.meta: Any = None
         self.epoch: int | None = None
@@ -122,6 +125,9 @@ class _State:
             for e in ep.entries:
                 if e.rtype == REC_REGION:
                     spec = entry_spec(e)
+                    if spec.n_pages * spec.page_bytes > self.log_bytes:
+                        raise FormatError(f"region {spec.name!r} declares {spec.nbytes} bytes, more than the "
+                                          f"whole log ({self.log_bytes} bytes) could ever restore")
                     specs[spec.name] = spec
                     plan.append(("def", spec, None))
                 elif e.rtype == REC_DROP:
@@ -183,6 +189,13 @@ def _valid_epoch_header_after(buf: memoryview, start: int) -> int | None:
     return None
 
 
+def _size(path: Path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def _all_zero(buf: memoryview, start: int) -> bool:
     rest = np.frombuffer(buf[start:], dtype=np.uint8)
     return not rest.any()
@@ -201,7 +214,7 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
                            "`Runtime` start. Run `concordia log check DIR` to see what is there")
         return ReplayResult(Outcome.EMPTY, None, {}, None, None)
     names = list(segments) if segments is not None else manifest.segments()
-    st = _State()
+    st = _State(sum(_size(log_dir / n) for n in names))
     result = ReplayResult(Outcome.OK, None, {}, None, manifest)
     for i, name in enumerate(names):
         last = i == len(names) - 1
@@ -217,7 +230,9 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
         finally:
             del buf
             if mapping is not None:
-                mapping.close()
+                # an exception's traceback may still hold views of the mapping: then it is freed with them
+                with contextlib.suppress(BufferError):
+                    mapping.close()
         if result.tail is not None:
             break
     result.epoch = st.epoch
