@@ -284,8 +284,14 @@ class CudaTracker:
             m.launch("concordia_scatter",
                      m.list_args(self.base, dev_pages.data_ptr(), len(pages), dev_payload.data_ptr()), stream,
                      grid=m.grid_for("concordia_scatter", len(pages)))
+            self._rebase(dev_pages.data_ptr(), dev_payload.data_ptr(), len(pages), stream)
             stream.synchronize()  # the sources are pageable / temporary
-        self.initialised = False  # the next epoch re-bases (state must match the restored bytes)
+        # restored bytes are committed bytes: after a whole-region restore the next epoch is a delta
+        self.initialised = len(pages) == self.n_pages or (self.initialised and len(pages) > 0)
+
+    def _rebase(self, dev_pages: int, dev_payload: int, n: int, stream: driver.Stream) -> None:
+        """Make the detection state match restored pages (kinds with state override this)."""
+        return None
 
     def close(self) -> None:
         for b in (self._payload, self._list, self._dev_stage, self._gate):
@@ -343,6 +349,14 @@ class OpaqueTracker(CudaTracker):
         self.mod.launch(self._scan_kernel, self._scan_args, stream)
         scanned = self.spec.nbytes * (2 if self.mode is DiffMode.SHADOW else 1)
         return self._gather_after_scan(stream, self._meta.ptr, scanned)
+
+    def _rebase(self, dev_pages: int, dev_payload: int, n: int, stream: driver.Stream) -> None:
+        m = self.mod
+        g = m.grid_for("concordia_scatter", n)
+        if self.mode is DiffMode.SHADOW:
+            m.launch("concordia_scatter", m.list_args(self._state.ptr, dev_pages, n, dev_payload), stream, grid=g)
+        else:
+            m.launch("concordia_hash_store", m.list_args(dev_payload, dev_pages, n, self._state.ptr), stream, grid=g)
 
     def _advance(self, delta: RegionDelta, stream: driver.Stream) -> None:
         n = delta.n_pages
