@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -167,7 +168,6 @@ class Runtime:
         self.last_compaction: CompactionResult | None = None
         self.compaction_error: BaseException | None = None
         self.last_stats: CheckpointStats | None = None
-        self._executor: Any = None
 
     # --------------------------------------------------------------------------------------- registry
     @property
@@ -334,13 +334,14 @@ class Runtime:
     # ------------------------------------------------------------------------------------------ misc
     @contextlib.contextmanager
     def quiesced(self) -> Iterator[None]:
-        """Suspend the resident GPU executor (if one is attached) around module loads, syncs and frees."""
-        if self._executor is None:
+        """Suspend every resident GPU executor around work that would block behind it (module loads,
+        first launches, device-wide sync, cudaFree): ``with rt.quiesced(): model = torch.compile(...)``.
+        Without an executor (or without CUDA) this is a no-op."""
+        guard = sys.modules.get("concordia_ft.cuda.guard")  # never imported: no executor can be resident
+        if guard is None:
             yield
             return
-        from .cuda.guard import quiesced
-
-        with quiesced(self._executor):
+        with guard.quiesced():
             yield
 
     def close(self) -> None:
