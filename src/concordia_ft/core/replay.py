@@ -44,7 +44,7 @@ from .format import (
 )
 from .manifest import Manifest, load_manifest
 from .regions import RegionSpec
-from .segment import read_segment
+from .segment import map_segment
 
 
 class Outcome(str, enum.Enum):
@@ -189,11 +189,31 @@ def _valid_epoch_header_after(buf: memoryview, start: int) -> int | None:
     return None
 
 
-def _size(path: Path) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
+def _open_segments(log_dir: Path, manifest: Manifest, names: list[str] | None
+                   ) -> tuple[list[str], list[int], Manifest]:
+    """Open every segment before replaying any: an open file survives a concurrent compaction's unlink.
+
+    If a segment vanished between reading the manifest and opening it, a compaction swapped the manifest:
+    read it again and retry (bounded). A segment missing from an unchanged manifest is real damage.
+    """
+    for _ in range(16):
+        want = names if names is not None else manifest.segments()
+        fds: list[int] = []
+        try:
+            for n in want:
+                fds.append(os.open(log_dir / n, os.O_RDONLY))
+            return want, fds, manifest
+        except FileNotFoundError as e:
+            for fd in fds:
+                os.close(fd)
+            newer = load_manifest(log_dir) if names is None else None
+            if newer is None or newer.segments() == manifest.segments():
+                raise LogCorruptError(str(e.filename), 0, "segment named in the manifest is missing",
+                                      "restore it from a replica, or the log cannot be replayed past this point"
+                                      ) from None
+            manifest = newer
+    raise LogError(f"{log_dir}: the manifest kept changing while it was being read (16 tries); is a compaction "
+                   "looping? Try again once it is done")
 
 
 def _all_zero(buf: memoryview, start: int) -> bool:
@@ -213,17 +233,13 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
             raise LogError(f"{log_dir} holds segment files but no MANIFEST; it was not written by a complete "
                            "`Runtime` start. Run `concordia log check DIR` to see what is there")
         return ReplayResult(Outcome.EMPTY, None, {}, None, None)
-    names = list(segments) if segments is not None else manifest.segments()
-    st = _State(sum(_size(log_dir / n) for n in names))
+    names, fds, manifest = _open_segments(log_dir, manifest, list(segments) if segments is not None else None)
+    st = _State(sum(os.fstat(fd).st_size for fd in fds))
     result = ReplayResult(Outcome.OK, None, {}, None, manifest)
-    for i, name in enumerate(names):
+    for i, (name, fd) in enumerate(zip(names, fds, strict=True)):
         last = i == len(names) - 1
         path = log_dir / name
-        try:
-            mapping, buf = read_segment(path)
-        except FileNotFoundError:
-            raise LogCorruptError(str(path), 0, "segment named in the manifest is missing",
-                                  "restore it from a replica, or the log cannot be replayed past this point") from None
+        mapping, buf = map_segment(fd)
         try:
             _replay_segment(st, result, name, str(path), buf, last, manifest, verify_payloads,
                             collect_summaries, on_epoch, i == 0)
@@ -235,6 +251,8 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
                     mapping.close()
         if result.tail is not None:
             break
+    for fd in fds:
+        os.close(fd)
     result.epoch = st.epoch
     result.regions = st.regions
     result.meta = st.meta

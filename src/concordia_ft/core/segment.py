@@ -237,15 +237,11 @@ def check_backend(backend: str, log_dir: Path) -> None:
         raise ConfigError(f"backend 'dram' needs a directory on tmpfs (e.g. /dev/shm/NAME); {log_dir} is not on tmpfs")
 
 
-def read_segment(path: Path) -> tuple[mmap.mmap | None, memoryview]:
-    """Map a segment read-only. Returns (mapping or None for an empty file, view)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return None, memoryview(b"")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault the file in up front: ~2x faster replay
-        m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
-        return m, memoryview(m)
-    finally:
-        os.close(fd)
+def map_segment(fd: int) -> tuple[mmap.mmap | None, memoryview]:
+    """Map an open segment read-only. Returns (mapping or None for an empty file, view)."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return None, memoryview(b"")
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # fault the file in up front: ~2x faster replay
+    m = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    return m, memoryview(m)
