@@ -63,4 +63,5 @@ def test_choose_path() -> None:
     assert E.choose_path("opaque", 256 << 20) == "armed"
     assert E.choose_path("opaque", 256 << 20, recurring=False) == "launch"
     assert E.choose_path("dense", 4096) == "resident"
+    assert E.choose_path("dense", 1 << 20) == "armed"
     assert E.choose_path("scratch", 1 << 30) == "none"

@@ -199,7 +199,7 @@ def test_hazard_completes_with_executor_attached(name: str) -> None:
     print(res)
     if res.get("skipped"):
         pytest.skip(res["skipped"])
-    assert res["returned"], res
+    assert res["returned"] and not res["errors"], res
     assert res["ring_alive"] and res["armed_alive"], res
     # hooked actions never wait; the rest wait at most the idle timeout (plus a margin for the load itself)
     assert res["action_s"] < IDLE_MS / 1000 + 5.0, res
@@ -229,7 +229,7 @@ def hazard_main(name: str) -> None:
         import triton.language as tl
 
         @triton.jit
-        def addk(xp: Any, yp: Any, n: Any, B: tl.constexpr) -> None:
+        def addk(xp, yp, n, B: tl.constexpr):  # type: ignore[no-untyped-def]  # triton reads annotations
             i = tl.program_id(0) * B + tl.arange(0, B)
             m = i < n
             tl.store(yp + i, tl.load(xp + i, mask=m) + 1, mask=m)

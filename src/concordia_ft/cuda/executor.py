@@ -28,11 +28,13 @@ from ..core import ring as R
 from ..core.regions import RegionKind
 from ..errors import ConcordiaError, ConfigError
 from . import driver, nvrtc
-from .memory import PinnedBuffer
+from .memory import DeviceBuffer, PinnedBuffer
 
 BATCH = 4  # descriptors a warp fetches per poll (32 lanes x 8 bytes = 4 slots)
 HEARTBEAT_NS = 100_000
-DEFAULT_THREADS = 256
+DEFAULT_THREADS = 256  # the wide dispatcher's block size
+RESIDENT_THREADS = 32  # the resident block: one warp (T9: a 256-thread block cost 8% of matmul throughput)
+RESIDENT_MAX_REGS = 32
 _U32 = 0xFFFFFFFF
 
 
@@ -47,7 +49,8 @@ class ExecutorTimeout(ExecutorError):
 # ---------------------------------------------------------------------------------------------- source
 
 
-def render_executor_source(image_id: int = 1, threads: int = DEFAULT_THREADS) -> str:
+def render_executor_source(image_id: int = 1, threads: int = RESIDENT_THREADS,
+                           max_regs: int = RESIDENT_MAX_REGS) -> str:
     """executor.cuh with the ring layout, opcodes and states of core/ring.py rendered in front of it."""
     if not 32 <= threads <= 1024 or threads % 32:
         raise ConfigError(f"executor threads must be a multiple of 32 in [32, 1024], got {threads}")
@@ -56,7 +59,7 @@ def render_executor_source(image_id: int = 1, threads: int = DEFAULT_THREADS) ->
     d: dict[str, int] = {"CCR_IMAGE_ID": image_id, "CCR_THREADS": threads, "CCR_BATCH": BATCH,
                          "CCR_HEARTBEAT_NS": HEARTBEAT_NS, "CCR_SLOTS_OFF": R.CTRL_BYTES,
                          "CCR_SLOT_BYTES": R.SLOT_BYTES, "CCR_RESULT_BYTES": R.RESULT_BYTES,
-                         "CCR_MAX_RELEASES": R.MAX_RELEASES}
+                         "CCR_MAX_RELEASES": R.MAX_RELEASES, "CCR_MAX_REGS": max_regs}
     for name in ("HEAD", "STOP", "TAIL", "HEARTBEAT", "STATE", "IMAGE", "ERROR", "ERROR_SEQ", "STARTS",
                  "RELEASE_COUNT", "RELEASES"):
         d[f"CCR_OFF_{name}"] = getattr(R, f"OFF_{name}")
@@ -69,17 +72,17 @@ def render_executor_source(image_id: int = 1, threads: int = DEFAULT_THREADS) ->
     return f"// rendered by concordia_ft.cuda.executor (image {image_id})\n{header}\n\n{body}"
 
 
-def compile_executor(image_id: int = 1, threads: int = DEFAULT_THREADS, arch: str = nvrtc.DEFAULT_ARCH,
-                     use_cache: bool = True) -> nvrtc.CompiledModule:
+def compile_executor(image_id: int = 1, threads: int = RESIDENT_THREADS, arch: str = nvrtc.DEFAULT_ARCH,
+                     use_cache: bool = True, max_regs: int = RESIDENT_MAX_REGS) -> nvrtc.CompiledModule:
     """NVRTC-compile an executor image to a cubin (no GPU needed)."""
-    return nvrtc.compile_cubin(render_executor_source(image_id, threads), f"concordia_executor_v{image_id}",
+    return nvrtc.compile_cubin(render_executor_source(image_id, threads, max_regs), f"concordia_executor_v{image_id}",
                                nvrtc.CompileOptions(arch=arch), use_cache=use_cache)
 
 
 class ExecutorImage:
     """A loaded executor module. Loading blocks while any kernel is resident: build under guard.quiesced()."""
 
-    def __init__(self, image_id: int = 1, threads: int = DEFAULT_THREADS, device: int | None = None,
+    def __init__(self, image_id: int = 1, threads: int = RESIDENT_THREADS, device: int | None = None,
                  compiled: nvrtc.CompiledModule | None = None) -> None:
         self.device = driver.ensure_context(device)
         self.image_id = image_id
@@ -160,7 +163,7 @@ def run_task(ex: Executor, opcode: int, *args: int, aux: int = 0, timeout_s: flo
 @dataclass(frozen=True)
 class ExecutorOptions:
     capacity: int = 1024
-    threads: int = DEFAULT_THREADS
+    threads: int = RESIDENT_THREADS  # the resident block; the wide kernels always run DEFAULT_THREADS
     idle_timeout_ms: float = 100.0  # exit after this long without a task (relaunched on the next submit)
     lease_ms: float = 1000.0  # exit at a task boundary after this long resident, busy or not
     poll_sleep_ns: int = 0  # __nanosleep between polls (0: spin)
@@ -190,6 +193,8 @@ class ResidentExecutor:
             self.mem = PinnedBuffer(R.ring_bytes(o.capacity))
             self.layout = R.RingLayout(self.mem.view(), o.capacity)
             self.layout.initialise()
+            self._q = self.layout.q
+            self._u32 = self.layout.u32
             self.producer = R.RingProducer(self.layout)
             self.stream = driver.Stream.create(non_blocking=True, device=self.device)
             self._scratch = PinnedBuffer(4096)
@@ -199,8 +204,6 @@ class ResidentExecutor:
                 (ctypes.c_uint64, int(o.idle_timeout_ms * 1e6)), (ctypes.c_uint64, int(o.lease_ms * 1e6)),
                 (ctypes.c_uint32, o.poll_sleep_ns)])
             self.warm_up(self.image)
-        self._q = self.layout.q
-        self._u32 = self.layout.u32
         guard.register(self)
         if start:
             self.resume()
@@ -235,8 +238,8 @@ class ResidentExecutor:
         self.stream.synchronize()
         self.producer.clear_stop()
         wide_args = driver.KernelArgs([(ctypes.c_uint64, 0)] * 8)
-        driver.launch(image.wide, 1, image.threads, wide_args, self.stream, what="wide warm-up")
-        driver.launch(image.wide_at, 1, image.threads,
+        driver.launch(image.wide, 1, DEFAULT_THREADS, wide_args, self.stream, what="wide warm-up")
+        driver.launch(image.wide_at, 1, DEFAULT_THREADS,
                       driver.KernelArgs([(ctypes.c_uint64, nop), (ctypes.c_uint64, nop + 256)]), self.stream,
                       what="wide_at warm-up")
         _stream_write(self.stream, nop + 128, 1)
@@ -395,7 +398,10 @@ class ArmedChannel:
         self.flag_ptr = self.mem.device_ptr
         self.done_ptr = self.mem.device_ptr + 64
         self.stream = driver.Stream.create(non_blocking=True, device=image.device)
-        self._slot_args = [driver.KernelArgs([(ctypes.c_uint64, self.mem.device_ptr + 128 + 64 * i),
+        # the dispatcher reads its descriptor from device memory: a stream-ordered 64-byte copy after the wait
+        # (hundreds of blocks each reading host memory over PCIe cost ~0.5 ms, measured)
+        self.dev_desc = DeviceBuffer(64 * self.nslots)
+        self._slot_args = [driver.KernelArgs([(ctypes.c_uint64, self.dev_desc.ptr + 64 * i),
                                               (ctypes.c_uint64, self.mem.device_ptr + self._ran_off + 8 * i)])
                            for i in range(self.nslots)]
         self._bodies: dict[int, bytes] = {}  # fired, not yet confirmed: ticket -> descriptor body
@@ -424,7 +430,9 @@ class ArmedChannel:
             self.q[sq + i] = 0  # NOP body
         self.q[sq] = k
         _stream_wait(self.stream, self.flag_ptr, k)
-        driver.launch(self.image.wide_at, self.grid, self.image.threads, self._slot_args[k % self.nslots],
+        slot = k % self.nslots
+        driver.memcpy_htod_async(self.dev_desc.ptr + 64 * slot, self.mem.host_ptr + 128 + 64 * slot, 64, self.stream)
+        driver.launch(self.image.wide_at, self.grid, DEFAULT_THREADS, self._slot_args[k % self.nslots],
                       self.stream, what="armed wide dispatcher")
         _stream_write(self.stream, self.done_ptr, k)
         self.armed = k
@@ -520,6 +528,8 @@ class ArmedChannel:
 
         guard.unregister(self)
         self.suspend()
+        with guard.quiesced():  # cuMemFree blocks behind resident kernels
+            self.dev_desc.close()
 
 
 # ---------------------------------------------------------------------------------------------- plain launch
@@ -544,8 +554,8 @@ class LaunchExecutor:
         words = (self.tickets, opcode | (aux << 32), a0, a1, a2, a3, a4, a5)
         for i, w in enumerate(words):
             self._args.set(i, w)
-        grid = min(self.max_grid, wide_grid(self.sms, opcode, a3, self.image.threads))
-        driver.launch(self.image.wide, grid, self.image.threads, self._args, self.stream, what="wide dispatcher")
+        grid = min(self.max_grid, wide_grid(self.sms, opcode, a3, DEFAULT_THREADS))
+        driver.launch(self.image.wide, grid, DEFAULT_THREADS, self._args, self.stream, what="wide dispatcher")
         return self.tickets
 
     def wait(self, ticket: int, timeout_s: float = 10.0) -> int:
@@ -564,9 +574,11 @@ class LaunchExecutor:
 
 # ---------------------------------------------------------------------------------------------- policy
 
-# Work a single resident block handles itself; above this a full-width launch wins (bench_executor.py T2-4,
-# T7: the ring's round trip beats a launch by ~4x for small N, one block scans at ~15-60 GB/s).
-RING_MAX_BYTES = 1 << 20
+# Work a single resident block handles itself; above this a full-width launch wins. Measured on the H200
+# (benchmarks/results/executor-h200.json): the ring beats eager PyTorch up to N = 65,536 float32 (256 KiB per
+# operand) and loses at 262,144; one block scans ~55 GB/s, so a 1 MiB page diff takes 35 us on the ring vs
+# 17 us through a plain full-width launch.
+RING_MAX_BYTES = 256 << 10
 
 
 def choose_path(kind: RegionKind | str, size_bytes: int, *, recurring: bool = True) -> str:
