@@ -93,6 +93,8 @@ def decode_run(model: Any, log_root: Path, backend: str, every: int, prompt: tor
                 "token_epoch_pages": median(st.epoch_pages[2:]) if len(st.epoch_pages) > 3 else None,
                 "token_epoch_bytes": median(st.epoch_bytes[2:]) if len(st.epoch_bytes) > 3 else None,
                 "checkpoint_ms": 1e3 * median(st.checkpoint_s[2:]) if len(st.checkpoint_s) > 3 else None,
+                "detect_ms": 1e3 * median(st.detect_s[2:]) if len(st.detect_s) > 3 else None,
+                "append_ms": 1e3 * median(st.append_s[2:]) if len(st.append_s) > 3 else None,
                 "full_bytes": st.epoch_full_bytes[-1], "tokens": s.ids[prompt.shape[1]:]}
     finally:
         s.close()
@@ -124,6 +126,7 @@ def bench_decode(model: Any, log_root: Path, backend: str, device: str, quick: b
         "case": "decode qwen3-0.6b bf16", "tokens": new, "log_backend": backend,
         "tok_s_no_ckpt": 1e3 / none_ms, "tok_s_ckpt_every_token": 1e3 / every_ms,
         "overhead_pct": 100.0 * (every_ms / none_ms - 1.0), "checkpoint_ms": e["checkpoint_ms"],
+        "detect_ms": e["detect_ms"], "append_ms": e["append_ms"],
         "first_epoch_pages": e["first_epoch_pages"], "first_epoch_bytes": e["first_epoch_bytes"],
         "token_epoch_pages": e["token_epoch_pages"], "token_epoch_bytes": e["token_epoch_bytes"],
         "full_bytes": e["full_bytes"], "reduction_x": e["full_bytes"] / max(1, e["token_epoch_bytes"] or 1),
@@ -240,6 +243,7 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
         rt_cpu.register(f"lora.{n}", m, kind="dense")
     steps = 5 if quick else 20
     gpu_ms, cpu_ms, step_ms, pages, losses = [], [], [], [], []
+    gpu_detect, gpu_append, cpu_stage, cpu_append = [], [], [], []
     try:
         for k in range(steps):
             res = t.train_step(synthetic_batch(k, vocab=base.config.vocab_size, batch=1, seq=256, device=device))
@@ -248,13 +252,19 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
             mirrors["params"].copy_(t.params_flat, non_blocking=True)
             mirrors["adam"].copy_(t.adam_flat, non_blocking=True)
             sync(device)
+            t_staged = time.perf_counter()
             rt_cpu.checkpoint(meta={"step": k})
             cpu = time.perf_counter() - t0
+            gst, cst = t.runtime.last_stats, rt_cpu.last_stats
             if k >= 3:  # skip the base epoch and warm-up
                 gpu_ms.append(1e3 * res.checkpoint_s)
                 cpu_ms.append(1e3 * cpu)
                 step_ms.append(1e3 * res.step_s)
                 pages.append(res.pages)
+                gpu_detect.append(1e3 * gst.detect_seconds)
+                gpu_append.append(1e3 * gst.append_seconds)
+                cpu_stage.append(1e3 * (t_staged - t0 + cst.detect_seconds))
+                cpu_append.append(1e3 * cst.append_seconds)
             losses.append(res.loss)
         first_pages = t.stats.results[0].pages
     finally:
@@ -267,7 +277,9 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
         "adapter_pages": -(-t.n_adapter_params * 4 // 4096), "dirty_pages_per_step": median(pages),
         "total_pages": total_pages, "first_epoch_pages": first_pages, "step_ms": median(step_ms),
         "delta_ms_gpu_handlers": median(gpu_ms), "delta_ms_cpu_path": median(cpu_ms),
-        "speedup_x": median(cpu_ms) / max(1e-9, median(gpu_ms)), "losses_first_last": [losses[0], losses[-1]],
+        "speedup_x": median(cpu_ms) / max(1e-9, median(gpu_ms)),
+        "find_stage_ms_gpu": median(gpu_detect), "find_stage_ms_cpu_path": median(cpu_stage),
+        "log_append_ms_gpu": median(gpu_append), "log_append_ms_cpu_path": median(cpu_append), "losses_first_last": [losses[0], losses[-1]],
     }]
 
 

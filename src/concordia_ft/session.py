@@ -105,6 +105,8 @@ class SessionStats:
     epoch_bytes: list[int] = field(default_factory=list)
     epoch_full_bytes: list[int] = field(default_factory=list)
     epoch_pages: list[int] = field(default_factory=list)
+    detect_s: list[float] = field(default_factory=list)  # the runtime's collect (find + stage dirty pages)
+    append_s: list[float] = field(default_factory=list)  # the log append + commit
     step_s: list[float] = field(default_factory=list)
     prefill_s: float = 0.0
 
@@ -257,6 +259,8 @@ class Session:
         self.stats.epoch_bytes.append(int(_stat(st, "total_bytes")))
         self.stats.epoch_full_bytes.append(int(_stat(st, "full_bytes")))
         self.stats.epoch_pages.append(int(_stat(st, "pages")))
+        self.stats.detect_s.append(float(_stat(st, "detect_seconds")))
+        self.stats.append_s.append(float(_stat(st, "append_seconds")))
         return int(epoch)
 
     # -- decoding --------------------------------------------------------------------------------------------

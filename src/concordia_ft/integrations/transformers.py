@@ -27,22 +27,34 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
 
-try:
-    from transformers.cache_utils import get_layer_types_and_kwargs
-except ImportError:  # transformers 5.x before per-layer configs
-
-    def get_layer_types_and_kwargs(config: Any) -> tuple[list[str], list[dict[str, Any]]]:
-        n = int(config.num_hidden_layers)
-        types = list(getattr(config, "layer_types", None) or [])
-        if not types:
-            sw = getattr(config, "sliding_window", None)
-            types = ["sliding_attention" if sw else "full_attention"] * n
-        kws = [{"sliding_window": config.sliding_window} if t == "sliding_attention"
-               else {"sliding_window": getattr(config, "attention_chunk_size", None)} if t == "chunked_attention"
-               else {} for t in types]
-        return types, kws
-
 from ..errors import ConfigError
+
+try:
+    from transformers.cache_utils import get_layer_types_and_kwargs as _hf_layer_types
+except ImportError:  # transformers 5.x before per-layer configs
+    _hf_layer_types = None
+
+
+def layer_types_and_windows(config: Any) -> tuple[list[str], list[int]]:
+    """Per layer: its attention type and sliding window (0 if none). Uses transformers' own resolution when
+    it exists and agrees in length (5.2x), else the config fields every 5.x version has."""
+    n = int(config.num_hidden_layers)
+    if _hf_layer_types is not None:
+        try:
+            types, kws = _hf_layer_types(config)
+            if len(types) == n and len(kws) == n:
+                return list(types), [int(k.get("sliding_window") or 0) for k in kws]
+        except (AttributeError, TypeError):
+            pass
+    types = list(getattr(config, "layer_types", None) or [])
+    if not types:
+        sw = getattr(config, "sliding_window", None)
+        types = ["sliding_attention" if sw else "full_attention"] * n
+    windows = [int(getattr(config, "sliding_window", 0) or 0) if t == "sliding_attention"
+               else int(getattr(config, "attention_chunk_size", 0) or 0) if t == "chunked_attention" else 0
+               for t in types]
+    return types, windows
+
 
 FULL_TYPES = ("full_attention",)
 SLIDING_TYPES = ("sliding_attention", "chunked_attention")
@@ -136,18 +148,18 @@ def plan_arena(config: Any, max_cache_len: int, *, batch_size: int = 1, dtype: t
     if block_bytes < 512 or block_bytes & (block_bytes - 1):
         raise ConfigError(f"block_bytes={block_bytes} must be a power of two >= 512")
     cfg = config.get_text_config(decoder=True)
-    layer_types, per_layer_kwargs = get_layer_types_and_kwargs(cfg)
+    layer_types, windows = layer_types_and_windows(cfg)
     heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     hd = _head_dim(cfg)
     elem = torch.empty((), dtype=dtype).element_size()
     cols = [0, 0]
     rows = [max_cache_len, 0]
     raw: list[tuple[int, str, int, int, int, int]] = []
-    for i, (lt, kw) in enumerate(zip(layer_types, per_layer_kwargs, strict=True)):
+    for i, (lt, layer_window) in enumerate(zip(layer_types, windows, strict=True)):
         if lt in FULL_TYPES:
             kind, sec, window, nrows = "full", 0, 0, max_cache_len
         elif lt in SLIDING_TYPES:
-            window = int(kw["sliding_window"])
+            window = layer_window
             kind, sec, nrows = "sliding", 1, min(window, max_cache_len)
             rows[1] = max(rows[1], nrows)
         else:
