@@ -211,13 +211,13 @@ def main() -> None:
     smem = ex.image.attribute(ex.image.resident, "SHARED_SIZE_BYTES")
     t9: list[dict[str, Any]] = []
 
-    big = compile_executor(99, 256, max_regs=128)  # the first design: 256 threads, ~80 regs
+    small = compile_executor(99, 32, max_regs=32)  # the alternative: one warp capped at 32 registers
     with guard.quiesced():
-        big_image = ExecutorImage(99, 256, compiled=big)
-    ex2 = ResidentExecutor(ExecutorOptions(capacity=64, idle_timeout_ms=20_000, lease_ms=600_000, threads=256),
-                           image=big_image, start=False)
-    big_regs = big_image.attribute(big_image.resident, "NUM_REGS")
-    configs = ("none", f"executor 1x{ex.image.threads} ({regs} regs)", f"executor 1x256 ({big_regs} regs)",
+        small_image = ExecutorImage(99, 32, compiled=small)
+    ex2 = ResidentExecutor(ExecutorOptions(capacity=64, idle_timeout_ms=20_000, lease_ms=600_000, threads=32),
+                           image=small_image, start=False)
+    small_regs = small_image.attribute(small_image.resident, "NUM_REGS")
+    configs = ("none", f"executor 1x{ex.image.threads} ({regs} regs)", f"executor 1x32 ({small_regs} regs)",
                "executor + armed waits")
 
     def set_config(c: str) -> ResidentExecutor | None:

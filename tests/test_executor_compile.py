@@ -18,7 +18,7 @@ def defines(src: str) -> dict[str, int]:
 
 def test_render_carries_the_ring_layout() -> None:
     d = defines(E.render_executor_source(image_id=7, threads=128))
-    assert d["CCR_IMAGE_ID"] == 7 and d["CCR_THREADS"] == 128
+    assert d["CCR_IMAGE_ID"] == 7 and d["CCR_THREADS"] == 128 and d["CCR_MAX_REGS"] == 0
     assert d["CCR_OFF_HEAD"] == R.OFF_HEAD and d["CCR_OFF_TAIL"] == R.OFF_TAIL
     assert d["CCR_OFF_STOP"] == R.OFF_STOP and d["CCR_OFF_RELEASES"] == R.OFF_RELEASES
     assert d["CCR_SLOTS_OFF"] == R.CTRL_BYTES and d["CCR_SLOT_BYTES"] == R.SLOT_BYTES
@@ -60,8 +60,9 @@ def test_cyclic_comparison_and_grid_policy() -> None:
 
 def test_choose_path() -> None:
     assert E.choose_path(RegionKind.PAGED, 1 << 30) == "resident"
-    assert E.choose_path("opaque", 256 << 20) == "armed"
-    assert E.choose_path("opaque", 256 << 20, recurring=False) == "launch"
+    assert E.choose_path("opaque", 256 << 20) == "launch"
+    assert E.choose_path("opaque", 256 << 20, prefer_armed=True) == "armed"
+    assert E.choose_path("opaque", 256 << 20, recurring=False, prefer_armed=True) == "launch"
     assert E.choose_path("dense", 4096) == "resident"
-    assert E.choose_path("dense", 1 << 20) == "armed"
+    assert E.choose_path("dense", 1 << 20) == "launch"
     assert E.choose_path("scratch", 1 << 30) == "none"

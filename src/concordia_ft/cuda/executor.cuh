@@ -141,9 +141,15 @@ __device__ void ccr_exit(unsigned char* ring, u32 state) {
   ccr_st_release32(CCR_W32(ring, CCR_OFF_STATE), state);
 }
 
-// __maxnreg__ keeps the block small enough to share its SM with a cuBLAS GEMM CTA (T9: a 256-thread,
-// 80-register block cost 8% of bf16 matmul throughput).
-extern "C" __global__ void __maxnreg__(CCR_MAX_REGS)
+// CCR_MAX_REGS > 0 caps registers (__maxnreg__) instead of __launch_bounds__. Measured on the H200 (T9): a
+// one-warp, 32-register block cost MORE bf16-matmul throughput (11%) than the default 256-thread block (7-8%)
+// and ran ops far slower, so the default is 256 threads, uncapped.
+#if CCR_MAX_REGS > 0
+#define CCR_EXECUTOR_BOUNDS __maxnreg__(CCR_MAX_REGS)
+#else
+#define CCR_EXECUTOR_BOUNDS __launch_bounds__(CCR_THREADS)
+#endif
+extern "C" __global__ void CCR_EXECUTOR_BOUNDS
 concordia_executor(unsigned char* ring, u32 capacity, u64 idle_timeout_ns, u64 lease_ns, u32 poll_sleep_ns) {
   __shared__ u64 s_desc[CCR_BATCH][8];
   __shared__ u64 s_tail;

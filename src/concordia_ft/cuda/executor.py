@@ -33,8 +33,8 @@ from .memory import DeviceBuffer, PinnedBuffer
 BATCH = 4  # descriptors a warp fetches per poll (32 lanes x 8 bytes = 4 slots)
 HEARTBEAT_NS = 100_000
 DEFAULT_THREADS = 256  # the wide dispatcher's block size
-RESIDENT_THREADS = 32  # the resident block: one warp (T9: a 256-thread block cost 8% of matmul throughput)
-RESIDENT_MAX_REGS = 32
+RESIDENT_THREADS = 256  # the resident block (T9: a 1-warp 32-register block cost more matmul, not less)
+RESIDENT_MAX_REGS = 0  # 0: __launch_bounds__(threads); > 0: __maxnreg__ cap
 _U32 = 0xFFFFFFFF
 
 
@@ -576,21 +576,26 @@ class LaunchExecutor:
 
 # Work a single resident block handles itself; above this a full-width launch wins. Measured on the H200
 # (benchmarks/results/executor-h200.json): the ring beats eager PyTorch up to N = 65,536 float32 (256 KiB per
-# operand) and loses at 262,144; one block scans ~55 GB/s, so a 1 MiB page diff takes 35 us on the ring vs
-# 17 us through a plain full-width launch.
+# operand) and loses at 262,144; one block scans ~55 GB/s, so a 1 MiB page diff takes 34 us on the ring vs
+# 17 us through a plain full-width launch. Full width: a plain launch beat the pre-armed launch on this box
+# (NOP trigger->done 15 us vs 36 us, 256 MiB scan 158 us vs 181 us: the armed path pays a stream-ordered
+# descriptor copy and the stream wait's wake-up), so the default for recurring full-width work is "launch";
+# ``prefer_armed=True`` keeps the GPU-initiated path (no host launch) selectable.
 RING_MAX_BYTES = 256 << 10
 
 
-def choose_path(kind: RegionKind | str, size_bytes: int, *, recurring: bool = True) -> str:
+def choose_path(kind: RegionKind | str, size_bytes: int, *, recurring: bool = True,
+                prefer_armed: bool = False) -> str:
     """'resident', 'armed', 'launch' or 'none' for checkpoint work on a region of ``kind``.
 
     paged: the dirty-block bitmap is tiny work -> the resident block runs it. dense/opaque: a scan or gather of
-    the whole region needs the whole GPU -> a pre-armed launch when the trigger recurs (every epoch), else a
-    plain launch; small regions stay on the resident block. immutable/scratch: no per-epoch work.
+    the whole region needs the whole GPU -> a plain full-width launch (measured fastest here), or a pre-armed
+    launch when ``prefer_armed`` and the trigger recurs; small regions stay on the resident block.
+    immutable/scratch: no per-epoch work.
     """
     k = RegionKind.parse(kind)
     if k in (RegionKind.IMMUTABLE, RegionKind.SCRATCH):
         return "none"
     if k == RegionKind.PAGED or size_bytes <= RING_MAX_BYTES:
         return "resident"
-    return "armed" if recurring else "launch"
+    return "armed" if (recurring and prefer_armed) else "launch"
