@@ -532,7 +532,7 @@ def craft_epoch(epoch: int, start: int, records: list[Record], *, flags: int = 0
         else:
             offs.append(0)
     total = cursor + F.COMMIT_BYTES
-    desc = b"".join(_encode_entry(r, o) for r, o in zip(records, offs))
+    desc = b"".join(_encode_entry(r, o) for r, o in zip(records, offs, strict=True))
     dcrc = F.crc32c(desc)
     fields = {"n_records": len(records), "epoch": epoch, "desc_bytes": len(desc), "total_bytes": total,
               "payload_bytes": cursor - area, "version": F.FORMAT_VERSION, "flags": flags}
@@ -542,7 +542,7 @@ def craft_epoch(epoch: int, start: int, records: list[Record], *, flags: int = 0
     out = bytearray(total)
     out[: F.EPOCH_HEADER_BYTES] = body + struct.pack("<II", F.crc32c(body), dcrc)
     out[F.EPOCH_HEADER_BYTES : F.EPOCH_HEADER_BYTES + len(desc)] = desc
-    for r, o in zip(records, offs):
+    for r, o in zip(records, offs, strict=True):
         if r[4] is not None:
             out[o : o + len(r[4])] = r[4]
     out[total - F.COMMIT_BYTES :] = F.encode_commit(epoch, total, dcrc)
@@ -695,7 +695,6 @@ def test_hostile_records_are_refused_without_allocating(name: str, shm_dir: Path
 def test_hostile_records_that_once_escaped_the_bounds(name: str, tmp_path: Path) -> None:
     # run in a child: the int64-overflow case used to kill the reading process with SIGSEGV
     import subprocess
-    import sys
 
     d = tmp_path / "log"
     recs = ALLOC_BUGS[name]
