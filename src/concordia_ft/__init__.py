@@ -27,6 +27,7 @@ __all__ = [
     "DeviceError",
     "LogCorruptError",
     "LogError",
+    "Recovered",
     "RecoveryError",
     "RegionError",
     "Runtime",

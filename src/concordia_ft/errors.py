@@ -48,6 +48,22 @@ class RecoveryError(ConcordiaError):
     """Recovery could not produce a verified state (nothing committed, or it does not fit the target)."""
 
 
+class RingError(ConcordiaError):
+    """The task ring cannot be used as asked (full, bad layout, consumer error, result overwritten)."""
+
+
+class RingFullError(RingError):
+    """Every slot holds a task the consumer has not completed yet."""
+
+
+class ExecutorError(ConcordiaError):
+    """A task failed on the device, the executor stopped on a protocol error, or a wait timed out."""
+
+
+class ExecutorTimeout(ExecutorError):
+    """A task did not complete within its timeout."""
+
+
 class CompileError(ConcordiaError):
     """NVRTC (or ptxas) rejected generated device code. ``log`` holds the compiler output."""
 

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import ConcordiaError, ConfigError
+from ..errors import ConfigError, RingError, RingFullError
 
 MAGIC = 0x47524343  # b"CCRG" little-endian
 VERSION = 1
@@ -110,14 +110,6 @@ class Status(enum.IntEnum):
     OK = 0
     BAD_OPCODE = 1
     BAD_ARGS = 2
-
-
-class RingError(ConcordiaError):
-    """The ring cannot be used as asked (full, bad layout, consumer error, result overwritten)."""
-
-
-class RingFullError(RingError):
-    """Every slot holds a task the consumer has not completed yet."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 from ..core import ring as R
 from ..core.regions import RegionKind
-from ..errors import ConcordiaError, ConfigError
+from ..errors import ConfigError, ExecutorError, ExecutorTimeout, RingFullError
 from . import driver, nvrtc
 from .memory import DeviceBuffer, PinnedBuffer
 
@@ -36,14 +36,6 @@ DEFAULT_THREADS = 256  # the wide dispatcher's block size
 RESIDENT_THREADS = 256  # the resident block (T9: a 1-warp 32-register block cost more matmul, not less)
 RESIDENT_MAX_REGS = 0  # 0: __launch_bounds__(threads); > 0: __maxnreg__ cap
 _U32 = 0xFFFFFFFF
-
-
-class ExecutorError(ConcordiaError):
-    """A task failed on the device, the executor stopped on a protocol error, or a wait timed out."""
-
-
-class ExecutorTimeout(ExecutorError):
-    """A task did not complete within its timeout."""
 
 
 # ---------------------------------------------------------------------------------------------- source
@@ -328,7 +320,7 @@ class ResidentExecutor:
                 with self._lock:
                     seq = self.producer.try_publish(opcode, a0, a1, a2, a3, a4, a5, 0, aux)
                 if not seq and time.monotonic() > deadline:
-                    raise R.RingFullError(f"ring full for 10 s (head {self.producer.head}, tail {self.tail}, "
+                    raise RingFullError(f"ring full for 10 s (head {self.producer.head}, tail {self.tail}, "
                                           f"state {self.state.name}, suspended {self._suspended})")
         self._ensure_running()
         return seq
