@@ -369,7 +369,6 @@ def test_background_compaction_while_appending_keeps_replay_exact(shm_dir: Path)
             d[:] = _rand(rng, d.size)
             assert rt.checkpoint({"e": e}) == e
             if e % 10 == 0:  # a reader in the middle of it all sees exactly the last epoch
-                rt._join_compactor()  # (a reader racing a compaction trips a known bug: see the xfail below)
                 res = replay(shm_dir / "log")
                 assert res.epoch == e and bytes(res.regions["a"].data) == a.tobytes()
         rt._join_compactor()
@@ -381,13 +380,8 @@ def test_background_compaction_while_appending_keeps_replay_exact(shm_dir: Path)
     assert rec.regions["a"].tobytes() == a.tobytes() and rec.regions["d"].tobytes() == d.tobytes()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a reader racing a compaction fails. replay() (core/replay.py) loads the manifest once, then opens "
-    "its segments one by one; install_base() (core/log.py) swaps the manifest and unlinks the replaced "
-    "segments meanwhile, so the reader raises LogCorruptError('segment named in the manifest is missing ... "
-    "restore it from a replica') on a healthy log (e.g. `concordia log check/inspect` while a Runtime compacts "
-    "in the background). Fix: on FileNotFoundError reload the manifest and restart the replay if it changed "
-    "(bounded retries), or open all segments before replaying (an open fd/mmap survives the unlink)"))
+# Regression: before 922aed0 replay() loaded the manifest once and opened segments one by one, so a reader
+# racing a compaction raised 'segment named in the manifest is missing' on a healthy log.
 def test_a_reader_racing_a_compaction_still_gets_a_committed_state(shm_dir: Path) -> None:
     a = np.arange(5000, dtype=np.int64)
     with cft.Runtime(shm_dir / "log", compact_after_bytes=None) as rt:
