@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-SRC = REPO / "src"
+from support import PYTHON, REPO, SRC, subprocess_env  # noqa: F401  (re-exported for fixtures)
 
 
 def _cuda_available() -> tuple[bool, str]:
@@ -52,14 +50,3 @@ def shm_dir() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def subprocess_env() -> dict[str, str]:
-    """Environment for a child Python that imports this checkout's package (src layout)."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(SRC) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-PYTHON = sys.executable

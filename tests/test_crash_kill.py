@@ -21,7 +21,7 @@ import pytest
 import crash_writer as W
 from concordia_ft.core.manifest import load_manifest
 from concordia_ft.core.replay import Outcome, replay
-from conftest import PYTHON, REPO, subprocess_env
+from support import PYTHON, REPO, subprocess_env
 
 HELPER = str(REPO / "tests" / "crash_writer.py")
 

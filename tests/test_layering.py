@@ -6,7 +6,7 @@ import ast
 import subprocess
 from pathlib import Path
 
-from conftest import PYTHON, SRC, subprocess_env
+from support import PYTHON, SRC, subprocess_env
 
 BANNED = ("torch", "cuda", "cupy", "triton")
 CORE = SRC / "concordia_ft" / "core"

@@ -710,7 +710,7 @@ def test_hostile_records_that_once_escaped_the_bounds(name: str, tmp_path: Path)
         "    print('CORRUPT', e)\n"
         "print('PEAK', tracemalloc.get_traced_memory()[1])\n"
     )
-    from conftest import PYTHON, subprocess_env
+    from support import PYTHON, subprocess_env
 
     p = subprocess.run([PYTHON, "-c", code, str(d)], capture_output=True, text=True, env=subprocess_env(),
                        timeout=120)

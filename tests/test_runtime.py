@@ -22,7 +22,7 @@ from concordia_ft.core.regions import DiffMode, RegionKind, RegionSpec
 from concordia_ft.core.replay import Outcome, replay
 from concordia_ft.cpu.trackers import CpuTracker
 from concordia_ft.errors import ConfigError, LogCorruptError, RecoveryError, RegionError
-from conftest import PYTHON, subprocess_env
+from support import PYTHON, subprocess_env
 
 torch = pytest.importorskip("torch")
 
