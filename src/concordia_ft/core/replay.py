@@ -234,25 +234,27 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
                            "`Runtime` start. Run `concordia log check DIR` to see what is there")
         return ReplayResult(Outcome.EMPTY, None, {}, None, None)
     names, fds, manifest = _open_segments(log_dir, manifest, list(segments) if segments is not None else None)
-    st = _State(sum(os.fstat(fd).st_size for fd in fds))
-    result = ReplayResult(Outcome.OK, None, {}, None, manifest)
-    for i, (name, fd) in enumerate(zip(names, fds, strict=True)):
-        last = i == len(names) - 1
-        path = log_dir / name
-        mapping, buf = map_segment(fd)
-        try:
-            _replay_segment(st, result, name, str(path), buf, last, manifest, verify_payloads,
-                            collect_summaries, on_epoch, i == 0)
-        finally:
-            del buf
-            if mapping is not None:
-                # an exception's traceback may still hold views of the mapping: then it is freed with them
-                with contextlib.suppress(BufferError):
-                    mapping.close()
-        if result.tail is not None:
-            break
-    for fd in fds:
-        os.close(fd)
+    try:
+        st = _State(sum(os.fstat(fd).st_size for fd in fds))
+        result = ReplayResult(Outcome.OK, None, {}, None, manifest)
+        for i, (name, fd) in enumerate(zip(names, fds, strict=True)):
+            last = i == len(names) - 1
+            path = log_dir / name
+            mapping, buf = map_segment(fd)
+            try:
+                _replay_segment(st, result, name, str(path), buf, last, manifest, verify_payloads,
+                                collect_summaries, on_epoch, i == 0)
+            finally:
+                del buf
+                if mapping is not None:
+                    # an exception's traceback may still hold views of the mapping: then it is freed with them
+                    with contextlib.suppress(BufferError):
+                        mapping.close()
+            if result.tail is not None:
+                break
+    finally:
+        for fd in fds:
+            os.close(fd)
     result.epoch = st.epoch
     result.regions = st.regions
     result.meta = st.meta
