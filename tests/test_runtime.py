@@ -555,3 +555,28 @@ def test_cli_in_a_subprocess_when_the_entry_point_is_complete(shm_dir: Path) -> 
                        text=True, env=subprocess_env(), timeout=120)
     assert p.returncode == 0, p.stderr
     shutil.rmtree(d)
+
+
+def test_initially_zero_paged_region_logs_only_flagged_blocks_from_the_first_epoch(shm_dir: Path) -> None:
+    block = 4 * 4096
+    arena = np.zeros(64 * block, dtype=np.uint8)
+    flags = np.zeros(64, dtype=np.uint8)
+    rng = np.random.default_rng(5)
+    with cft.Runtime(shm_dir / "log") as rt:
+        rt.register("kv", arena, kind="paged", block_bytes=block, dirty_blocks=flags, initially_zero=True)
+        arena[3 * block : 3 * block + 100] = rng.integers(1, 255, 100, dtype=np.uint8)
+        flags[3] = 1
+        rt.checkpoint()
+        assert rt.last_stats.region_pages == {"kv": 4}  # one block, not the 256-page arena
+        arena[9 * block + 7] = 42
+        flags[9] = 1
+        rt.checkpoint()
+        assert rt.last_stats.region_pages == {"kv": 4}
+    rec = cft.recover(shm_dir / "log")
+    assert rec.regions["kv"].tobytes() == arena.tobytes()  # unflagged blocks come back as zeros
+    busy = np.ones(4 * block, dtype=np.uint8)
+    with cft.Runtime(shm_dir / "other") as rt, pytest.raises(cft.RegionError, match="nonzero"):
+        rt.register("kv", busy, kind="paged", block_bytes=block, dirty_blocks=np.zeros(4, np.uint8),
+                    initially_zero=True)
+    with cft.Runtime(shm_dir / "third") as rt, pytest.raises(cft.RegionError, match="paged regions only"):
+        rt.register("d", np.zeros(4096, np.uint8), kind="dense", initially_zero=True)

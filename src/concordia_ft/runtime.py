@@ -63,6 +63,12 @@ def host_bytes(buf: Any) -> npt.NDArray[np.uint8]:
     return buf.reshape(-1).view(np.uint8)  # type: ignore[no-any-return]
 
 
+def _any_nonzero(buf: Any) -> bool:
+    if _is_torch(buf):
+        return bool(buf.detach().reshape(-1).view(__import__("torch").uint8).any())
+    return bool(buf.reshape(-1).view(np.uint8).any())
+
+
 def _bitmap(buf: Any) -> Any:
     if buf is None or not _is_torch(buf) or buf.is_cuda:
         return buf
@@ -180,13 +186,18 @@ class Runtime:
         return self.log.last_epoch
 
     def register(self, name: str, buf: Any, kind: str | RegionKind = "opaque", *, page_bytes: int | None = None,
-                 block_bytes: int = 0, dirty_blocks: Any = None, diff: str | DiffMode | None = None) -> RegionSpec:
+                 block_bytes: int = 0, dirty_blocks: Any = None, diff: str | DiffMode | None = None,
+                 initially_zero: bool = False) -> RegionSpec:
         """Register ``buf`` (numpy array or torch tensor, contiguous) under ``name``.
 
         ``diff`` (opaque regions): "hash" (8 bytes of state per page, one read of the region) or "shadow"
         (an exact copy, two reads). Default: "hash" for GPU tensors, where it is the faster of the two at
         HBM speed (cuda/DESIGN.md has the numbers), "shadow" in host memory, where numpy compares faster than
         it hashes.
+
+        ``initially_zero`` (paged regions): the buffer is all zeros now (a fresh KV arena), so its first epoch
+        logs only the flagged blocks instead of the whole region; recovery recreates the rest as zeros.
+        Checked here (one pass over the buffer), since a wrong promise would lose data.
         """
         with self._mutex:
             kind = RegionKind.parse(kind)
@@ -199,13 +210,20 @@ class Runtime:
                               dtype=dtype, shape=shape, block_bytes=block_bytes, diff=DiffMode.parse(diff))
             if kind is RegionKind.PAGED and dirty_blocks is None:
                 raise RegionError(f"paged region {name!r} needs dirty_blocks= (a bitmap of {spec.n_blocks} blocks)")
+            if initially_zero:
+                if kind is not RegionKind.PAGED:
+                    raise RegionError(f"initially_zero applies to paged regions only; {name!r} is {kind.value}")
+                if _any_nonzero(buf):
+                    raise RegionError(f"region {name!r} was registered with initially_zero=True but holds nonzero "
+                                      "bytes; register it before writing to it, or drop initially_zero")
             tracker = None if kind is RegionKind.SCRATCH else self._make_tracker(spec, buf, dirty_blocks, where)
             self.table.add(spec, where)
             self._buffers[name] = buf
             if tracker is not None:
                 self._trackers[name] = tracker
                 self._pending_defs[name] = spec
-                self._needs_full.add(name)
+                if not initially_zero:
+                    self._needs_full.add(name)
                 if name in self._pending_drops:
                     self._pending_drops.remove(name)
             return spec
@@ -218,7 +236,8 @@ class Runtime:
 
             return make_cuda_tracker(spec, buf, dirty_blocks=dirty_blocks)  # type: ignore[no-any-return]
         try:
-            return CpuTracker(spec, host_bytes(buf), _bitmap(dirty_blocks))
+            # a paged tracker's bitmap is its state: it needs no full first epoch unless the runtime asks
+            return CpuTracker(spec, host_bytes(buf), _bitmap(dirty_blocks), synced=spec.kind is RegionKind.PAGED)
         except ValueError as e:
             raise RegionError(str(e)) from None
 

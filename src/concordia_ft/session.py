@@ -197,11 +197,14 @@ class Session:
     def _register(self) -> None:
         rt = self.runtime
         bb = self.cache.geometry.block_bytes
+        # all three start zeroed: their first epoch logs only what was written (the prompt's KV blocks), not
+        # the whole arena
         rt.register("kv", self.cache.arena, kind="paged", page_bytes=min(bb, 4096), block_bytes=bb,
-                    dirty_blocks=self.cache.dirty_blocks)
+                    dirty_blocks=self.cache.dirty_blocks, initially_zero=True)
         rt.register("tokens", self.tokens, kind="paged", page_bytes=TOKEN_BLOCK_BYTES,
-                    block_bytes=TOKEN_BLOCK_BYTES, dirty_blocks=self.tokens_dirty)
-        rt.register("rng", self.rng, kind="paged", page_bytes=512, block_bytes=512, dirty_blocks=self.rng_dirty)
+                    block_bytes=TOKEN_BLOCK_BYTES, dirty_blocks=self.tokens_dirty, initially_zero=True)
+        rt.register("rng", self.rng, kind="paged", page_bytes=512, block_bytes=512, dirty_blocks=self.rng_dirty,
+                    initially_zero=True)
         if self.log_weights:
             for name, prm in self.model.named_parameters():
                 rt.register(f"weights:{name}", prm.data, kind="immutable")

@@ -109,9 +109,20 @@ class ReplayResult:
         return {n: r.spec for n, r in self.regions.items()}
 
 
+MAX_REGION_BYTES = 1 << 44  # 16 TiB: a format bound, checked before anything is allocated
+
+
+def host_memory_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return MAX_REGION_BYTES
+
+
 class _State:
-    def __init__(self, log_bytes: int) -> None:
-        self.log_bytes = log_bytes  # a valid log holds every page of every region: no region is larger
+    def __init__(self) -> None:
+        # recovered regions live in host memory: never allocate past it (a hostile or damaged size field)
+        self.limit_bytes = min(MAX_REGION_BYTES, host_memory_bytes())
         self.regions: dict[str, RegionImage] = {}
         self.meta: Any = None
         self.epoch: int | None = None
@@ -125,9 +136,11 @@ class _State:
             for e in ep.entries:
                 if e.rtype == REC_REGION:
                     spec = entry_spec(e)
-                    if spec.n_pages * spec.page_bytes > self.log_bytes:
-                        raise FormatError(f"region {spec.name!r} declares {spec.nbytes} bytes, more than the "
-                                          f"whole log ({self.log_bytes} bytes) could ever restore")
+                    others = sum(r.spec.nbytes for n, r in self.regions.items() if n != spec.name and n in specs)
+                    if spec.n_pages * spec.page_bytes + others > self.limit_bytes:
+                        raise FormatError(f"region {spec.name!r} declares {spec.nbytes} bytes ({others} in other "
+                                          f"regions): more than this machine's {self.limit_bytes} bytes of memory "
+                                          "(a damaged size field, or a log from a machine with more memory)")
                     specs[spec.name] = spec
                     plan.append(("def", spec, None))
                 elif e.rtype == REC_DROP:
@@ -235,7 +248,7 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
         return ReplayResult(Outcome.EMPTY, None, {}, None, None)
     names, fds, manifest = _open_segments(log_dir, manifest, list(segments) if segments is not None else None)
     try:
-        st = _State(sum(os.fstat(fd).st_size for fd in fds))
+        st = _State()
         result = ReplayResult(Outcome.OK, None, {}, None, manifest)
         for i, (name, fd) in enumerate(zip(names, fds, strict=True)):
             last = i == len(names) - 1

@@ -38,7 +38,7 @@ class CpuTracker:
     """Tracks one host region. ``buf`` is a writable 1-D uint8 view of the region's bytes."""
 
     def __init__(self, spec: RegionSpec, buf: npt.NDArray[np.uint8],
-                 dirty_blocks: npt.NDArray[np.generic] | None = None) -> None:
+                 dirty_blocks: npt.NDArray[np.generic] | None = None, *, synced: bool = False) -> None:
         if buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes != spec.nbytes:
             raise AssertionError(f"tracker for {spec.name!r} needs a 1-D uint8 view of {spec.nbytes} bytes")
         if spec.kind is RegionKind.PAGED:
@@ -53,7 +53,7 @@ class CpuTracker:
         self._shadow: npt.NDArray[np.uint8] | None = None
         self._hashes: npt.NDArray[np.uint64] | None = None
         self._pending_hashes: npt.NDArray[np.uint64] | None = None
-        self._synced = False  # the log holds this region's current baseline
+        self._synced = synced  # the log holds this region's current baseline (or it needs none: paged)
 
     # ------------------------------------------------------------------------------------------ helpers
     def _main(self) -> npt.NDArray[np.uint8]:
