@@ -59,40 +59,61 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
-def _numeric_columns(rows: list[dict[str, Any]]) -> list[str]:
-    cols: list[str] = []
+_KEYS = ("case", "op", "n", "path", "region_mib", "dirty_pages", "dirty_pct", "mode", "staging", "backend", "fsync")
+_METRICS = ("wall_ms", "p50_us", "value", "total_ms", "overhead_pct", "seconds", "delta_ms_gpu_handlers", "cpu_wall_ms",
+            "dtoh_ms")
+
+
+def _label(row: dict[str, Any]) -> str:
+    parts = [f"{k}={row[k]}" if k not in ("case", "op") else str(row[k]) for k in _KEYS if k in row]
+    return ", ".join(parts) or "row"
+
+
+def _metric(rows: list[dict[str, Any]]) -> str | None:
+    for m in _METRICS:
+        if any(isinstance(r.get(m), int | float) for r in rows):
+            return m
     for r in rows:
         for k, v in r.items():
-            if isinstance(v, int | float) and not isinstance(v, bool) and k not in cols:
-                cols.append(k)
-    timed = [k for k in cols if k.endswith(("_us", "_ms", "_s", "gbps", "GBps", "_x", "ratio", "tok_s"))]
-    return timed or cols[:4]
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                return k
+    return None
 
 
 def plot_results(path: Path) -> Path | None:
-    """One PNG per results JSON: every timed column as grouped bars per row (log scale)."""
+    """One PNG per results JSON: a horizontal bar chart per table (its main metric, log scale when it spans
+    decades), baseline rows in grey beside the measured ones."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     doc = json.loads(path.read_text())
-    rows = list(doc.get("rows", [])) + [dict(r, case=f"baseline: {r.get('case', '')}") for r in doc.get("baseline", [])]
-    if not rows:
+    rows = [dict(r, _base=False) for r in doc.get("rows", [])] + [dict(r, _base=True) for r in doc.get("baseline", [])]
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(str(r.get("table") or r.get("section") or doc.get("benchmark", "results")), []).append(r)
+    plots = [(g, rs, m) for g, rs in groups.items() if (m := _metric(rs)) is not None]
+    if not plots:
         return None
-    cols = _numeric_columns(rows)
-    labels = [str(r.get("case") or r.get("name") or i) for i, r in enumerate(rows)]
-    fig, axes = plt.subplots(len(cols), 1, figsize=(max(6, 0.45 * len(rows) + 3), 2.6 * len(cols)), squeeze=False)
-    for ax, col in zip(axes[:, 0], cols, strict=True):
-        vals = [float(r.get(col, float("nan"))) for r in rows]
-        ax.bar(range(len(rows)), vals, color=["tab:gray" if lab.startswith("baseline") else "tab:blue" for lab in labels])
-        ax.set_ylabel(col)
-        if all(v > 0 for v in vals if v == v) and max(vals) / max(min(v for v in vals if v == v), 1e-12) > 50:
-            ax.set_yscale("log")
-        ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+    heights = [max(1.2, 0.22 * len(rs) + 0.8) for _, rs, _ in plots]
+    fig, axes = plt.subplots(len(plots), 1, figsize=(10, sum(heights)), squeeze=False,
+                             gridspec_kw={"height_ratios": heights})
+    for ax, (group, rs, metric) in zip(axes[:, 0], plots, strict=True):
+        rs = [r for r in rs if isinstance(r.get(metric), int | float)]
+        vals = [float(r[metric]) for r in rs]
+        labels = [("baseline: " if r["_base"] else "") + _label(r) for r in rs]
+        ax.barh(range(len(rs)), vals, color=["tab:gray" if r["_base"] else "tab:blue" for r in rs])
+        ax.set_yticks(range(len(rs)), labels, fontsize=6)
+        ax.invert_yaxis()
+        pos = [v for v in vals if v > 0]
+        if pos and max(pos) / min(pos) > 50:
+            ax.set_xscale("log")
+        ax.set_title(f"{group}: {metric}", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
     dev = doc.get("device", {})
     fig.suptitle(f"{doc.get('benchmark', path.stem)} on {dev.get('gpu', dev.get('cpu', '?'))} "
-                 f"({doc.get('date', '')[:10]}, {str(doc.get('git_commit', ''))[:10]})", fontsize=9)
+                 f"({str(doc.get('date', ''))[:10]}, commit {str(doc.get('git_commit', ''))[:10]})", fontsize=9)
     fig.tight_layout()
     out = path.with_suffix(".png")
     fig.savefig(out, dpi=110)
