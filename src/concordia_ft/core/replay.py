@@ -120,67 +120,98 @@ def host_memory_bytes() -> int:
 
 
 class _State:
+    """Replay in two passes: every epoch is verified and its records checked as it is read (``add``), and
+    only then are pages copied (``materialize``), newest first, so each page is copied once: its last
+    committed version. Overwrite-heavy logs (dense adapters, optimizer state) replay at checksum speed."""
+
     def __init__(self) -> None:
         # recovered regions live in host memory: never allocate past it (a hostile or damaged size field)
         self.limit_bytes = min(MAX_REGION_BYTES, host_memory_bytes())
-        self.regions: dict[str, RegionImage] = {}
+        self.specs: dict[str, RegionSpec] = {}
+        self.born: dict[str, int] = {}  # name -> sequence number where the region's current contents began
+        self.writes: list[tuple[int, str, npt.NDArray[np.int64], memoryview]] = []  # (seq, name, pages, payload)
+        self.seq = 0
         self.meta: Any = None
         self.epoch: int | None = None
+        self.regions: dict[str, RegionImage] = {}
 
-    def apply(self, ep: DecodedEpoch, path: str) -> dict[str, int]:
-        """Validate every record against the geometry first, then apply: all or nothing."""
-        specs = {} if ep.full else {n: r.spec for n, r in self.regions.items()}
-        plan: list[tuple[str, Any, Any]] = []
+    def add(self, ep: DecodedEpoch, path: str) -> dict[str, int]:
+        """Check every record of a verified epoch against the region geometry; nothing is copied yet."""
+        specs = {} if ep.full else dict(self.specs)
+        born = {} if ep.full else dict(self.born)
+        writes: list[tuple[int, str, npt.NDArray[np.int64], memoryview]] = []
+        meta, has_meta = None, False
         pages_of: dict[str, int] = {}
+        seq = self.seq
         try:
             for e in ep.entries:
+                seq += 1
                 if e.rtype == REC_REGION:
                     spec = entry_spec(e)
-                    others = sum(r.spec.nbytes for n, r in self.regions.items() if n != spec.name and n in specs)
+                    others = sum(sp.nbytes for n, sp in specs.items() if n != spec.name)
                     if spec.n_pages * spec.page_bytes + others > self.limit_bytes:
                         raise FormatError(f"region {spec.name!r} declares {spec.nbytes} bytes ({others} in other "
                                           f"regions): more than this machine's {self.limit_bytes} bytes of memory "
                                           "(a damaged size field, or a log from a machine with more memory)")
+                    if specs.get(spec.name) != spec:  # new, or redefined: starts from zeros
+                        born[spec.name] = seq
                     specs[spec.name] = spec
-                    plan.append(("def", spec, None))
                 elif e.rtype == REC_DROP:
                     specs.pop(e.name, None)
-                    plan.append(("drop", e.name, None))
+                    born.pop(e.name, None)
                 elif e.rtype in (REC_PAGES, REC_RUNS):
                     if e.name not in specs:
                         raise FormatError(f"pages for region {e.name!r}, which no earlier record defines")
                     pages = entry_pages(e, specs[e.name])
                     pages_of[e.name] = len(pages)
-                    plan.append(("pages", e.name, (pages, ep.payload(e))))
+                    if len(pages):
+                        writes.append((seq, e.name, pages, ep.payload(e)))
                 elif e.rtype == REC_META:
-                    plan.append(("meta", entry_meta(e), None))
+                    meta, has_meta = entry_meta(e), True
         except FormatError as err:
             raise LogCorruptError(path, ep.offset, f"epoch {ep.epoch}: {err}") from None
+        self.specs, self.born, self.seq = specs, born, seq
         if ep.full:
-            self.regions = {}
-        for op, a, b in plan:
-            if op == "def":
-                old = self.regions.get(a.name)
-                if old is None or old.spec != a:
-                    self.regions[a.name] = RegionImage(a, np.zeros(a.n_pages * a.page_bytes, dtype=np.uint8))
-            elif op == "drop":
-                self.regions.pop(a, None)
-            elif op == "pages":
-                img = self.regions[a]
-                pages, payload = b
-                _scatter(img, pages, payload)
-            else:
-                self.meta = a
+            self.writes = []
+        self.writes.extend(writes)
+        if has_meta:
+            self.meta = meta
         self.epoch = ep.epoch
         return pages_of
+
+    def region_bytes(self) -> int:
+        return sum(sp.nbytes for sp in self.specs.values())
+
+    def materialize(self) -> None:
+        """Copy each live page's newest committed version into a fresh image of its region."""
+        images = {n: RegionImage(sp, np.zeros(sp.n_pages * sp.page_bytes, dtype=np.uint8))
+                  for n, sp in self.specs.items()}
+        filled = {n: np.zeros(sp.n_pages, dtype=bool) for n, sp in self.specs.items()}
+        missing = {n: sp.n_pages for n, sp in self.specs.items()}
+        for seq, name, pages, payload in reversed(self.writes):
+            if not missing.get(name) or seq < self.born[name]:
+                continue
+            done = filled[name]
+            need = ~done[pages]
+            n_need = int(np.count_nonzero(need))
+            if n_need == 0:
+                continue
+            if n_need == len(pages):
+                _scatter(images[name], pages, payload)
+            else:
+                pb = images[name].spec.page_bytes
+                src = np.frombuffer(payload, dtype=np.uint8).reshape(len(pages), pb)
+                images[name].pages_view()[pages[need]] = src[need]
+            done[pages] = True
+            missing[name] -= n_need
+        self.regions = images
+        self.writes = []
 
 
 def _scatter(img: RegionImage, pages: npt.NDArray[np.int64], payload: memoryview) -> None:
     pb = img.spec.page_bytes
     src = np.frombuffer(payload, dtype=np.uint8)
     n = len(pages)
-    if n == 0:
-        return
     if int(pages[-1]) - int(pages[0]) + 1 == n:  # one run: a straight copy
         start = int(pages[0]) * pb
         img.padded[start : start + n * pb] = src
@@ -247,25 +278,27 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
                            "`Runtime` start. Run `concordia log check DIR` to see what is there")
         return ReplayResult(Outcome.EMPTY, None, {}, None, None)
     names, fds, manifest = _open_segments(log_dir, manifest, list(segments) if segments is not None else None)
+    st = _State()
+    mappings = []
     try:
-        st = _State()
         result = ReplayResult(Outcome.OK, None, {}, None, manifest)
         for i, (name, fd) in enumerate(zip(names, fds, strict=True)):
             last = i == len(names) - 1
-            path = log_dir / name
             mapping, buf = map_segment(fd)
-            try:
-                _replay_segment(st, result, name, str(path), buf, last, manifest, verify_payloads,
-                                collect_summaries, on_epoch, i == 0)
-            finally:
-                del buf
-                if mapping is not None:
-                    # an exception's traceback may still hold views of the mapping: then it is freed with them
-                    with contextlib.suppress(BufferError):
-                        mapping.close()
+            if mapping is not None:
+                mappings.append(mapping)
+            _replay_segment(st, result, name, str(log_dir / name), buf, last, manifest, verify_payloads,
+                            collect_summaries, on_epoch, i == 0)
+            del buf
             if result.tail is not None:
                 break
+        st.materialize()  # the payload views point into the mappings: copy before they close
     finally:
+        st.writes = []
+        for m in mappings:
+            # an exception's traceback may still hold views of a mapping: then it is freed with them
+            with contextlib.suppress(BufferError):
+                m.close()
         for fd in fds:
             os.close(fd)
     result.epoch = st.epoch
@@ -319,13 +352,13 @@ def _replay_segment(st: _State, result: ReplayResult, name: str, path: str, buf:
             raise LogCorruptError(path, pos, f"epoch {ep.epoch} follows epoch {st.epoch}: epochs are missing")
         if st.epoch is not None and ep.full and ep.epoch <= st.epoch:
             raise LogCorruptError(path, pos, f"base epoch {ep.epoch} does not advance past epoch {st.epoch}")
-        pages = st.apply(ep, path)
+        pages = st.add(ep, path)
         result.bytes_read += ep.total_bytes
         pos += ep.total_bytes
         result.end_offset = pos
         if summaries or on_epoch is not None:
             s = EpochSummary(ep.epoch, name, ep.offset, ep.total_bytes, ep.payload_bytes, ep.full, pages,
-                             sum(r.spec.nbytes for r in st.regions.values()))
+                             st.region_bytes())
             if summaries:
                 result.epochs.append(s)
             if on_epoch is not None:

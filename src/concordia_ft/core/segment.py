@@ -24,6 +24,7 @@ from ..errors import ConfigError, LogError
 
 IOV_MAX = 1024
 PREALLOC_BYTES = 64 << 20
+MAX_PREALLOC_BYTES = 512 << 20
 _FALLOC_FL_KEEP_SIZE = 1
 _MAP_SHARED_VALIDATE = 0x03
 _MAP_SYNC = 0x80000
@@ -94,12 +95,15 @@ class FileSegment:
             self.append([create_with])
             self.sync()
 
-    def _reserve(self, upto: int) -> None:
-        """Keep PREALLOC_BYTES reserved past the end, from a background thread (off the append path)."""
-        if not self._prealloc or upto + PREALLOC_BYTES // 2 <= self._reserved:
+    def _reserve(self, upto: int, epoch_bytes: int = 0) -> None:
+        """Keep space reserved past the end (two epochs' worth, 64 MiB to 512 MiB), from a background thread:
+        writing into fresh tmpfs pages costs an allocation + zeroing pass, which this takes off the append
+        path whenever epochs come further apart than that pass takes."""
+        ahead = min(MAX_PREALLOC_BYTES, max(PREALLOC_BYTES, 2 * epoch_bytes))
+        if not self._prealloc or upto + ahead // 2 <= self._reserved:
             return
         with self._wake:
-            self._want = max(self._want, upto + PREALLOC_BYTES)
+            self._want = max(self._want, upto + ahead)
             if self._reserver is None:
                 self._reserver = threading.Thread(target=self._reserve_loop, name="concordia-prealloc", daemon=True)
                 self._reserver.start()
@@ -125,7 +129,7 @@ class FileSegment:
         start = self.end
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         total = sum(v.nbytes for v in views)
-        self._reserve(start + total)
+        self._reserve(start + total, total)
         offset = start
         try:
             i = 0
