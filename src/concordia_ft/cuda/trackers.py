@@ -113,9 +113,21 @@ class CudaTracker:
         return driver.Stream(int(torch.cuda.current_stream(self.device).cuda_stream), owned=False,
                              device=self.device)
 
-    def _staging(self) -> PinnedBuffer:
-        if self._payload is None:
-            self._payload = PinnedBuffer(self.padded_bytes)
+    def _staging(self, need: int | None = None) -> PinnedBuffer:
+        """The ONE pinned staging buffer. "mapped" staging gathers into it before the dirty count is known,
+        so it spans the region; "device" staging learns the count first, so its buffer starts at 64 pages
+        and doubles as needed (pinning a whole KV arena can cost 10s of ms, e.g. right after a recovery)."""
+        if self.staging == "mapped":
+            need = self.padded_bytes
+        else:
+            need = max(need or 0, min(self.padded_bytes, 64 * self.page_bytes))
+        if self._payload is None or self._payload.nbytes < need:
+            size = need if self._payload is None else min(self.padded_bytes, max(need, 2 * self._payload.nbytes))
+            if self._payload is not None:
+                self._staging_view = None
+                self._gather_args = None
+                self._payload.close()  # the delta that used it was committed and advanced before this collect
+            self._payload = PinnedBuffer(size)
             self._staging_view = self._payload.view()
         return self._payload
 
@@ -146,7 +158,7 @@ class CudaTracker:
 
     def _delta(self, pages: npt.NDArray[np.int64], scanned: int) -> RegionDelta:
         n = len(pages) * self.page_bytes
-        self._staging()
+        self._staging(n)
         assert self._staging_view is not None
         view = self._staging_view[:n]
         d = RegionDelta(self.spec, pages, view, scanned_bytes=scanned)
@@ -154,7 +166,7 @@ class CudaTracker:
         return d
 
     def _collect_full(self, stream: driver.Stream) -> RegionDelta:
-        buf = self._staging()
+        buf = self._staging(self.padded_bytes)
         driver.memcpy_dtoh_async(buf.host_ptr, self.base, self.spec.nbytes, stream)
         stream.synchronize()
         self._needs_sync = False
@@ -164,8 +176,8 @@ class CudaTracker:
 
     def _payload_device_ptr(self, delta: RegionDelta) -> int:
         """A device-readable address of the delta's payload (ours, or copied into ours)."""
-        buf = self._staging()
         n = delta.payload.nbytes
+        buf = self._staging(n)
         if n == 0:
             return buf.device_ptr
         if delta is self._last_delta:
@@ -177,7 +189,7 @@ class CudaTracker:
             if self._dev_stage is not None and self.staging == "device" and len(delta.pages) < self.n_pages:
                 return self._dev_stage.ptr  # the same bytes, already on the device
             return buf.device_ptr
-        self._staging().view(n)[:] = delta.payload
+        buf.view(n)[:] = delta.payload
         return buf.device_ptr
 
     def _write_list(self, pages: npt.NDArray[np.int64]) -> int:
@@ -221,7 +233,7 @@ class CudaTracker:
                 m.launch("concordia_gather",
                          m.gather_args(self.base, self._list_dev(), 0, count, self._dev_stage.ptr), stream,
                          grid=m.grid_for("concordia_gather", count))
-                driver.memcpy_dtoh_async(self._staging().host_ptr, self._dev_stage.ptr, need, stream)
+                driver.memcpy_dtoh_async(self._staging(need).host_ptr, self._dev_stage.ptr, need, stream)
             if self.profile:
                 self._events[3].record(stream)
             stream.synchronize()
@@ -437,12 +449,14 @@ class PagedTracker(CudaTracker):
 
 
 def make_cuda_tracker(spec: RegionSpec, tensor: Any, *, dirty_blocks: Any = None,
-                      stream: driver.Stream | None = None, staging: str = "mapped", profile: bool = False
+                      stream: driver.Stream | None = None, staging: str | None = None, profile: bool = False
                       ) -> CudaTracker:
     """The Tracker for a CUDA tensor registered as ``spec`` (runtime.py calls exactly this)."""
     kind = spec.kind
     if kind is RegionKind.SCRATCH:
         raise RegionError(f"region {spec.name!r} is scratch: scratch regions are never tracked or recovered")
+    if staging is None:  # paged: few flagged blocks per epoch, learn the count first; others: gather mapped
+        staging = "device" if kind is RegionKind.PAGED else "mapped"
     kw: dict[str, Any] = {"stream": stream, "staging": staging, "profile": profile}
     if kind is RegionKind.OPAQUE:
         return OpaqueTracker(spec, tensor, **kw)
