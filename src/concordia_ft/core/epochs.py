@@ -183,22 +183,32 @@ def decode_epoch(buf: memoryview, offset: int, *, verify_payloads: bool = True) 
 def entry_pages(e: Entry, spec: RegionSpec) -> npt.NDArray[np.int64]:
     """The page indices a PAGES/RUNS record covers, validated against the region's geometry."""
     arr = np.frombuffer(e.var, dtype="<i8")
-    if e.rtype == REC_RUNS:
-        runs = arr.reshape(-1, 2)
-        starts, lengths = runs[:, 0], runs[:, 1]
+    n_pages = spec.n_pages
+    if e.rtype == REC_RUNS and len(arr) <= 32:  # few runs (a token's KV rows, a dense region): plain ints
+        runs = arr.tolist()
+        end = 0
+        for start, length in zip(runs[0::2], runs[1::2], strict=True):
+            if length <= 0 or start < end or start >= n_pages or length > n_pages - start:
+                raise FormatError(f"record for {e.name!r} has runs that are empty, overlapping, out of order or "
+                                  f"outside [0, {n_pages})")
+            end = start + length
+        pages = (np.arange(runs[0], runs[0] + runs[1], dtype=np.int64) if len(runs) == 2
+                 else runs_to_pages(arr.reshape(-1, 2).astype(np.int64)))
+    elif e.rtype == REC_RUNS:
+        runs2 = arr.reshape(-1, 2)
+        starts, lengths = runs2[:, 0], runs2[:, 1]
         # each bound alone first (no int64 overflow), then ascending and disjoint: together they cap the
         # total at n_pages before anything is expanded
-        if len(runs) and (np.any(lengths <= 0) or np.any(starts < 0) or np.any(starts >= spec.n_pages)
-                          or np.any(lengths > spec.n_pages - starts)
-                          or np.any(starts[1:] < starts[:-1] + lengths[:-1])):
+        if (np.any(lengths <= 0) or np.any(starts < 0) or np.any(starts >= n_pages)
+                or np.any(lengths > n_pages - starts) or np.any(starts[1:] < starts[:-1] + lengths[:-1])):
             raise FormatError(f"record for {e.name!r} has runs that are empty, overlapping, out of order or "
-                              f"outside [0, {spec.n_pages})")
-        pages = runs_to_pages(runs)
+                              f"outside [0, {n_pages})")
+        pages = runs_to_pages(runs2)
     else:
         pages = arr.astype(np.int64)
-    if len(pages):
-        if pages[0] < 0 or pages[-1] >= spec.n_pages or (len(pages) > 1 and np.any(np.diff(pages) <= 0)):
-            raise FormatError(f"record for {e.name!r} has page indices outside [0, {spec.n_pages}) or out of order")
+        if len(pages) and (pages[0] < 0 or pages[-1] >= n_pages
+                           or (len(pages) > 1 and bool((np.diff(pages) <= 0).any()))):
+            raise FormatError(f"record for {e.name!r} has page indices outside [0, {n_pages}) or out of order")
     if len(pages) * spec.page_bytes != e.payload_len:
         raise FormatError(f"record for {e.name!r}: {len(pages)} pages of {spec.page_bytes} bytes but "
                           f"{e.payload_len} payload bytes")

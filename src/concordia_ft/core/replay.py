@@ -19,6 +19,7 @@ import contextlib
 import enum
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -183,11 +184,17 @@ class _State:
         return sum(sp.nbytes for sp in self.specs.values())
 
     def materialize(self) -> None:
-        """Copy each live page's newest committed version into a fresh image of its region."""
+        """Copy each live page's newest committed version into a fresh image of its region.
+
+        Deciding which write supplies each page is a cheap newest-first bitmap pass; the copies it leaves
+        write disjoint pages, so large replays run them on several threads (numpy releases the GIL for them),
+        which also spreads the first-touch cost of the fresh images."""
         images = {n: RegionImage(sp, np.zeros(sp.n_pages * sp.page_bytes, dtype=np.uint8))
                   for n, sp in self.specs.items()}
         filled = {n: np.zeros(sp.n_pages, dtype=bool) for n, sp in self.specs.items()}
         missing = {n: sp.n_pages for n, sp in self.specs.items()}
+        jobs: list[tuple[RegionImage, npt.NDArray[np.int64], memoryview, npt.NDArray[np.bool_] | None]] = []
+        copy_bytes = 0
         for seq, name, pages, payload in reversed(self.writes):
             if not missing.get(name) or seq < self.born[name]:
                 continue
@@ -196,16 +203,31 @@ class _State:
             n_need = int(np.count_nonzero(need))
             if n_need == 0:
                 continue
-            if n_need == len(pages):
-                _scatter(images[name], pages, payload)
-            else:
-                pb = images[name].spec.page_bytes
-                src = np.frombuffer(payload, dtype=np.uint8).reshape(len(pages), pb)
-                images[name].pages_view()[pages[need]] = src[need]
+            jobs.append((images[name], pages, payload, None if n_need == len(pages) else need))
+            copy_bytes += n_need * images[name].spec.page_bytes
             done[pages] = True
             missing[name] -= n_need
-        self.regions = images
         self.writes = []
+        workers = min(8, os.cpu_count() or 1) if copy_bytes >= PARALLEL_COPY_BYTES else 1
+        if workers <= 1:
+            _run_copies(jobs)
+        else:
+            with ThreadPoolExecutor(workers, thread_name_prefix="concordia-replay") as pool:
+                list(pool.map(_run_copies, [jobs[i::workers] for i in range(workers)]))
+        self.regions = images
+
+
+PARALLEL_COPY_BYTES = 32 << 20
+
+
+def _run_copies(jobs: list[tuple[RegionImage, npt.NDArray[np.int64], memoryview, npt.NDArray[np.bool_] | None]]
+                ) -> None:
+    for img, pages, payload, need in jobs:
+        if need is None:
+            _scatter(img, pages, payload)
+        else:
+            src = np.frombuffer(payload, dtype=np.uint8).reshape(len(pages), img.spec.page_bytes)
+            img.pages_view()[pages[need]] = src[need]
 
 
 def _scatter(img: RegionImage, pages: npt.NDArray[np.int64], payload: memoryview) -> None:
