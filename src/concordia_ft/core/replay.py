@@ -203,7 +203,10 @@ class _State:
             n_need = int(np.count_nonzero(need))
             if n_need == 0:
                 continue
-            jobs.append((images[name], pages, payload, None if n_need == len(pages) else need))
+            if n_need == len(pages):
+                jobs.extend(_split(images[name], pages, payload))
+            else:
+                jobs.append((images[name], pages, payload, need))
             copy_bytes += n_need * images[name].spec.page_bytes
             done[pages] = True
             missing[name] -= n_need
@@ -218,6 +221,16 @@ class _State:
 
 
 PARALLEL_COPY_BYTES = 32 << 20
+COPY_CHUNK_BYTES = 8 << 20  # one prefill epoch can hold a whole prompt's KV: split it so threads share it
+
+
+def _split(img: RegionImage, pages: npt.NDArray[np.int64], payload: memoryview
+           ) -> list[tuple[RegionImage, npt.NDArray[np.int64], memoryview, None]]:
+    pb = img.spec.page_bytes
+    step = max(1, COPY_CHUNK_BYTES // pb)
+    if len(pages) <= step:
+        return [(img, pages, payload, None)]
+    return [(img, pages[i : i + step], payload[i * pb : (i + step) * pb], None) for i in range(0, len(pages), step)]
 
 
 def _run_copies(jobs: list[tuple[RegionImage, npt.NDArray[np.int64], memoryview, npt.NDArray[np.bool_] | None]]
