@@ -117,3 +117,16 @@ def test_second_generate_reuses_the_prefix_and_recovers(tmp_path):
     rec = Session.recover(tmp_path / "log", model)
     assert rec.ids == follow + second and rec.resume() == second and cached_before > 0
     rec.close()
+
+
+def test_recover_refuses_a_log_that_no_session_wrote(tmp_path):
+    import numpy as np
+
+    import concordia_ft as cft
+
+    with cft.Runtime(tmp_path / "log") as rt:
+        rt.register("a", np.arange(512, dtype=np.int64))
+        rt.checkpoint(meta={"something": "else"})
+    with pytest.raises(RecoveryError, match="no concordia_ft.Session metadata"):
+        Session.recover(tmp_path / "log", tiny_model("llama"))
+    assert cft.recover(tmp_path / "log").epoch == 1  # the refused recovery left the log as it was

@@ -145,6 +145,25 @@ def recover(log_dir: str | Path, *, verify: bool = True) -> Recovered:
     return _recovered(replay(path, verify_payloads=verify), t0)
 
 
+def open_to_recover(log_dir: str | Path, key: str, what: str, *, fsync: str = "never", backend: str = "file",
+                    runtime_options: dict[str, Any] | None = None) -> tuple[Runtime, Any]:
+    """Open an existing log for a component that restores itself from it (a Session, a LoRA trainer).
+
+    Returns the Runtime (which has replayed and verified the log once) and the ``key`` section of the last
+    committed epoch's metadata. The caller registers its buffers and calls ``recover_into()``; it must close
+    the Runtime if it gives up."""
+    if not Path(log_dir).is_dir():
+        raise RecoveryError(f"no log at {log_dir}: the directory does not exist")
+    rt = Runtime(str(log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
+    section = (rt.opened_meta or {}).get(key) if isinstance(rt.opened_meta, dict) else None
+    if section is None:
+        epoch = rt.epoch
+        rt.close()
+        raise RecoveryError(f"the last epoch ({epoch}) in {log_dir} holds no {what} metadata; was this log "
+                            f"written by {what}?" if epoch is not None else f"{log_dir} holds no committed epoch")
+    return rt, section
+
+
 # ------------------------------------------------------------------------------------------- runtime
 class Runtime:
     """Registers regions, checkpoints them as committed epochs, and restores them."""
@@ -174,6 +193,8 @@ class Runtime:
         self.last_compaction: CompactionResult | None = None
         self.compaction_error: BaseException | None = None
         self.last_stats: CheckpointStats | None = None
+        replayed = self.log.replayed
+        self.opened_meta: Any = replayed.meta if replayed is not None else None  # the log's last metadata at open
 
     # --------------------------------------------------------------------------------------- registry
     @property

@@ -404,18 +404,11 @@ class Session:
                 backend: str = "file", checkpoint_every: int = 1,
                 runtime_options: dict[str, Any] | None = None) -> Session:
         """Rebuild the session from the last committed epoch (in a fresh process); then call resume()."""
-        from . import runtime as _rt
+        from .runtime import open_to_recover
 
-        if not Path(log_dir).is_dir():
-            raise RecoveryError(f"no log at {log_dir}: the directory does not exist")
-        rt = _rt.Runtime(str(log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
+        rt, m = open_to_recover(log_dir, META_KEY, "concordia_ft.Session", fsync=fsync, backend=backend,
+                                runtime_options=runtime_options)
         try:
-            replayed = getattr(rt.log, "replayed", None)
-            meta = replayed.meta if replayed is not None else _rt.recover(str(log_dir)).meta
-            m = (meta or {}).get(META_KEY)
-            if m is None:
-                raise RecoveryError(f"the last epoch ({rt.epoch}) in {log_dir} holds no session metadata; "
-                                    "was this log written by concordia_ft.Session?")
             if m["version"] != META_VERSION:
                 raise RecoveryError(f"session metadata version {m['version']}; this code reads {META_VERSION}")
             fp = model_fingerprint(model)

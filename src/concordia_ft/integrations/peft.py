@@ -171,17 +171,11 @@ class LoraTrainer:
                 weight_decay: float = 0.0, fsync: str = "never", backend: str = "file",
                 runtime_options: dict[str, Any] | None = None) -> LoraTrainer:
         """Rebuild adapter + optimizer state from the last committed step (pass the same base model + config)."""
-        from .. import runtime as _rt
+        from ..runtime import open_to_recover
 
-        if not Path(log_dir).is_dir():
-            raise RecoveryError(f"no log at {log_dir}: the directory does not exist")
-        rt = _rt.Runtime(str(log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
+        rt, m = open_to_recover(log_dir, META_KEY, "concordia_ft LoRA training", fsync=fsync, backend=backend,
+                                runtime_options=runtime_options)
         try:
-            replayed = getattr(rt.log, "replayed", None)
-            meta = replayed.meta if replayed is not None else _rt.recover(str(log_dir)).meta
-            m = (meta or {}).get(META_KEY)
-            if m is None:
-                raise RecoveryError(f"the last epoch in {log_dir} holds no LoRA training metadata")
             t = cls(base_model, log_dir, lora_config=lora_config, lr=lr, weight_decay=weight_decay,
                     log_weights=bool(m.get("log_weights")), _runtime=rt)
             if t.n_adapter_params != int(m["n_params"]):
