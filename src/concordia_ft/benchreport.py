@@ -58,7 +58,7 @@ def device_info() -> dict[str, Any]:
     except OSError:
         pass
     try:
-        import torch  # noqa: TID251 - optional, only to describe the GPU
+        import torch
 
         if torch.cuda.is_available():
             p = torch.cuda.get_device_properties(0)

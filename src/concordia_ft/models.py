@@ -82,7 +82,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     set_offline()
     _require("gguf", "reading a GGUF model")
     _require("accelerate", "reading a GGUF model")
-    import torch  # noqa: TID251 - loading a model needs torch
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src_dir, name = str(gguf_path.parent), gguf_path.name
@@ -133,7 +133,7 @@ def load_causal_lm(path: str | os.PathLike[str] | None = None, *, device: str = 
                 f"--model {str(path)!r} is not a local model directory (no config.json there); pass a directory "
                 "written by save_pretrained, or leave --model out for the bundled SmolLM2"
             )
-    import torch  # noqa: TID251 - loading a model needs torch
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = dtype if dtype is not None else (torch.float32 if device == "cpu" else torch.bfloat16)

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch  # noqa: TID251 - the session is the torch side of the runtime
+import torch
 
 from .errors import ConfigError, RecoveryError
 from .integrations.transformers import ArenaKVCache, dtype_name, parse_dtype, plan_arena
