@@ -164,6 +164,10 @@ def decode_epoch(buf: memoryview, offset: int, *, verify_payloads: bool = True) 
     if h.total_bytes > remaining:
         raise EpochTail(TailKind.TORN, f"epoch {h.epoch} declares {h.total_bytes} bytes, only {remaining} present")
     view = buf[offset : offset + h.total_bytes]
+    if not any(bytes(view[h.total_bytes - COMMIT_BYTES :])):
+        # the marker is the last thing written: in a preallocated (DAX) segment an unfinished append is
+        # whole in length but has no marker yet
+        raise EpochTail(TailKind.TORN, f"epoch {h.epoch} has no commit marker (its write never finished)")
     desc = view[EPOCH_HEADER_BYTES : EPOCH_HEADER_BYTES + h.desc_bytes]
     try:
         if crc32c(desc) != h.desc_crc:

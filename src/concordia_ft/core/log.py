@@ -223,10 +223,14 @@ class RecoveryLog:
             size = os.path.getsize(path / last)
             if result.tail is not None or (opts.backend != "dax" and size > end):
                 reason = result.tail.reason if result.tail else "trailing zero bytes"
-                report.cut_bytes = size - end if opts.backend != "dax" else (result.tail.size_bytes
-                                                                             if result.tail else 0)
+                if isinstance(seg, DaxSegment):  # preallocated: clear the torn bytes, keep the space
+                    written_end = result.tail.written_end if result.tail else end
+                    report.cut_bytes = written_end - end
+                    seg.cut(end, written_end)
+                else:
+                    report.cut_bytes = size - end
+                    seg.cut(end)
                 report.cut_reason = reason
-                seg.cut(end)
                 log.warning("cut %d bytes of torn tail from %s at offset %d (%s): that epoch never committed",
                             report.cut_bytes, last, end, reason)
         report.durable = seg.durable

@@ -62,6 +62,7 @@ class TailInfo:
     size_bytes: int  # bytes from offset to the end of the file
     kind: TailKind
     reason: str
+    written_end: int = 0  # just past the tail's last nonzero byte (what a preallocated segment must clear)
 
 
 @dataclass
@@ -380,7 +381,9 @@ def _replay_segment(st: _State, result: ReplayResult, name: str, path: str, buf:
                 raise LogCorruptError(path, pos, f"{t.reason} (a valid epoch follows at offset {later})",
                                       "damage before the tail: the epochs before this offset are intact; "
                                       "run `concordia log check DIR` for a full report") from None
-            result.tail = TailInfo(name, pos, size - pos, t.kind, t.reason)
+            nonzero = np.flatnonzero(np.frombuffer(buf[pos:], dtype=np.uint8))
+            written_end = pos + int(nonzero[-1]) + 1 if len(nonzero) else pos
+            result.tail = TailInfo(name, pos, size - pos, t.kind, t.reason, written_end)
             result.outcome = Outcome.TORN_TAIL if t.kind is TailKind.TORN else Outcome.DAMAGED_TAIL
             return
         if st.epoch is not None and not ep.full and ep.epoch != st.epoch + 1:

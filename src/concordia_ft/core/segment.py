@@ -221,8 +221,10 @@ class DaxSegment:
     def sync(self) -> None:
         self._map.flush()
 
-    def cut(self, offset: int) -> None:
-        self._view[offset : self.end] = bytes(self.end - offset)
+    def cut(self, offset: int, written_end: int | None = None) -> None:
+        """Zero [offset, written_end) (default: to the current end) so no torn bytes outlive the cut."""
+        stop = max(self.end, written_end or 0)
+        self._view[offset:stop] = bytes(stop - offset)
         self._map.flush()
         self.end = offset
 
