@@ -587,9 +587,8 @@ HOSTILE_HEADERS = {
     "n_records=2^32-1": {"n_records": 2**32 - 1},
     "desc_bytes=2^62": {"desc_bytes": 2**62},
     "payload_bytes=2^63": {"payload_bytes": 2**63},
-    "version=2": {"version": 2},
-    "version=65535": {"version": 65535},
 }
+NEWER_VERSIONS = {"version=2": {"version": 2}, "version=65535": {"version": 65535}}
 HOSTILE_RECORDS: dict[str, list[tuple[int, bytes, bytes, int, bytes | None]]] = {
     "payload_len=2^63": [REC_REGION_OK, (F.REC_PAGES, b"r", np.array([0], "<i8").tobytes(), 1, bytes(4096),
                                          {"plen": 2**63})],
@@ -673,6 +672,23 @@ def test_hostile_epoch_headers_are_refused_without_allocating(name: str, followe
         with pytest.raises(LogCorruptError, match="a valid epoch follows") as ei:
             replay(shm_dir)
         assert ei.value.offset > F.SEGMENT_HEADER_BYTES
+
+
+@pytest.mark.parametrize("followed_by_good", [False, True], ids=["at-tail", "before-a-good-epoch"])
+@pytest.mark.parametrize("name", sorted(NEWER_VERSIONS))
+def test_a_newer_epoch_version_says_upgrade_and_is_never_cut(name: str, followed_by_good: bool,
+                                                            shm_dir: Path) -> None:
+    # a checksummed header with a version this build does not know was written by a newer writer: not damage,
+    # so it is neither a torn nor a damaged tail that `check --fix` could cut
+    seg = _plant(shm_dir, lambda start: craft_epoch(2, start, [REC_REGION_OK], header_override=NEWER_VERSIONS[name]),
+                 followed_by_good=followed_by_good)
+    size = os.path.getsize(seg)
+    with pytest.raises(LogError, match="newer concordia-ft wrote it; upgrade") as ei:
+        replay(shm_dir)
+    assert not isinstance(ei.value, LogCorruptError)
+    with pytest.raises(LogError, match="upgrade"):
+        RecoveryLog.open(shm_dir, {"fsync": "never"}).close()
+    assert os.path.getsize(seg) == size  # nothing was cut
 
 
 @pytest.mark.parametrize("name", sorted(HOSTILE_RECORDS))

@@ -28,6 +28,7 @@ from .format import (
     Entry,
     EpochHeader,
     FormatError,
+    NewerFormatError,
     align_up,
     check_commit,
     crc32c,
@@ -159,6 +160,8 @@ def decode_epoch(buf: memoryview, offset: int, *, verify_payloads: bool = True) 
         raise EpochTail(TailKind.TORN, f"epoch header cut short ({remaining} of {EPOCH_HEADER_BYTES} bytes)")
     try:
         h = EpochHeader.decode(buf[offset : offset + EPOCH_HEADER_BYTES])
+    except NewerFormatError:
+        raise  # not damage: a checksummed header from a newer writer; never cut it as a tail
     except FormatError as e:
         raise EpochTail(TailKind.DAMAGED, str(e)) from None
     if h.total_bytes > remaining:

@@ -69,6 +69,10 @@ class FormatError(ValueError):
     """Bytes that do not decode as the log format. ``reason`` is short and names the field."""
 
 
+class NewerFormatError(FormatError):
+    """A record with a valid checksum but a format version this build does not know: a newer writer's."""
+
+
 # ----------------------------------------------------------------------------------------------- segments
 @dataclass(frozen=True)
 class SegmentHeader:
@@ -193,7 +197,8 @@ class EpochHeader:
         if crc != crc32c(bytes(buf[: _EPOCH.size])):
             raise FormatError("epoch header checksum mismatch")
         if version != FORMAT_VERSION:
-            raise FormatError(f"epoch format version {version} is not supported (this build reads {FORMAT_VERSION})")
+            raise NewerFormatError(f"epoch format version {version} is not supported (this build reads "
+                                   f"{FORMAT_VERSION}): a newer concordia-ft wrote it; upgrade to read this log")
         if n_records > MAX_RECORDS or desc_bytes > MAX_DESC_BYTES or total > MAX_EPOCH_BYTES:
             raise FormatError(f"epoch header declares {n_records} records, {desc_bytes} descriptor bytes and "
                               f"{total} total bytes: over the format's bounds")

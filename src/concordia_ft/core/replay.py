@@ -41,6 +41,7 @@ from .format import (
     SEGMENT_HEADER_BYTES,
     EpochHeader,
     FormatError,
+    NewerFormatError,
     SegmentHeader,
 )
 from .manifest import Manifest, load_manifest
@@ -369,6 +370,8 @@ def _replay_segment(st: _State, result: ReplayResult, name: str, path: str, buf:
     while pos < size:
         try:
             ep = decode_epoch(buf, pos, verify_payloads=verify)
+        except NewerFormatError as e:
+            raise LogError(f"{path} at offset {pos}: {e}") from None
         except EpochTail as t:
             if _all_zero(buf, pos):
                 result.trailing_zero_bytes = size - pos
