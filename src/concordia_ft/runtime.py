@@ -65,7 +65,9 @@ def host_bytes(buf: Any) -> npt.NDArray[np.uint8]:
 
 def _any_nonzero(buf: Any) -> bool:
     if _is_torch(buf):
-        return bool(buf.detach().reshape(-1).view(__import__("torch").uint8).any())
+        import torch
+
+        return bool(buf.detach().reshape(-1).view(torch.uint8).any())
     return bool(buf.reshape(-1).view(np.uint8).any())
 
 
