@@ -615,7 +615,7 @@ HOSTILE_RECORDS: dict[str, list[tuple[int, bytes, bytes, int, bytes | None]]] = 
     "region page_bytes=2^60": [(F.REC_REGION, b"r", _region_json(page_bytes=2**60), 0, None)],
     "region nbytes=-1": [(F.REC_REGION, b"r", _region_json(nbytes=-1), 0, None)],
 }
-ALLOC_BUGS = {  # hostile records the current code does not reject cleanly (see the xfail reasons)
+ALLOC_BUGS = {  # hostile records that once escaped the bounds (crash, 1 TiB calloc, raw errors): regressions
     "runs whose lengths overflow int64": [
         REC_REGION_OK,
         (F.REC_RUNS, b"r", np.array([[0, 2**62], [2**62 + 5, 2**62], [2**63 - 10, 2**62], [2**63 - 5, 2**62]],
