@@ -218,6 +218,11 @@ class Runtime:
         HBM speed (cuda/DESIGN.md has the numbers), "shadow" in host memory, where numpy compares faster than
         it hashes.
 
+        ``dirty_blocks`` (paged regions): the owner's flags, one per block; ``checkpoint()`` reads them and, once
+        the epoch commits, clears the ones it logged. Flag blocks before calling ``checkpoint()`` (on a GPU: in
+        stream order before it), not concurrently with it: a block re-flagged while an epoch is being written
+        is cleared with it, and its newer bytes wait for the block's next write.
+
         ``initially_zero`` (paged regions): the buffer is all zeros now (a fresh KV arena), so its first epoch
         logs only the flagged blocks instead of the whole region; recovery recreates the rest as zeros.
         Checked here (one pass over the buffer), since a wrong promise would lose data.
