@@ -14,7 +14,7 @@ from typing import Any
 from ..core.compaction import compact_offline
 from ..core.log import DirLock, remove_orphans
 from ..core.manifest import SEGMENT_RE, load_manifest, store_manifest
-from ..core.replay import Outcome, replay
+from ..core.replay import replay
 from ..errors import ConcordiaError, LogCorruptError
 from .output import console, human_bytes
 
@@ -197,5 +197,3 @@ def compact(path: Path) -> int:
                     f"({human_bytes(r.bytes_after)}) at epoch {r.epoch} in {r.seconds:.2f} s")
     return 0
 
-
-_ = Outcome

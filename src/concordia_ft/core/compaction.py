@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import LogCorruptError
 from .epochs import plan_epoch
-from .log import DirLock, RecoveryLog, base_segment_header, install_base, remove_orphans
+from .log import DirLock, RecoveryLog, install_base, remove_orphans, segment_header
 from .manifest import fsync_dir, load_manifest
 from .replay import Outcome, RegionImage, replay
 from .segment import FileSegment
@@ -99,7 +99,7 @@ def compact_with_writer(writer: RecoveryLog, *, kill_hook: Callable[[str], None]
     sealed = writer.seal_for_compaction()
     with writer._mutex:
         name = writer.manifest.new_segment_name("base")
-        header = base_segment_header(writer.manifest, name)
+        header = segment_header(writer.manifest, name)
     return compact_sealed(writer.dir, sealed, new_name=name, header=header, install=writer.install_base,
                           kill_hook=kill_hook)
 
@@ -116,7 +116,7 @@ def compact_offline(log_dir: str | os.PathLike[str], *, kill_hook: Callable[[str
         remove_orphans(path, manifest)
         segments = manifest.segments()
         name = manifest.new_segment_name("base")
-        header = base_segment_header(manifest, name)
+        header = segment_header(manifest, name)
 
         def install(base: str, replaced: list[str]) -> None:
             install_base(path, manifest, base, replaced)

@@ -8,7 +8,6 @@ commit marker) before the caller applies any of it, so an epoch is applied whole
 from __future__ import annotations
 
 import enum
-import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,5 +237,3 @@ def entry_spec(e: Entry) -> RegionSpec:
 def entry_meta(e: Entry) -> Any:
     return decode_json(e.var, "session metadata")
 
-
-_ = struct  # struct is re-exported for tests that build hostile epochs by hand

@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, LogCorruptError, LogLockedError
-from .epochs import EpochPlan, plan_epoch
+from .epochs import plan_epoch
 from .format import SEGMENT_BASE, SEGMENT_INCR, SegmentHeader
-from .manifest import MANIFEST_NAME, SEGMENT_RE, Manifest, fsync_dir, store_manifest
+from .manifest import SEGMENT_RE, Manifest, fsync_dir, store_manifest
 from .regions import RegionSpec
 from .replay import Outcome, ReplayResult, replay
 from .segment import DaxSegment, FileSegment, SegmentWriter, check_backend
@@ -126,6 +126,15 @@ def _open_segment(path: Path, opts: LogOptions, *, header: bytes | None = None, 
     return FileSegment(path, create_with=header)
 
 
+def _add_incr_segment(log_dir: Path, manifest: Manifest, opts: LogOptions) -> SegmentWriter:
+    """Create the next incremental segment (header synced), then name it in the manifest (atomically)."""
+    name = manifest.new_segment_name("incr")
+    seg = _open_segment(log_dir / name, opts, header=segment_header(manifest, name))
+    manifest.incr.append(name)
+    store_manifest(log_dir, manifest)
+    return seg
+
+
 def remove_orphans(log_dir: Path, manifest: Manifest) -> list[str]:
     """Delete segment files the manifest does not name and leftover temp files (both crash debris)."""
     keep = set(manifest.segments())
@@ -182,13 +191,8 @@ class RecoveryLog:
     def _open_locked(cls, path: Path, opts: LogOptions, lock: DirLock) -> RecoveryLog:
         result = replay(path)
         if result.manifest is None:
-            log_id = secrets.token_bytes(16)
-            manifest = Manifest(log_id=log_id.hex())
-            name = manifest.new_segment_name("incr")
-            header = SegmentHeader(SEGMENT_INCR, log_id, 1, time.time_ns()).encode()
-            seg = _open_segment(path / name, opts, header=header)
-            manifest.incr.append(name)
-            store_manifest(path, manifest)
+            manifest = Manifest(log_id=secrets.token_bytes(16).hex())
+            seg = _add_incr_segment(path, manifest, opts)
             report = OpenReport(True, Outcome.EMPTY, None, durable=seg.durable)
             return cls(path, opts, lock, manifest, seg, None, report, result)
         manifest = result.manifest
@@ -203,21 +207,14 @@ class RecoveryLog:
             )
         report.removed_orphans = remove_orphans(path, manifest)
         if not manifest.incr:  # only a base (after an offline compaction): appends go to a new segment
-            name = manifest.new_segment_name("incr")
-            gen = int(SEGMENT_RE.match(name).group(2))  # type: ignore[union-attr]
-            header = SegmentHeader(SEGMENT_INCR, bytes.fromhex(manifest.log_id), gen, time.time_ns()).encode()
-            seg = _open_segment(path / name, opts, header=header)
-            manifest.incr.append(name)
-            store_manifest(path, manifest)
+            seg = _add_incr_segment(path, manifest, opts)
             report.durable = seg.durable
             return cls(path, opts, lock, manifest, seg, result.epoch, report, result)
         last = manifest.segments()[-1]
         end = result.end_offset if result.end_segment == last else None
         if end is None:  # the tail segment never got its header: start it again
             (path / last).unlink(missing_ok=True)
-            gen = int(SEGMENT_RE.match(last).group(2))  # type: ignore[union-attr]
-            header = SegmentHeader(SEGMENT_INCR, bytes.fromhex(manifest.log_id), gen, time.time_ns()).encode()
-            seg = _open_segment(path / last, opts, header=header)
+            seg = _open_segment(path / last, opts, header=segment_header(manifest, last))
         else:
             seg = _open_segment(path / last, opts, end=end)
             size = os.path.getsize(path / last)
@@ -264,12 +261,7 @@ class RecoveryLog:
     def _roll(self) -> None:
         """Seal the active incremental segment and continue in a new one (manifest updated atomically)."""
         self._segment.sync()
-        name = self.manifest.new_segment_name("incr")
-        gen = int(SEGMENT_RE.match(name).group(2))  # type: ignore[union-attr]
-        header = SegmentHeader(SEGMENT_INCR, bytes.fromhex(self.manifest.log_id), gen, time.time_ns()).encode()
-        seg = _open_segment(self.dir / name, self.options, header=header)
-        self.manifest.incr.append(name)
-        store_manifest(self.dir, self.manifest)
+        seg = _add_incr_segment(self.dir, self.manifest, self.options)
         self._segment.close()
         self._segment = seg
         self._segment_epochs = 0
@@ -352,9 +344,12 @@ def install_base(log_dir: Path, manifest: Manifest, base_name: str, replaced: Se
     fsync_dir(log_dir)
 
 
-def base_segment_header(manifest: Manifest, name: str) -> bytes:
-    gen = int(SEGMENT_RE.match(name).group(2))  # type: ignore[union-attr]
-    return SegmentHeader(SEGMENT_BASE, bytes.fromhex(manifest.log_id), gen, time.time_ns()).encode()
+def segment_header(manifest: Manifest, name: str) -> bytes:
+    """The header of segment ``name`` of this log (kind and generation come from the name)."""
+    m = SEGMENT_RE.match(name)
+    assert m is not None, name
+    kind = SEGMENT_BASE if m.group(1) == "base" else SEGMENT_INCR
+    return SegmentHeader(kind, bytes.fromhex(manifest.log_id), int(m.group(2)), time.time_ns()).encode()
 
 
-__all__ = ["AppendResult", "LogOptions", "MANIFEST_NAME", "OpenReport", "RecoveryLog", "EpochPlan"]
+__all__ = ["AppendResult", "LogOptions", "OpenReport", "RecoveryLog"]
