@@ -1,0 +1,128 @@
+"""What one resident block costs a GEMM, and whether telling cuBLAS about it wins that back (paper table T9).
+
+The resident executor holds one SM. A GEMM whose kernel was chosen for all SMs (a persistent kernel sized to
+the SM count, or clusters that need SM pairs) then waits on that SM. cuBLAS can be told to plan for fewer
+SMs (PyTorch: ``torch._C._set_sm_carveout_experimental(n)``, cuBLAS's SM-count target). This script
+measures, in one interleaved run, bf16 matmul throughput for several shapes under:
+
+- none: nothing resident, no carve-out (the baseline);
+- carveout N: no executor, cuBLAS told to leave N SMs;
+- executor: the resident block spinning on its ring;
+- executor + carveout N.
+
+and the kernel name cuBLAS picked in each configuration (torch profiler).
+
+Usage: python benchmarks/bench_sm_share.py [--quick] [--out-dir benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import numpy as np
+import torch
+
+from concordia_ft import benchreport
+from concordia_ft.core import ring as R
+from concordia_ft.cuda.executor import ExecutorOptions, ResidentExecutor
+
+SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 1024), (2048, 4864, 896), (8192, 2048, 8192)]
+
+
+def ev_ms(fn: Any, iters: int, warm: int = 3) -> float:
+    for _ in range(warm):
+        fn()
+    torch.cuda.current_stream().synchronize()
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(iters):
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return float(np.median(ts))
+
+
+def kernel_name(fn: Any) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    return max(names, key=len) if names else "?"
+
+
+def set_carveout(n: int) -> None:
+    torch._C._set_sm_carveout_experimental(n if n else None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--carveouts", default="1,2")
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--tag", default="h200")
+    args = ap.parse_args()
+    carve = [int(x) for x in args.carveouts.split(",") if x]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    mats = {s: (torch.randn(s[0], s[2], device="cuda", dtype=torch.bfloat16),
+                torch.randn(s[2], s[1], device="cuda", dtype=torch.bfloat16)) for s in SHAPES}
+    # warm every (shape, carve-out) pair with nothing resident: a first cuBLAS call loads modules
+    for c in [0] + carve:
+        set_carveout(c)
+        for a, b in mats.values():
+            (a @ b).sum().item()
+    set_carveout(0)
+    ex = ResidentExecutor(ExecutorOptions(capacity=64, idle_timeout_ms=60_000, lease_ms=600_000), start=False)
+    configs = [("none", False, 0)] + [(f"carveout {c}", False, c) for c in carve] + [("executor", True, 0)] + \
+              [(f"executor + carveout {c}", True, c) for c in carve]
+    names: dict[tuple[str, str], str] = {}
+    for label, resident, c in configs:
+        set_carveout(c)
+        if resident:
+            ex.resume()
+        for s, (a, b) in mats.items():
+            names[(label, str(s))] = kernel_name(lambda a=a, b=b: a @ b)
+        ex.suspend()
+    set_carveout(0)
+    samples: dict[tuple[str, tuple[int, int, int]], list[float]] = {}
+    still = True
+    for _ in range(2 if args.quick else 7):  # interleaved rounds: clocks drift over a run
+        for label, resident, c in configs:
+            set_carveout(c)
+            if resident:
+                ex.resume()
+                n0 = ex.launches
+            for s, (a, b) in mats.items():
+                samples.setdefault((label, s), []).append(ev_ms(lambda a=a, b=b: a @ b, iters=10))
+            if resident:
+                still = still and ex.state == R.ConsumerState.RUNNING and ex.launches == n0
+                ex.suspend()
+    set_carveout(0)
+    ex.close()
+    rows = []
+    for s in SHAPES:
+        flop = 2 * s[0] * s[1] * s[2]
+        base = samples[("none", s)]
+        for label, _, _ in configs:
+            ms = samples[(label, s)]
+            ratio = [b / x for b, x in zip(base, ms, strict=True)]
+            rows.append({"table": "T9", "shape_mnk": "x".join(map(str, s)), "config": label,
+                         "tflops": flop / benchreport.median(ms) / 1e9, "vs_none": benchreport.median(ratio),
+                         "kernel": names[(label, str(s))][:90]})
+    notes = (f"bf16 matmul, {sms} SMs; executor = 1 resident block x {ex.image.threads} threads spinning on its ring; "
+             f"carve-out via torch._C._set_sm_carveout_experimental; vs_none = median over interleaved rounds of "
+             f"(time with nothing resident / time in this config); executor stayed resident: {still}")
+    path = benchreport.write_results("sm_share", rows, notes=notes, out_dir=args.out_dir, tag=args.tag)
+    benchreport.print_table("T9: bf16 matmul with the executor resident, with and without a cuBLAS SM carve-out",
+                            rows, ["shape_mnk", "config", "tflops", "vs_none", "kernel"])
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
