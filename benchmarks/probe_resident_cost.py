@@ -1,0 +1,167 @@
+"""Why does one resident block cost a bf16 GEMM 8-20 %? Isolate the cause (paper table T9).
+
+One block stays resident on a non-blocking stream while PyTorch runs bf16 matmuls. The block's behaviour
+varies, everything else is fixed:
+
+- clock:        spins on the SM clock, touches no memory except a host flag every ~50 us (to stop)
+- dev_poll:     one thread polls a word in device memory (volatile), host flag every ~50 us
+- host_relaxed: one thread polls a host-mapped word with a plain volatile load (a PCIe read each)
+- host_acquire: one thread polls it with ld.acquire.sys (what the executor does)
+- host_warp9:   9 lanes each poll a host-mapped word (ld.relaxed.sys) in parallel (ring v2 polling)
+- host_sleepN:  host_acquire with __nanosleep(N) between polls
+
+each with 32 and 256 threads per block, and the SM the block landed on. vs_none is the median over
+interleaved rounds of (time with nothing resident / time with the block resident).
+
+Usage: python benchmarks/probe_resident_cost.py [--quick] [--out-dir benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from concordia_ft import benchreport
+from concordia_ft.cuda import driver, nvrtc
+from concordia_ft.cuda.memory import PinnedBuffer
+
+SRC = r"""
+extern "C" __global__ void resident(unsigned* host, unsigned* dev, int mode, unsigned sleep_ns,
+                                    unsigned long long* out) {
+  __shared__ int stop;
+  unsigned smid; asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  if (threadIdx.x == 0) { stop = 0; out[1] = smid; }
+  __syncthreads();
+  unsigned long long polls = 0, sink = 0;
+  if (threadIdx.x < 32) {
+    unsigned lane = threadIdx.x;
+    long long last = clock64();
+    while (true) {
+      bool check_host = false;
+      if (mode == 0) {
+        long long now = clock64();
+        if (now - last > 100000) { check_host = true; last = now; }
+      } else if (mode == 1) {
+        if (lane == 0) sink += *(volatile unsigned*)dev;
+        long long now = clock64();
+        if (now - last > 100000) { check_host = true; last = now; }
+      } else if (mode == 2) {
+        if (lane == 0) sink += *(volatile unsigned*)(host + 16);
+        check_host = true;
+      } else if (mode == 3) {
+        if (lane == 0) { unsigned v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(host + 16) : "memory"); sink += v; }
+        check_host = true;
+      } else if (mode == 4) {
+        if (lane < 9) { unsigned long long v; asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(host + 32 + 2 * lane) : "memory"); sink += v; }
+        check_host = true;
+      }
+      if (sleep_ns) __nanosleep(sleep_ns);
+      ++polls;
+      int s = 0;
+      if (check_host && lane == 0) s = *(volatile unsigned*)host;
+      s = __shfl_sync(0xffffffffu, s, 0);
+      if (s) break;
+    }
+    if (lane == 0) { stop = 1; out[0] = polls; out[2] = sink; }
+  }
+  __syncthreads();
+}
+"""
+
+SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 2048, 8192), (16384, 8192, 1024)]
+MODES = {"clock": (0, 0), "dev_poll": (1, 0), "host_relaxed": (2, 0), "host_acquire": (3, 0), "host_warp9": (4, 0),
+         "host_sleep2000": (3, 2000), "host_sleep20000": (3, 20000)}
+
+
+def ev_ms(fn: Any, iters: int, warm: int = 3) -> float:
+    for _ in range(warm):
+        fn()
+    torch.cuda.current_stream().synchronize()
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(iters):
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return float(np.median(ts))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--tag", default="h200")
+    args = ap.parse_args()
+    torch.zeros(1, device="cuda")
+    dev = driver.ensure_context()
+    mod = nvrtc.load_module(SRC, "probe_resident")
+    fn = mod.function("resident")
+    host = PinnedBuffer(4096)
+    hv = host.numpy(np.uint32)
+    hv[:] = 0
+    dflag = torch.zeros(64, dtype=torch.int32, device="cuda")
+    out = torch.zeros(4, dtype=torch.int64, device="cuda")
+    stream = driver.Stream.create(non_blocking=True, device=dev)
+    mats = {s: (torch.randn(s[0], s[2], device="cuda", dtype=torch.bfloat16),
+                torch.randn(s[2], s[1], device="cuda", dtype=torch.bfloat16)) for s in SHAPES}
+    for a, b in mats.values():
+        (a @ b).sum().item()
+
+    def start(mode: int, sleep: int, threads: int) -> None:
+        hv[0] = 0
+        kargs = driver.KernelArgs([(ctypes.c_uint64, host.device_ptr), (ctypes.c_uint64, dflag.data_ptr()),
+                                   (ctypes.c_int32, mode), (ctypes.c_uint32, sleep),
+                                   (ctypes.c_uint64, out.data_ptr())])
+        start.kargs = kargs  # type: ignore[attr-defined]  # keep alive until the launch is consumed
+        driver.launch(fn, 1, threads, kargs, stream, what="probe resident")
+        time.sleep(0.02)
+
+    def stop() -> None:
+        hv[0] = 1
+        stream.synchronize()
+
+    # warm the probe itself with nothing else running
+    start(0, 0, 32)
+    stop()
+    configs = [("none", None, 0)] + [(f"{m} x{t}", m, t) for m in MODES for t in (32, 256)]
+    samples: dict[tuple[str, tuple[int, int, int]], list[float]] = {}
+    smids: dict[str, int] = {}
+    for _ in range(2 if args.quick else 5):
+        for label, m, t in configs:
+            if m is not None:
+                start(MODES[m][0], MODES[m][1], t)
+            for s, (a, b) in mats.items():
+                samples.setdefault((label, s), []).append(ev_ms(lambda a=a, b=b: a @ b, iters=8))
+            if m is not None:
+                stop()
+                smids[label] = int(out[1].item())
+    rows = []
+    for s in SHAPES:
+        flop = 2 * s[0] * s[1] * s[2]
+        base = samples[("none", s)]
+        for label, _, _ in configs:
+            ms = samples[(label, s)]
+            rows.append({"table": "T9-probe", "shape_mnk": "x".join(map(str, s)), "resident": label,
+                         "tflops": flop / benchreport.median(ms) / 1e9,
+                         "vs_none": benchreport.median([b_ / x for b_, x in zip(base, ms, strict=True)]),
+                         "smid": smids.get(label, -1)})
+    notes = ("one probe block resident on a non-blocking stream, bf16 torch matmul on the default stream; "
+             "modes in the script's docstring")
+    path = benchreport.write_results("resident_cost", rows, notes=notes, out_dir=args.out_dir, tag=args.tag)
+    benchreport.print_table("T9 probe: what in a resident block costs the GEMM", rows,
+                            ["shape_mnk", "resident", "tflops", "vs_none", "smid"])
+    print(f"wrote {path}")
+    host.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
