@@ -18,6 +18,7 @@ Usage: python benchmarks/bench_sm_share.py [--quick] [--out-dir benchmarks/resul
 from __future__ import annotations
 
 import argparse
+import time
 from typing import Any
 
 import numpy as np
@@ -60,10 +61,29 @@ def set_carveout(n: int) -> None:
     torch._C._set_sm_carveout_experimental(n if n else None)
 
 
+def duty_cycle(ex: ResidentExecutor | None, a: Any, b: Any, k: int, rounds: int) -> list[float]:
+    """Rounds of: one ring round trip (a checkpoint trigger; it relaunches the block if it has exited), then
+    ``k`` matmuls timed by CUDA events (the trigger itself is outside the timed window)."""
+    e0 = torch.cuda.Event(enable_timing=True)
+    e1 = torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(rounds):
+        if ex is not None:
+            ex.wait(ex.submit(R.Opcode.NOP))
+        e0.record()
+        for _ in range(k):
+            a @ b
+        e1.record()
+        e1.synchronize()
+        out.append(e0.elapsed_time(e1))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--carveouts", default="1,2")
+    ap.add_argument("--carveouts", default="1")
+    ap.add_argument("--period-ms", type=float, default=20.0, help="matmul time between two triggers (duty cycle)")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--tag", default="h200")
     args = ap.parse_args()
@@ -91,7 +111,7 @@ def main() -> int:
     set_carveout(0)
     samples: dict[tuple[str, tuple[int, int, int]], list[float]] = {}
     still = True
-    for _ in range(2 if args.quick else 7):  # interleaved rounds: clocks drift over a run
+    for _ in range(2 if args.quick else 5):  # interleaved rounds: clocks drift over a run
         for label, resident, c in configs:
             set_carveout(c)
             if resident:
@@ -114,12 +134,55 @@ def main() -> int:
             rows.append({"table": "T9", "shape_mnk": "x".join(map(str, s)), "config": label,
                          "tflops": flop / benchreport.median(ms) / 1e9, "vs_none": benchreport.median(ratio),
                          "kernel": names[(label, str(s))][:90]})
+
+    # duty cycle: a trigger every period_ms of GEMM work, the block exiting after idle_timeout_ms without tasks
+    duty: list[dict[str, Any]] = []
+    idles = [60_000.0, 5.0, 1.0, 0.25]
+    execs = {t: ResidentExecutor(ExecutorOptions(capacity=64, idle_timeout_ms=t, lease_ms=600_000), start=False)
+             for t in idles}
+    for s in SHAPES[:3]:
+        a, b = mats[s]
+        k = max(1, round(args.period_ms / ev_ms(lambda a=a, b=b: a @ b, iters=5)))
+        dsamples: dict[str, list[float]] = {}
+        relaunches: dict[str, int] = {}
+        rtt: dict[str, list[float]] = {}
+        for _ in range(2 if args.quick else 5):
+            for t in [None, *idles]:
+                label = "none" if t is None else f"idle_timeout {t:g} ms"
+                e = None if t is None else execs[t]
+                if e is not None:
+                    e.resume()
+                n0 = e.launches if e is not None else 0
+                dsamples.setdefault(label, []).extend(duty_cycle(e, a, b, k, 8))
+                if e is not None:
+                    relaunches[label] = relaunches.get(label, 0) + e.launches - n0
+                    for _ in range(k):  # the trigger as the application sees it right after a GEMM batch
+                        a @ b
+                    torch.cuda.current_stream().synchronize()
+                    t0 = time.perf_counter_ns()
+                    e.wait(e.submit(R.Opcode.NOP))
+                    rtt.setdefault(label, []).append((time.perf_counter_ns() - t0) / 1e3)
+                    e.suspend()
+        base = benchreport.median(dsamples["none"])
+        for label, xs in dsamples.items():
+            duty.append({"table": "T9 duty cycle", "shape_mnk": "x".join(map(str, s)), "config": label,
+                         "period_ms": round(base, 2), "matmuls_per_trigger": k,
+                         "vs_none": base / benchreport.median(xs), "relaunches": relaunches.get(label, 0),
+                         "trigger_rtt_after_batch_us": benchreport.median(rtt[label]) if label in rtt else None})
+    for e in execs.values():
+        e.close()
     notes = (f"bf16 matmul, {sms} SMs; executor = 1 resident block x {ex.image.threads} threads spinning on its ring; "
              f"carve-out via torch._C._set_sm_carveout_experimental; vs_none = median over interleaved rounds of "
-             f"(time with nothing resident / time in this config); executor stayed resident: {still}")
+             f"(time with nothing resident / time in this config); executor stayed resident: {still}. Duty cycle: "
+             f"rounds of one ring NOP round trip then ~{args.period_ms:g} ms of matmuls (events around the matmuls "
+             "only); the block exits after idle_timeout_ms without a task and the next submit relaunches it; "
+             "trigger_rtt_after_batch_us = submit+wait of a NOP right after a synced GEMM batch (includes the "
+             "relaunch when the block had exited).")
+    rows += duty
     path = benchreport.write_results("sm_share", rows, notes=notes, out_dir=args.out_dir, tag=args.tag)
     benchreport.print_table("T9: bf16 matmul with the executor resident, with and without a cuBLAS SM carve-out",
-                            rows, ["shape_mnk", "config", "tflops", "vs_none", "kernel"])
+                            rows[:len(rows) - len(duty)], ["shape_mnk", "config", "tflops", "vs_none", "kernel"])
+    benchreport.print_table("T9: duty-cycled residency", duty)
     print(f"wrote {path}")
     return 0
 
