@@ -22,9 +22,13 @@ _LIBS = ("numpy", "crc32c", "torch", "transformers", "peft", "cuda-bindings", "c
 
 
 def git_commit(cwd: str | os.PathLike[str] | None = None) -> str:
-    """HEAD of the checkout (``+dirty`` with uncommitted changes); $CONCORDIA_GIT_COMMIT where git can't tell
-    (a copy of the tree without .git, as on the device machine)."""
-    fallback = os.environ.get("CONCORDIA_GIT_COMMIT", "unknown")
+    """$CONCORDIA_GIT_COMMIT when set (a copy of the tree whose .git is missing or stale, as on the device
+    machine, where the copied .git can name an older HEAD than the files); else HEAD of the checkout
+    (``+dirty`` with uncommitted changes)."""
+    explicit = os.environ.get("CONCORDIA_GIT_COMMIT")
+    if explicit:
+        return explicit
+    fallback = "unknown"
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True, timeout=10)
         if out.returncode != 0:
