@@ -48,13 +48,28 @@ def ev_ms(fn: Any, iters: int, warm: int = 3) -> float:
 
 
 def kernel_name(fn: Any) -> str:
+    """The longest-named CUDA kernel ``fn`` runs, with its grid, cluster and shared memory (profiler trace)."""
+    import json
+    import os
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    return max(names, key=len) if names else "?"
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    if not kernels:
+        return "?"
+    k = max(kernels, key=lambda e: len(e.get("name", "")))
+    a = k.get("args", {})
+    return (f"{k['name']} grid={a.get('grid')} block={a.get('block')} cluster={a.get('cluster', '?')} "
+            f"smem={a.get('shared memory')} regs={a.get('registers per thread')}")
 
 
 def set_carveout(n: int) -> None:
@@ -133,7 +148,7 @@ def main() -> int:
             ratio = [b / x for b, x in zip(base, ms, strict=True)]
             rows.append({"table": "T9", "shape_mnk": "x".join(map(str, s)), "config": label,
                          "tflops": flop / benchreport.median(ms) / 1e9, "vs_none": benchreport.median(ratio),
-                         "kernel": names[(label, str(s))][:90]})
+                         "kernel": names[(label, str(s))][:200]})
 
     # duty cycle: a trigger every period_ms of GEMM work, the block exiting after idle_timeout_ms without tasks
     duty: list[dict[str, Any]] = []
