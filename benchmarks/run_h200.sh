@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU half of the project on one lent H200: GPU tests and the benchmarks, results stamped and written to
+# ${OUT:-benchmarks/results}. The machine's image has torch/triton/cuda-bindings/transformers/peft but not
+# crc32c: a crc32c wheel in .whl/ (ignored by git) is installed first when present.
+#   bash benchmarks/run_h200.sh tests executor sm_share delta llm[:decode,recovery,lora]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+rc=0
+for part in "$@"; do
+  echo "=== $part ($(date -u +%H:%M:%S))"
+  case "$part" in
+    tests) python3 -m pytest tests/gpu -q -x -p no:cacheprovider --durations=10 2>&1 | tail -25 ;;
+    executor) python3 benchmarks/bench_executor.py --out-dir "$out" 2>&1 | tail -60 ;;
+    sm_share) python3 benchmarks/bench_sm_share.py --out-dir "$out" 2>&1 | grep -v -i warn | tail -60 ;;
+    delta) python3 benchmarks/bench_delta_gpu.py --out-dir "$out" 2>&1 | tail -40 ;;
+    llm|llm:*) only="${part#llm}"; only="${only#:}"
+       python3 benchmarks/bench_llm.py --out "$out" ${only:+--only "$only"} 2>&1 | tail -60 ;;
+    *) echo "unknown part $part"; rc=2 ;;
+  esac
+  [ "${PIPESTATUS[0]}" -ne 0 ] && rc=1
+done
+exit $rc
