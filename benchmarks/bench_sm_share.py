@@ -26,7 +26,7 @@ import torch
 
 from concordia_ft import benchreport
 from concordia_ft.core import ring as R
-from concordia_ft.cuda.executor import ExecutorOptions, ResidentExecutor
+from concordia_ft.cuda.executor import ExecutorOptions, LaunchExecutor, ResidentExecutor
 
 SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 1024), (2048, 4864, 896), (8192, 2048, 8192)]
 
@@ -138,7 +138,7 @@ def main() -> int:
                 still = still and ex.state == R.ConsumerState.RUNNING and ex.launches == n0
                 ex.suspend()
     set_carveout(0)
-    ex.close()
+    ex.suspend()
     rows = []
     for s in SHAPES:
         flop = 2 * s[0] * s[1] * s[2]
@@ -184,6 +184,22 @@ def main() -> int:
                          "period_ms": round(base, 2), "matmuls_per_trigger": k,
                          "vs_none": base / benchreport.median(xs), "relaunches": relaunches.get(label, 0),
                          "trigger_rtt_after_batch_us": benchreport.median(rtt[label]) if label in rtt else None})
+    # baseline for the trigger after a batch: a plain launch of the same NOP + stream sync
+    launcher = LaunchExecutor(ex.image)
+    for s in SHAPES[:3]:
+        a, b = mats[s]
+        xs = []
+        for _ in range(10):
+            for _ in range(5):
+                a @ b
+            torch.cuda.current_stream().synchronize()
+            t0 = time.perf_counter_ns()
+            launcher.wait(launcher.submit(R.Opcode.NOP))
+            xs.append((time.perf_counter_ns() - t0) / 1e3)
+        for row in duty:
+            if row["shape_mnk"] == "x".join(map(str, s)) and row["config"] == "none":
+                row["trigger_rtt_after_batch_us"] = benchreport.median(xs)
+                row["config"] = "none (trigger = plain launch + sync)"
     for e in execs.values():
         e.close()
     notes = (f"bf16 matmul, {sms} SMs; executor = 1 resident block x {ex.image.threads} threads spinning on its ring; "
@@ -194,6 +210,7 @@ def main() -> int:
              "trigger_rtt_after_batch_us = submit+wait of a NOP right after a synced GEMM batch (includes the "
              "relaunch when the block had exited).")
     rows += duty
+    ex.close()
     path = benchreport.write_results("sm_share", rows, notes=notes, out_dir=args.out_dir, tag=args.tag)
     benchreport.print_table("T9: bf16 matmul with the executor resident, with and without a cuBLAS SM carve-out",
                             rows[:len(rows) - len(duty)], ["shape_mnk", "config", "tflops", "vs_none", "kernel"])
