@@ -360,6 +360,8 @@ class Runtime:
         self._inflight: PendingEpoch | None = None  # submitted and not yet reaped
         self._unreported: CheckpointError | None = None  # a background failure no caller has seen yet
         self._closed = False
+        self._mutable: list[tuple[str, Tracker]] | None = None  # trackers that are not immutable (cached)
+        self._nbytes: int | None = None  # bytes of every tracked region (cached)
         replayed = self.log.replayed
         self.opened_meta: Any = replayed.meta if replayed is not None else None  # the log's last metadata at open
 
@@ -413,6 +415,7 @@ class Runtime:
             tracker = None if kind is RegionKind.SCRATCH else self._make_tracker(spec, buf, dirty_blocks, where)
             self.table.add(spec, where)
             self._buffers[name] = buf
+            self._mutable, self._nbytes = None, None
             if tracker is not None:
                 self._trackers[name] = tracker
                 self._pending_defs[name] = spec
@@ -438,6 +441,7 @@ class Runtime:
     def unregister(self, name: str) -> None:
         with self._mutex:
             self._drain(raise_failure=False)
+            self._mutable, self._nbytes = None, None
             self.table.remove(name)
             self._buffers.pop(name, None)
             tracker = self._trackers.pop(name, None)
@@ -475,8 +479,8 @@ class Runtime:
             self.last_stats = CheckpointStats(res.epoch, res.n_pages, res.payload_bytes, res.total_bytes,
                                               self._full_bytes(), took, t1 - tb, t2 - t1, res.region_pages,
                                               call_seconds=took, backpressure_seconds=tb - t0,
-                                              commit_latency_seconds=t2 - t0,
-                                              snapshot_device_bytes=self.snapshot_device_bytes)
+                                              commit_latency_seconds=t2 - t0, snapshot_device_bytes=sum(
+                                                  self._trackers[d.spec.name].snapshot_device_bytes for d in deltas))
             self._appended_since_compact += res.total_bytes
             self._maybe_compact()
             return res.epoch
@@ -526,7 +530,8 @@ class Runtime:
             job = PendingEpoch(self, self.log, (self.log.last_epoch or 0) + 1, staged,
                                defs=list(self._pending_defs.values()), drops=list(self._pending_drops),
                                full=set(self._needs_full), meta=frozen, started=t0, backpressure_seconds=t1 - t0,
-                               full_bytes=self._full_bytes(), snapshot_device_bytes=self.snapshot_device_bytes)
+                               full_bytes=self._full_bytes(),  # (immutable regions hold no snapshot)
+                               snapshot_device_bytes=sum(self._trackers[n].snapshot_device_bytes for n, _ in staged))
             if self._writer is None:
                 self._writer = _EpochWriter(f"concordia-epochs-{self.log_dir.name}")
                 _with_writers.add(self)
@@ -553,12 +558,19 @@ class Runtime:
         return sum(t.snapshot_device_bytes for t in self._trackers.values())
 
     def _epoch_trackers(self) -> list[tuple[str, Tracker]]:
-        """The trackers an epoch asks for pages: an immutable region only until its full epoch committed."""
-        return [(n, t) for n, t in self._trackers.items()
-                if t.spec.kind is not RegionKind.IMMUTABLE or n in self._needs_full]
+        """The trackers an epoch asks for pages: an immutable region only until its full epoch committed (a
+        model's weights registered immutable are hundreds of regions: not worth a call each per epoch)."""
+        if self._needs_full:
+            return [(n, t) for n, t in self._trackers.items()
+                    if t.spec.kind is not RegionKind.IMMUTABLE or n in self._needs_full]
+        if self._mutable is None:
+            self._mutable = [(n, t) for n, t in self._trackers.items() if t.spec.kind is not RegionKind.IMMUTABLE]
+        return self._mutable
 
     def _full_bytes(self) -> int:
-        return sum(t.spec.nbytes for t in self._trackers.values())
+        if self._nbytes is None:
+            self._nbytes = sum(t.spec.nbytes for t in self._trackers.values())
+        return self._nbytes
 
     def _drain(self, *, raise_failure: bool = True) -> None:
         """Wait for the in-flight asynchronous epoch and take its outcome (caller holds the mutex)."""
