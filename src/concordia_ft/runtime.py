@@ -388,7 +388,9 @@ class Runtime:
         ``dirty_blocks`` (paged regions): the owner's flags, one per block; ``checkpoint()`` reads them and, once
         the epoch commits, clears the ones it logged. Flag blocks before calling ``checkpoint()`` (on a GPU: in
         stream order before it), not concurrently with it: a block re-flagged while an epoch is being written
-        is cleared with it, and its newer bytes wait for the block's next write.
+        is cleared with it, and its newer bytes wait for the block's next write. ``checkpoint_async()`` has
+        no such window: it takes (reads and clears) the flags at the call, in stream order, so a block flagged
+        after it returns belongs to the next epoch; if the epoch fails, the flags it took are set again.
 
         ``initially_zero`` (paged regions): the buffer is all zeros now (a fresh KV arena), so its first epoch
         logs only the flagged blocks instead of the whole region; recovery recreates the rest as zeros.
