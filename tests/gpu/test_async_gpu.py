@@ -1,7 +1,8 @@
 """Asynchronous epochs over CUDA regions: the snapshot is taken in stream order, so GPU writes launched right
 after ``checkpoint_async`` returns (behind a busy GPU, so the snapshot has not even started yet) never reach
 the epoch; the log replays exactly the state at each call, and a CPU runtime fed those states finds the same
-dirty pages. A failed append flags the paged blocks it took again, and the retry logs everything.
+dirty pages (also for a page set back to the epoch before the one in flight: the next scan compares against
+the in-flight epoch). A failed append flags the paged blocks it took again, and the retry logs everything.
 
 Data is fresh random every run (the seed is in every assertion message)."""
 
@@ -100,6 +101,9 @@ def test_writes_launched_after_the_call_never_reach_the_epoch(shm_dir: Path) -> 
         regs.flagged = set()
         handles.append(rt.checkpoint_async({"step": step}))
         regs.write()  # launched right after the call returned: must land in the NEXT epoch
+        if step:  # page 0 back to the epoch BEFORE the in-flight one: it differs from the in-flight epoch only
+            for name in ("hash", "shadow"):
+                regs.t[name][:1024].copy_(states[step - 1][name][:1024])
         if step % 3 == 2:
             assert handles[-1].wait() == step + 1
             rec = cft.recover(shm_dir / "gpu")  # a reader, while the writer is open
