@@ -8,11 +8,15 @@ Random weights (values do not change speed), bf16:
 - recovery: a 2k-token session (2000-token prompt + 24 generated tokens, a checkpoint per token) is abandoned
   mid-answer; time for Session.recover (log replay + restore into a fresh GPU arena) + the first new token,
   the model already loaded (same process: the fresh-process path is tested on CPU in tests/test_session.py).
-- LoRA SFT: Qwen2.5-0.5B dimensions, r=8 on every attention and MLP projection, AdamW; per-step checkpoint
-  time through the CUDA handlers vs the CPU path (sync + DtoH into pinned host mirrors + CPU dense trackers),
-  and dirty pages vs total pages (weights registered immutable).
+- LoRA SFT: Qwen2.5-0.5B dimensions, r=8 on every attention and MLP projection, AdamW; interleaved rounds of
+  steps with no checkpoint, sync epochs and async epochs (checkpoint_async): the step delta (the checkpoint
+  call's time on the training thread, and whole-step wall time and steps/s against no checkpoint), the async
+  commit latency (call -> durable), whether backpressure ever held a step, the device snapshot's size; sync
+  epochs through the CUDA handlers vs the CPU path (sync + DtoH into pinned host mirrors + CPU dense
+  trackers); dirty pages vs total pages (weights registered immutable). On a CPU, --quick shrinks the model
+  to 2 layers (the code path, not a speed claim).
 
-Usage: python benchmarks/bench_llm.py [--out DIR] [--quick]
+Usage: python benchmarks/bench_llm.py [--out DIR] [--quick] [--device cuda|cpu] [--only decode,base,recovery,lora]
 """
 
 from __future__ import annotations
@@ -238,61 +242,127 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
 
 
 # -------------------------------------------------------------------------------------------------- LoRA
+LORA_MODES = ("none", "sync", "async")
+BACKPRESSURE_WAIT_S = 50e-6  # a checkpoint call that waited longer than this for the previous epoch "waited"
+
+
+def lora_config(device: str, quick: bool) -> tuple[Any, int, str]:
+    """Qwen2.5-0.5B dimensions; on a CPU with --quick, 2 layers and a 4k vocabulary (the code path, not speed)."""
+    cfg = qwen25_05b()
+    if quick and not device.startswith("cuda"):
+        cfg.num_hidden_layers, cfg.vocab_size = 2, 4096
+        return cfg, 64, "qwen2.5-0.5b dims, 2 layers, vocab 4096, seq 64 (CPU quick)"
+    return cfg, 256, "qwen2.5-0.5b"
+
+
 def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[dict[str, Any]]:
+    """Step time with no checkpoint, sync epochs and async epochs, interleaved rounds in one process.
+
+    step delta = how long checkpointing holds the training step up: the checkpoint call's wall time on the
+    training thread, and the difference of whole-step wall times (train_step including its checkpoint) against
+    no checkpoint. Async epochs also report the commit latency (call -> epoch durable) and whether the
+    backpressure (waiting for the previous epoch) ever held a step up."""
     import numpy as np
 
+    from concordia_ft.benchreport import percentile
     from concordia_ft.integrations.peft import LoraTrainer, synthetic_batch
     from concordia_ft.runtime import Runtime
 
-    base = build(qwen25_05b(), device)
+    cfg, seq, what = lora_config(device, quick)
+    base = build(cfg, device)
     d = Path(tempfile.mkdtemp(dir=log_root))
-    t = LoraTrainer(base, d / "log", lr=1e-4, backend=backend, log_weights=True, runtime_options=RT_OPTS)
+    t = LoraTrainer(base, d / "log", lr=1e-4, backend=backend, log_weights=True, async_checkpoint=False,
+                    runtime_options=RT_OPTS)
     total_pages = sum(sp.n_pages for sp in t.runtime.table)
-    # the CPU path: pinned host mirrors of the same dense state, CPU trackers, its own log
+    # the CPU path: pinned host mirrors of the same dense state, CPU trackers, its own log (sync rounds only)
     mirrors = {n: torch.empty(b.shape, dtype=b.dtype, pin_memory=device.startswith("cuda"))
                for n, b in (("params", t.params_flat), ("adam", t.adam_flat))}
     rt_cpu = Runtime(str(d / "cpu-log"), fsync="never", backend=backend, **RT_OPTS)
     for n, m in mirrors.items():
         rt_cpu.register(f"lora.{n}", m, kind="dense")
-    steps = 5 if quick else 20
-    gpu_ms, cpu_ms, step_ms, pages, losses = [], [], [], [], []
+    rounds, per_round = (1, 3) if quick else (3, 8)
+    wall: dict[str, list[float]] = {m: [] for m in LORA_MODES}  # whole train_step, checkpoint call included
+    compute: dict[str, list[float]] = {m: [] for m in LORA_MODES}  # train_step before its checkpoint call
+    call: dict[str, list[float]] = {m: [] for m in LORA_MODES}  # the checkpoint call on the training thread
+    handles: list[Any] = []
+    cpu_ms, pages, losses = [], [], []
     gpu_detect, gpu_append, cpu_stage, cpu_append = [], [], [], []
+
+    def batch(k: int) -> dict[str, torch.Tensor]:
+        return synthetic_batch(k, vocab=cfg.vocab_size, batch=1, seq=seq, device=device)
+
     try:
-        for k in range(steps):
-            res = t.train_step(synthetic_batch(k, vocab=base.config.vocab_size, batch=1, seq=256, device=device))
-            sync(device)
-            t0 = time.perf_counter()
-            mirrors["params"].copy_(t.params_flat, non_blocking=True)
-            mirrors["adam"].copy_(t.adam_flat, non_blocking=True)
-            sync(device)
-            t_staged = time.perf_counter()
-            rt_cpu.checkpoint(meta={"step": k})
-            cpu = time.perf_counter() - t0
-            gst, cst = t.runtime.last_stats, rt_cpu.last_stats
-            if k >= 3:  # skip the base epoch and warm-up
-                gpu_ms.append(1e3 * res.checkpoint_s)
-                cpu_ms.append(1e3 * cpu)
-                step_ms.append(1e3 * res.step_s)
-                pages.append(res.pages)
-                gpu_detect.append(1e3 * gst.detect_seconds)
-                gpu_append.append(1e3 * gst.append_seconds)
-                cpu_stage.append(1e3 * (t_staged - t0 + cst.detect_seconds))
-                cpu_append.append(1e3 * cst.append_seconds)
-            losses.append(res.loss)
-        first_pages = t.stats.results[0].pages
+        first_pages = t.train_step(batch(0)).pages  # the base epoch (weights immutable): sync, not timed
+        for _ in range(rounds):
+            for mode in LORA_MODES:
+                t.async_checkpoint = mode == "async"
+                t.train_step(batch(t.step), checkpoint=mode != "none")  # warm-up of this mode, not timed
+                for _ in range(per_round):  # back to back, as a training loop runs (no device sync between)
+                    s0 = time.perf_counter()
+                    res = t.train_step(batch(t.step), checkpoint=mode != "none")
+                    s1 = time.perf_counter()
+                    wall[mode].append(s1 - s0)
+                    compute[mode].append(res.step_s)
+                    call[mode].append(res.checkpoint_s)
+                    losses.append(res.loss)
+                    if mode == "async":
+                        handles.append(t.runtime.in_flight)
+                    if mode != "sync":
+                        continue
+                    pages.append(res.pages)
+                    gst = t.runtime.last_stats
+                    gpu_detect.append(1e3 * gst.detect_seconds)
+                    gpu_append.append(1e3 * gst.append_seconds)
+                    sync(device)
+                    c0 = time.perf_counter()
+                    mirrors["params"].copy_(t.params_flat, non_blocking=True)
+                    mirrors["adam"].copy_(t.adam_flat, non_blocking=True)
+                    sync(device)
+                    c_staged = time.perf_counter()
+                    rt_cpu.checkpoint(meta={"step": t.step})
+                    cpu_ms.append(1e3 * (time.perf_counter() - c0))
+                    cst = rt_cpu.last_stats
+                    cpu_stage.append(1e3 * (c_staged - c0 + cst.detect_seconds))
+                    cpu_append.append(1e3 * cst.append_seconds)
+                t.wait()  # the last async epoch commits before the next mode's steps are timed
+        astats = [h.stats for h in handles]
+        snapshot_bytes = t.runtime.snapshot_device_bytes
     finally:
         t.close()
         rt_cpu.close()
         shutil.rmtree(d, ignore_errors=True)
-    assert np.isfinite(losses).all()
+    assert np.isfinite(losses).all() and all(st is not None for st in astats), "an async epoch did not commit"
+    ms = {m: 1e3 * median(wall[m]) for m in LORA_MODES}
+    per_s = {m: len(wall[m]) / sum(wall[m]) for m in LORA_MODES}
+    waits = [st.backpressure_seconds for st in astats]
+    latency = [1e3 * st.commit_latency_seconds for st in astats]
     return [{
-        "case": "LoRA SFT qwen2.5-0.5b r=8 all proj, AdamW", "adapter_params": t.n_adapter_params,
+        "case": f"LoRA SFT {what} r=8 all proj, AdamW", "adapter_params": t.n_adapter_params,
         "adapter_pages": -(-t.n_adapter_params * 4 // 4096), "dirty_pages_per_step": median(pages),
-        "total_pages": total_pages, "first_epoch_pages": first_pages, "step_ms": median(step_ms),
-        "delta_ms_gpu_handlers": median(gpu_ms), "delta_ms_cpu_path": median(cpu_ms),
-        "speedup_x": median(cpu_ms) / max(1e-9, median(gpu_ms)),
+        "async_dirty_pages_per_step": median([st.pages for st in astats]),
+        "total_pages": total_pages, "first_epoch_pages": first_pages,
+        "step_ms": 1e3 * median(compute["none"] + compute["sync"] + compute["async"]),  # before the checkpoint
+        # the step delta: the checkpoint call on the training thread
+        "delta_ms_gpu_handlers": 1e3 * median(call["sync"]), "delta_ms_async": 1e3 * median(call["async"]),
+        "delta_ms_async_p90": 1e3 * percentile(call["async"], 90),
+        "delta_ms_cpu_path": median(cpu_ms), "speedup_x": median(cpu_ms) / max(1e-9, 1e3 * median(call["sync"])),
+        "async_vs_sync_x": median(call["sync"]) / max(1e-12, median(call["async"])),
+        # the step delta: whole steps against no checkpoint (train_step wall, medians), and steps/s
+        "step_wall_ms_none": ms["none"], "step_wall_ms_sync": ms["sync"], "step_wall_ms_async": ms["async"],
+        "step_delta_ms_sync": ms["sync"] - ms["none"], "step_delta_ms_async": ms["async"] - ms["none"],
+        "steps_per_s_none": per_s["none"], "steps_per_s_sync": per_s["sync"], "steps_per_s_async": per_s["async"],
+        "target_0.5ms_met_async_call": 1e3 * median(call["async"]) <= 0.5,
+        # async: background work, durability, backpressure, memory
+        "commit_latency_ms_async": median(latency), "commit_latency_ms_async_max": max(latency),
+        "find_stage_ms_async_background": median([1e3 * st.detect_seconds for st in astats]),
+        "log_append_ms_async_background": median([1e3 * st.append_seconds for st in astats]),
+        "backpressure_waits": sum(w > BACKPRESSURE_WAIT_S for w in waits), "async_epochs": len(waits),
+        "backpressure_max_ms": 1e3 * max(waits), "snapshot_device_mib": snapshot_bytes / 2**20,
         "find_stage_ms_gpu": median(gpu_detect), "find_stage_ms_cpu_path": median(cpu_stage),
-        "log_append_ms_gpu": median(gpu_append), "log_append_ms_cpu_path": median(cpu_append), "losses_first_last": [losses[0], losses[-1]],
+        "log_append_ms_gpu": median(gpu_append), "log_append_ms_cpu_path": median(cpu_append),
+        "steps_per_mode": len(wall["none"]), "losses_first_last": [losses[0], losses[-1]],
+        "step_wall_ms_lists": {m: [1e3 * x for x in wall[m]] for m in LORA_MODES},
+        "checkpoint_call_ms_lists": {m: [1e3 * x for x in call[m]] for m in ("sync", "async")},
     }]
 
 
@@ -336,7 +406,11 @@ def main() -> int:
                                                  "delta_ms_cpu_path of the rows"}], notes=notes, out_dir=a.out)
     print(f"wrote {path}")
     for r in rows:
-        print_table(r["case"], [{k: v for k, v in r.items() if not isinstance(v, list)}])
+        scalars = {k: v for k, v in r.items() if not isinstance(v, list | dict)}
+        if len(scalars) > 14:  # a wide row (LoRA) reads better as metric | value
+            print_table(r["case"], [{"metric": k, "value": v} for k, v in scalars.items() if k != "case"])
+        else:
+            print_table(r["case"], [scalars])
     return 1 if errors else 0
 
 

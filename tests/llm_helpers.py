@@ -86,13 +86,21 @@ def run_writer(log_dir: str, family: str, window: int | None, mode: str, max_new
     sys.stdout.flush()
 
 
-def run_lora_writer(log_dir: str, family: str, steps: int, delay_s: float) -> None:
-    """Child process: LoRA SFT with one epoch per step; prints each step's loss after it is committed."""
+def run_lora_writer(log_dir: str, family: str, steps: int, delay_s: float, mode: str = "sync",
+                    stall_epoch: int = 0) -> None:
+    """Child process: LoRA SFT with one epoch per step; prints each step's loss as train_step returns it.
+
+    ``mode`` "sync": the step's epoch is committed when it is printed. "async": it may still be in flight.
+    ``stall_epoch`` (async): that epoch's append is held up for a minute, so it is surely in flight when the
+    parent kills this process right after the step is printed."""
     import time
 
     from concordia_ft.integrations.peft import LoraTrainer, synthetic_batch
+    from faults import FaultyLog
 
-    trainer = LoraTrainer(tiny_model(family), log_dir, lr=1e-2)
+    trainer = LoraTrainer(tiny_model(family), log_dir, lr=1e-2, async_checkpoint=mode == "async")
+    if stall_epoch:
+        trainer.runtime.log = FaultyLog(trainer.runtime.log, delay_s=60.0, delay_epochs={stall_epoch})
     print("READY", flush=True)
 
     def on_step(res) -> None:
@@ -107,7 +115,9 @@ if __name__ == "__main__":
     import sys
 
     if sys.argv[1] == "lora":
-        run_lora_writer(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
+        mode = sys.argv[6] if len(sys.argv) > 6 else "sync"
+        stall = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+        run_lora_writer(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), mode, stall)
         raise SystemExit(0)
     _, log_dir, family, window, mode, max_new, every, delay = sys.argv
     run_writer(log_dir, family, None if window == "none" else int(window), mode, int(max_new), int(every),

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    CheckpointError,
     CompileError,
     ConcordiaError,
     ConfigError,
@@ -21,12 +22,14 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CompileError",
     "ConcordiaError",
     "ConfigError",
     "DeviceError",
     "LogCorruptError",
     "LogError",
+    "PendingEpoch",
     "Recovered",
     "RecoveryError",
     "RegionError",
@@ -39,11 +42,12 @@ _LAZY = {
     "Runtime": ("concordia_ft.runtime", "Runtime"),
     "recover": ("concordia_ft.runtime", "recover"),
     "Recovered": ("concordia_ft.runtime", "Recovered"),
+    "PendingEpoch": ("concordia_ft.runtime", "PendingEpoch"),
     "Session": ("concordia_ft.session", "Session"),
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import Recovered, Runtime, recover
+    from .runtime import PendingEpoch, Recovered, Runtime, recover
     from .session import Session
 
 

@@ -48,6 +48,30 @@ class RecoveryError(ConcordiaError):
     """Recovery could not produce a verified state (nothing committed, or it does not fit the target)."""
 
 
+class CheckpointError(ConcordiaError):
+    """An asynchronous checkpoint (``Runtime.checkpoint_async``) failed on the background writer.
+
+    ``committed`` False: epoch ``epoch`` never committed; the log still ends at ``last_committed``, intact, and
+    the changes it held are logged again by the next checkpoint. ``committed`` True: the epoch did commit but the
+    change trackers could not advance after it, so the next checkpoint logs every region in full."""
+
+    def __init__(self, epoch: int, last_committed: int | None, committed: bool, cause: str) -> None:
+        super().__init__(epoch, last_committed, committed, cause)
+        self.epoch = epoch
+        self.last_committed = last_committed
+        self.committed = committed
+        self.cause = cause
+
+    def __str__(self) -> str:
+        if self.committed:
+            return (f"epoch {self.epoch} committed, but advancing the change trackers after it failed: {self.cause}; "
+                    "the next checkpoint logs every region in full")
+        upto = "no epoch is committed yet" if self.last_committed is None else \
+            f"epochs up to {self.last_committed} are committed and intact"
+        return (f"asynchronous epoch {self.epoch} failed in the background and was not committed: {self.cause}; "
+                f"{upto}, and the next checkpoint logs the changes again (fix the cause first)")
+
+
 class RingError(ConcordiaError):
     """The task ring cannot be used as asked (full, bad layout, consumer error, result overwritten)."""
 

@@ -4,15 +4,27 @@
 epoch, and returns only once that epoch is committed per the fsync policy; trackers advance only after the
 commit, so a failed epoch is found again by the next one. ``recover()`` replays a log into host arrays in
 any process; ``Runtime.recover_into()`` restores registered buffers (host or GPU) in place.
+
+``checkpoint_async()`` takes the log write off the caller's critical path: on the calling thread it only
+snapshots the epoch's pages in order after the caller's work (CUDA: device-side copies and an event, no host
+synchronisation; host regions: a copy), then a background writer finishes the epoch (DtoH, append, commit,
+advance). One epoch at most is in flight: the next checkpoint first waits for it (backpressure). The epoch is
+NOT durable when ``checkpoint_async`` returns, only when its ``PendingEpoch.wait()`` returns (or the next
+checkpoint / ``wait()`` / ``close()`` does): a crash loses at most that one in-flight epoch, never a committed
+one. A failure in the background is raised by the next checkpoint, ``wait()`` or ``close()``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
 import logging
+import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +34,13 @@ import numpy as np
 import numpy.typing as npt
 
 from .core.compaction import CompactionResult, compact_with_writer
+from .core.format import encode_json
 from .core.log import LogOptions, OpenReport, RecoveryLog
 from .core.regions import DiffMode, MemoryRange, RegionKind, RegionSpec, RegionTable, check_page_bytes
 from .core.replay import Outcome, RegionImage, ReplayResult, TailInfo, replay
-from .core.tracking import RegionDelta, Tracker
+from .core.tracking import RegionDelta, StagedDelta, Tracker
 from .cpu.trackers import CpuTracker
-from .errors import ConfigError, RecoveryError, RegionError
+from .errors import CheckpointError, ConfigError, RecoveryError, RegionError
 
 log = logging.getLogger("concordia_ft.runtime")
 
@@ -85,10 +98,15 @@ class CheckpointStats:
     payload_bytes: int
     total_bytes: int
     full_bytes: int  # bytes of every recovered region: what a full copy would write
-    seconds: float
-    detect_seconds: float
+    seconds: float  # from the call to the epoch committed and the trackers advanced
+    detect_seconds: float  # sync: collect; async: stage on the caller + waiting for the snapshot and its DtoH
     append_seconds: float
     region_pages: dict[str, int] = field(default_factory=dict)
+    mode: str = "sync"  # "sync" (checkpoint) or "async" (checkpoint_async)
+    call_seconds: float = 0.0  # time the calling thread spent in checkpoint() / checkpoint_async()
+    backpressure_seconds: float = 0.0  # part of call_seconds spent waiting for the previous async epoch
+    commit_latency_seconds: float = 0.0  # from the call to the epoch committed (durable per the fsync policy)
+    snapshot_device_bytes: int = 0  # device memory held for asynchronous snapshots, all regions
 
     @property
     def reduction(self) -> float:
@@ -166,6 +184,149 @@ def open_to_recover(log_dir: str | Path, key: str, what: str, *, fsync: str = "n
     return rt, section
 
 
+# -------------------------------------------------------------------------------------- async epochs
+class PendingEpoch:
+    """An epoch handed to the background writer by ``Runtime.checkpoint_async``.
+
+    Not durable yet: ``wait()`` returns the epoch number once it is committed (per the fsync policy) or raises
+    ``CheckpointError``. ``epoch`` is the number it gets if it commits; ``stats`` is set once it has."""
+
+    def __init__(self, runtime: Runtime, log: RecoveryLog, epoch: int, staged: list[tuple[str, StagedDelta]], *,
+                 defs: list[RegionSpec], drops: list[str], full: set[str], meta: Any, started: float,
+                 backpressure_seconds: float, full_bytes: int, snapshot_device_bytes: int) -> None:
+        self.epoch = epoch
+        self.stats: CheckpointStats | None = None
+        self.error: CheckpointError | None = None
+        self.committed = False
+        self._runtime = runtime
+        self._log = log
+        self._staged = staged
+        self._defs, self._drops, self._full, self._meta = defs, drops, full, meta
+        self._started = started
+        self._backpressure = backpressure_seconds
+        self._call_seconds = 0.0
+        self._full_bytes = full_bytes
+        self._snapshot_bytes = snapshot_device_bytes
+        self._done = threading.Event()
+        self._reaped = False
+
+    @property
+    def call_seconds(self) -> float:
+        """How long ``checkpoint_async`` held the calling thread (backpressure included)."""
+        return self._call_seconds
+
+    @property
+    def backpressure_seconds(self) -> float:
+        """How long ``checkpoint_async`` waited for the previous epoch to finish (0 when it had)."""
+        return self._backpressure
+
+    def done(self) -> bool:
+        """True once the epoch has committed or failed (``wait()`` then returns or raises at once)."""
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Block until the epoch is committed; return its number. Raises its ``CheckpointError`` if it failed
+        (the runtime then does not raise that failure again), ``TimeoutError`` if ``timeout_s`` passed first."""
+        if not self._done.wait(timeout_s):
+            raise TimeoutError(f"epoch {self.epoch} is not committed after {timeout_s} s (still in flight)")
+        self._runtime._reap(self)
+        if self.error is not None:
+            self._runtime._forget_failure(self.error)
+            raise self.error
+        return self.epoch
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else "committed" if self.committed else "in flight"
+        return f"PendingEpoch({self.epoch}, {state})"
+
+    # ---- the background writer's part ----
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        deltas: list[RegionDelta] = []
+        try:
+            for _, s in self._staged:
+                deltas.append(s.result())
+            t1 = time.perf_counter()
+            res = self._log.append(defs=self._defs, drops=self._drops, deltas=deltas, meta=self._meta)
+            t2 = time.perf_counter()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's next call, never lost
+            for name, s in self._staged:
+                try:
+                    s.abandon()
+                except BaseException as e2:  # noqa: BLE001 - the first failure is the one to report
+                    log.error("giving back the snapshot of %r after epoch %d failed: %s", name, self.epoch, e2)
+            self._fail(e, committed=False)
+            return
+        self.epoch = res.epoch
+        try:
+            for (_, s), d in zip(self._staged, deltas, strict=True):
+                s.commit(d)
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e, committed=True)
+            return
+        end = time.perf_counter()
+        self.stats = CheckpointStats(
+            res.epoch, res.n_pages, res.payload_bytes, res.total_bytes, self._full_bytes, end - self._started,
+            (t1 - t0) + (self._call_seconds - self._backpressure), t2 - t1, res.region_pages, mode="async",
+            call_seconds=self._call_seconds, backpressure_seconds=self._backpressure,
+            commit_latency_seconds=t2 - self._started, snapshot_device_bytes=self._snapshot_bytes)
+        self.committed = True
+        self._done.set()
+
+    def _fail(self, e: BaseException, *, committed: bool) -> None:
+        last = self.epoch if committed else self._log.last_epoch
+        err = CheckpointError(self.epoch, last, committed, f"{type(e).__name__}: {e}")
+        err.__cause__ = e
+        self.error, self.committed = err, committed
+        log.error("%s", err)
+        self._done.set()
+
+
+class _EpochWriter:
+    """The one background thread that finishes a runtime's asynchronous epochs, in submission order."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[PendingEpoch | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: PendingEpoch) -> None:
+        self._jobs.put(job)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job._run()
+            del job  # hold nothing between epochs
+
+
+_EXIT_DRAIN_S = 120.0
+_with_writers: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+@atexit.register
+def _drain_at_exit() -> None:
+    """An interpreter exiting without close(): let an in-flight epoch finish (the writer thread is a daemon)."""
+    for rt in list(_with_writers):
+        job = rt._inflight
+        if job is not None and not job._done.wait(_EXIT_DRAIN_S):
+            log.error("exiting with epoch %d of %s still in flight after %.0f s: it is lost (not committed)",
+                      job.epoch, rt.log_dir, _EXIT_DRAIN_S)
+
+
+def _frozen_meta(meta: Any) -> Any:
+    """A private copy of an epoch's metadata, checked JSON-able now (the caller may change its dict next)."""
+    if meta is None:
+        return None
+    try:
+        return json.loads(encode_json(meta))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"checkpoint metadata must be JSON-able: {e}") from None
+
+
 # ------------------------------------------------------------------------------------------- runtime
 class Runtime:
     """Registers regions, checkpoints them as committed epochs, and restores them."""
@@ -195,6 +356,12 @@ class Runtime:
         self.last_compaction: CompactionResult | None = None
         self.compaction_error: BaseException | None = None
         self.last_stats: CheckpointStats | None = None
+        self._writer: _EpochWriter | None = None  # started by the first checkpoint_async
+        self._inflight: PendingEpoch | None = None  # submitted and not yet reaped
+        self._unreported: CheckpointError | None = None  # a background failure no caller has seen yet
+        self._closed = False
+        self._mutable: list[tuple[str, Tracker]] | None = None  # trackers that are not immutable (cached)
+        self._nbytes: int | None = None  # bytes of every tracked region (cached)
         replayed = self.log.replayed
         self.opened_meta: Any = replayed.meta if replayed is not None else None  # the log's last metadata at open
 
@@ -221,13 +388,16 @@ class Runtime:
         ``dirty_blocks`` (paged regions): the owner's flags, one per block; ``checkpoint()`` reads them and, once
         the epoch commits, clears the ones it logged. Flag blocks before calling ``checkpoint()`` (on a GPU: in
         stream order before it), not concurrently with it: a block re-flagged while an epoch is being written
-        is cleared with it, and its newer bytes wait for the block's next write.
+        is cleared with it, and its newer bytes wait for the block's next write. ``checkpoint_async()`` has
+        no such window: it takes (reads and clears) the flags at the call, in stream order, so a block flagged
+        after it returns belongs to the next epoch; if the epoch fails, the flags it took are set again.
 
         ``initially_zero`` (paged regions): the buffer is all zeros now (a fresh KV arena), so its first epoch
         logs only the flagged blocks instead of the whole region; recovery recreates the rest as zeros.
         Checked here (one pass over the buffer), since a wrong promise would lose data.
         """
         with self._mutex:
+            self._drain(raise_failure=False)  # an in-flight epoch names the registry as it was
             kind = RegionKind.parse(kind)
             dtype, shape, where = describe_buffer(buf)
             if diff is None:
@@ -247,6 +417,7 @@ class Runtime:
             tracker = None if kind is RegionKind.SCRATCH else self._make_tracker(spec, buf, dirty_blocks, where)
             self.table.add(spec, where)
             self._buffers[name] = buf
+            self._mutable, self._nbytes = None, None
             if tracker is not None:
                 self._trackers[name] = tracker
                 self._pending_defs[name] = spec
@@ -271,6 +442,8 @@ class Runtime:
 
     def unregister(self, name: str) -> None:
         with self._mutex:
+            self._drain(raise_failure=False)
+            self._mutable, self._nbytes = None, None
             self.table.remove(name)
             self._buffers.pop(name, None)
             tracker = self._trackers.pop(name, None)
@@ -282,11 +455,18 @@ class Runtime:
 
     # ------------------------------------------------------------------------------------- checkpoint
     def checkpoint(self, meta: Any = None) -> int:
-        """Commit every region's dirty pages and ``meta`` (JSON-able) as one epoch; return its number."""
+        """Commit every region's dirty pages and ``meta`` (JSON-able) as one epoch; return its number.
+
+        The epoch is committed (per the fsync policy) when this returns. An asynchronous epoch still in flight
+        is finished first, and a background failure not yet raised is raised here."""
         with self._mutex:
+            if self._closed:
+                raise ConfigError(f"the runtime of {self.log_dir} is closed")
             t0 = time.perf_counter()
+            self._drain()
+            tb = time.perf_counter()
             deltas: list[RegionDelta] = []
-            for name, tracker in self._trackers.items():
+            for name, tracker in self._epoch_trackers():
                 deltas.append(tracker.collect(full=name in self._needs_full))
             t1 = time.perf_counter()
             res = self.log.append(defs=list(self._pending_defs.values()), drops=self._pending_drops,
@@ -297,12 +477,139 @@ class Runtime:
             self._pending_defs.clear()
             self._pending_drops = []
             self._needs_full.clear()
-            full_bytes = sum(t.spec.nbytes for t in self._trackers.values())
-            self.last_stats = CheckpointStats(res.epoch, res.n_pages, res.payload_bytes, res.total_bytes, full_bytes,
-                                              time.perf_counter() - t0, t1 - t0, t2 - t1, res.region_pages)
+            took = time.perf_counter() - t0
+            self.last_stats = CheckpointStats(res.epoch, res.n_pages, res.payload_bytes, res.total_bytes,
+                                              self._full_bytes(), took, t1 - tb, t2 - t1, res.region_pages,
+                                              call_seconds=took, backpressure_seconds=tb - t0,
+                                              commit_latency_seconds=t2 - t0, snapshot_device_bytes=sum(
+                                                  self._trackers[d.spec.name].snapshot_device_bytes for d in deltas))
             self._appended_since_compact += res.total_bytes
             self._maybe_compact()
             return res.epoch
+
+    def checkpoint_async(self, meta: Any = None) -> PendingEpoch:
+        """Start an epoch of every region's dirty pages and ``meta`` and return without waiting for the log.
+
+        On the calling thread: wait for the previous asynchronous epoch if it is still in flight (backpressure:
+        at most ONE epoch is ever pending; ``stats.backpressure_seconds`` says how long), raise its failure if
+        it failed, then snapshot this epoch's pages. A CUDA region's snapshot is enqueued on torch's current
+        stream, after the caller's work: detection and a gather (opaque, paged) or one D2D copy (dense) into a
+        device buffer, then an event, with no host synchronisation, so GPU work launched after this call
+        returns may rewrite the region at once. A host region's snapshot is a copy. A paged region's dirty
+        flags are taken (cleared) now and flagged again if the epoch fails. ``meta`` is copied now.
+
+        On the background writer: wait for the snapshot, copy it DtoH into pinned memory, append and commit
+        the epoch, then advance the trackers from exactly the committed bytes.
+
+        Durability: NOT durable when this returns. Durable when the returned handle's ``wait()`` returns, or
+        the next ``checkpoint`` / ``checkpoint_async`` / ``wait()`` / ``close()`` returns. A crash in between
+        loses this epoch only (the loss window is one epoch); every epoch committed before stays intact, and
+        recovery returns the last committed one.
+
+        Failures in the background (log full, disk error, device error) are raised as ``CheckpointError`` by
+        the next checkpoint, ``wait()`` or ``close()`` (or by the handle's ``wait()``, then not again); the
+        regions' changes are logged again by the next epoch.
+
+        Memory: the first asynchronous epoch allocates a device snapshot buffer the size of each mutable CUDA
+        region (plus one byte per block for paged regions; immutable regions need none):
+        ``snapshot_device_bytes`` reports it. Call ``wait()`` before ``recover_into()``.
+        """
+        with self._mutex:
+            if self._closed:
+                raise ConfigError(f"the runtime of {self.log_dir} is closed")
+            t0 = time.perf_counter()
+            self._drain()
+            t1 = time.perf_counter()
+            frozen = _frozen_meta(meta)
+            staged: list[tuple[str, StagedDelta]] = []
+            try:
+                for name, tracker in self._epoch_trackers():
+                    staged.append((name, tracker.stage(full=name in self._needs_full)))
+            except BaseException:
+                for _, s in staged:
+                    s.abandon()
+                raise
+            job = PendingEpoch(self, self.log, (self.log.last_epoch or 0) + 1, staged,
+                               defs=list(self._pending_defs.values()), drops=list(self._pending_drops),
+                               full=set(self._needs_full), meta=frozen, started=t0, backpressure_seconds=t1 - t0,
+                               full_bytes=self._full_bytes(),  # (immutable regions hold no snapshot)
+                               snapshot_device_bytes=sum(self._trackers[n].snapshot_device_bytes for n, _ in staged))
+            if self._writer is None:
+                self._writer = _EpochWriter(f"concordia-epochs-{self.log_dir.name}")
+                _with_writers.add(self)
+            self._inflight = job
+            job._call_seconds = time.perf_counter() - t0
+            self._writer.submit(job)
+            return job
+
+    def wait(self) -> int | None:
+        """Block until no asynchronous epoch is in flight; raise a background failure not raised yet; return
+        the last committed epoch (None when the log holds none)."""
+        with self._mutex:
+            self._drain()
+            return self.epoch
+
+    @property
+    def in_flight(self) -> PendingEpoch | None:
+        """The asynchronous epoch submitted last, until a checkpoint or ``wait()`` has taken its outcome."""
+        return self._inflight
+
+    @property
+    def snapshot_device_bytes(self) -> int:
+        """Device memory the trackers hold for asynchronous snapshots (allocated by the first async epoch)."""
+        return sum(t.snapshot_device_bytes for t in self._trackers.values())
+
+    def _epoch_trackers(self) -> list[tuple[str, Tracker]]:
+        """The trackers an epoch asks for pages: an immutable region only until its full epoch committed (a
+        model's weights registered immutable are hundreds of regions: not worth a call each per epoch)."""
+        if self._needs_full:
+            return [(n, t) for n, t in self._trackers.items()
+                    if t.spec.kind is not RegionKind.IMMUTABLE or n in self._needs_full]
+        if self._mutable is None:
+            self._mutable = [(n, t) for n, t in self._trackers.items() if t.spec.kind is not RegionKind.IMMUTABLE]
+        return self._mutable
+
+    def _full_bytes(self) -> int:
+        if self._nbytes is None:
+            self._nbytes = sum(t.spec.nbytes for t in self._trackers.values())
+        return self._nbytes
+
+    def _drain(self, *, raise_failure: bool = True) -> None:
+        """Wait for the in-flight asynchronous epoch and take its outcome (caller holds the mutex)."""
+        job = self._inflight
+        if job is not None:
+            job._done.wait()
+            self._reap(job)
+        if raise_failure and self._unreported is not None:
+            err, self._unreported = self._unreported, None
+            raise err
+
+    def _reap(self, job: PendingEpoch) -> None:
+        """Apply a finished asynchronous epoch's outcome to the registry's bookkeeping, once."""
+        with self._mutex:
+            if job._reaped:
+                return
+            job._reaped = True
+            if self._inflight is job:
+                self._inflight = None
+            if job.committed:
+                for spec in job._defs:
+                    self._pending_defs.pop(spec.name, None)
+                self._pending_drops = [d for d in self._pending_drops if d not in job._drops]
+                self._needs_full -= job._full
+            if job.error is not None:
+                if job.error.committed:  # the trackers' baselines are unknown: log everything next time
+                    self._needs_full |= {n for n, _ in job._staged if n in self._trackers}
+                self._unreported = job.error
+            if job.stats is not None:
+                self.last_stats = job.stats
+                self._appended_since_compact += job.stats.total_bytes
+                self._maybe_compact()
+
+    def _forget_failure(self, err: CheckpointError) -> None:
+        with self._mutex:
+            if self._unreported is err:
+                self._unreported = None
 
     # ---------------------------------------------------------------------------------------- restore
     def recover_into(self, targets: Mapping[str, Any] | None = None) -> Recovered:
@@ -392,11 +699,24 @@ class Runtime:
             yield
 
     def close(self) -> None:
-        self._join_compactor()
-        with self._mutex:
-            for t in self._trackers.values():
-                t.close()
-            self.log.close()
+        """Finish the in-flight asynchronous epoch, close trackers and log; then raise a background failure
+        that no call has raised yet."""
+        try:
+            with self._mutex:
+                self._drain(raise_failure=False)
+        finally:
+            if self._writer is not None:
+                self._writer.stop()
+                self._writer = None
+            self._join_compactor()
+            with self._mutex:
+                for t in self._trackers.values():
+                    t.close()
+                self.log.close()
+                self._closed = True
+        err, self._unreported = self._unreported, None
+        if err is not None:
+            raise err
 
     def __enter__(self) -> Runtime:
         return self

@@ -10,6 +10,21 @@ One checkpoint epoch, per region:
 
 Recovery calls ``tracker.restore(pages, payload)`` (or the backend's standalone restore) to scatter pages.
 
+An asynchronous epoch (``Runtime.checkpoint_async``) splits step 1 in two, so the caller's thread only orders
+the snapshot after its own work and never waits for the device:
+
+1a. ``staged = tracker.stage(full=...)`` on the caller's thread takes a SNAPSHOT of the epoch's pages that later
+    writes to the region cannot change (CUDA: detect + gather into a device buffer in stream order, then an
+    event; host: a copy). A paged region's dirty flags are taken with it (read and cleared), so a block
+    flagged again while the epoch is in flight is logged by the next epoch.
+1b. ``delta = staged.result()`` on the background writer waits for the snapshot and stages it in host memory.
+2.  The runtime appends and commits the epoch, as above.
+3.  ``staged.commit(delta)`` advances the tracker (as ``advance``, minus clearing flags: stage took them), or,
+    when anything before the commit failed, ``staged.abandon()`` gives the flags back so nothing is lost.
+
+At most one staged epoch per tracker is outstanding: the runtime finishes (commits or abandons) the previous
+one before it stages the next, so an opaque region's next scan compares against the in-flight epoch's bytes.
+
 A ``RegionDelta``'s payload holds ``len(pages) * page_bytes`` bytes, pages in ascending order, each page's
 bytes at ``i * page_bytes``. The last page of a region that is not a whole number of pages is zero-padded in
 the payload; restore writes only the region's real bytes.
@@ -46,12 +61,38 @@ class RegionDelta:
         return len(self.pages)
 
 
+class StagedDelta(Protocol):
+    """One region's share of an asynchronous epoch: a snapshot taken by ``Tracker.stage``."""
+
+    spec: RegionSpec
+
+    def result(self) -> RegionDelta:
+        """Wait for the snapshot and return it staged in host memory (valid until the tracker's next stage or
+        collect). Runs on the background writer."""
+        ...
+
+    def commit(self, delta: RegionDelta) -> None:
+        """The epoch holding ``delta`` committed: advance the tracker's baseline to exactly these bytes."""
+        ...
+
+    def abandon(self) -> None:
+        """The epoch did not commit: give back what ``stage`` took (a paged region's dirty flags)."""
+        ...
+
+
 class Tracker(Protocol):
     """Finds, stages and restores the dirty pages of one registered region."""
 
     spec: RegionSpec
 
     def collect(self, *, full: bool) -> RegionDelta: ...
+
+    def stage(self, *, full: bool) -> StagedDelta: ...
+
+    @property
+    def snapshot_device_bytes(self) -> int:
+        """Device memory held for asynchronous snapshots (0 for host regions, or before the first stage)."""
+        ...
 
     def advance(self, delta: RegionDelta) -> None: ...
 

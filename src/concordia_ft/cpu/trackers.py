@@ -133,8 +133,29 @@ class CpuTracker:
             scanned = self.spec.nbytes if self.spec.kind is RegionKind.OPAQUE else 0
         return RegionDelta(self.spec, pages, self.gather(pages), scanned_bytes=scanned)
 
+    def stage(self, *, full: bool) -> CpuStaged:
+        """An asynchronous epoch's snapshot: collect now, on the caller's thread, into memory the caller does
+        not write (a whole-region payload, otherwise a view of the live buffer, is copied). A paged region's
+        flags are taken now: the flagged blocks are cleared, and given back if the epoch fails."""
+        delta = self.collect(full=full)
+        if delta.n_pages and np.may_share_memory(np.frombuffer(delta.payload, dtype=np.uint8), self.buf):
+            delta = RegionDelta(self.spec, delta.pages, memoryview(bytearray(delta.payload)),
+                                scanned_bytes=delta.scanned_bytes)
+        taken = None
+        if self.spec.kind is RegionKind.PAGED and self.dirty_blocks is not None:
+            taken = np.flatnonzero(self.dirty_blocks)
+            self.dirty_blocks[taken] = 0
+        return CpuStaged(self, delta, taken)
+
+    @property
+    def snapshot_device_bytes(self) -> int:
+        return 0
+
     def advance(self, delta: RegionDelta) -> None:
         """The epoch holding ``delta`` committed: move the baseline to the committed bytes."""
+        self._advance(delta, clear_flags=True)
+
+    def _advance(self, delta: RegionDelta, *, clear_flags: bool) -> None:
         kind = self.spec.kind
         if kind is RegionKind.OPAQUE:
             if self.spec.diff is DiffMode.HASH:
@@ -146,7 +167,7 @@ class CpuTracker:
                 self._pending_hashes = None
             else:
                 self._write_pages(self._shadow_target(), delta.pages, delta.payload)
-        elif kind is RegionKind.PAGED and self.dirty_blocks is not None and len(delta.pages):
+        elif kind is RegionKind.PAGED and clear_flags and self.dirty_blocks is not None and len(delta.pages):
             blocks = np.unique(delta.pages // self.spec.pages_per_block)
             self.dirty_blocks[blocks] = 0
         self._synced = True
@@ -192,3 +213,25 @@ class CpuTracker:
     def close(self) -> None:
         self._shadow = None
         self._hashes = None
+
+
+class CpuStaged:
+    """A host region's share of an asynchronous epoch: the snapshot is already a copy (``result`` is free)."""
+
+    def __init__(self, tracker: CpuTracker, delta: RegionDelta, taken_blocks: npt.NDArray[np.intp] | None) -> None:
+        self.spec = tracker.spec
+        self._tracker = tracker
+        self._delta = delta
+        self._taken = taken_blocks
+
+    def result(self) -> RegionDelta:
+        return self._delta
+
+    def commit(self, delta: RegionDelta) -> None:
+        self._tracker._advance(delta, clear_flags=False)  # stage already cleared the flags it logged
+
+    def abandon(self) -> None:
+        t = self._tracker
+        if self._taken is not None and len(self._taken) and t.dirty_blocks is not None:
+            t.dirty_blocks[self._taken] = 1  # flagged again: the next epoch logs these blocks' current bytes
+        t._pending_hashes = None

@@ -212,6 +212,10 @@ class Stream:
     def synchronize(self) -> None:
         check(bindings().cuStreamSynchronize(self.handle), "cuStreamSynchronize")
 
+    def wait_event(self, event: Event) -> None:
+        """Work enqueued on this stream after this call waits for ``event`` (no host synchronisation)."""
+        check(bindings().cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
+
     def close(self) -> None:
         if self.owned and self.handle:
             check(bindings().cuStreamDestroy(self.handle), "cuStreamDestroy")

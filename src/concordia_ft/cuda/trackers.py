@@ -19,6 +19,15 @@ host-mapped pinned buffer: scan + gather + ONE stream sync, no memcpy; ``"device
 memory, sync to learn the count, one DtoH of exactly the dirty bytes, sync. bench_delta_gpu.py measures both.
 Work runs on torch's current stream of the tensor's device (ordered after the application's writes) unless
 a ``stream`` is given.
+
+Asynchronous epochs (``stage``, core/tracking.py): on the caller's stream, with no host synchronisation, the
+epoch's pages are copied into a DEVICE snapshot buffer (the region's padded size, allocated at the tracker's
+first ``stage``): dense and full epochs one D2D copy of the region, opaque the scan then a gather of the dirty
+pages (count read on the device), paged the flags copied to a device snapshot and cleared, then scan + gather;
+then an event. The background writer waits for the event, copies the snapshot DtoH into the pinned staging
+buffer on the tracker's own non-blocking stream, and after the commit advances shadows / hashes from the
+snapshot on that stream. Immutable regions take no snapshot (their contract is that they never change): their
+one full epoch is copied straight from the region after the event.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..core.regions import DiffMode, RegionKind, RegionSpec
-from ..core.tracking import RegionDelta
+from ..core.tracking import RegionDelta, pages_to_runs
 from ..errors import ConfigError, RegionError
 from . import driver
 from .handlers import HandlerModule
@@ -38,6 +47,12 @@ from .memory import DeviceBuffer, PinnedBuffer
 
 _modules: dict[tuple[Any, int], HandlerModule] = {}
 _LIST_OFFSET = 64  # the mapped list buffer: count word at 0, int64 page list from byte 64
+
+# what an asynchronous stage left for the background writer
+_ALL = "all"  # the whole region, in the device snapshot (tail page zero-padded)
+_LISTED = "listed"  # count + page list in the mapped list buffer, those pages in the device snapshot
+_LIVE = "live"  # the whole region, read from the region itself (immutable: it never changes)
+_NONE = "none"  # nothing (immutable after its first epoch)
 
 
 def handler_module(spec: RegionSpec, device: int) -> HandlerModule:
@@ -93,6 +108,11 @@ class CudaTracker:
         self._adv_args: driver.KernelArgs | None = None
         self.last_collect_device_ms = float("nan")
         self._events: list[driver.Event] = []
+        self._snap: DeviceBuffer | None = None  # asynchronous epochs: the device snapshot
+        self._flag_snap: DeviceBuffer | None = None  # paged, asynchronous: the flags taken by the last stage
+        self._side_stream: driver.Stream | None = None  # asynchronous epochs: DtoH + advance
+        self._ready: driver.Event | None = None  # recorded on the caller's stream after the snapshot
+        self._stage_gather_args: driver.KernelArgs | None = None
         self._gate: PinnedBuffer | None = None
         self._gate_seq = 0
         if profile:
@@ -306,11 +326,103 @@ class CudaTracker:
         return None
 
     def close(self) -> None:
-        for b in (self._payload, self._list, self._dev_stage, self._gate):
+        for b in (self._payload, self._list, self._dev_stage, self._gate, self._snap, self._flag_snap):
             if b is not None:
                 b.close()
         for e in self._events:
             e.close()
+        if self._ready is not None:
+            self._ready.close()
+        if self._side_stream is not None:
+            self._side_stream.close()
+
+    # ---- asynchronous epochs (Runtime.checkpoint_async) ----
+    @property
+    def snapshot_device_bytes(self) -> int:
+        """Device memory held for asynchronous snapshots (0 until the first ``stage``)."""
+        return sum(b.nbytes for b in (self._snap, self._flag_snap) if b is not None)
+
+    def _snapshot(self) -> DeviceBuffer:
+        if self._snap is None:
+            self._snap = DeviceBuffer(self.padded_bytes)
+        return self._snap
+
+    def _side(self) -> driver.Stream:
+        if self._side_stream is None:
+            self._side_stream = driver.Stream.create(non_blocking=True, device=self.device)
+        return self._side_stream
+
+    def stage(self, *, full: bool) -> CudaStaged:
+        """Snapshot this epoch's pages in stream order after the caller's work; no host synchronisation."""
+        driver.ensure_context(self.device)
+        stream = self.stream
+        if self._ready is None:
+            self._ready = driver.Event(timing=False)
+        self._side()
+        source = self._stage_work(stream, full or not self.initialised)
+        self._ready.record(stream)
+        return CudaStaged(self, source)
+
+    def _stage_copy_all(self, stream: driver.Stream) -> str:
+        snap = self._snapshot()
+        if self.padded_bytes > self.spec.nbytes:  # a sparse gather may have left page bytes in the pad
+            driver.memset_d8_async(snap.ptr + self.spec.nbytes, 0, self.padded_bytes - self.spec.nbytes, stream)
+        driver.memcpy_dtod_async(snap.ptr, self.base, self.spec.nbytes, stream)
+        return _ALL
+
+    def _stage_gather(self, stream: driver.Stream, meta_ptr: int) -> str:
+        """After a detector: gather the listed pages into the snapshot, the count read on the device."""
+        if self._stage_gather_args is None:
+            self._stage_gather_args = self.mod.gather_args(self.base, self._list_dev(), meta_ptr + 4, 0,
+                                                           self._snapshot().ptr)
+        self.mod.launch("concordia_gather", self._stage_gather_args, stream)
+        return _LISTED
+
+    def _finish_stage(self, source: str) -> RegionDelta:
+        """Background writer: wait for the snapshot, copy it DtoH into the pinned staging buffer."""
+        driver.ensure_context(self.device)
+        ready, side, pb = self._ready, self._side(), self.page_bytes
+        assert ready is not None, "finish of a stage that never ran"
+        if source == _NONE:
+            return RegionDelta(self.spec, np.zeros(0, dtype=np.int64), memoryview(b""))
+        if source == _LISTED:
+            ready.synchronize()  # the detector's count and page list are in mapped host memory
+            count = int(self._count_np[0])
+            pages = self._list_np[:count].copy()
+            src, nbytes, scanned = self._snapshot().ptr, count * pb, self._staged_scan_bytes()
+        else:
+            side.wait_event(ready)
+            pages = np.arange(self.n_pages, dtype=np.int64)
+            live = source == _LIVE
+            src = self.base if live else self._snapshot().ptr
+            nbytes, scanned = (self.spec.nbytes if live else self.padded_bytes), self.spec.nbytes
+        buf = self._staging(len(pages) * pb)
+        driver.memcpy_dtoh_async(buf.host_ptr, src, nbytes, side)
+        side.synchronize()
+        if source == _LIVE and self.padded_bytes > self.spec.nbytes:
+            ctypes.memset(buf.host_ptr + self.spec.nbytes, 0, self.padded_bytes - self.spec.nbytes)
+        self._list_holds = pages
+        assert self._staging_view is not None
+        return RegionDelta(self.spec, pages, self._staging_view[: len(pages) * pb], scanned_bytes=scanned)
+
+    def _commit_stage(self, source: str, delta: RegionDelta) -> None:
+        """Background writer, after the commit: advance from the snapshot (the committed bytes), then wait
+        for it, so the caller's next stage (which waits for this epoch) scans against the advanced state."""
+        driver.ensure_context(self.device)
+        if delta.n_pages:
+            side = self._side()
+            self._advance_staged(source, delta, side)
+            side.synchronize()
+        self.initialised = True
+
+    def _staged_scan_bytes(self) -> int:
+        return self.spec.nbytes
+
+    def _advance_staged(self, source: str, delta: RegionDelta, side: driver.Stream) -> None:
+        return None
+
+    def _abandon_stage(self, source: str) -> None:
+        return None
 
     # ---- per kind ----
     def _collect_sparse(self, stream: driver.Stream) -> RegionDelta:
@@ -318,6 +430,27 @@ class CudaTracker:
 
     def _advance(self, delta: RegionDelta, stream: driver.Stream) -> None:
         return None
+
+    def _stage_work(self, stream: driver.Stream, full: bool) -> str:
+        return self._stage_copy_all(stream)
+
+
+class CudaStaged:
+    """A CUDA region's share of an asynchronous epoch (core/tracking.py's StagedDelta)."""
+
+    def __init__(self, tracker: CudaTracker, source: str) -> None:
+        self.spec = tracker.spec
+        self.source = source
+        self._tracker = tracker
+
+    def result(self) -> RegionDelta:
+        return self._tracker._finish_stage(self.source)
+
+    def commit(self, delta: RegionDelta) -> None:
+        self._tracker._commit_stage(self.source, delta)
+
+    def abandon(self) -> None:
+        self._tracker._abandon_stage(self.source)
 
 
 class DenseTracker(CudaTracker):
@@ -332,6 +465,9 @@ class ImmutableTracker(CudaTracker):
 
     def _collect_sparse(self, stream: driver.Stream) -> RegionDelta:
         return self._delta(np.zeros(0, dtype=np.int64), 0)
+
+    def _stage_work(self, stream: driver.Stream, full: bool) -> str:
+        return _LIVE if full else _NONE  # no snapshot: the region never changes (that is its contract)
 
 
 class OpaqueTracker(CudaTracker):
@@ -396,6 +532,30 @@ class OpaqueTracker(CudaTracker):
             a.set(0, payload)
             m.launch("concordia_hash_store", a, stream, grid=g)
 
+    def _stage_work(self, stream: driver.Stream, full: bool) -> str:
+        if full:
+            return self._stage_copy_all(stream)
+        self.mod.launch(self._scan_kernel, self._scan_args, stream)
+        return self._stage_gather(stream, self._meta.ptr)
+
+    def _staged_scan_bytes(self) -> int:
+        return self.spec.nbytes * (2 if self.mode is DiffMode.SHADOW else 1)
+
+    def _advance_staged(self, source: str, delta: RegionDelta, side: driver.Stream) -> None:
+        m, n, snap, state = self.mod, delta.n_pages, self._snapshot().ptr, self._state.ptr
+        if source == _ALL:
+            if self.mode is DiffMode.SHADOW:
+                driver.memcpy_dtod_async(state, snap, self.spec.nbytes, side)
+            else:
+                m.launch("concordia_hash_store", m.list_args(snap, 0, n, state), side)
+            return
+        lst = self._write_list(delta.pages)
+        g = m.grid_for("concordia_scatter", n)
+        if self.mode is DiffMode.SHADOW:
+            m.launch("concordia_scatter", m.list_args(state, lst, n, snap), side, grid=g)
+        else:
+            m.launch("concordia_hash_store", m.list_args(snap, lst, n, state), side, grid=g)
+
     def close(self) -> None:
         super().close()
         self._state.close()
@@ -418,6 +578,7 @@ class PagedTracker(CudaTracker):
                 f"{spec.n_blocks} flags on {tensor.device}; got {tuple(dirty_blocks.shape)} "
                 f"{dirty_blocks.dtype} on {dirty_blocks.device}")
         self.dirty_blocks = dirty_blocks
+        self._snap_scan_args: driver.KernelArgs | None = None
         self._meta = DeviceBuffer(16, zero=True)
         self._scan_args = self.mod.paged_scan_args(int(dirty_blocks.data_ptr()), self._meta.ptr,
                                                    self._list_dev(), self._list.device_ptr)
@@ -442,6 +603,41 @@ class PagedTracker(CudaTracker):
         m = self.mod
         m.launch("concordia_paged_clear", m.list_args(int(self.dirty_blocks.data_ptr()), lst, n, 0), stream,
                  grid=max(1, min(m.sms, -(-n // 256))))
+
+    def _stage_work(self, stream: driver.Stream, full: bool) -> str:
+        """Take the flags: copy them to a device snapshot and clear them, in stream order. A block flagged
+        after this belongs to the next epoch; the scan reads the snapshot."""
+        n = self.spec.n_blocks
+        if self._flag_snap is None:
+            self._flag_snap = DeviceBuffer(max(1, n))
+            self._snap_scan_args = self.mod.paged_scan_args(self._flag_snap.ptr, self._meta.ptr, self._list_dev(),
+                                                            self._list.device_ptr)
+        flags = int(self.dirty_blocks.data_ptr())
+        driver.memcpy_dtod_async(self._flag_snap.ptr, flags, n, stream)
+        driver.memset_d8_async(flags, 0, n, stream)
+        if full:
+            return self._stage_copy_all(stream)
+        assert self._snap_scan_args is not None
+        self.mod.launch("concordia_paged_scan", self._snap_scan_args, stream)
+        return self._stage_gather(stream, self._meta.ptr)
+
+    def _staged_scan_bytes(self) -> int:
+        return self.spec.n_blocks
+
+    def _abandon_stage(self, source: str) -> None:
+        """The epoch failed: flag again every block the stage took (OR, so flags set meanwhile stay set)."""
+        if self._flag_snap is None or self._ready is None:
+            return
+        driver.ensure_context(self.device)
+        side, n = self._side(), self.spec.n_blocks
+        side.wait_event(self._ready)
+        taken = np.zeros(max(1, n), dtype=np.uint8)
+        driver.memcpy_dtoh_async(taken.ctypes.data, self._flag_snap.ptr, n, side)
+        side.synchronize()
+        flags = int(self.dirty_blocks.data_ptr())
+        for start, length in pages_to_runs(np.flatnonzero(taken[:n]).astype(np.int64)):
+            driver.memset_d8_async(flags + int(start), 1, int(length), side)
+        side.synchronize()
 
     def close(self) -> None:
         super().close()

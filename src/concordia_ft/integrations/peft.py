@@ -7,6 +7,15 @@ weights are frozen: not logged by default (reload them from their files), or reg
 ``log_weights=True`` (base snapshot once, never diffed). The metadata of each epoch holds the step number,
 the loss and the torch CPU RNG state (dropout), so a killed run resumes with the same next-step loss as an
 uninterrupted one as long as the data for step ``k`` is a function of ``k`` (``batch_fn(step)``).
+
+Asynchronous epochs (``async_checkpoint=True``, the default): each ``train_step`` ends with
+``Runtime.checkpoint_async``, which only snapshots the adapter and moments on the GPU (one D2D copy, in stream
+order) and returns; the log write runs on a background thread while the next step computes. A step's epoch is
+durable once the next step's checkpoint (or ``wait()``, ``train()``'s end, ``close()``) has waited for it, so a
+crash loses at most the last step, and ``recover`` continues from the last committed step with the same losses.
+The default is async because that exactness holds either way while sync epochs hold every step up for the whole
+log write (28 ms of a 144 ms step on the H200 benchmark); the price is one step of loss window and a device copy
+of the dense state (``runtime.snapshot_device_bytes``, 53 MB for Qwen2.5-0.5B r=8).
 """
 
 from __future__ import annotations
@@ -15,12 +24,15 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError, RecoveryError
+
+if TYPE_CHECKING:
+    from ..runtime import PendingEpoch
 
 META_KEY = "concordia.lora"
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -49,6 +61,11 @@ def _flatten_into(tensors: list[torch.Tensor], device: torch.device, dtype: torc
 
 @dataclass
 class StepResult:
+    """One optimizer step. ``checkpoint_s`` is how long the step was held up by checkpointing (the call on the
+    training thread). With asynchronous epochs ``epoch`` is the number the step's epoch gets when it commits;
+    ``durable``, ``pages``, ``payload_bytes`` and ``commit_latency_s`` are filled in once it has (the next
+    step's checkpoint, ``wait()``), and stay unset if it failed."""
+
     step: int
     loss: float
     epoch: int
@@ -56,6 +73,9 @@ class StepResult:
     checkpoint_s: float
     pages: int
     payload_bytes: int
+    durable: bool = True
+    commit_latency_s: float | None = None
+    backpressure_s: float = 0.0
 
 
 @dataclass
@@ -68,7 +88,8 @@ class LoraTrainer:
 
     def __init__(self, base_model: Any, log_dir: str | Path, *, lora_config: Any = None, lr: float = 1e-4,
                  weight_decay: float = 0.0, fsync: str = "never", backend: str = "file", log_weights: bool = False,
-                 runtime_options: dict[str, Any] | None = None, _runtime: Any = None) -> None:
+                 async_checkpoint: bool = True, runtime_options: dict[str, Any] | None = None,
+                 _runtime: Any = None) -> None:
         from peft import get_peft_model
 
         from .. import runtime as _rt
@@ -106,6 +127,9 @@ class LoraTrainer:
         self.step = 0
         self.last_loss: float | None = None
         self.stats = TrainStats()
+        self.async_checkpoint = async_checkpoint
+        self.committed_step: int | None = None  # the step of the last epoch known to be committed
+        self._pending: tuple[PendingEpoch, StepResult] | None = None  # the async epoch in flight
         self.runtime = _runtime if _runtime is not None else _rt.Runtime(
             str(log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
         self.log_dir = Path(log_dir)
@@ -130,15 +154,44 @@ class LoraTrainer:
                            "log_weights": self.log_weights, "time": time.time()}}
 
     def checkpoint(self) -> int:
+        """Commit the current state as one epoch now (after the in-flight async epoch); return its number."""
         self.rng[:] = torch.get_rng_state().numpy()
-        return int(self.runtime.checkpoint(meta=self._meta()))
+        try:
+            epoch = int(self.runtime.checkpoint(meta=self._meta()))
+        finally:
+            self._settle()
+        self.committed_step = self.step
+        return epoch
+
+    def wait(self) -> int | None:
+        """Block until the last step's epoch is committed; return the last committed step. Raises
+        ``CheckpointError`` if an asynchronous epoch failed (earlier committed steps stay recoverable)."""
+        try:
+            self.runtime.wait()
+        finally:
+            self._settle()
+        return self.committed_step
+
+    def _settle(self) -> None:
+        """Fill in the StepResult of a finished async epoch (committed: durable, sizes, commit latency)."""
+        if self._pending is None or not self._pending[0].done():
+            return
+        handle, res = self._pending
+        self._pending = None
+        st = handle.stats
+        if st is not None and handle.committed:
+            res.epoch, res.durable, res.pages, res.payload_bytes = st.epoch, True, st.pages, st.payload_bytes
+            res.commit_latency_s = st.commit_latency_seconds
+            self.committed_step = max(self.committed_step or 0, res.step)
 
     def loss_of(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         out = self.model(**batch)
         return out.loss
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> StepResult:
-        """One optimizer step on ``batch`` (input_ids, labels, ...) followed by one committed epoch."""
+    def train_step(self, batch: dict[str, torch.Tensor], *, checkpoint: bool = True) -> StepResult:
+        """One optimizer step on ``batch`` (input_ids, labels, ...) followed by one epoch: committed before this
+        returns (``async_checkpoint=False``), or started and committed in the background (the default; see the
+        module docstring). ``checkpoint=False`` logs nothing (a later epoch holds this step's changes)."""
         t0 = time.perf_counter()
         loss = self.loss_of(batch)
         loss.backward()
@@ -147,29 +200,46 @@ class LoraTrainer:
         self.step += 1
         self.last_loss = float(loss.detach())
         t1 = time.perf_counter()
-        epoch = self.checkpoint()
-        t2 = time.perf_counter()
-        st = self.runtime.last_stats
-        res = StepResult(self.step, self.last_loss, epoch, t1 - t0, t2 - t1,
-                         int(getattr(st, "pages", 0)), int(getattr(st, "payload_bytes", 0)))
+        if not checkpoint:
+            res = StepResult(self.step, self.last_loss, -1, t1 - t0, 0.0, 0, 0, durable=False)
+        elif self.async_checkpoint:
+            self.rng[:] = torch.get_rng_state().numpy()
+            try:
+                handle = self.runtime.checkpoint_async(meta=self._meta())  # waits for the previous epoch
+            finally:
+                self._settle()
+            t2 = time.perf_counter()
+            res = StepResult(self.step, self.last_loss, handle.epoch, t1 - t0, t2 - t1, 0, 0, durable=False,
+                             backpressure_s=handle.backpressure_seconds)
+            self._pending = (handle, res)
+        else:
+            epoch = self.checkpoint()
+            t2 = time.perf_counter()
+            st = self.runtime.last_stats
+            res = StepResult(self.step, self.last_loss, epoch, t1 - t0, t2 - t1,
+                             int(getattr(st, "pages", 0)), int(getattr(st, "payload_bytes", 0)),
+                             commit_latency_s=getattr(st, "commit_latency_seconds", None),
+                             backpressure_s=float(getattr(st, "backpressure_seconds", 0.0)))
         self.stats.results.append(res)
         return res
 
     def train(self, batch_fn: Callable[[int], dict[str, torch.Tensor]], until_step: int,
               on_step: Callable[[StepResult], Any] | None = None) -> list[StepResult]:
-        """Run steps ``self.step .. until_step-1``; the batch of step ``k`` is ``batch_fn(k)``."""
+        """Run steps ``self.step .. until_step-1``; the batch of step ``k`` is ``batch_fn(k)``. Returns once the
+        last step's epoch is committed (every returned step is durable)."""
         out = []
         while self.step < until_step:
             res = self.train_step(batch_fn(self.step))
             out.append(res)
             if on_step is not None:
                 on_step(res)
+        self.wait()
         return out
 
     @classmethod
     def recover(cls, log_dir: str | Path, base_model: Any, *, lora_config: Any = None, lr: float = 1e-4,
                 weight_decay: float = 0.0, fsync: str = "never", backend: str = "file",
-                runtime_options: dict[str, Any] | None = None) -> LoraTrainer:
+                async_checkpoint: bool = True, runtime_options: dict[str, Any] | None = None) -> LoraTrainer:
         """Rebuild adapter + optimizer state from the last committed step (pass the same base model + config)."""
         from ..runtime import open_to_recover
 
@@ -177,20 +247,25 @@ class LoraTrainer:
                                 runtime_options=runtime_options)
         try:
             t = cls(base_model, log_dir, lora_config=lora_config, lr=lr, weight_decay=weight_decay,
-                    log_weights=bool(m.get("log_weights")), _runtime=rt)
+                    log_weights=bool(m.get("log_weights")), async_checkpoint=async_checkpoint, _runtime=rt)
             if t.n_adapter_params != int(m["n_params"]):
                 raise RecoveryError(f"this LoRA config makes {t.n_adapter_params} adapter parameters; the log holds "
                                     f"{m['n_params']}: recover with the same base model and LoRA config")
             t.runtime.recover_into()
             torch.set_rng_state(torch.from_numpy(t.rng.copy()))
             t.step, t.last_loss = int(m["step"]), m["loss"]
+            t.committed_step = t.step
         except BaseException:
             rt.close()
             raise
         return t
 
     def close(self) -> None:
-        self.runtime.close()
+        """Finish the in-flight epoch and close the log (raises a background failure nobody saw yet)."""
+        try:
+            self.runtime.close()
+        finally:
+            self._settle()
 
     def __enter__(self) -> LoraTrainer:
         return self
