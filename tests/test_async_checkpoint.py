@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import subprocess
 import textwrap
 import time
@@ -125,9 +126,12 @@ def test_async_epochs_are_the_bytes_a_sync_twin_writes(shm_dir: Path, ops: list)
     finally:
         rt.close()
         twin.close()
-    assert _epoch_bytes(run / "async") == _epoch_bytes(run / "twin")
-    if epoch:
-        assert _recovered_digests(run / "async") == (epoch, model[epoch])
+    try:
+        assert _epoch_bytes(run / "async") == _epoch_bytes(run / "twin")
+        if epoch:
+            assert _recovered_digests(run / "async") == (epoch, model[epoch])
+    finally:
+        shutil.rmtree(run, ignore_errors=True)  # each example reserves tmpfs space ahead: never let them pile up
 
 
 # --------------------------------------------------------------------------- the snapshot is the call's state
