@@ -3,18 +3,23 @@
 T2-4: round trip and per-op latency from Python for N = 64 .. 262,144 float32 elements: the resident ring,
       a pre-armed launch fired by a host store, a plain launch of the same dispatcher, vs PyTorch eager
       (launch + stream sync) and CUDA-graph replay (+ sync), all in this run.
-T7:   trigger cost: Python ring submit, ring round trip, armed trigger (host store, or the resident block's
-      TRIGGER task), a plain launch from Python; and a full-width page-diff scan through each path.
+T7:   trigger cost: Python ring submit (NOP and a full 6-argument descriptor), ring round trip, armed trigger
+      (host store, or the resident block's TRIGGER task), a plain launch from Python; and a full-width page-diff
+      scan through each path. T7h: the same Python fast paths (ResidentExecutor's submit/wait closures) over
+      ordinary memory, no GPU: the interpreter's share of the cost, comparable across machines.
 T9:   the executor's SM footprint; bf16 matmul and HBM copy throughput with the executor resident vs not.
 
-Usage: python benchmarks/bench_executor.py [--quick] [--out-dir benchmarks/results]
-Writes benchmarks/results/executor-<tag>.json via concordia_ft.benchreport; prints the tables last.
+Usage: python benchmarks/bench_executor.py [--quick] [--host-only] [--out-dir benchmarks/results]
+Writes benchmarks/results/executor-<tag>.json via concordia_ft.benchreport (``--host-only``: only T7h, no GPU,
+executor-host-<tag>.json); prints the tables last.
 """
 
 from __future__ import annotations
 
 import argparse
+import threading
 import time
+import timeit
 from typing import Any
 
 import numpy as np
@@ -42,10 +47,58 @@ OPS = {
     "add_relu": (R.Opcode.ADD_RELU, lambda a, b, o: torch.add(a, b, out=o).relu_()),
 }
 SIZES = [64, 256, 1024, 4096, 16384, 65536, 262144]
+PTRS = (0x7F0000001000, 0x7F0000002000, 0x7F0000003000, 1 << 20, 0x7F0000004000, 7)  # plausible 6-arg task
+AUX = 0x3F000000  # 0.5f
 
 
 def stream_sync() -> None:
     torch.cuda.current_stream().synchronize()
+
+
+def host_fast_paths(batches: int, batch: int = 4096) -> list[dict[str, Any]]:
+    """T7h: ResidentExecutor's submit/wait closures (core.ring.make_submit / make_wait, the same code) over
+    ordinary memory with the state word RUNNING and no consumer; tail is advanced between timed batches.
+    Per-call ns = batch time / batch, loop included; p50 and min over ``batches`` batches."""
+    lay = R.RingLayout(memoryview(bytearray(R.ring_bytes(R.MAX_CAPACITY))), R.MAX_CAPACITY)
+    lay.initialise()
+    prod = R.RingProducer(lay)
+    lay.store32(R.OFF_STATE, R.ConsumerState.RUNNING)
+
+    def never(*_: Any) -> Any:
+        raise AssertionError("the host-only benchmark must stay on the fast path")
+
+    submit = R.make_submit(prod, threading.Lock(), never)
+    wait = R.make_wait(prod, never, never)
+    a0, a1, a2, a3, a4, a5 = PTRS
+    op = R.Opcode.NOP
+
+    def nop() -> None:
+        for _ in range(batch):
+            submit(op)
+
+    def six() -> None:
+        for _ in range(batch):
+            submit(op, a0, a1, a2, a3, a4, a5, AUX)
+
+    def waits() -> None:
+        for _ in range(batch):
+            wait(done)
+
+    done = submit(R.Opcode.NOP)
+    q = lay.q
+    ri = lay.result_off(done) >> 3
+    q[ri], q[ri + 1] = 5, done  # as the device would complete it: value 5, status OK
+    rows = []
+    for what, fn in (("host-only submit NOP (fast path, no GPU)", nop),
+                     ("host-only submit 6 args + aux (fast path, no GPU)", six),
+                     ("host-only wait on a completed task (no GPU)", waits)):
+        per = []
+        for _ in range(batches):
+            lay.store(R.OFF_TAIL, prod.head)  # the "consumer" catches up outside the timing
+            per.append(timeit.timeit(fn, number=1) / batch * 1e6)
+        rows.append({"table": "T7h", "what": what, "p50_us": benchreport.median(per), "p99_us": max(per),
+                     "min_us": min(per)})
+    return rows
 
 
 def lat(fn: Any, reps: int, warm: int = 5) -> list[float]:
@@ -83,8 +136,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--host-only", action="store_true", help="only T7h (Python fast paths, no GPU)")
     args = ap.parse_args()
     reps = 50 if args.quick else 200
+    host = host_fast_paths(20 if args.quick else 100)
+    if args.host_only:
+        path = benchreport.write_results("executor-host", host, notes="T7h only: Python fast paths, no GPU",
+                                         out_dir=args.out_dir)
+        print(f"wrote {path}")
+        benchreport.print_table("T7h: Python fast paths over ordinary memory (no GPU)", host,
+                                ["what", "p50_us", "p99_us", "min_us"])
+        return
     torch.cuda.init()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows: list[dict[str, Any]] = []
@@ -180,6 +242,18 @@ def main() -> None:
         ex.wait(s)
     t7.append({"table": "T7", "what": "ring submit from Python (no wait)", "p50_us": benchreport.median(per),
                "p99_us": max(per), "min_us": min(per)})
+    a0, a1, a2, a3, a4, a5 = PTRS  # a NOP carrying a full descriptor: the device ignores the arguments
+    per = []
+    for _ in range(10):
+        t = time.perf_counter_ns()
+        for _ in range(2000):
+            s = ex.submit(R.Opcode.NOP, a0, a1, a2, a3, a4, a5, AUX)
+        per.append((time.perf_counter_ns() - t) / 2000 / 1e3)
+        ex.wait(s)
+    t7.append({"table": "T7", "what": "ring submit from Python, 6 args + aux (no wait)",
+               "p50_us": benchreport.median(per), "p99_us": max(per), "min_us": min(per)})
+    rt6 = lat(lambda: ex.wait(ex.submit(R.Opcode.NOP, a0, a1, a2, a3, a4, a5, AUX)), 20 * reps)
+    t7.append({"table": "T7", "what": "ring round trip (NOP with 6 args + aux, submit+wait)", **summary(rt6)})
     t7.append({"table": "T7", "what": "armed trigger, host store -> done (NOP)",
                **summary(lat(lambda: armed.wait(armed.fire(R.Opcode.NOP)) or armed.rearm(), reps))})
     rearm = lat(lambda: (armed.fire(R.Opcode.NOP), armed.rearm()), reps)
@@ -267,7 +341,7 @@ def main() -> None:
     t2_ring = {r["n"]: r for r in rows if r["op"] == "add" and r["path"] == "resident"}
     notes = (f"ring correctness spot check (add_relu, N={SIZES[-1]}) {ok}; page-diff dirty counts "
              f"{counted} (cumulative over paths); executor 1 block x {ex.image.threads} threads, {regs} regs/thread")
-    path = benchreport.write_results("executor", rows + t7 + t9 + [footprint], baseline=base, notes=notes,
+    path = benchreport.write_results("executor", rows + t7 + host + t9 + [footprint], baseline=base, notes=notes,
                                      out_dir=args.out_dir)
     print(f"wrote {path}")
     summary_rows = []
@@ -281,6 +355,8 @@ def main() -> None:
                              "graph_p50_us": g["p50_us"], "ring_vs_eager": e["p50_us"] / t2_ring[n]["p50_us"]})
     benchreport.print_table("T9: SM footprint / interference", t9 + [footprint])
     benchreport.print_table("T7: trigger cost", t7, ["what", "p50_us", "p99_us", "min_us", "gb_s"])
+    benchreport.print_table("T7h: Python fast paths over ordinary memory (no GPU)", host,
+                            ["what", "p50_us", "p99_us", "min_us"])
     benchreport.print_table("T2-4: add, round trip from Python (all ops in the JSON)", summary_rows)
 
 

@@ -19,13 +19,18 @@ def defines(src: str) -> dict[str, int]:
 def test_render_carries_the_ring_layout() -> None:
     d = defines(E.render_executor_source(image_id=7, threads=128))
     assert d["CCR_IMAGE_ID"] == 7 and d["CCR_THREADS"] == 128 and d["CCR_MAX_REGS"] == 0
-    assert d["CCR_OFF_HEAD"] == R.OFF_HEAD and d["CCR_OFF_TAIL"] == R.OFF_TAIL
-    assert d["CCR_OFF_STOP"] == R.OFF_STOP and d["CCR_OFF_RELEASES"] == R.OFF_RELEASES
+    offsets = {k: v for k, v in vars(R).items() if k.startswith("OFF_")}
+    assert offsets and all(d[f"CCR_{k}"] == v for k, v in offsets.items())
+    assert "CCR_OFF_HEAD" not in d  # protocol version 2 has no head word
     assert d["CCR_SLOTS_OFF"] == R.CTRL_BYTES and d["CCR_SLOT_BYTES"] == R.SLOT_BYTES
+    assert (d["CCR_MAGIC"], d["CCR_VERSION"]) == (R.MAGIC, R.VERSION) == (R.MAGIC, 2)
+    assert (d["CCR_TAG_SHIFT"], d["CCR_TAG_MARK"], d["CCR_TAG_SEQ_MASK"]) == (R.TAG_SHIFT, R.TAG_MARK, R.TAG_SEQ_MASK)
     for op in R.Opcode:
         assert d[f"CCR_OP_{op.name}"] == int(op)
     for s in R.ConsumerState:
         assert d[f"CCR_STATE_{s.name}"] == int(s)
+    for e in R.ConsumerError:
+        assert d[f"CCR_ERR_{e.name}"] == int(e)
     # the batch read (32 lanes x 8 bytes) must be whole slots
     assert d["CCR_BATCH"] * R.SLOT_BYTES == 32 * 8
 
@@ -47,6 +52,34 @@ def test_nvrtc_compiles_every_kernel_for_sm90(tmp_path: pytest.TempPathFactory, 
     assert one.key != two.key  # a new image is a new module (hot-swap loads it beside nothing)
     again = E.compile_executor(image_id=1)
     assert again.cache_hit and again.cubin == one.cubin
+
+
+def _ptx_of(source: str, function: str) -> str:
+    """PTX of one kernel (NVRTC, compute_90): what ptxas turns into the poll loop's loads and fences."""
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    prog = nvrtc.nvrtcCreateProgram(source.encode(), b"executor.cu", 0, [], [])[1]
+    try:
+        opts = [b"-arch=compute_90", b"-std=c++17", b"-default-device"]
+        assert nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
+        buf = b" " * int(nvrtc.nvrtcGetPTXSize(prog)[1])
+        nvrtc.nvrtcGetPTX(prog, buf)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    ptx = buf.rstrip(b"\0 ").decode()
+    start = ptx.index(f".entry {function}(")
+    end = ptx.find(".entry ", start + 1)
+    return ptx[start:end if end > 0 else len(ptx)]
+
+
+def test_resident_poll_is_one_round_trip_and_one_fence_per_task() -> None:
+    """The poll loads the slot words with ONE acquire per lane (a second acquire in a lane would start only
+    after the first returned: two PCIe round trips) and stop with a relaxed load; a task costs one
+    system-scope acq_rel fence (the heartbeat is relaxed: no fence inside the poll)."""
+    ptx = _ptx_of(E.render_executor_source(image_id=1), "concordia_executor")
+    assert len(re.findall(r"ld\.acquire\.sys", ptx)) == 1, re.findall(r"ld\.\w+\.sys[.\w]*", ptx)
+    assert len(re.findall(r"ld\.relaxed\.sys\.global\.u32", ptx)) == 1  # stop
+    assert len(re.findall(r"fence\.acq_rel\.sys", ptx)) == 1
+    assert "st.release.sys.global.u64" not in ptx  # tail, result seq and heartbeat follow the one fence
 
 
 def test_cyclic_comparison_and_grid_policy() -> None:

@@ -80,6 +80,11 @@ class RingFullError(RingError):
     """Every slot holds a task the consumer has not completed yet."""
 
 
+class DescriptorError(RingError, ConfigError):
+    """A task's fields do not fit a ring descriptor (an argument of 2**48 or more, a negative value, aux of
+    2**32 or more...). Nothing was published."""
+
+
 class ExecutorError(ConcordiaError):
     """A task failed on the device, the executor stopped on a protocol error, or a wait timed out."""
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -31,8 +32,10 @@ from concordia_ft.cuda.executor import (  # noqa: E402
     LaunchExecutor,
     ResidentExecutor,
     compile_executor,
+    cyclic_reached,
     run_task,
 )
+from concordia_ft.errors import ExecutorError  # noqa: E402
 
 ELEMENTWISE = {
     R.Opcode.ADD: lambda a, b, s: a + b,
@@ -165,6 +168,135 @@ def test_hot_swap_under_load(ex: ResidentExecutor) -> None:
     with guard.quiesced():
         c = counts.cpu()
     assert int(c.min()) == 1 and int(c.max()) == 1
+
+
+def test_torn_host_writes_never_run_a_partial_descriptor(ex: ResidentExecutor) -> None:
+    """Protocol v2 on the device: the host stores each descriptor's 8 words one at a time, in a random order,
+    with pauses, while the resident warp polls the slot. A MARK run with a half-written descriptor would hit
+    a wrong counter (or address 0 and fault); every counter must be hit exactly once."""
+    n = 20_000
+    with guard.quiesced():
+        counts = torch.zeros(n, dtype=torch.int32, device="cuda")
+        sync_torch()
+    ptr = counts.data_ptr()
+    run_task(ex, R.Opcode.NOP)  # resident, and the producer's count is settled
+    lay, prod = ex.layout, ex.producer
+    q = lay.q
+    rng = random.Random(7)
+    t0 = time.perf_counter()
+    for i in range(n):
+        seq = prod.head + 1
+        spins = 0
+        while seq - ex.tail > lay.capacity:
+            spins += 1
+            if spins % 1024 == 0:
+                ex.resume()  # the lease may have ended: relaunch (tasks stay queued)
+        words = R.encode_words(seq, R.Opcode.MARK, (ptr, i))
+        base = lay.slot_off(seq) >> 3
+        order = list(range(8))
+        rng.shuffle(order)
+        for k, w in enumerate(order):
+            q[base + w] = words[w]
+            if k == 3 and i % 8 == 0:
+                time.sleep(20e-6)  # a half-written slot for the warp to poll (and skip)
+        prod.head = seq
+    ex.resume()
+    last = prod.head
+    assert ex.wait(last, timeout_s=60) == 1
+    dt = time.perf_counter() - t0
+    with guard.quiesced():
+        c = counts.cpu()
+    assert int(c.min()) == 1 and int(c.max()) == 1, (int(c.min()), int(c.max()))
+    print(f"{n} torn descriptors in {dt:.2f}s, each run once with its own fields")
+
+
+def test_a_ring_of_another_version_is_refused_by_the_device() -> None:
+    e = ResidentExecutor(ExecutorOptions(capacity=64, idle_timeout_ms=2000), start=False)
+    try:
+        e.layout.store32(R.OFF_VERSION, 1)  # as if a version-1 build had initialised it
+        with pytest.raises(ExecutorError, match="refused the ring: its header is not a protocol-version 2 ring"):
+            e.resume()
+            run_task(e, R.Opcode.NOP, timeout_s=10)
+        assert e.layout.load32(R.OFF_ERROR) == R.ConsumerError.BAD_HEADER
+    finally:
+        e.close()  # the block already exited (with the error): nothing left resident
+
+
+def test_executor_exit_releases_armed_instances_and_no_fired_task_is_lost() -> None:
+    """ArmedChannel(fired_by=executor): when the resident block exits (idle timeout, stop), it stores the
+    exit-release table, so the pending armed instances run (as NOPs) instead of waiting forever; a task fired
+    across such an exit runs exactly once (wait fires it again when its instance ran the NOP)."""
+    e = ResidentExecutor(ExecutorOptions(capacity=256, idle_timeout_ms=150, lease_ms=5000))
+    with guard.quiesced():
+        armed = ArmedChannel(e.image, depth=2, fired_by=e, grid=8)
+        n = 400
+        counts = torch.zeros(n, dtype=torch.int32, device="cuda")
+        sync_torch()
+    try:
+        # 1. idle exit: the pending instances are released, the armed stream drains by itself
+        assert armed.armed - armed.fired == 2
+        time.sleep(0.5)
+        assert e.state == R.ConsumerState.EXITED_IDLE
+        armed.stream.synchronize()  # returns: nothing waits on the flag any more
+        assert cyclic_reached(int(armed.u32[16]), armed.armed)  # every armed instance ran (its NOP)
+        # 2. a fire after that exit re-arms and runs once
+        armed.wait(armed.fire(R.Opcode.MARK, counts.data_ptr(), 0), timeout_s=10)
+        # 3. fires racing exits (stop at task boundaries from another thread, plus idle exits)
+        stop = threading.Event()
+
+        def churn() -> None:
+            r = random.Random(3)
+            while not stop.is_set():
+                time.sleep(r.uniform(0, 0.004))
+                e.suspend()
+                e.resume(eager=r.random() < 0.5)
+
+        t = threading.Thread(target=churn)
+        t.start()
+        try:
+            for i in range(1, n):
+                armed.wait(armed.fire(R.Opcode.MARK, counts.data_ptr(), i), timeout_s=20)
+                armed.rearm()
+                if i % 97 == 0:
+                    time.sleep(0.2)  # long enough for an idle exit
+        finally:
+            stop.set()
+            t.join(30)
+        with guard.quiesced():
+            c = counts.cpu()
+        assert int(c.min()) == 1 and int(c.max()) == 1, (int(c.min()), int(c.max()))
+        print(f"armed fires across executor exits: {n} tasks once each, {armed.refires} fired again, "
+              f"{e.launches} executor launches")
+    finally:
+        armed.close()
+        e.close()
+
+
+def test_armed_instance_runs_only_a_whole_descriptor() -> None:
+    """An instance released while its descriptor is half written runs nothing and records NOP, so ``wait``
+    fires the task again (a MARK run with a missing argument would count the wrong slot or fault)."""
+    e = ResidentExecutor(ExecutorOptions(capacity=64, idle_timeout_ms=2000), start=False)
+    with guard.quiesced():
+        armed = ArmedChannel(e.image, depth=1, grid=4)
+        counts = torch.zeros(4, dtype=torch.int32, device="cuda")
+        sync_torch()
+    try:
+        k = armed.fired + 1
+        words = R.encode_words(k, R.Opcode.MARK, (counts.data_ptr(), 3))
+        slot = armed._slot_q(k)
+        armed.q[slot] = words[0]
+        armed.q[slot + 1] = words[1]  # a1 (the counter index) still holds the pending NOP's zero
+        armed.u32[0] = k  # release the instance now
+        armed.stream.synchronize()
+        ran = int(armed.q[(armed._ran_off >> 3) + k % armed.nslots])
+        assert ran >> R.TAG_SHIFT == R.tag_of(k) and ran & 0xFFFF == R.Opcode.NOP
+        armed.fired = k
+        armed.wait(armed.fire(R.Opcode.MARK, counts.data_ptr(), 3), timeout_s=10)
+        with guard.quiesced():
+            assert counts.cpu().tolist() == [0, 0, 0, 1]
+    finally:
+        armed.close()
+        e.close()
 
 
 def test_idle_self_exit_and_heartbeat() -> None:

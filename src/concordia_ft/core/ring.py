@@ -1,16 +1,17 @@
-"""The executor ring protocol: a single-producer / single-consumer ring of 64-byte descriptors over any
-writable memoryview.
+"""The executor ring protocol, version 2: a single-producer / single-consumer ring of 64-byte descriptors over
+any writable memoryview, in which every descriptor word validates itself, so the consumer finds a task in ONE
+read of its slot.
 
-On a GPU the buffer is host-mapped pinned memory: the host (producer) writes descriptors and ``head``, the
-resident executor (consumer) writes ``tail``, per-slot results, the heartbeat and its state. Here the protocol
-is plain Python over a memoryview, so CPU CI tests it over ordinary memory with a consumer thread standing in
-for the device (:class:`RingConsumer`). ``cuda/executor.cuh`` implements the same consumer on the device; its
-constants are rendered from this module, so the two cannot drift.
+On a GPU the buffer is host-mapped pinned memory: the host (producer) writes descriptors, the resident executor
+(consumer) writes ``tail``, per-slot results, the heartbeat and its state. Here the protocol is plain Python
+over a memoryview, so CPU CI tests it over ordinary memory with a consumer thread standing in for the device
+(:class:`RingConsumer`). ``cuda/executor.cuh`` implements the same consumer on the device; its constants are
+rendered from this module, so the two cannot drift.
 
 Layout (little-endian; every shared word has exactly one writer and its own 64-byte line)::
 
     0     line 0  host, once : magic u32, version u32, capacity u32, slot_bytes u32, slots_off u32, results_off u32
-    64    line 1  host       : head u64        tasks published; task ``seq`` (1-based) lives in slot (seq-1) % capacity
+    64    line 1  reserved   (version 1 kept ``head`` here; version 2 has no head, see below)
     128   line 2  host       : stop u32        0 run, 1 exit at the next task boundary (tasks left stay queued)
     192   line 3  device     : tail u64        tasks completed, in order (== seq of the last completed task)
     256   line 4  device     : heartbeat u64   bumped while the consumer polls
@@ -20,39 +21,89 @@ Layout (little-endian; every shared word has exactly one writer and its own 64-b
     512   lines 8..11 host   : exit-release table, 16 B each: flag address u64, value u32, pad u32
                                (the consumer stores ``value`` to each ``flag`` when it exits: armed waits it
                                could fire are released, never left pending)
-    1024  slots              : capacity x 64 B descriptors
-    ...   results            : capacity x 16 B: value u32, status u32, seq u64 (seq written last)
+    1024  slots              : capacity x 64 B descriptors; task ``seq`` (1-based) in slot (seq - 1) % capacity
+    ...   results            : capacity x 16 B: value u32 | status u32 (one u64 word), then seq u64
 
-Descriptor (64 B): seq u64 (written last by the producer), opcode u16, flags u16, aux u32, args 6 x u64.
+Descriptor: 8 little-endian u64 words. Bits 63..48 of EVERY word hold the task's tag,
+``tag(seq) = 0x8000 | (seq & 0x7fff)``; bits 47..0 are the payload::
 
-Memory ordering: the producer writes a slot's body, then its seq, then ``head`` (program order: x86-64 stores
-are not reordered with older stores, so these are release stores; the consumer loads ``head`` with acquire
-and checks the slot's seq, so a torn or stale slot is detected, never run). The consumer writes a result's
-value then its seq, then ``tail`` (release). No word is read-modify-written by both sides.
+    word 0     opcode u16 (bits 0..15), flags u16 (bits 16..31), bits 32..47 zero
+    words 1-6  args a0..a5, 48 bits each: device pointers, sizes, counts (float32 bits go in aux)
+    word 7     aux u32 (bits 0..31), bits 32..47 zero
+
+Why one read is enough. The consumer expects task ``seq = tail + 1`` and loads the 8 words of its slot together
+(on the GPU, with ``stop``, in one PCIe round trip, where version 1 needed two: ``head``, then the slot). It runs
+the task only when every word carries ``tag(seq)``. While it waits, each word of the slot holds one of:
+
+- the previous occupant's value, tagged ``tag(seq - capacity)``. That task completed, so all of its words were
+  written, and its tag differs from ``tag(seq)`` because the capacity is a power of two of at most 2**14: never a
+  multiple of 2**15, the period of the tag's 15 seq bits. (A 16-bit tag without the marker bit would allow
+  2**15, but then a zero word would be a valid tag, see the next case.)
+- zero: a freshly initialised ring, or the producer mid-write (CPython's ``struct.pack_into`` zero-fills its
+  target before it stores the fields). The marker bit 0x8000 makes every real tag non-zero, so a zero word
+  never matches.
+- the new task's value, tagged ``tag(seq)``.
+
+No later task can be there yet: the producer reuses a slot only after ``tail`` passed its previous occupant, and
+the consumer has not completed ``seq``. Every word is stored with one aligned 8-byte store (x86-64 makes those
+atomic; CPython's native ``Q`` packing stores a whole word), so no word is ever torn, and the producer writes at
+most one descriptor per seq (a task's fields are validated before anything is written). So eight matching words
+are one whole descriptor, in whatever order they were stored or loaded, and a partially written descriptor
+simply fails the check and is polled again. Any other tag (or a non-zero word without the marker) is corruption,
+a second producer or a ring of another build: the consumer stops with ``ConsumerError.BAD_SLOT``.
+
+No ``head``. Nothing needs it for correctness: the consumer finds work by the tags, and the producer counts its
+own tasks (``RingProducer.head``) and re-reads ``tail`` only when its cached copy says the ring is full. Storing
+``head`` on every submit would cost the Python fast path a store into a line for observability only;
+:meth:`RingLayout.published` recovers the count from the slots when a tool wants it.
+
+Memory ordering. Producer: a task's inputs, then its descriptor words in any order (x86-64 does not reorder
+stores with older stores; a non-TSO host would need a release fence before the descriptor). Consumer: every word
+load is an acquire (on the GPU, one ``ld.acquire.sys`` per lane, carried to the block by a barrier), so whatever
+the task reads is read after its descriptor. Results: the consumer writes value|status, then ONE release fence,
+then the result's seq, then ``tail``. The fence puts the task's writes and the value before both, so a host
+spinning on the result's seq reads a complete value, and ``tail`` (the producer's flow control) never passes a
+slot before its last read. No word is read-modify-written by both sides.
 """
 
 from __future__ import annotations
 
 import enum
 import struct
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NoReturn, Protocol
 
-from ..errors import ConfigError, RingError, RingFullError
+from ..errors import ConfigError, DescriptorError, ExecutorError, RingError, RingFullError
 
 MAGIC = 0x47524343  # b"CCRG" little-endian
-VERSION = 1
+VERSION = 2
 LINE_BYTES = 64
 SLOT_BYTES = 64
+SLOT_WORDS = 8
 RESULT_BYTES = 16
 CTRL_BYTES = 1024
 MAX_RELEASES = 4
 MAX_ARGS = 6
+MIN_CAPACITY = 2
+MAX_CAPACITY = 1 << 14  # < 2**15, the period of the tags (see the module docstring)
+
+# Descriptor words: tag in bits 63..48, payload in bits 47..0.
+TAG_SHIFT = 48
+TAG_MARK = 0x8000
+TAG_SEQ_MASK = 0x7FFF
+PAYLOAD_BITS = 48
+PAYLOAD_MASK = (1 << PAYLOAD_BITS) - 1
+OPCODE_BITS = 16
+FLAGS_BITS = 16
+AUX_BITS = 32
 
 # Byte offsets of the shared words (rendered into executor.cuh as CCR_OFF_*).
 OFF_MAGIC = 0
-OFF_HEAD = 64
+OFF_VERSION = 4
+OFF_CAPACITY = 8
 OFF_STOP = 128
 OFF_TAIL = 192
 OFF_HEARTBEAT = 256
@@ -64,17 +115,16 @@ OFF_STARTS = 384
 OFF_RELEASE_COUNT = 448
 OFF_RELEASES = 512
 
-# Descriptor field offsets inside a slot.
-DESC_OFF_SEQ = 0
-DESC_OFF_OPCODE = 8
-DESC_OFF_FLAGS = 10
-DESC_OFF_AUX = 12
-DESC_OFF_ARGS = 16
+# The fast paths (RingProducer.try_publish, make_submit, make_wait) inline these as literals.
+assert (TAG_SHIFT, TAG_MARK, TAG_SEQ_MASK, PAYLOAD_BITS, AUX_BITS, OPCODE_BITS) == (48, 0x8000, 0x7FFF, 48, 32, 16)
+assert MAX_CAPACITY <= TAG_SEQ_MASK + 1 and (TAG_SEQ_MASK + 1) % MAX_CAPACITY == 0
 
-assert OFF_HEAD == 64 and DESC_OFF_OPCODE == 8  # try_publish inlines both
+_WORDS = struct.Struct("8Q")  # native: every word is one 8-byte store (the '<' codes store byte by byte)
+_HEADER = struct.Struct("<IIIIII")
+assert _WORDS.size == SLOT_BYTES
 
-_BODY = struct.Struct("<HHI6Q")  # opcode, flags, aux, args: bytes 8..63 of a slot
-_RESULT = struct.Struct("<IIQ")  # value, status, seq
+
+assert OFF_STATE >> 2 == 80  # make_submit inlines the state word's index
 
 
 class Opcode(enum.IntEnum):
@@ -103,13 +153,32 @@ class ConsumerState(enum.IntEnum):
     EXITED_STOP = 2  # host asked (stop flag)
     EXITED_IDLE = 3  # no task within the idle timeout
     EXITED_LEASE = 4  # resident longer than its lease: exits so nothing waits on it unboundedly
-    EXITED_ERROR = 5  # protocol error (slot seq mismatch, bad opcode): see error / error_seq
+    EXITED_ERROR = 5  # protocol error: see error / error_seq (ConsumerError)
+
+
+assert int(ConsumerState.RUNNING) == 1  # make_submit inlines it
+
+
+class ConsumerError(enum.IntEnum):
+    """The consumer's ``error`` word after ``EXITED_ERROR``. (2 was version 1's head/tail mismatch.)"""
+
+    NONE = 0
+    BAD_SLOT = 1  # a descriptor word tagged neither for its task nor for the slot's previous occupant
+    BAD_HEADER = 3  # the ring's magic/version/capacity is not what this consumer was built for
 
 
 class Status(enum.IntEnum):
     OK = 0
     BAD_OPCODE = 1
     BAD_ARGS = 2
+
+
+class WordState(enum.IntEnum):
+    """What a descriptor word says about the task the consumer expects in its slot."""
+
+    MATCH = 0  # written for this task
+    STALE = 1  # the previous occupant's, or zero: not written yet
+    BAD = 2  # anything else: corruption
 
 
 @dataclass(frozen=True)
@@ -128,16 +197,19 @@ class Result:
     status: int
 
 
+def check_capacity(capacity: int) -> int:
+    if capacity < MIN_CAPACITY or capacity & (capacity - 1) or capacity > MAX_CAPACITY:
+        raise ConfigError(
+            f"ring capacity must be a power of two in [{MIN_CAPACITY}, {MAX_CAPACITY}], got {capacity}: the "
+            f"descriptor tags carry 15 bits of the task's seq, and a slot's previous occupant (seq - capacity) is "
+            f"told apart from its new task only when the capacity is not a multiple of 2**15")
+    return capacity
+
+
 def ring_bytes(capacity: int) -> int:
     """Bytes a ring of ``capacity`` slots needs (control block + slots + results)."""
     check_capacity(capacity)
     return CTRL_BYTES + capacity * (SLOT_BYTES + RESULT_BYTES)
-
-
-def check_capacity(capacity: int) -> int:
-    if capacity < 2 or capacity & (capacity - 1) or capacity > 1 << 20:
-        raise ConfigError(f"ring capacity must be a power of two in [2, 2**20], got {capacity}")
-    return capacity
 
 
 def slot_index(seq: int, capacity: int) -> int:
@@ -154,23 +226,79 @@ def free_slots(head: int, tail: int, capacity: int) -> int:
     return capacity - in_flight
 
 
-def encode_descriptor(d: Descriptor) -> bytes:
-    return struct.pack("<Q", d.seq) + encode_body(d.opcode, d.args, d.flags, d.aux)
+# ---------------------------------------------------------------------------------------------- descriptors
 
 
-def encode_body(opcode: int, args: tuple[int, ...] = (), flags: int = 0, aux: int = 0) -> bytes:
+def tag_of(seq: int) -> int:
+    """The tag (bits 63..48 of every descriptor word) of task ``seq``: never zero."""
+    return TAG_MARK | (seq & TAG_SEQ_MASK)
+
+
+_HINTS = {
+    "opcode": "opcodes are u16 (see Opcode)",
+    "flags": "flags are u16",
+    "aux": "aux is a u32: pass a float32 as float_bits(x)",
+}
+_ARG_HINT = ("arguments are device pointers, sizes and counts below 2**48; pass a float32 as aux (float_bits) "
+             "and anything larger in device memory, by pointer")
+
+
+def check_fields(opcode: int, args: tuple[int, ...], flags: int = 0, aux: int = 0) -> None:
+    """Raise :class:`DescriptorError` naming the first field that does not fit its descriptor bits."""
     if len(args) > MAX_ARGS:
-        raise ConfigError(f"a descriptor holds at most {MAX_ARGS} args, got {len(args)}")
-    a = tuple(args) + (0,) * (MAX_ARGS - len(args))
-    return _BODY.pack(opcode, flags, aux, *a)
+        raise DescriptorError(f"a descriptor holds at most {MAX_ARGS} args, got {len(args)}")
+    named = [("opcode", opcode, OPCODE_BITS), ("flags", flags, FLAGS_BITS)]
+    named += [(f"a{i}", a, PAYLOAD_BITS) for i, a in enumerate(args)]
+    named.append(("aux", aux, AUX_BITS))
+    for name, value, bits in named:
+        if not 0 <= value < 1 << bits:
+            raise DescriptorError(f"descriptor field {name} = {value:#x} does not fit in {bits} bits "
+                                  f"(0 <= {name} < 2**{bits}): {_HINTS.get(name, _ARG_HINT)}")
 
 
-def decode_descriptor(raw: bytes | memoryview) -> Descriptor:
+def encode_words(seq: int, opcode: int, args: Iterable[int] = (), flags: int = 0, aux: int = 0) -> tuple[int, ...]:
+    """The 8 tagged words of task ``seq``; raises :class:`DescriptorError` when a field does not fit."""
+    a = tuple(args)
+    check_fields(opcode, a, flags, aux)
+    if seq < 1:
+        raise DescriptorError(f"task seqs start at 1, got {seq}")
+    a += (0,) * (MAX_ARGS - len(a))
+    t = tag_of(seq) << TAG_SHIFT
+    return (opcode | flags << 16 | t, *(x | t for x in a), aux | t)
+
+
+def encode_descriptor(d: Descriptor) -> bytes:
+    return _WORDS.pack(*encode_words(d.seq, d.opcode, d.args, d.flags, d.aux))
+
+
+def decode_words(words: tuple[int, ...] | list[int], seq: int) -> Descriptor:
+    """The fields of task ``seq`` from its 8 words (tags are not checked here: see :func:`classify_word`)."""
+    w0 = words[0]
+    args = tuple(w & PAYLOAD_MASK for w in words[1:1 + MAX_ARGS])
+    return Descriptor(w0 & 0xFFFF, args, (w0 >> 16) & 0xFFFF, words[7] & 0xFFFFFFFF, seq)
+
+
+def decode_descriptor(raw: bytes | memoryview, seq: int, capacity: int = MAX_CAPACITY) -> Descriptor:
+    """Decode a slot that must hold the whole descriptor of task ``seq``; raises :class:`RingError` otherwise."""
     if len(raw) != SLOT_BYTES:
         raise ConfigError(f"a descriptor is {SLOT_BYTES} bytes, got {len(raw)}")
-    (seq,) = struct.unpack_from("<Q", raw, 0)
-    opcode, flags, aux, *args = _BODY.unpack_from(raw, DESC_OFF_OPCODE)
-    return Descriptor(opcode, tuple(args), flags, aux, seq)
+    words = _WORDS.unpack_from(raw)
+    for i, w in enumerate(words):
+        state = classify_word(w, seq, capacity)
+        if state != WordState.MATCH:
+            raise RingError(f"the slot does not hold a complete descriptor of task {seq}: word {i} is "
+                            f"{w:#018x} ({state.name}, tag {w >> TAG_SHIFT:#06x}, expected {tag_of(seq):#06x})")
+    return decode_words(words, seq)
+
+
+def classify_word(word: int, seq: int, capacity: int) -> WordState:
+    """The consumer's check of one word of the slot where it expects task ``seq`` (the device does the same)."""
+    tag = word >> TAG_SHIFT
+    if tag == tag_of(seq):
+        return WordState.MATCH
+    if word == 0 or tag == tag_of(seq - capacity):
+        return WordState.STALE
+    return WordState.BAD
 
 
 def float_bits(x: float) -> int:
@@ -178,11 +306,16 @@ def float_bits(x: float) -> int:
     return int(struct.unpack("<I", struct.pack("<f", x))[0])
 
 
+# ---------------------------------------------------------------------------------------------- layout
+
+
 class RingLayout:
     """Typed views of one ring in ``buf``; shared by producer and consumer."""
 
     def __init__(self, buf: memoryview, capacity: int) -> None:
         check_capacity(capacity)
+        if sys.byteorder != "little":
+            raise ConfigError("the ring is little-endian (it is shared with the GPU); this host is big-endian")
         need = ring_bytes(capacity)
         mv = buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
         if mv.readonly:
@@ -200,15 +333,23 @@ class RingLayout:
     def initialise(self) -> None:
         """Zero the ring and write the header (producer side, before any consumer starts)."""
         self.buf[:] = bytes(len(self.buf))
-        struct.pack_into("<IIIIII", self.buf, OFF_MAGIC, MAGIC, VERSION, self.capacity, SLOT_BYTES,
-                         self.slots_off, self.results_off)
+        _HEADER.pack_into(self.buf, OFF_MAGIC, MAGIC, VERSION, self.capacity, SLOT_BYTES, self.slots_off,
+                          self.results_off)
 
     def validate(self) -> None:
-        magic, version, cap, sb, so, ro = struct.unpack_from("<IIIIII", self.buf, OFF_MAGIC)
-        if (magic, version, cap, sb, so, ro) != (MAGIC, VERSION, self.capacity, SLOT_BYTES, self.slots_off,
-                                                 self.results_off):
-            raise RingError(f"ring header mismatch: magic {magic:#x} version {version} capacity {cap}; expected "
-                            f"{MAGIC:#x} v{VERSION} capacity {self.capacity}: initialise the ring first")
+        """Refuse a ring this build cannot speak: another version, another capacity, or not a ring at all."""
+        magic, version, cap, sb, so, ro = _HEADER.unpack_from(self.buf, OFF_MAGIC)
+        if magic != MAGIC:
+            raise RingError(f"not an executor ring: magic {magic:#x}, expected {MAGIC:#x}; initialise the ring "
+                            "(RingLayout.initialise) before starting a producer or consumer")
+        if version != VERSION:
+            raise RingError(f"ring protocol version {version}, this build speaks version {VERSION}: the ring was "
+                            "initialised by another build of concordia_ft; rings are not converted in place, "
+                            "initialise a new one with this build")
+        if (cap, sb, so, ro) != (self.capacity, SLOT_BYTES, self.slots_off, self.results_off):
+            raise RingError(f"ring header mismatch: capacity {cap}, slot bytes {sb}, slots at {so}, results at "
+                            f"{ro}; expected capacity {self.capacity}, {SLOT_BYTES}, {self.slots_off}, "
+                            f"{self.results_off}: open the ring with the capacity it was initialised with")
 
     # word accessors (a u64 word index is byte offset // 8)
     def load(self, off: int) -> int:
@@ -229,32 +370,57 @@ class RingLayout:
     def result_off(self, seq: int) -> int:
         return self.results_off + ((seq - 1) & self.mask) * RESULT_BYTES
 
+    def slot_words(self, seq: int) -> tuple[int, ...]:
+        return _WORDS.unpack_from(self.buf, self.slot_off(seq))
+
+    def slot_states(self, seq: int) -> list[WordState]:
+        """Each word of the slot of task ``seq``, as the consumer would classify it now."""
+        return [classify_word(w, seq, self.capacity) for w in self.slot_words(seq)]
+
+    def published(self) -> int:
+        """The last task published completely and in order (``tail`` plus the whole descriptors after it).
+
+        Version 2 keeps no ``head`` word; this recovers it from the slots (exact while the producer is idle)."""
+        tail = self.load(OFF_TAIL)
+        seq = tail
+        while seq - tail < self.capacity and all(s == WordState.MATCH for s in self.slot_states(seq + 1)):
+            seq += 1
+        return seq
+
     @property
     def state(self) -> ConsumerState:
         return ConsumerState(self.load32(OFF_STATE))
 
 
+# ---------------------------------------------------------------------------------------------- producer
+
+
 class RingProducer:
     """The host side: publishes descriptors, never overruns a slot the consumer has not completed.
 
-    Single producer: callers that submit from several threads must serialise (the Executor holds a lock).
-    """
+    Single producer: callers that submit from several threads must serialise (:func:`make_submit` takes the
+    lock). ``head`` counts published tasks; it lives here only (see the module docstring: no head word)."""
 
-    __slots__ = ("layout", "capacity", "head", "_tail_seen", "_q", "_buf", "_mask", "_slots_q", "_head_q",
-                 "_tail_q", "_pack")
+    __slots__ = ("layout", "capacity", "head", "_tail_seen", "_q", "_buf", "_mask", "_tail_q", "_slot_offs",
+                 "_result_q")
 
     def __init__(self, layout: RingLayout) -> None:
+        layout.validate()
         self.layout = layout
         self.capacity = layout.capacity
-        self.head = layout.load(OFF_HEAD)
-        self._tail_seen = layout.load(OFF_TAIL)
         self._q = layout.q
         self._buf = layout.buf
         self._mask = layout.mask
-        self._slots_q = layout.slots_off >> 3
-        self._head_q = OFF_HEAD >> 3
         self._tail_q = OFF_TAIL >> 3
-        self._pack = _BODY.pack_into
+        # indexed by seq & mask: the byte offset of task seq's slot, the u64 index of its result's seq word
+        self._slot_offs = [layout.slot_off(s) for s in range(self.capacity)]
+        self._result_q = [(layout.result_off(s) >> 3) + 1 for s in range(self.capacity)]
+        self.head = layout.published()
+        self._tail_seen = layout.load(OFF_TAIL)
+        nxt = layout.slot_states(self.head + 1)
+        if self.head - self._tail_seen < self.capacity and WordState.MATCH in nxt:
+            raise RingError(f"the slot of task {self.head + 1} is partly written ({[s.name for s in nxt]}): a "
+                            "producer stopped in the middle of a publish; initialise a new ring")
 
     def tail(self) -> int:
         self._tail_seen = int(self._q[self._tail_q])
@@ -264,18 +430,18 @@ class RingProducer:
         return free_slots(self.head, self.tail(), self.capacity)
 
     def try_publish(self, opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0,
-                    a5: int = 0, flags: int = 0, aux: int = 0) -> int:
-        """Publish one task; return its seq, or 0 when the ring is full (nothing written)."""
+                    a5: int = 0, aux: int = 0, flags: int = 0) -> int:
+        """Publish one task; return its seq, or 0 when the ring is full (nothing written).
+
+        The same steps as :func:`make_submit`'s fast path (which adds the lock and the consumer check)."""
+        if (a0 | a1 | a2 | a3 | a4 | a5) >> 48 or aux >> 32 or (opcode | flags) >> 16:
+            check_fields(opcode, (a0, a1, a2, a3, a4, a5), flags, aux)  # raises, naming the field
         seq = self.head + 1
-        q = self._q
-        if seq - self._tail_seen > self.capacity:
-            self._tail_seen = int(q[self._tail_q])
-            if seq - self._tail_seen > self.capacity:
-                return 0
-        sq = self._slots_q + (((seq - 1) & self._mask) << 3)
-        self._pack(self._buf, (sq << 3) + 8, opcode, flags, aux, a0, a1, a2, a3, a4, a5)  # body first
-        q[sq] = seq  # then the slot's seq
-        q[8] = seq  # then head (OFF_HEAD // 8): the release that publishes the task
+        if seq - self._tail_seen > self.capacity and seq - self.tail() > self.capacity:
+            return 0
+        t = ((seq & 0x7FFF) | 0x8000) << 48
+        _WORDS.pack_into(self._buf, self._slot_offs[seq & self._mask], opcode | flags << 16 | t, a0 | t,
+                         a1 | t, a2 | t, a3 | t, a4 | t, a5 | t, aux | t)
         self.head = seq
         return seq
 
@@ -283,17 +449,17 @@ class RingProducer:
                 on_full: Callable[[], None] | None = None) -> int:
         """Publish, waiting up to ``timeout_s`` for a free slot (``on_full`` runs while waiting, e.g. to
         restart a consumer that exited)."""
-        if len(args) > MAX_ARGS:
-            raise ConfigError(f"a descriptor holds at most {MAX_ARGS} args, got {len(args)}")
-        a = tuple(args) + (0,) * (MAX_ARGS - len(args))
-        seq = self.try_publish(opcode, a[0], a[1], a[2], a[3], a[4], a[5], flags, aux)
+        a = tuple(args)
+        check_fields(opcode, a, flags, aux)
+        a += (0,) * (MAX_ARGS - len(a))
+        seq = self.try_publish(opcode, a[0], a[1], a[2], a[3], a[4], a[5], aux, flags)
         if seq:
             return seq
         deadline = time.monotonic() + timeout_s
         while True:
             if on_full is not None:
                 on_full()
-            seq = self.try_publish(opcode, a[0], a[1], a[2], a[3], a[4], a[5], flags, aux)
+            seq = self.try_publish(opcode, a[0], a[1], a[2], a[3], a[4], a[5], aux, flags)
             if seq:
                 return seq
             if time.monotonic() > deadline:
@@ -303,17 +469,20 @@ class RingProducer:
             time.sleep(0)
 
     def completed(self, seq: int) -> bool:
-        return self.tail() >= seq
+        """Task ``seq``'s result has been written (it may have been overwritten since, by a later task)."""
+        return int(self._q[self._result_q[seq & self._mask]]) >= seq
 
     def result(self, seq: int) -> Result:
         """The result of completed task ``seq``; raises if it is not complete or its entry was reused."""
-        if self.tail() < seq:
-            raise RingError(f"task {seq} is not complete (tail {self._tail_seen})")
-        value, status, rseq = _RESULT.unpack_from(self._buf, self.layout.result_off(seq))
+        i = self._result_q[seq & self._mask]
+        rseq = int(self._q[i])
+        if rseq < seq:
+            raise RingError(f"task {seq} is not complete (tail {self.tail()}, head {self.head})")
         if rseq != seq:
             raise RingError(f"result of task {seq} was overwritten by task {rseq}: read results within "
                             f"{self.capacity} tasks of completion")
-        return Result(seq, value, status)
+        vs = int(self._q[i - 1])
+        return Result(seq, vs & 0xFFFFFFFF, vs >> 32)
 
     def request_stop(self) -> None:
         self.layout.store32(OFF_STOP, 1)
@@ -330,20 +499,145 @@ class RingProducer:
         self.layout.store32(OFF_RELEASE_COUNT, len(entries))
 
 
+# ---------------------------------------------------------------------------------------------- fast paths
+
+
+class Lock(Protocol):
+    """What :func:`make_submit` needs of a lock (``threading.Lock`` / ``RLock``)."""
+
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+class SubmitFn(Protocol):
+    """``submit(opcode, a0..a5, aux) -> seq``: what an executor's ``submit`` is."""
+
+    def __call__(self, opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0,
+                 a5: int = 0, aux: int = 0) -> int: ...
+
+
+class SlowSubmitFn(Protocol):
+    """Called by a :func:`make_submit` function when the ring was full (``seq`` 0: nothing published) or the
+    consumer's state word is not RUNNING; returns the seq of the task, published by then."""
+
+    def __call__(self, seq: int, opcode: int, a0: int, a1: int, a2: int, a3: int, a4: int, a5: int,
+                 aux: int) -> int: ...
+
+
+class WaitFn(Protocol):
+    """``wait(ticket, timeout_s) -> value``: what an executor's ``wait`` is."""
+
+    def __call__(self, ticket: int, timeout_s: float = 10.0) -> int: ...
+
+
+def make_submit(producer: RingProducer, lock: Lock, slow: SlowSubmitFn) -> SubmitFn:
+    """The executor's submit, as a closure over the ring's views (no attribute lookups on the fast path).
+
+    Fast path: validate the fields (one combined test), take ``lock``, publish with one ``pack_into`` of the 8
+    tagged words, release, and check with ONE word compare that the consumer is RUNNING. Anything else (ring
+    full by the cached tail and by the real one, consumer not running) goes to ``slow``. ``lock`` serialises
+    producers (threads): a plain ``threading.Lock`` is enough (nothing re-enters it), its bound ``acquire`` /
+    ``release`` are called directly (a ``with`` block costs more), and only the slot write is inside it.
+    Zero arguments are the tag itself (``a | t if a else t``): one integer op fewer per unused argument."""
+    p = producer
+    pack = _WORDS.pack_into
+    buf = p._buf
+    offs = p._slot_offs
+    mask = p._mask
+    cap = p.capacity
+    state = producer.layout.u32
+    acquire = lock.acquire
+    release = lock.release
+
+    def submit(opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0, a5: int = 0,
+               aux: int = 0) -> int:
+        if (a0 | a1 | a2 | a3 | a4 | a5) >> 48 or aux >> 32 or opcode >> 16:
+            check_fields(opcode, (a0, a1, a2, a3, a4, a5), 0, aux)  # raises, naming the field
+        acquire()
+        try:
+            seq = p.head + 1
+            if seq - p._tail_seen > cap and seq - p.tail() > cap:
+                seq = 0  # full
+            else:
+                t = ((seq & 0x7FFF) | 0x8000) << 48
+                pack(buf, offs[seq & mask], opcode | t if opcode else t, a0 | t if a0 else t,
+                     a1 | t if a1 else t, a2 | t if a2 else t, a3 | t if a3 else t, a4 | t if a4 else t,
+                     a5 | t if a5 else t, aux | t if aux else t)
+                p.head = seq
+        finally:
+            release()
+        if seq and state[80] == 1:
+            return seq
+        return slow(seq, opcode, a0, a1, a2, a3, a4, a5, aux)
+
+    return submit
+
+
+_SPINS = range(1024)  # result polls between calls of ``on_spin`` and clock reads
+
+
+def make_wait(producer: RingProducer, on_spin: Callable[[], None],
+              on_timeout: Callable[[int, float], NoReturn]) -> WaitFn:
+    """The executor's wait: spin on the result's seq word (host memory: a cached load per poll), then read
+    value|status as one word. Every 1024 polls ``on_spin`` runs (e.g. relaunch a consumer that exited) and the
+    clock is read; past ``timeout_s`` ``on_timeout(ticket, timeout_s)`` raises."""
+    q = producer._q
+    rq = producer._result_q
+    mask = producer._mask
+    cap = producer.capacity
+
+    def wait(ticket: int, timeout_s: float = 10.0) -> int:
+        i = rq[ticket & mask]
+        r = q[i]
+        if r != ticket:
+            deadline = 0.0
+            while r < ticket:
+                for _ in _SPINS:
+                    r = q[i]
+                    if r >= ticket:
+                        break
+                else:
+                    on_spin()
+                    now = time.monotonic()
+                    if not deadline:
+                        deadline = now + timeout_s
+                    elif now > deadline:
+                        on_timeout(ticket, timeout_s)
+            if r != ticket:
+                raise RingError(f"result of task {ticket} was overwritten by task {r}: wait within {cap} tasks "
+                                "of completion")
+        vs = q[i - 1]
+        if vs >> 32:
+            raise ExecutorError(f"task {ticket} failed on the device: {Status(vs >> 32).name}")
+        return int(vs & 0xFFFFFFFF)
+
+    return wait
+
+
+# ---------------------------------------------------------------------------------------------- consumer
+
 Handler = Callable[[Descriptor], tuple[int, int]]  # -> (value, status)
 
 
 class RingConsumer:
     """The device side in Python: the reference the CUDA executor follows, and CPU CI's stand-in for it.
 
-    ``run(handler)`` polls until stop, idle timeout or lease end, exactly as the kernel does.
+    ``run(handler)`` polls until stop, idle timeout or lease end, exactly as the kernel does. ``word_order``
+    is the order this consumer loads a slot's words in (the device loads them all at once; tests pick orders
+    that race the producer). ``partial_polls`` counts polls that saw a slot with some, not all, words of its
+    task: evidence that a test really raced a writer.
     """
 
-    def __init__(self, layout: RingLayout, image_id: int = 0) -> None:
+    def __init__(self, layout: RingLayout, image_id: int = 0, word_order: Iterable[int] = range(SLOT_WORDS)) -> None:
         layout.validate()
         self.layout = layout
         self.image_id = image_id
+        self.word_order = tuple(word_order)
+        if sorted(self.word_order) != list(range(SLOT_WORDS)):
+            raise ConfigError(f"word_order must be a permutation of 0..{SLOT_WORDS - 1}, got {self.word_order}")
         self.tail = layout.load(OFF_TAIL)
+        self.partial_polls = 0
 
     def _exit(self, state: ConsumerState) -> ConsumerState:
         lay = self.layout
@@ -357,25 +651,56 @@ class RingConsumer:
     def on_release(self, addr: int, value: int) -> None:
         """Where a device would store ``value`` to ``addr``; overridden by tests."""
 
-    def fail(self, error: int, seq: int) -> ConsumerState:
+    def fail(self, error: ConsumerError, seq: int) -> ConsumerState:
         self.layout.store(OFF_ERROR_SEQ, seq)
-        self.layout.store32(OFF_ERROR, error)
+        self.layout.store32(OFF_ERROR, int(error))
         return self._exit(ConsumerState.EXITED_ERROR)
+
+    def poll(self, batch: int = 4) -> tuple[list[Descriptor], int]:
+        """One poll: the words of the slots of tasks tail+1 .. tail+min(batch, capacity), each word loaded once
+        (in ``word_order``). Returns the whole descriptors at the front, in order, and the seq of a slot holding
+        a BAD word (0 if none)."""
+        lay = self.layout
+        q = lay.q
+        cap = lay.capacity
+        ready: list[Descriptor] = []
+        bad = 0
+        in_order = True
+        for seq in range(self.tail + 1, self.tail + 1 + min(batch, cap)):
+            base = lay.slot_off(seq) >> 3
+            words = [0] * SLOT_WORDS
+            for w in self.word_order:
+                words[w] = int(q[base + w])
+            states = [classify_word(x, seq, cap) for x in words]
+            matched = states.count(WordState.MATCH)
+            if WordState.BAD in states and not bad:
+                bad = seq
+            if 0 < matched < SLOT_WORDS:
+                self.partial_polls += 1
+            if in_order and matched == SLOT_WORDS:
+                ready.append(decode_words(words, seq))
+            else:
+                in_order = False
+        return ready, bad
 
     def run(self, handler: Handler, *, idle_timeout_s: float = 1.0, lease_s: float = 3600.0,
             clock: Callable[[], float] = time.monotonic, batch: int = 4) -> ConsumerState:
         lay = self.layout
+        q = lay.q
         lay.store32(OFF_IMAGE, self.image_id)
         lay.store(OFF_STARTS, lay.load(OFF_STARTS) + 1)
         lay.store32(OFF_STATE, int(ConsumerState.RUNNING))
         start = last = clock()
         polls = 0
         while True:
-            head = lay.load(OFF_HEAD)
-            if lay.load32(OFF_STOP):
+            stop = lay.load32(OFF_STOP)  # the device loads stop with the slot words, in the same round trip
+            ready, bad = self.poll(batch)
+            if stop:
                 return self._exit(ConsumerState.EXITED_STOP)
+            if bad:
+                return self.fail(ConsumerError.BAD_SLOT, bad)
             now = clock()
-            if head == self.tail:
+            if not ready:
                 if now - last > idle_timeout_s:
                     return self._exit(ConsumerState.EXITED_IDLE)
                 if now - start > lease_s:
@@ -385,21 +710,13 @@ class RingConsumer:
                     lay.store(OFF_HEARTBEAT, lay.load(OFF_HEARTBEAT) + 1)
                     time.sleep(0)
                 continue
-            if not 0 < head - self.tail <= lay.capacity:
-                return self.fail(2, head)
             if now - start > lease_s:
                 return self._exit(ConsumerState.EXITED_LEASE)
-            n = min(head - self.tail, batch)
-            descs = [decode_descriptor(lay.buf[lay.slot_off(s):lay.slot_off(s) + SLOT_BYTES])
-                     for s in range(self.tail + 1, self.tail + 1 + n)]
-            for d in descs:
-                expect = self.tail + 1
-                if d.seq != expect:
-                    return self.fail(1, expect)
+            for d in ready:
                 value, status = handler(d)
-                roff = lay.result_off(expect)
-                struct.pack_into("<II", lay.buf, roff, value & 0xFFFFFFFF, status)
-                lay.store(roff + 8, expect)
-                lay.store(OFF_TAIL, expect)
-                self.tail = expect
+                ri = lay.result_off(d.seq) >> 3
+                q[ri] = (value & 0xFFFFFFFF) | (status & 0xFFFFFFFF) << 32  # value | status
+                q[ri + 1] = d.seq  # then the result's seq (after the device's one release fence)
+                q[OFF_TAIL >> 3] = d.seq  # then tail
+                self.tail = d.seq
             last = clock()

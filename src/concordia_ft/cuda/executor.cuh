@@ -4,8 +4,10 @@
 // opcodes, states), plus CCR_IMAGE_ID and CCR_THREADS. Nothing here calls into another module: a hot-swap
 // hands the ring (host-mapped memory) to a newly built image of this file.
 //
-// Shared words follow ring.py: the host writes head/stop/slots, this kernel writes tail/results/heartbeat/
-// state. System-scope acquire loads and release stores only (no atomics across PCIe).
+// Shared words follow ring.py (protocol version 2): the host writes stop/slots, this kernel writes tail/results/
+// heartbeat/state. System-scope acquire loads and release fences only (no atomics across PCIe). Every descriptor
+// word carries its task's tag in bits 63..48, so the polling warp loads a whole slot (and stop) in ONE PCIe round
+// trip and runs the task only when all 8 words carry the tag it expects (ring.py explains why that is safe).
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -16,8 +18,13 @@ __device__ __forceinline__ u32 ccr_ld_acquire32(const u32* p) {
   u32 v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 __device__ __forceinline__ u64 ccr_ld_relaxed(const u64* p) {
   u64 v; asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v; }
+__device__ __forceinline__ u32 ccr_ld_relaxed32(const u32* p) {
+  u32 v; asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
 __device__ __forceinline__ void ccr_st_release(u64* p, u64 v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory"); }
+__device__ __forceinline__ void ccr_st_relaxed(u64* p, u64 v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory"); }
+__device__ __forceinline__ void ccr_fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 __device__ __forceinline__ void ccr_st_release32(u32* p, u32 v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 __device__ __forceinline__ void ccr_st_relaxed32(u32* p, u32 v) {
@@ -27,6 +34,10 @@ __device__ __forceinline__ u64 ccr_now_ns() {
 
 #define CCR_W(base, off) ((u64*)((unsigned char*)(base) + (off)))
 #define CCR_W32(base, off) ((u32*)((unsigned char*)(base) + (off)))
+#define CCR_PAYLOAD(w) ((w) & ((1ull << CCR_TAG_SHIFT) - 1))
+
+// The tag every word of task ``seq`` carries in bits 63..48 (never zero: the marker bit is set).
+__device__ __forceinline__ u32 ccr_tag(u64 seq) { return (u32)(seq & CCR_TAG_SEQ_MASK) | CCR_TAG_MARK; }
 
 // ---------------------------------------------------------------- built-in operations
 template <int OP> __device__ __forceinline__ float ccr_f(float x, float y, float alpha) {
@@ -88,11 +99,12 @@ __device__ void ccr_restore(const uint4* src, const u32* idx, uint4* dst, u64 np
 }
 
 // One descriptor, run by every thread of the calling grid (resident: one block; wide: the whole grid).
-// d: 8 words (seq, op|flags|aux, args[6]). Returns (status << 32 | value) for thread 0 of block 0 in the
-// resident case; wide callers add page counts into args[4] when it is non-zero.
+// d: the 8 tagged words (opcode|flags, a0..a5, aux; tags are ignored here). Returns (status << 32 | value) for
+// thread 0 of block 0 in the resident case; wide callers add page counts into a4 when it is non-zero.
 __device__ u64 ccr_run(const u64* d, bool resident, u32* s_count) {
-  const u32 op = (u32)(d[1] & 0xffff); const u32 aux = (u32)(d[1] >> 32);
-  const u64 a = d[2], b = d[3], out = d[4], n = d[5];
+  const u32 op = (u32)(d[0] & 0xffff); const u32 aux = (u32)d[7];
+  const u64 a = CCR_PAYLOAD(d[1]), b = CCR_PAYLOAD(d[2]), out = CCR_PAYLOAD(d[3]), n = CCR_PAYLOAD(d[4]);
+  const u64 a4 = CCR_PAYLOAD(d[5]);
   const u64 tid = blockIdx.x * (u64)blockDim.x + threadIdx.x, nthreads = (u64)gridDim.x * blockDim.x;
   const float alpha = __uint_as_float(aux);
   switch (op) {
@@ -114,7 +126,7 @@ __device__ u64 ccr_run(const u64* d, bool resident, u32* s_count) {
       if (aux == 0 || aux % 512) return (u64)CCR_STATUS_BAD_ARGS << 32;
       u32 c = ccr_page_diff((const uint4*)a, (const uint4*)b, (u32*)out, n, aux, tid >> 5, nthreads >> 5);
       if (resident) { if (c) atomicAdd(s_count, c); }
-      else if (c && d[6]) atomicAdd((u32*)d[6], c);
+      else if (c && a4) atomicAdd((u32*)a4, c);
       return 0;  // the resident caller reads *s_count after a barrier
     }
     case CCR_OP_RESTORE:
@@ -152,58 +164,82 @@ __device__ void ccr_exit(unsigned char* ring, u32 state) {
 extern "C" __global__ void CCR_EXECUTOR_BOUNDS
 concordia_executor(unsigned char* ring, u32 capacity, u64 idle_timeout_ns, u64 lease_ns, u32 poll_sleep_ns) {
   __shared__ u64 s_desc[CCR_BATCH][8];
-  __shared__ u64 s_tail;
-  __shared__ u32 s_n, s_cmd, s_count, s_status;
+  __shared__ u64 s_tail, s_error_seq;
+  __shared__ u32 s_n, s_cmd, s_count;
   const u32 tid = threadIdx.x, lane = tid & 31;
   const u64 mask = capacity - 1;
   const u64* slots = (const u64*)(ring + CCR_SLOTS_OFF);
+  const u32 nslots = capacity < CCR_BATCH ? capacity : CCR_BATCH;  // a poll never reads a slot twice
   u64 t_start = 0, t_last = 0, t_beat = 0, beats = 0;  // lane 0 of warp 0 only
   if (tid == 0) {
-    s_tail = *(volatile u64*)CCR_W(ring, CCR_OFF_TAIL);
-    beats = *(volatile u64*)CCR_W(ring, CCR_OFF_HEARTBEAT);
-    ccr_st_relaxed32(CCR_W32(ring, CCR_OFF_IMAGE), CCR_IMAGE_ID);
-    *(volatile u64*)CCR_W(ring, CCR_OFF_STARTS) = *(volatile u64*)CCR_W(ring, CCR_OFF_STARTS) + 1;
-    ccr_st_release32(CCR_W32(ring, CCR_OFF_STATE), CCR_STATE_RUNNING);
-    t_start = t_last = t_beat = ccr_now_ns();
+    s_cmd = 0;
+    const u32 magic = *(volatile u32*)CCR_W32(ring, CCR_OFF_MAGIC);
+    const u32 version = *(volatile u32*)CCR_W32(ring, CCR_OFF_VERSION);
+    const u32 cap = *(volatile u32*)CCR_W32(ring, CCR_OFF_CAPACITY);
+    if (magic != CCR_MAGIC || version != CCR_VERSION || cap != capacity) {
+      // not a ring this image speaks: report and stop (its release table is not trusted, so not stored)
+      *(volatile u64*)CCR_W(ring, CCR_OFF_ERROR_SEQ) = 0;
+      *(volatile u32*)CCR_W32(ring, CCR_OFF_ERROR) = CCR_ERR_BAD_HEADER;
+      ccr_st_release32(CCR_W32(ring, CCR_OFF_STATE), CCR_STATE_EXITED_ERROR);
+      s_cmd = CCR_STATE_EXITED_ERROR;
+    } else {
+      s_tail = *(volatile u64*)CCR_W(ring, CCR_OFF_TAIL);
+      beats = *(volatile u64*)CCR_W(ring, CCR_OFF_HEARTBEAT);
+      ccr_st_relaxed32(CCR_W32(ring, CCR_OFF_IMAGE), CCR_IMAGE_ID);
+      *(volatile u64*)CCR_W(ring, CCR_OFF_STARTS) = *(volatile u64*)CCR_W(ring, CCR_OFF_STARTS) + 1;
+      ccr_st_release32(CCR_W32(ring, CCR_OFF_STATE), CCR_STATE_RUNNING);
+      t_start = t_last = t_beat = ccr_now_ns();
+    }
   }
   __syncthreads();
+  if (s_cmd) return;
   while (true) {
-    if (tid < 32) {  // warp 0 polls: lane 0 loads head, lane 1 the stop word, in parallel
+    if (tid < 32) {  // warp 0 polls: lane l loads word l % 8 of the slot of task tail + 1 + l / 8
       const u64 tail = s_tail;
-      u32 n = 0, cmd = 0;
+      const u32 s = lane >> 3, w = lane & 7;
+      const bool mine = s < nslots;
+      const u64 seq = tail + 1 + s;
+      const u64* word = slots + ((seq - 1) & mask) * 8 + w;
+      const u32 want = ccr_tag(seq), prev = ccr_tag(seq - capacity);  // this task's tag, the previous occupant's
+      u32 n = 0, cmd = 0, bad = 0;
+      u64 v = 0;
       while (true) {
-        u64 w = 0;
-        if (lane == 0) w = ccr_ld_acquire(CCR_W(ring, CCR_OFF_HEAD));
-        else if (lane == 1) w = ccr_ld_acquire32(CCR_W32(ring, CCR_OFF_STOP));
-        const u64 head = __shfl_sync(0xffffffffu, w, 0);
-        const u64 stop = __shfl_sync(0xffffffffu, w, 1);
+        // ONE PCIe round trip per poll: lane 0 issues the relaxed load of stop first, then every lane the acquire
+        // load of its word. An acquire waits for its own load before the lane goes on, so a lane never issues
+        // two acquires (the second would start only after the first returned: two round trips).
+        u32 stop = 0;
+        if (lane == 0) stop = ccr_ld_relaxed32(CCR_W32(ring, CCR_OFF_STOP));
+        if (mine) v = ccr_ld_acquire(word);
+        const u32 tag = (u32)(v >> CCR_TAG_SHIFT);
+        // a word is this task's (tag == want), not written yet (the previous occupant's, or zero), or corrupt
+        const u32 ok = __ballot_sync(0xffffffffu, mine && tag == want);
+        const u32 badm = __ballot_sync(0xffffffffu, mine && tag != want && tag != prev && v != 0);
         if (lane == 0) {
           const u64 now = ccr_now_ns();
+          u32 k = 0;  // slots whose 8 words all match, from the first one on
+          while (k < nslots && ((ok >> (8 * k)) & 0xffu) == 0xffu) k++;
           if (stop) cmd = CCR_STATE_EXITED_STOP;
-          else if (head - tail > capacity) cmd = CCR_STATE_EXITED_ERROR;
-          else if (head != tail) n = (u32)min(head - tail, (u64)CCR_BATCH);
+          else if (badm) { cmd = CCR_STATE_EXITED_ERROR; bad = (u32)(__ffs(badm) - 1) >> 3; }
+          else if (k) n = k;
           else if (now - t_last > idle_timeout_ns) cmd = CCR_STATE_EXITED_IDLE;
           if (!cmd && now - t_start > lease_ns) cmd = CCR_STATE_EXITED_LEASE;
-          if (now - t_beat > CCR_HEARTBEAT_NS) { t_beat = now; ccr_st_release(CCR_W(ring, CCR_OFF_HEARTBEAT), ++beats); }
+          // relaxed: the heartbeat orders nothing (a release here would put a ~1 us fence into a poll)
+          if (now - t_beat > CCR_HEARTBEAT_NS) { t_beat = now; ccr_st_relaxed(CCR_W(ring, CCR_OFF_HEARTBEAT), ++beats); }
         }
         n = __shfl_sync(0xffffffffu, n, 0); cmd = __shfl_sync(0xffffffffu, cmd, 0);
         if (n || cmd) break;
         if (poll_sleep_ns) __nanosleep(poll_sleep_ns);
       }
-      __syncwarp();  // orders lane 0's acquire of head before every lane's slot loads
-      if (!cmd) {  // the warp fetches up to CCR_BATCH descriptors at once: lane l reads word l%8 of slot l/8
-        const u32 s = lane >> 3, w = lane & 7;
-        if (s < n) s_desc[s][w] = ccr_ld_relaxed(slots + ((tail + s) & mask) * 8 + w);
-      }
-      if (lane == 0) { s_n = n; s_cmd = cmd; if (cmd == CCR_STATE_EXITED_ERROR) s_status = 2; }
+      if (!cmd && s < n) s_desc[s][w] = v;  // the whole descriptors, as loaded (acquired) by this poll
+      if (lane == 0) { s_n = n; s_cmd = cmd; s_error_seq = tail + 1 + bad; }
     }
-    __syncthreads();
+    __syncthreads();  // carries warp 0's acquires to the block: the tasks' loads come after their descriptors
     const u32 n = s_n, cmd = s_cmd;
     if (cmd) {
       if (tid == 0) {
         if (cmd == CCR_STATE_EXITED_ERROR) {
-          *(volatile u64*)CCR_W(ring, CCR_OFF_ERROR_SEQ) = s_tail + 1;
-          *(volatile u32*)CCR_W32(ring, CCR_OFF_ERROR) = s_status;
+          *(volatile u64*)CCR_W(ring, CCR_OFF_ERROR_SEQ) = s_error_seq;
+          *(volatile u32*)CCR_W32(ring, CCR_OFF_ERROR) = CCR_ERR_BAD_SLOT;
         }
         ccr_exit(ring, cmd);
       }
@@ -211,27 +247,21 @@ concordia_executor(unsigned char* ring, u32 capacity, u64 idle_timeout_ns, u64 l
     }
     for (u32 s = 0; s < n; s++) {
       const u64 seq = s_tail + 1;
-      if (s_desc[s][0] != seq) {  // torn or stale slot: never run it
-        if (tid == 0) {
-          *(volatile u64*)CCR_W(ring, CCR_OFF_ERROR_SEQ) = seq;
-          *(volatile u32*)CCR_W32(ring, CCR_OFF_ERROR) = 1;
-          ccr_exit(ring, CCR_STATE_EXITED_ERROR);
-        }
-        return;
-      }
       if (tid == 0) s_count = 0;
       __syncthreads();
       u64 r = ccr_run(s_desc[s], true, &s_count);
-      __syncthreads();  // every thread's writes happen before thread 0's release below
+      __syncthreads();  // every thread's writes happen before thread 0's fence below
       if (tid == 0) {
-        const u32 op = (u32)(s_desc[s][1] & 0xffff);
+        const u32 op = (u32)(s_desc[s][0] & 0xffff);
         if (op == CCR_OP_PAGE_DIFF && (r >> 32) == 0) r = s_count;
         u64* res = (u64*)(ring + CCR_SLOTS_OFF + (u64)capacity * CCR_SLOT_BYTES + ((seq - 1) & mask) * CCR_RESULT_BYTES);
-        // one system-scope release per task: the barrier above puts every thread's writes before it, and it
-        // orders the result words before tail (each extra fence.sys costs about a microsecond)
-        *(volatile u64*)res = r;  // value u32 | status u32
-        *(volatile u64*)(res + 1) = seq;
-        ccr_st_release(CCR_W(ring, CCR_OFF_TAIL), seq);
+        // value|status, ONE system-scope fence per task (each costs about a microsecond over PCIe), then the
+        // result's seq and tail: the fence orders the task's writes and the value before both, so the host may
+        // spin on either; tail also follows this task's slot loads (the producer may then reuse the slot)
+        *(volatile u64*)res = r;
+        ccr_fence_acq_rel_sys();
+        ccr_st_relaxed(res + 1, seq);
+        ccr_st_relaxed(CCR_W(ring, CCR_OFF_TAIL), seq);
         s_tail = seq;
       }
       __syncthreads();
@@ -249,13 +279,21 @@ extern "C" __global__ void concordia_exec_wide(u64 w0, u64 w1, u64 w2, u64 w3, u
   ccr_run(d, false, &s_count);
 }
 
-// ``ran`` (device-written, one word per slot) records (seq << 16 | opcode) of what this instance read, so
-// the host can tell a task it fired from an instance an executor exit released with the pending NOP.
+// ``ran`` (device-written, one word per slot) records word 0 (tag | flags | opcode) of what this instance ran,
+// so the host can tell a task it fired from an instance an executor exit released early. A pending instance's
+// slot holds word 0 = tag | NOP and zero words 1..7; the instance runs its descriptor only when words 1..7 carry
+// word 0's tag. An instance released while the host was still writing (its stream-ordered copy caught half of
+// the words) therefore runs a NOP and records opcode NOP, and the host fires the task again: never half of it.
 extern "C" __global__ void concordia_exec_wide_at(const u64* desc, u64* ran) {
   __shared__ u64 s_d[8];
   __shared__ u32 s_count;
   if (threadIdx.x < 8) s_d[threadIdx.x] = ccr_ld_relaxed(desc + threadIdx.x);
   __syncthreads();
-  if (blockIdx.x == 0 && threadIdx.x == 0 && ran) *(volatile u64*)ran = (s_d[0] << 16) | (s_d[1] & 0xffff);
-  ccr_run(s_d, false, &s_count);
+  const u64 tag = s_d[0] >> CCR_TAG_SHIFT;
+  bool whole = true;
+#pragma unroll
+  for (int i = 1; i < 8; i++) whole = whole && (s_d[i] >> CCR_TAG_SHIFT) == tag;
+  const u64 w0 = whole ? s_d[0] : (s_d[0] & ~0xffffull);  // incomplete: NOP, same tag
+  if (blockIdx.x == 0 && threadIdx.x == 0 && ran) *(volatile u64*)ran = w0;
+  if (whole) ccr_run(s_d, false, &s_count);
 }

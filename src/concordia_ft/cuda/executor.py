@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import math
+import struct
 import threading
 import time
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 from ..core import ring as R
 from ..core.regions import RegionKind
@@ -51,15 +52,18 @@ def render_executor_source(image_id: int = 1, threads: int = RESIDENT_THREADS,
     d: dict[str, int] = {"CCR_IMAGE_ID": image_id, "CCR_THREADS": threads, "CCR_BATCH": BATCH,
                          "CCR_HEARTBEAT_NS": HEARTBEAT_NS, "CCR_SLOTS_OFF": R.CTRL_BYTES,
                          "CCR_SLOT_BYTES": R.SLOT_BYTES, "CCR_RESULT_BYTES": R.RESULT_BYTES,
-                         "CCR_MAX_RELEASES": R.MAX_RELEASES, "CCR_MAX_REGS": max_regs}
-    for name in ("HEAD", "STOP", "TAIL", "HEARTBEAT", "STATE", "IMAGE", "ERROR", "ERROR_SEQ", "STARTS",
-                 "RELEASE_COUNT", "RELEASES"):
+                         "CCR_MAX_RELEASES": R.MAX_RELEASES, "CCR_MAX_REGS": max_regs,
+                         "CCR_MAGIC": R.MAGIC, "CCR_VERSION": R.VERSION, "CCR_TAG_SHIFT": R.TAG_SHIFT,
+                         "CCR_TAG_MARK": R.TAG_MARK, "CCR_TAG_SEQ_MASK": R.TAG_SEQ_MASK}
+    for name in ("MAGIC", "VERSION", "CAPACITY", "STOP", "TAIL", "HEARTBEAT", "STATE", "IMAGE", "ERROR",
+                 "ERROR_SEQ", "STARTS", "RELEASE_COUNT", "RELEASES"):
         d[f"CCR_OFF_{name}"] = getattr(R, f"OFF_{name}")
     d.update({f"CCR_OP_{op.name}": int(op) for op in R.Opcode})
     d.update({f"CCR_STATE_{s.name}": int(s) for s in R.ConsumerState})
     d.update({f"CCR_STATUS_{s.name}": int(s) for s in R.Status})
-    header = "\n".join(f"#define {k} {v}u" if k.startswith("CCR_OFF") else f"#define {k} {v}"
-                       for k, v in d.items())
+    d.update({f"CCR_ERR_{e.name}": int(e) for e in R.ConsumerError})
+    header = "\n".join(f"#define {k} {v}u" if k.startswith(("CCR_OFF", "CCR_MAGIC", "CCR_TAG")) else
+                       f"#define {k} {v}" for k, v in d.items())
     body = resources.files(__package__).joinpath("executor.cuh").read_text()
     return f"// rendered by concordia_ft.cuda.executor (image {image_id})\n{header}\n\n{body}"
 
@@ -163,9 +167,20 @@ class ExecutorOptions:
 
 
 class ResidentExecutor:
-    """One resident block consuming the ring. Thread-safe submit/wait (one lock around the producer)."""
+    """One resident block consuming the ring. Thread-safe submit/wait.
+
+    ``submit`` and ``wait`` are the ring's fast paths (:func:`core.ring.make_submit` / ``make_wait``:
+    closures over the mapped ring, one ``pack_into`` per task, one word compare to see that the block runs);
+    they fall back to :meth:`_submit_slow` / :meth:`_ensure_running` only when the ring is full or the block is
+    not RUNNING. Producers serialise on a plain ``threading.Lock`` (held only around the slot write; nothing
+    re-enters it, and it measured ~4% cheaper per NOP submit than an RLock: 0.89 vs 0.92 us on the 2-core
+    CPU VM); lifecycle changes (launch, suspend, swap, the exit-release table) serialise on a separate
+    re-entrant lock, which the fast path never takes.
+    """
 
     kind = "resident"
+    submit: R.SubmitFn
+    wait: R.WaitFn
 
     def __init__(self, options: ExecutorOptions | None = None, *, image: ExecutorImage | None = None,
                  device: int | None = None, start: bool = True) -> None:
@@ -174,7 +189,8 @@ class ResidentExecutor:
         self.options = o = options or ExecutorOptions()
         R.check_capacity(o.capacity)
         self.device = driver.ensure_context(device)
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # lifecycle
+        self._submit_lock = threading.Lock()  # producers (see the class docstring)
         self._launched = False
         self._suspended = False
         self._closed = False
@@ -188,6 +204,8 @@ class ResidentExecutor:
             self._q = self.layout.q
             self._u32 = self.layout.u32
             self.producer = R.RingProducer(self.layout)
+            self.submit = R.make_submit(self.producer, self._submit_lock, self._submit_slow)
+            self.wait = R.make_wait(self.producer, self._ensure_running, self._wait_timeout)
             self.stream = driver.Stream.create(non_blocking=True, device=self.device)
             self._scratch = PinnedBuffer(4096)
             self._scratch.view()[:] = bytes(4096)
@@ -247,11 +265,20 @@ class ResidentExecutor:
         self.launches += 1
 
     def _check_error(self) -> None:
-        if self.state == R.ConsumerState.EXITED_ERROR:
+        if self.state != R.ConsumerState.EXITED_ERROR:
+            return
+        code = self.layout.load32(R.OFF_ERROR)
+        where = f"(head {self.producer.head}, tail {self.tail})"
+        if code == R.ConsumerError.BAD_HEADER:
             raise ExecutorError(
-                f"executor stopped on a protocol error {self.layout.load32(R.OFF_ERROR)} at task "
-                f"{self.layout.load(R.OFF_ERROR_SEQ)} (head {self.producer.head}, tail {self.tail}); the ring "
-                "was written by more than one producer or corrupted: close this executor and make a new one")
+                f"executor image v{self.image.image_id} refused the ring: its header is not a protocol-version "
+                f"{R.VERSION} ring of capacity {self.options.capacity} {where}; the image and the ring come from "
+                "different builds of concordia_ft: close this executor and make a new one")
+        name = R.ConsumerError(code).name if code in R.ConsumerError._value2member_map_ else str(code)
+        raise ExecutorError(
+            f"executor stopped on protocol error {name} at task {self.layout.load(R.OFF_ERROR_SEQ)} {where}: a "
+            "descriptor word carried a tag of neither that task nor its slot's previous occupant; the ring was "
+            "written by more than one producer or corrupted: close this executor and make a new one")
 
     def _ensure_running(self) -> None:
         with self._lock:
@@ -306,44 +333,30 @@ class ResidentExecutor:
             old.close()
         return new
 
-    # -- tasks
-    def submit(self, opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0,
-               a5: int = 0, aux: int = 0) -> int:
-        with self._lock:
-            seq = self.producer.try_publish(opcode, a0, a1, a2, a3, a4, a5, 0, aux)
-            if seq and self._launched and self._u32[R.OFF_STATE >> 2] == R.ConsumerState.RUNNING:
-                return seq
-        if not seq:
-            deadline = time.monotonic() + 10.0
-            while not seq:
-                self._ensure_running()
-                with self._lock:
-                    seq = self.producer.try_publish(opcode, a0, a1, a2, a3, a4, a5, 0, aux)
-                if not seq and time.monotonic() > deadline:
+    # -- tasks (``submit`` and ``wait`` are set in __init__: the ring's fast paths)
+    def _submit_slow(self, seq: int, opcode: int, a0: int, a1: int, a2: int, a3: int, a4: int, a5: int,
+                     aux: int) -> int:
+        """The ring was full (``seq`` 0: nothing published yet) or the block is not RUNNING: (re)launch it,
+        publish when a slot frees up."""
+        if self._closed:
+            raise ExecutorError(f"submit on a closed executor (task {seq or 'not published'}): make a new one")
+        deadline = time.monotonic() + 10.0
+        while not seq:
+            self._ensure_running()
+            with self._submit_lock:
+                seq = self.producer.try_publish(opcode, a0, a1, a2, a3, a4, a5, aux)
+            if not seq:
+                if time.monotonic() > deadline:
                     raise RingFullError(f"ring full for 10 s (head {self.producer.head}, tail {self.tail}, "
-                                          f"state {self.state.name}, suspended {self._suspended})")
+                                        f"state {self.state.name}, suspended {self._suspended})")
+                time.sleep(0)
         self._ensure_running()
         return seq
 
-    def wait(self, ticket: int, timeout_s: float = 10.0) -> int:
-        q = self._q
-        ti = R.OFF_TAIL >> 3
-        if q[ti] < ticket:
-            deadline = time.monotonic() + timeout_s
-            spins = 0
-            while q[ti] < ticket:
-                spins += 1
-                if spins & 1023 == 0:
-                    self._ensure_running()
-                    if time.monotonic() > deadline:
-                        self._check_error()
-                        raise ExecutorTimeout(
-                            f"task {ticket} not done after {timeout_s}s: tail {self.tail}, head "
-                            f"{self.producer.head}, state {self.state.name}, suspended {self._suspended}")
-        r = self.producer.result(ticket)
-        if r.status:
-            raise ExecutorError(f"task {ticket} failed on the device: {R.Status(r.status).name}")
-        return r.value
+    def _wait_timeout(self, ticket: int, timeout_s: float) -> NoReturn:
+        self._check_error()
+        raise ExecutorTimeout(f"task {ticket} not done after {timeout_s}s: tail {self.tail}, head "
+                              f"{self.producer.head}, state {self.state.name}, suspended {self._suspended}")
 
     def set_release(self, key: int, flag_addr: int | None, value: int = 0) -> None:
         """Entry ``key`` of the exit-release table (None removes it): stored by the block when it exits."""
@@ -357,14 +370,25 @@ class ResidentExecutor:
 
 # ---------------------------------------------------------------------------------------------- armed
 
+_DESC = struct.Struct("8Q")  # native: one 8-byte store per word, like the ring's
+
+
+@dataclass(frozen=True)
+class _Task:
+    opcode: int
+    args: tuple[int, ...]
+    aux: int
+
 
 class ArmedChannel:
     """Pre-armed full-width launches: ``depth`` instances of (wait flag >= k -> wide dispatcher reading
     descriptor slot k -> write done = k) wait on a non-blocking stream. ``fire`` writes the descriptor and
     releases one instance: by a host store, or (``fired_by``) by the resident executor's TRIGGER task.
 
-    A pending instance holds a NOP descriptor, so cancelling (``suspend``: release every pending instance)
-    runs nothing. Flag values count up and compare cyclically (int32): never released with 0xffffffff.
+    A pending instance holds a NOP (word 0 tagged NOP, words 1..7 zero), so cancelling (``suspend``: release
+    every pending instance) runs nothing, and an instance released while ``fire`` was still writing its
+    descriptor runs nothing either (it runs only a descriptor whose 8 words carry one tag) and is fired again by
+    ``wait``. Flag values count up and compare cyclically (int32): never released with 0xffffffff.
     """
 
     kind = "armed"
@@ -384,9 +408,10 @@ class ArmedChannel:
         # slots @128 (host), ran words after them (device): one per slot
         self._ran_off = 128 + 64 * self.nslots
         self.mem = PinnedBuffer(self._ran_off + 8 * self.nslots)
-        self.mem.view()[:] = bytes(self.mem.nbytes)
-        self.u32 = self.mem.view().cast("I")
-        self.q = self.mem.view().cast("Q")
+        self._view = self.mem.view()
+        self._view[:] = bytes(self.mem.nbytes)
+        self.u32 = self._view.cast("I")
+        self.q = self._view.cast("Q")
         self.flag_ptr = self.mem.device_ptr
         self.done_ptr = self.mem.device_ptr + 64
         self.stream = driver.Stream.create(non_blocking=True, device=image.device)
@@ -396,7 +421,7 @@ class ArmedChannel:
         self._slot_args = [driver.KernelArgs([(ctypes.c_uint64, self.dev_desc.ptr + 64 * i),
                                               (ctypes.c_uint64, self.mem.device_ptr + self._ran_off + 8 * i)])
                            for i in range(self.nslots)]
-        self._bodies: dict[int, bytes] = {}  # fired, not yet confirmed: ticket -> descriptor body
+        self._fired_tasks: dict[int, _Task] = {}  # fired, not yet confirmed: ticket -> task
         self.refires = 0
         self.armed = 0
         self.fired = 0
@@ -417,10 +442,8 @@ class ArmedChannel:
         old = k - self.nslots  # the instance that used this slot must have finished with it
         if old > 0:
             self._wait_done(old, 10.0)
-        sq = self._slot_q(k)
-        for i in range(1, 8):
-            self.q[sq + i] = 0  # NOP body
-        self.q[sq] = k
+        # the pending NOP: word 0 tagged, words 1..7 zero, so a half-written fire never runs (see wide_at)
+        _DESC.pack_into(self._view, self._slot_q(k) << 3, R.encode_words(k, R.Opcode.NOP)[0], 0, 0, 0, 0, 0, 0, 0)
         _stream_wait(self.stream, self.flag_ptr, k)
         slot = k % self.nslots
         driver.memcpy_htod_async(self.dev_desc.ptr + 64 * slot, self.mem.host_ptr + 128 + 64 * slot, 64, self.stream)
@@ -438,9 +461,11 @@ class ArmedChannel:
     def fire(self, opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0,
              a5: int = 0, aux: int = 0) -> int:
         """Release the next armed instance with this task; returns its ticket (wait with ``wait``)."""
-        return self._fire(R.encode_body(opcode, (a0, a1, a2, a3, a4, a5), 0, aux))
+        task = _Task(opcode, (a0, a1, a2, a3, a4, a5), aux)
+        R.check_fields(opcode, task.args, 0, aux)  # before anything is armed or written
+        return self._fire(task)
 
-    def _fire(self, body: bytes) -> int:
+    def _fire(self, task: _Task) -> int:
         with self._lock:
             self._suspended = False
             if self.fired_by is not None and self.armed != self.fired and cyclic_reached(int(self.u32[0]), self.fired + 1):
@@ -448,11 +473,10 @@ class ArmedChannel:
             if self.armed == self.fired:
                 self._arm()
             k = self.fired + 1
-            sq = self._slot_q(k)
-            self.mem.view()[(sq << 3) + 8:(sq << 3) + 64] = body
-            self._bodies[k] = body
-            if len(self._bodies) > 4 * self.nslots + 64:  # fired and never waited for: forget the oldest
-                self._bodies.pop(next(iter(self._bodies)))
+            _DESC.pack_into(self._view, self._slot_q(k) << 3, *R.encode_words(k, task.opcode, task.args, 0, task.aux))
+            self._fired_tasks[k] = task
+            if len(self._fired_tasks) > 4 * self.nslots + 64:  # fired and never waited for: forget the oldest
+                self._fired_tasks.pop(next(iter(self._fired_tasks)))
             if self.fired_by is None:
                 self.u32[0] = k & _U32  # the host store that starts the full-width launch
             else:
@@ -489,13 +513,14 @@ class ArmedChannel:
         deadline = time.monotonic() + timeout_s
         while True:
             self._wait_done(ticket, max(0.0, deadline - time.monotonic()))
-            body = self._bodies.pop(ticket, None)
-            ran = int(self.q[(self._ran_off >> 3) + ticket % self.nslots])
-            # ran names a later ticket when the slot was reused before this wait: nothing left to check
-            if body is None or (ran >> 16) != ticket or (ran & 0xFFFF) == int.from_bytes(body[:2], "little"):
+            task = self._fired_tasks.pop(ticket, None)
+            ran = int(self.q[(self._ran_off >> 3) + ticket % self.nslots])  # word 0 the instance read
+            # ran carries another tag when the slot was reused by a later ticket before this wait: nothing
+            # left to check (tickets 2**15 apart share a tag, but such an old ticket's task was forgotten)
+            if task is None or (ran >> R.TAG_SHIFT) != R.tag_of(ticket) or (ran & 0xFFFF) == task.opcode:
                 return 0
             self.refires += 1
-            ticket = self._fire(body)
+            ticket = self._fire(task)
 
     def suspend(self) -> None:
         """Release every pending instance (they run NOP) and wait for the stream: nothing waits on a flag."""
@@ -542,8 +567,8 @@ class LaunchExecutor:
 
     def submit(self, opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0,
                a5: int = 0, aux: int = 0) -> int:
+        words = R.encode_words(self.tickets + 1, opcode, (a0, a1, a2, a3, a4, a5), 0, aux)  # validates
         self.tickets += 1
-        words = (self.tickets, opcode | (aux << 32), a0, a1, a2, a3, a4, a5)
         for i, w in enumerate(words):
             self._args.set(i, w)
         grid = min(self.max_grid, wide_grid(self.sms, opcode, a3, DEFAULT_THREADS))
