@@ -3,7 +3,7 @@ outcome, and for damage the same error (file, offset, reason), the earliest dama
 damaged bytes sit in a chunk of a large payload that a worker thread checksums.
 
 Also: CRC32C combination (what makes one huge payload checkable in parallel), the deferred copy pass and
-its allocators.
+its allocators, and the Runtime restoring from the replay it verified when it opened the log.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from concordia_ft.core import format as F
 from concordia_ft.core.checksums import ChecksumItem, crc32c_combine, crc32c_shift, first_mismatch
 from concordia_ft.core.epochs import decode_epoch
 from concordia_ft.core.replay import Outcome, ReplayOptions, replay
-from concordia_ft.errors import ConfigError, LogCorruptError, LogError
+from concordia_ft.errors import ConfigError, LogCorruptError, LogError, RecoveryError
 
 SERIAL = ReplayOptions(threads=1)
 # every segment and copy goes to 3 threads, and payloads are cut into 64 KiB pieces
@@ -340,3 +340,63 @@ def test_an_allocator_that_returns_unusable_memory_is_refused(shm_dir: Path, bad
 
     with pytest.raises(ConfigError, match="allocator for region 'dense'"):
         replay(log, allocs={"dense": alloc})
+
+
+# --------------------------------------------------------------------------------------------- runtime
+def test_recover_into_restores_from_the_replay_verified_at_open(shm_dir: Path) -> None:
+    """No second replay: with the segment file gone after the open, the restore still has every byte (the
+    open-time replay holds the mapped file), where a fresh replay would find the segment missing."""
+    log = shm_dir / "log"
+    build_random_log(log, 18)
+    ref = replay(log)
+    bufs = {n: np.zeros(sp.nbytes, dtype=np.uint8) for n, sp in ref.specs.items()}
+    with cft.Runtime(log, fsync="never", recovery={"threads": 2}) as rt:
+        for n, b in bufs.items():
+            rt.register(n, b, "dense")
+        _segment(log).unlink()
+        with pytest.raises(LogCorruptError, match="missing"):
+            replay(log)
+        rec = rt.recover_into(keep_images=False)
+        assert rec.epoch == ref.epoch and rec.images == {}
+        assert rec.timings.verify_s > 0 and rec.timings.copy_bytes > 0 and rec.restore_s > 0
+    for n, b in bufs.items():
+        assert b.tobytes() == ref.regions[n].data.tobytes(), n
+
+
+def test_recover_into_after_the_writer_cut_a_torn_tail(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    want = build_random_log(log, 19, n_epochs=4)
+    seg = _segment(log)
+    spans = _spans(seg)
+    os.truncate(seg, spans[-1][1] - 100)  # epoch 4 torn
+    ref = replay(log)
+    assert ref.outcome is Outcome.TORN_TAIL
+    bufs = {n: np.zeros(sp.nbytes, dtype=np.uint8) for n, sp in ref.specs.items()}
+    with cft.Runtime(log, fsync="never") as rt:
+        assert rt.open_report.cut_bytes > 0 and seg.stat().st_size == spans[-1][0]  # cut below the mapping's end
+        for n, b in bufs.items():
+            rt.register(n, b, "dense")
+        rec = rt.recover_into()
+        assert rec.epoch == 3
+    assert {n: hashlib.sha256(b.tobytes()).hexdigest() for n, b in bufs.items()} == want[3]
+
+
+def test_recover_into_after_a_checkpoint_replays_afresh(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    build_random_log(log, 20, n_epochs=2)
+    with cft.Runtime(log, fsync="never") as rt:
+        a = np.arange(1000, dtype=np.int64)
+        rt.register("new", a, "dense")
+        assert rt.checkpoint() == 3  # the open-time replay (epoch 2) is stale now
+        a[:] = -1
+        rec = rt.recover_into()
+        assert rec.epoch == 3 and (a == np.arange(1000)).all()
+        b = np.zeros(1000, dtype=np.int64)
+        assert rt.recover_into({"dense": np.zeros(5 * PAGE + 123, np.uint8)}).epoch == 3  # and again
+        with pytest.raises(RecoveryError, match="not in the log"):
+            rt.recover_into({"nope": b})
+
+
+def test_recovery_options_are_checked(shm_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown recovery option"):
+        cft.Runtime(shm_dir / "log", recovery={"pinnned": False})
