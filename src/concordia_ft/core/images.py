@@ -127,8 +127,11 @@ def materialize_images(specs: Mapping[str, RegionSpec], born: Mapping[str, int],
     elif pool is not None:
         list(pool.map(_run_jobs, [jobs[i::workers] for i in range(workers)]))
     else:
-        with ThreadPoolExecutor(workers, thread_name_prefix="concordia-replay") as own:
+        own = ThreadPoolExecutor(workers, thread_name_prefix="concordia-replay")
+        try:
             list(own.map(_run_jobs, [jobs[i::workers] for i in range(workers)]))
+        finally:
+            own.shutdown(wait=False)  # idle once the copies are back: nothing needs to wait for them to exit
     return images, copy_bytes
 
 
