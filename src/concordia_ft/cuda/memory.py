@@ -95,6 +95,14 @@ def pinned_host_array(nbytes: int) -> npt.NDArray[np.uint8]:
     return out
 
 
+def reserve_pinned(nbytes: int) -> None:
+    """Page-lock ``nbytes`` now and leave them in torch's pinned cache, so that the first recovery of a region
+    up to that size pins nothing (a serving process calls this at startup with its KV capacity, beside
+    loading and warming its model). Raises RuntimeError when the memory cannot be pinned."""
+    del_me = pinned_tensor(nbytes)
+    del del_me
+
+
 def pinned_tensor(nbytes: int) -> Any:
     """A torch uint8 CPU tensor in pinned memory (torch's pinned allocator; also device-mapped under UVA)."""
     import torch
