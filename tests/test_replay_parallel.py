@@ -400,3 +400,45 @@ def test_recover_into_after_a_checkpoint_replays_afresh(shm_dir: Path) -> None:
 def test_recovery_options_are_checked(shm_dir: Path) -> None:
     with pytest.raises(ConfigError, match="unknown recovery option"):
         cft.Runtime(shm_dir / "log", recovery={"pinnned": False})
+
+
+def test_host_regions_are_replayed_in_place_when_no_image_is_kept(shm_dir: Path) -> None:
+    import tracemalloc
+
+    rng = np.random.default_rng(21)
+    dense = rng.integers(0, 256, 2048 * PAGE, dtype=np.uint8)  # 8 MiB, whole pages
+    kv = rng.integers(0, 256, 256 * 4 * PAGE, dtype=np.uint8)  # 4 MiB
+    flags = np.ones(256, dtype=np.uint8)
+    hashed = rng.integers(0, 256, 64 * PAGE, dtype=np.uint8)
+    shadow = rng.integers(0, 256, 3 * PAGE + 17, dtype=np.uint8)  # partial last page: gets its own image
+
+    def register(rt: cft.Runtime, bufs: dict[str, np.ndarray], fl: np.ndarray) -> None:
+        rt.register("dense", bufs["dense"], "dense")
+        rt.register("kv", bufs["kv"], "paged", block_bytes=4 * PAGE, dirty_blocks=fl)
+        rt.register("hashed", bufs["hashed"], "opaque", diff="hash")
+        rt.register("shadow", bufs["shadow"], "opaque", diff="shadow")
+
+    want = {"dense": dense, "kv": kv, "hashed": hashed, "shadow": shadow}
+    with cft.Runtime(shm_dir / "log", fsync="never") as rt:
+        register(rt, want, flags)
+        rt.checkpoint()
+        for a in want.values():
+            a[rng.integers(0, a.size, 50)] ^= 0x33
+        flags[:] = 1
+        rt.checkpoint()
+    for keep in (True, False):
+        got = {n: np.full_like(a, 0x5A) for n, a in want.items()}
+        with cft.Runtime(shm_dir / "log", fsync="never") as rt:
+            register(rt, got, np.zeros(256, dtype=np.uint8))
+            tracemalloc.start()
+            rec = rt.recover_into(keep_images=keep)
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            for n in want:
+                assert np.array_equal(got[n], want[n]), n
+            if keep:  # an image of every region, besides the buffers
+                assert peak > 12 << 20 and set(rec.images) == set(want)
+            else:  # written in place: no image of the 12 MiB of whole-page regions was allocated
+                assert peak < 2 << 20 and rec.images == {}
+            rt.checkpoint()  # the restored bytes are the baseline: only the dense region is logged again
+            assert rt.last_stats.region_pages == {"dense": 2048}

@@ -374,7 +374,8 @@ class Runtime:
             try:
                 _check_epoch(res)
                 names = self._restore_names(res.specs, targets)
-                res.materialize({n: a for n in names if (a := self._image_alloc(n)) is not None})
+                direct = not keep_images
+                res.materialize({n: a for n in names if (a := self._image_alloc(n, direct)) is not None})
             finally:
                 res.close()
             rec = _recovered(res, t0)
@@ -407,14 +408,21 @@ class Runtime:
                     "register a buffer of the logged size")
         return names
 
-    def _image_alloc(self, name: str) -> Callable[[int], Any] | None:
-        """Page-locked host memory for a region that is restored to a GPU (None: zeroed numpy memory)."""
-        if not self.recovery.pinned or name not in self._trackers:
+    def _image_alloc(self, name: str, direct: bool) -> Callable[[int], Any] | None:
+        """Where the replay writes a region restored into a registered buffer: page-locked host memory for a
+        GPU buffer; with ``direct`` (no image is handed back), a host buffer's own bytes when the region is a
+        whole number of pages, so the replay writes them in place and the restore has nothing to copy.
+        None: zeroed numpy memory."""
+        if name not in self._trackers:
             return None
         buf = self._buffers.get(name)
-        if not (_is_torch(buf) and buf.is_cuda):
+        if _is_torch(buf) and buf.is_cuda:
+            return _pinned_or_pageable if self.recovery.pinned else None
+        tracker = self._trackers[name]
+        if not direct or not isinstance(tracker, CpuTracker) or tracker.spec.nbytes % tracker.spec.page_bytes:
             return None
-        return _pinned_or_pageable
+        target = tracker.buf
+        return lambda nbytes: target if nbytes == target.nbytes else np.empty(nbytes, dtype=np.uint8)
 
     def _restore_one(self, name: str, img: RegionImage, targets: Mapping[str, Any] | None) -> None:
         if targets is not None and name not in self._trackers:

@@ -166,8 +166,9 @@ class Session:
         if _recovering is not None:
             max_cache_len, block_bytes = int(_recovering["max_cache_len"]), int(_recovering["block_bytes"])
             self.kv_dtype = parse_dtype(_recovering["kv_dtype"])
+        # recovering: recover_into overwrites every byte of the arena, so it is not zeroed first
         self.cache = ArenaKVCache(model.config, max_cache_len, dtype=self.kv_dtype, device=self.device,
-                                  block_bytes=block_bytes)
+                                  block_bytes=block_bytes, zeroed=_recovering is None)
         self.max_cache_len = max_cache_len
         self.tokens = np.zeros(-(-(max_cache_len + 1) * 8 // TOKEN_BLOCK_BYTES) * TOKEN_BLOCK_BYTES // 8, np.int64)
         self.tokens_dirty = np.zeros(self.tokens.nbytes // TOKEN_BLOCK_BYTES, np.uint8)
