@@ -130,3 +130,22 @@ def test_recover_refuses_a_log_that_no_session_wrote(tmp_path):
     with pytest.raises(RecoveryError, match="no concordia_ft.Session metadata"):
         Session.recover(tmp_path / "log", tiny_model("llama"))
     assert cft.recover(tmp_path / "log").epoch == 1  # the refused recovery left the log as it was
+
+
+def test_the_first_epoch_after_recovery_is_a_delta_and_no_host_copy_is_kept(tmp_path):
+    model = tiny_model("qwen3")
+    with Session(model, tmp_path / "log", max_cache_len=64) as s:
+        s.generate(prompt_ids(12), max_new_tokens=5, eos_token_ids=())
+        n_tokens, arena = s.n_tokens, s.cache.arena.clone()
+    rec = Session.recover(tmp_path / "log", model)
+    try:
+        assert rec.n_tokens == n_tokens and torch.equal(rec.cache.arena, arena)
+        assert rec.recovered.images == {}  # restored into the arena and token buffers: no second copy held
+        rec.generate(rec.ids, max_new_tokens=1, eos_token_ids=())  # the same sequence: reuses the cache
+        # restored bytes are the baseline: one row of KV (its blocks), the token block and the sampler
+        # state, not the whole arena that recovery wrote
+        st = rec.runtime.last_stats
+        kv_pages = -(-rec.cache.geometry.nbytes // 4096)
+        assert kv_pages >= 8 and 1 <= st.region_pages["kv"] <= 2 and st.region_pages["tokens"] == 1, st
+    finally:
+        rec.close()

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,10 +37,10 @@ from .core.compaction import CompactionResult, compact_with_writer
 from .core.format import encode_json
 from .core.log import LogOptions, OpenReport, RecoveryLog
 from .core.regions import DiffMode, MemoryRange, RegionKind, RegionSpec, RegionTable, check_page_bytes
-from .core.replay import Outcome, RegionImage, ReplayResult, TailInfo, replay
+from .core.replay import Outcome, RegionImage, ReplayOptions, ReplayResult, ReplayTimings, TailInfo, replay
 from .core.tracking import RegionDelta, StagedDelta, Tracker
 from .cpu.trackers import CpuTracker
-from .errors import CheckpointError, ConfigError, RecoveryError, RegionError
+from .errors import CheckpointError, ConcordiaError, ConfigError, RecoveryError, RegionError
 
 log = logging.getLogger("concordia_ft.runtime")
 
@@ -84,10 +84,49 @@ def _any_nonzero(buf: Any) -> bool:
     return bool(buf.reshape(-1).view(np.uint8).any())
 
 
+def _pinned_or_pageable(nbytes: int) -> Any:
+    """Page-locked host memory for a GPU region's image; pageable memory (slower DMA) when pinning fails."""
+    from .cuda.memory import pinned_host_array
+
+    try:
+        return pinned_host_array(nbytes)
+    except (RuntimeError, ConcordiaError) as e:
+        log.warning("could not pin %d bytes of host memory for recovery (%s); restoring from pageable memory, "
+                    "which copies to the GPU several times slower", nbytes, e)
+        return np.empty(nbytes, dtype=np.uint8)
+
+
 def _bitmap(buf: Any) -> Any:
     if buf is None or not _is_torch(buf) or buf.is_cuda:
         return buf
     return buf.numpy()
+
+
+# ----------------------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class RecoveryOptions:
+    """How replay and restore use the machine. What is recovered, and every check on the way, is the same
+    under every option: these trade only time (benchmarks compare them in one run)."""
+
+    threads: int | None = None  # replay's checksum and copy threads (None: automatic, 1: the calling thread)
+    parallel_verify: bool = True  # False: payload checksums one after another on one thread
+    pinned: bool = True  # GPU regions: replay into page-locked host memory, restored with one DMA per region
+
+    @classmethod
+    def coerce(cls, value: RecoveryOptions | Mapping[str, Any] | None) -> RecoveryOptions:
+        if value is None:
+            return cls()
+        if isinstance(value, RecoveryOptions):
+            return value
+        if isinstance(value, Mapping):
+            try:
+                return cls(**value)
+            except TypeError as e:
+                raise ConfigError(f"unknown recovery option: {e}") from None
+        raise ConfigError(f"recovery options must be RecoveryOptions or a dict, got {type(value).__name__}")
+
+    def replay_options(self) -> ReplayOptions:
+        return ReplayOptions(threads=self.threads, parallel_verify=self.parallel_verify)
 
 
 # ----------------------------------------------------------------------------------------- results
@@ -123,6 +162,8 @@ class Recovered:
     images: dict[str, RegionImage]
     tail: TailInfo | None = None
     seconds: float = 0.0
+    timings: ReplayTimings = field(default_factory=ReplayTimings)  # the replay's passes (verify may predate)
+    restore_s: float = 0.0  # recover_into: copying the images into the registered buffers
 
     @property
     def regions(self) -> dict[str, npt.NDArray[np.uint8]]:
@@ -151,18 +192,26 @@ class Recovered:
 
 
 def _recovered(res: ReplayResult, t0: float) -> Recovered:
+    _check_epoch(res)
+    assert res.epoch is not None
+    return Recovered(res.epoch, res.outcome, res.meta, res.regions, res.tail, time.perf_counter() - t0,
+                     res.timings)
+
+
+def _check_epoch(res: ReplayResult) -> None:
     if res.epoch is None:
         raise RecoveryError(f"nothing to recover: the log holds no committed epoch (outcome {res.outcome.value})")
-    return Recovered(res.epoch, res.outcome, res.meta, res.regions, res.tail, time.perf_counter() - t0)
 
 
-def recover(log_dir: str | Path, *, verify: bool = True) -> Recovered:
+def recover(log_dir: str | Path, *, verify: bool = True,
+            options: RecoveryOptions | Mapping[str, Any] | None = None) -> Recovered:
     """Replay ``log_dir`` (base + committed suffix, checksums verified) into host arrays."""
     t0 = time.perf_counter()
     path = Path(log_dir)
     if not path.exists():
         raise RecoveryError(f"no log at {path}: the directory does not exist")
-    return _recovered(replay(path, verify_payloads=verify), t0)
+    opts = RecoveryOptions.coerce(options)
+    return _recovered(replay(path, verify_payloads=verify, options=opts.replay_options()), t0)
 
 
 def open_to_recover(log_dir: str | Path, key: str, what: str, *, fsync: str = "never", backend: str = "file",
@@ -334,13 +383,16 @@ class Runtime:
     def __init__(self, log_dir: str | Path, fsync: str = "always", *, backend: str = "file",
                  fsync_interval_ms: int = 100, page_bytes: int = 4096, segment_max_bytes: int = 1 << 30,
                  compact_after_bytes: int | None = 256 << 20, background_compaction: bool = True,
-                 device_handlers: str = "auto") -> None:
+                 device_handlers: str = "auto", recovery: RecoveryOptions | Mapping[str, Any] | None = None
+                 ) -> None:
         self.page_bytes = check_page_bytes(page_bytes)
         if device_handlers not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"device_handlers must be 'auto', 'cuda' or 'cpu', got {device_handlers!r}")
         self.device_handlers = device_handlers
+        self.recovery = RecoveryOptions.coerce(recovery)
         self.log = RecoveryLog.open(log_dir, LogOptions(fsync=fsync, fsync_interval_ms=fsync_interval_ms,
-                                                        backend=backend, segment_max_bytes=segment_max_bytes))
+                                                        backend=backend, segment_max_bytes=segment_max_bytes),
+                                    replay_options=self.recovery.replay_options())
         self.log_dir = Path(log_dir)
         self.table = RegionTable()
         self._trackers: dict[str, Tracker] = {}
@@ -612,38 +664,84 @@ class Runtime:
                 self._unreported = None
 
     # ---------------------------------------------------------------------------------------- restore
-    def recover_into(self, targets: Mapping[str, Any] | None = None) -> Recovered:
-        """Restore registered regions (or ``targets``: name -> buffer) from the last committed epoch."""
+    def recover_into(self, targets: Mapping[str, Any] | None = None, *, keep_images: bool = True) -> Recovered:
+        """Restore registered regions (or ``targets``: name -> buffer) from the last committed epoch.
+
+        The log was verified when this Runtime opened it; that replay's copy pass runs now, straight into
+        page-locked host memory for regions on a GPU (``RecoveryOptions.pinned``), so each such region goes
+        to the device in one DMA. ``keep_images=False`` drops the host images of the regions restored here
+        from the result (their bytes are in the buffers now; pinned memory goes back to the allocator)."""
         with self._mutex:
+            self._drain()  # an asynchronous epoch in flight commits (or fails) before the log is read
             t0 = time.perf_counter()
-            res = self.log.replayed if self.log.replayed is not None and self.log.replayed.epoch == self.epoch \
-                else replay(self.log_dir)
-            self.log.replayed = None  # restore once from the open-time replay; later calls replay afresh
+            res, self.log.replayed = self.log.replayed, None  # the open-time replay serves one restore
+            if res is None or res.epoch != self.epoch:  # used already, or epochs were committed since
+                if res is not None:
+                    res.close()
+                res = replay(self.log_dir, options=self.recovery.replay_options(), materialize=False)
+            try:
+                _check_epoch(res)
+                names = self._restore_names(res.specs, targets)
+                direct = not keep_images
+                res.materialize({n: a for n in names if (a := self._image_alloc(n, direct)) is not None})
+            finally:
+                res.close()
             rec = _recovered(res, t0)
-            names = list(targets) if targets is not None else [n for n in self._trackers if n in rec.images]
+            t1 = time.perf_counter()
             for name in names:
-                if name not in rec.images:
-                    raise RecoveryError(f"region {name!r} is not in the log (it has: {sorted(rec.images)})")
-                img = rec.images[name]
-                if targets is not None and name not in self._trackers:
-                    dst = host_bytes(targets[name])
-                    if dst.nbytes != img.spec.nbytes:
-                        raise RecoveryError(f"region {name!r}: target has {dst.nbytes} bytes, log has {img.spec.nbytes}")
-                    dst[:] = img.data
-                    continue
-                tracker = self._trackers[name]
-                if tracker.spec.nbytes != img.spec.nbytes or tracker.spec.page_bytes != img.spec.page_bytes:
-                    raise RecoveryError(
-                        f"region {name!r}: registered as {tracker.spec.nbytes} bytes in {tracker.spec.page_bytes}-byte "
-                        f"pages, the log holds {img.spec.nbytes} bytes in {img.spec.page_bytes}-byte pages; "
-                        "register a buffer of the logged size")
-                pages = np.arange(img.spec.n_pages, dtype=np.int64)
-                tracker.restore(pages, memoryview(img.padded).cast("B"))
-                if tracker.spec == img.spec:
-                    self._needs_full.discard(name)
-                    self._pending_defs.pop(name, None)
+                self._restore_one(name, rec.images[name], targets)
+            rec.restore_s = time.perf_counter() - t1
+            if not keep_images:
+                rec.images = {n: img for n, img in rec.images.items() if n not in names}
             rec.seconds = time.perf_counter() - t0
             return rec
+
+    def _restore_names(self, specs: Mapping[str, RegionSpec], targets: Mapping[str, Any] | None) -> list[str]:
+        """The regions to restore, checked against the log before anything is copied."""
+        names = list(targets) if targets is not None else [n for n in self._trackers if n in specs]
+        for name in names:
+            if name not in specs:
+                raise RecoveryError(f"region {name!r} is not in the log (it has: {sorted(specs)})")
+            spec = specs[name]
+            if targets is not None and name not in self._trackers:
+                nbytes = host_bytes(targets[name]).nbytes
+                if nbytes != spec.nbytes:
+                    raise RecoveryError(f"region {name!r}: target has {nbytes} bytes, log has {spec.nbytes}")
+                continue
+            tracker = self._trackers[name]
+            if tracker.spec.nbytes != spec.nbytes or tracker.spec.page_bytes != spec.page_bytes:
+                raise RecoveryError(
+                    f"region {name!r}: registered as {tracker.spec.nbytes} bytes in {tracker.spec.page_bytes}-byte "
+                    f"pages, the log holds {spec.nbytes} bytes in {spec.page_bytes}-byte pages; "
+                    "register a buffer of the logged size")
+        return names
+
+    def _image_alloc(self, name: str, direct: bool) -> Callable[[int], Any] | None:
+        """Where the replay writes a region restored into a registered buffer: page-locked host memory for a
+        GPU buffer; with ``direct`` (no image is handed back), a host buffer's own bytes when the region is a
+        whole number of pages, so the replay writes them in place and the restore has nothing to copy.
+        None: zeroed numpy memory."""
+        if name not in self._trackers:
+            return None
+        buf = self._buffers.get(name)
+        if _is_torch(buf) and buf.is_cuda:
+            return _pinned_or_pageable if self.recovery.pinned else None
+        tracker = self._trackers[name]
+        if not direct or not isinstance(tracker, CpuTracker) or tracker.spec.nbytes % tracker.spec.page_bytes:
+            return None
+        target = tracker.buf
+        return lambda nbytes: target if nbytes == target.nbytes else np.empty(nbytes, dtype=np.uint8)
+
+    def _restore_one(self, name: str, img: RegionImage, targets: Mapping[str, Any] | None) -> None:
+        if targets is not None and name not in self._trackers:
+            host_bytes(targets[name])[:] = img.data
+            return
+        tracker = self._trackers[name]
+        pages = np.arange(img.spec.n_pages, dtype=np.int64)
+        tracker.restore(pages, memoryview(img.padded).cast("B"))
+        if tracker.spec == img.spec:
+            self._needs_full.discard(name)
+            self._pending_defs.pop(name, None)
 
     # -------------------------------------------------------------------------------------- compaction
     def compact(self, *, wait: bool = True) -> CompactionResult | None:

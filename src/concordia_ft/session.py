@@ -166,8 +166,9 @@ class Session:
         if _recovering is not None:
             max_cache_len, block_bytes = int(_recovering["max_cache_len"]), int(_recovering["block_bytes"])
             self.kv_dtype = parse_dtype(_recovering["kv_dtype"])
+        # recovering: recover_into overwrites every byte of the arena, so it is not zeroed first
         self.cache = ArenaKVCache(model.config, max_cache_len, dtype=self.kv_dtype, device=self.device,
-                                  block_bytes=block_bytes)
+                                  block_bytes=block_bytes, zeroed=_recovering is None)
         self.max_cache_len = max_cache_len
         self.tokens = np.zeros(-(-(max_cache_len + 1) * 8 // TOKEN_BLOCK_BYTES) * TOKEN_BLOCK_BYTES // 8, np.int64)
         self.tokens_dirty = np.zeros(self.tokens.nbytes // TOKEN_BLOCK_BYTES, np.uint8)
@@ -184,27 +185,30 @@ class Session:
         self.turns: list[dict[str, Any]] = []
         if system_prompt is not None:
             self.turns.append({"role": "system", "content": system_prompt})
-        self.fingerprint = model_fingerprint(model)
+        # recovering: the caller checked the model against the log's fingerprint and _load() takes that one
+        self.fingerprint = model_fingerprint(model) if _recovering is None else str(_recovering["fingerprint"])
         self.stats = SessionStats()
         fwd = inspect.signature(model.forward).parameters
         self._logits_to_keep = "logits_to_keep" in fwd
         self._cache_kw = "cache" if "cache" in fwd else "past_key_values"  # transformers renamed it in 5.x
         self.runtime = _runtime if _runtime is not None else _rt.Runtime(
             str(self.log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
-        self._register()
+        self._register(fresh=_recovering is None)
 
     # -- registration ----------------------------------------------------------------------------------------
-    def _register(self) -> None:
+    def _register(self, *, fresh: bool) -> None:
         rt = self.runtime
         bb = self.cache.geometry.block_bytes
-        # all three start zeroed: their first epoch logs only what was written (the prompt's KV blocks), not
-        # the whole arena
+        # a new session's buffers start zeroed: their first epoch logs only what was written (the prompt's KV
+        # blocks), not the whole arena. A recovering session restores all three from the log right away
+        # (recover_into makes the restored bytes the baseline), so it skips register's check that they are
+        # zero: a full pass over the arena that the restore overwrites anyway.
         rt.register("kv", self.cache.arena, kind="paged", page_bytes=min(bb, 4096), block_bytes=bb,
-                    dirty_blocks=self.cache.dirty_blocks, initially_zero=True)
+                    dirty_blocks=self.cache.dirty_blocks, initially_zero=fresh)
         rt.register("tokens", self.tokens, kind="paged", page_bytes=TOKEN_BLOCK_BYTES,
-                    block_bytes=TOKEN_BLOCK_BYTES, dirty_blocks=self.tokens_dirty, initially_zero=True)
+                    block_bytes=TOKEN_BLOCK_BYTES, dirty_blocks=self.tokens_dirty, initially_zero=fresh)
         rt.register("rng", self.rng, kind="paged", page_bytes=512, block_bytes=512, dirty_blocks=self.rng_dirty,
-                    initially_zero=True)
+                    initially_zero=fresh)
         if self.log_weights:
             for name, prm in self.model.named_parameters():
                 rt.register(f"weights:{name}", prm.data, kind="immutable")
@@ -432,7 +436,8 @@ class Session:
 
     def _load(self, m: dict[str, Any]) -> None:
         t0 = time.perf_counter()
-        self.recovered = self.runtime.recover_into()
+        # the restored bytes live in the arena and the host buffers now: keep no second (pinned) host copy
+        self.recovered = self.runtime.recover_into(keep_images=False)
         self.n_tokens = self._tokens_marked = int(m["n_tokens"])
         self.cache.set_lengths(list(m["cache_lengths"]))
         self.cache.mark_clean()

@@ -31,7 +31,7 @@ from .epochs import plan_epoch
 from .format import SEGMENT_BASE, SEGMENT_INCR, SegmentHeader
 from .manifest import SEGMENT_RE, Manifest, fsync_dir, store_manifest
 from .regions import RegionSpec
-from .replay import Outcome, ReplayResult, replay
+from .replay import Outcome, ReplayOptions, ReplayResult, replay
 from .segment import DaxSegment, FileSegment, SegmentWriter, check_backend
 from .tracking import RegionDelta
 
@@ -161,7 +161,9 @@ class RecoveryLog:
         self._segment = segment
         self.last_epoch = last_epoch
         self.report = report
-        self.replayed = replayed  # what open() replayed (the Runtime restores from it without a second pass)
+        # what open() replayed and verified, its copy pass deferred (the mapped segments stay open): the Runtime
+        # restores from it without a second pass, into memory it picks per region; released by close()
+        self.replayed = replayed
         self._mutex = threading.RLock()
         self._dirty = False
         self._closed = False
@@ -174,22 +176,27 @@ class RecoveryLog:
 
     # ------------------------------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, log_dir: str | os.PathLike[str], options: LogOptions | dict[str, Any] | None = None
-             ) -> RecoveryLog:
+    def open(cls, log_dir: str | os.PathLike[str], options: LogOptions | dict[str, Any] | None = None, *,
+             replay_options: ReplayOptions | dict[str, Any] | None = None) -> RecoveryLog:
+        """Open (or create) the log for appending. The replay this takes verifies every epoch; its copy
+        pass is deferred to whoever restores (``self.replayed``)."""
         opts = LogOptions.coerce(options)
         path = Path(log_dir)
         path.mkdir(parents=True, exist_ok=True)
         check_backend(opts.backend, path)
         lock = DirLock(path, "writer")
+        result: ReplayResult | None = None
         try:
-            return cls._open_locked(path, opts, lock)
+            result = replay(path, options=replay_options, materialize=False)
+            return cls._open_locked(path, opts, lock, result)
         except BaseException:
+            if result is not None:
+                result.close()
             lock.release()
             raise
 
     @classmethod
-    def _open_locked(cls, path: Path, opts: LogOptions, lock: DirLock) -> RecoveryLog:
-        result = replay(path)
+    def _open_locked(cls, path: Path, opts: LogOptions, lock: DirLock, result: ReplayResult) -> RecoveryLog:
         if result.manifest is None:
             manifest = Manifest(log_id=secrets.token_bytes(16).hex())
             seg = _add_incr_segment(path, manifest, opts)
@@ -313,6 +320,9 @@ class RecoveryLog:
         with self._mutex:
             if self._closed:
                 return
+            if self.replayed is not None:
+                self.replayed.close()
+                self.replayed = None
             self._stop.set()
             try:
                 if self.options.fsync != "never":

@@ -11,23 +11,34 @@
 
 Damage anywhere before the tail raises ``LogCorruptError(path, offset, reason)``: the state after that point
 cannot be trusted, and nothing is silently skipped.
+
+Two passes. Pass 1 verifies: per segment, the epochs' structure is walked on the calling thread (headers,
+descriptors, commit markers: small), then every payload checksum is checked, on a thread pool in chunks when
+the segment is large, then the epochs are applied to the replay state in order up to the first failure of any
+kind, so the earliest damage wins exactly as a one-epoch-at-a-time check would report it. Pass 2 copies each
+live page's newest committed version once into region images (images.py); ``materialize=False`` defers it,
+keeping the mapped segments open, so a caller that learns later where the bytes must go (pinned host memory
+for a GPU) chooses the allocator then (``ReplayResult.materialize``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import mmap
 import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from ..errors import LogCorruptError, LogError
+from ..errors import ConfigError, LogCorruptError, LogError
+from .checksums import ChecksumItem, first_mismatch
 from .epochs import DecodedEpoch, EpochTail, TailKind, decode_epoch, entry_meta, entry_pages, entry_spec
 from .format import (
     EPOCH_HEADER_BYTES,
@@ -44,9 +55,59 @@ from .format import (
     NewerFormatError,
     SegmentHeader,
 )
+from .images import ImageAlloc, PageWrite, RegionImage, default_threads, materialize_images
 from .manifest import Manifest, load_manifest
 from .regions import RegionSpec
 from .segment import map_segment
+
+__all__ = ["EpochSummary", "Outcome", "PendingImages", "RegionImage", "ReplayOptions", "ReplayResult",
+           "ReplayTimings", "TailInfo", "replay"]
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How replay uses the machine. No option skips or weakens a check."""
+
+    threads: int | None = None  # checksum and copy threads; None: default_threads(); 1: the calling thread only
+    parallel_verify: bool = True  # False: checksums on the calling thread, one payload after another
+    chunk_bytes: int = 8 << 20  # checksum work unit: a larger payload is split and the pieces combined
+    parallel_min_bytes: int = 16 << 20  # smaller segments are checksummed, smaller copies done, on one thread
+
+    def __post_init__(self) -> None:
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError(f"ReplayOptions.threads={self.threads!r}: use None (automatic) or an int >= 1")
+        if not isinstance(self.chunk_bytes, int) or self.chunk_bytes < 64 << 10:
+            raise ConfigError(f"ReplayOptions.chunk_bytes={self.chunk_bytes!r}: use an int >= 65536")
+        if not isinstance(self.parallel_min_bytes, int) or self.parallel_min_bytes < 0:
+            raise ConfigError(f"ReplayOptions.parallel_min_bytes={self.parallel_min_bytes!r}: use an int >= 0")
+
+    @property
+    def workers(self) -> int:
+        return self.threads if self.threads is not None else default_threads()
+
+    @classmethod
+    def coerce(cls, value: ReplayOptions | Mapping[str, Any] | None) -> ReplayOptions:
+        if value is None:
+            return cls()
+        if isinstance(value, ReplayOptions):
+            return value
+        if isinstance(value, Mapping):
+            try:
+                return cls(**value)
+            except TypeError as e:
+                raise ConfigError(f"unknown replay option: {e}") from None
+        raise ConfigError(f"replay options must be ReplayOptions or a dict, got {type(value).__name__}")
+
+
+@dataclass
+class ReplayTimings:
+    """Where a replay spent its time (wall seconds) and how many bytes each pass handled."""
+
+    verify_s: float = 0.0  # pass 1: map segments, check every epoch (payload checksums included), check records
+    copy_s: float = 0.0  # pass 2: newest version of every live page into the region images (and zero fill)
+    verify_bytes: int = 0  # payload bytes checksummed
+    copy_bytes: int = 0  # image bytes written
+    threads: int = 1
 
 
 class Outcome(str, enum.Enum):
@@ -79,21 +140,6 @@ class EpochSummary:
 
 
 @dataclass
-class RegionImage:
-    """A region's recovered bytes: ``data`` is exactly ``spec.nbytes`` long."""
-
-    spec: RegionSpec
-    padded: npt.NDArray[np.uint8]  # n_pages * page_bytes
-
-    @property
-    def data(self) -> npt.NDArray[np.uint8]:
-        return self.padded[: self.spec.nbytes]
-
-    def pages_view(self) -> npt.NDArray[np.uint8]:
-        return self.padded.reshape(self.spec.n_pages, self.spec.page_bytes)
-
-
-@dataclass
 class ReplayResult:
     outcome: Outcome
     epoch: int | None
@@ -106,10 +152,37 @@ class ReplayResult:
     trailing_zero_bytes: int = 0
     epochs: list[EpochSummary] = field(default_factory=list)
     bytes_read: int = 0
+    pending: PendingImages | None = None  # pass 2 not run yet (replay(..., materialize=False))
+    timings: ReplayTimings = field(default_factory=ReplayTimings)
+    released: bool = False  # close() dropped a deferred copy pass: these images will never exist
 
     @property
     def specs(self) -> dict[str, RegionSpec]:
+        if self.pending is not None:
+            return dict(self.pending.specs)
         return {n: r.spec for n, r in self.regions.items()}
+
+    def materialize(self, allocs: Mapping[str, ImageAlloc] | None = None) -> dict[str, RegionImage]:
+        """Run the deferred copy pass into ``regions`` (``allocs``: region name -> image allocator, default
+        zeroed numpy memory) and release the mapped segments. A no-op when the images exist already."""
+        if self.pending is None:
+            if self.released:
+                raise LogError("this replay's mapped segments were released before its copy pass; replay the "
+                               "log again")
+            return self.regions
+        pending, self.pending = self.pending, None
+        try:
+            self.regions = pending.materialize(allocs, self.timings)
+        finally:
+            pending.close()
+        return self.regions
+
+    def close(self) -> None:
+        """Release the mapped segments of a deferred copy pass without copying (idempotent)."""
+        if self.pending is not None:
+            self.pending.close()
+            self.pending = None
+            self.released = True
 
 
 MAX_REGION_BYTES = 1 << 44  # 16 TiB: a format bound, checked before anything is allocated
@@ -123,26 +196,24 @@ def host_memory_bytes() -> int:
 
 
 class _State:
-    """Replay in two passes: every epoch is verified and its records checked as it is read (``add``), and
-    only then are pages copied (``materialize``), newest first, so each page is copied once: its last
-    committed version. Overwrite-heavy logs (dense adapters, optimizer state) replay at checksum speed."""
+    """Pass 1's state: the regions' geometry and, per region, which committed records wrote which pages.
+    Nothing is copied here (see images.py for pass 2)."""
 
     def __init__(self) -> None:
         # recovered regions live in host memory: never allocate past it (a hostile or damaged size field)
         self.limit_bytes = min(MAX_REGION_BYTES, host_memory_bytes())
         self.specs: dict[str, RegionSpec] = {}
         self.born: dict[str, int] = {}  # name -> sequence number where the region's current contents began
-        self.writes: list[tuple[int, str, npt.NDArray[np.int64], memoryview]] = []  # (seq, name, pages, payload)
+        self.writes: list[PageWrite] = []
         self.seq = 0
         self.meta: Any = None
         self.epoch: int | None = None
-        self.regions: dict[str, RegionImage] = {}
 
     def add(self, ep: DecodedEpoch, path: str) -> dict[str, int]:
         """Check every record of a verified epoch against the region geometry; nothing is copied yet."""
         specs = {} if ep.full else dict(self.specs)
         born = {} if ep.full else dict(self.born)
-        writes: list[tuple[int, str, npt.NDArray[np.int64], memoryview]] = []
+        writes: list[PageWrite] = []
         meta, has_meta = None, False
         pages_of: dict[str, int] = {}
         seq = self.seq
@@ -168,7 +239,7 @@ class _State:
                     pages = entry_pages(e, specs[e.name])
                     pages_of[e.name] = len(pages)
                     if len(pages):
-                        writes.append((seq, e.name, pages, ep.payload(e)))
+                        writes.append(PageWrite(seq, e.name, pages, ep.payload(e)))
                 elif e.rtype == REC_META:
                     meta, has_meta = entry_meta(e), True
         except FormatError as err:
@@ -185,75 +256,54 @@ class _State:
     def region_bytes(self) -> int:
         return sum(sp.nbytes for sp in self.specs.values())
 
-    def materialize(self) -> None:
-        """Copy each live page's newest committed version into a fresh image of its region.
 
-        Deciding which write supplies each page is a cheap newest-first bitmap pass; the copies it leaves
-        write disjoint pages, so large replays run them on several threads (numpy releases the GIL for them),
-        which also spreads the first-touch cost of the fresh images."""
-        images = {n: RegionImage(sp, np.zeros(sp.n_pages * sp.page_bytes, dtype=np.uint8))
-                  for n, sp in self.specs.items()}
-        filled = {n: np.zeros(sp.n_pages, dtype=bool) for n, sp in self.specs.items()}
-        missing = {n: sp.n_pages for n, sp in self.specs.items()}
-        jobs: list[tuple[RegionImage, npt.NDArray[np.int64], memoryview, npt.NDArray[np.bool_] | None]] = []
-        copy_bytes = 0
-        for seq, name, pages, payload in reversed(self.writes):
-            if not missing.get(name) or seq < self.born[name]:
-                continue
-            done = filled[name]
-            need = ~done[pages]
-            n_need = int(np.count_nonzero(need))
-            if n_need == 0:
-                continue
-            if n_need == len(pages):
-                jobs.extend(_split(images[name], pages, payload))
-            else:
-                jobs.append((images[name], pages, payload, need))
-            copy_bytes += n_need * images[name].spec.page_bytes
-            done[pages] = True
-            missing[name] -= n_need
-        self.writes = []
-        workers = min(8, os.cpu_count() or 1) if copy_bytes >= PARALLEL_COPY_BYTES else 1
-        if workers <= 1:
-            _run_copies(jobs)
+class PendingImages:
+    """Pass 1's verified writes, their payloads still in the mapped segments (kept open until ``close``)."""
+
+    def __init__(self, state: _State, mappings: list[mmap.mmap], options: ReplayOptions) -> None:
+        self._state = state
+        self._mappings: list[mmap.mmap] | None = mappings
+        self._options = options
+
+    @property
+    def specs(self) -> Mapping[str, RegionSpec]:
+        return self._state.specs
+
+    def materialize(self, allocs: Mapping[str, ImageAlloc] | None, timings: ReplayTimings,
+                    pool: Executor | None = None) -> dict[str, RegionImage]:
+        if self._mappings is None:
+            raise LogError("this replay's segments were already released; replay the log again")
+        t0 = time.perf_counter()
+        images, written = materialize_images(self._state.specs, self._state.born, self._state.writes,
+                                             allocs=allocs, threads=self._options.workers, pool=pool,
+                                             parallel_min_bytes=self._options.parallel_min_bytes)
+        timings.copy_s += time.perf_counter() - t0
+        timings.copy_bytes += written
+        return images
+
+    def close(self) -> None:
+        self._state.writes = []  # the payload views point into the mappings: drop them first
+        mappings, self._mappings = self._mappings or [], None
+        if sum(len(m) for m in mappings) >= BACKGROUND_UNMAP_BYTES:
+            # unmapping a large populated mapping tears down a page table entry per 4 KiB (~13 ms for 232 MB
+            # on a small VM): nothing waits for it, so a short-lived thread does it while recovery goes on
+            threading.Thread(target=_unmap, args=(mappings,), name="concordia-unmap", daemon=True).start()
         else:
-            with ThreadPoolExecutor(workers, thread_name_prefix="concordia-replay") as pool:
-                list(pool.map(_run_copies, [jobs[i::workers] for i in range(workers)]))
-        self.regions = images
+            _unmap(mappings)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
-PARALLEL_COPY_BYTES = 32 << 20
-COPY_CHUNK_BYTES = 8 << 20  # one prefill epoch can hold a whole prompt's KV: split it so threads share it
+BACKGROUND_UNMAP_BYTES = 64 << 20
 
 
-def _split(img: RegionImage, pages: npt.NDArray[np.int64], payload: memoryview
-           ) -> list[tuple[RegionImage, npt.NDArray[np.int64], memoryview, None]]:
-    pb = img.spec.page_bytes
-    step = max(1, COPY_CHUNK_BYTES // pb)
-    if len(pages) <= step:
-        return [(img, pages, payload, None)]
-    return [(img, pages[i : i + step], payload[i * pb : (i + step) * pb], None) for i in range(0, len(pages), step)]
-
-
-def _run_copies(jobs: list[tuple[RegionImage, npt.NDArray[np.int64], memoryview, npt.NDArray[np.bool_] | None]]
-                ) -> None:
-    for img, pages, payload, need in jobs:
-        if need is None:
-            _scatter(img, pages, payload)
-        else:
-            src = np.frombuffer(payload, dtype=np.uint8).reshape(len(pages), img.spec.page_bytes)
-            img.pages_view()[pages[need]] = src[need]
-
-
-def _scatter(img: RegionImage, pages: npt.NDArray[np.int64], payload: memoryview) -> None:
-    pb = img.spec.page_bytes
-    src = np.frombuffer(payload, dtype=np.uint8)
-    n = len(pages)
-    if int(pages[-1]) - int(pages[0]) + 1 == n:  # one run: a straight copy
-        start = int(pages[0]) * pb
-        img.padded[start : start + n * pb] = src
-    else:
-        img.pages_view()[pages] = src.reshape(n, pb)
+def _unmap(mappings: list[mmap.mmap]) -> None:
+    for m in mappings:
+        # an exception's traceback may still hold views of a mapping: then it is freed with them
+        with contextlib.suppress(BufferError):
+            m.close()
 
 
 def _valid_epoch_header_after(buf: memoryview, start: int) -> int | None:
@@ -304,9 +354,15 @@ def _all_zero(buf: memoryview, start: int) -> bool:
 
 def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Sequence[str] | None = None,
            collect_summaries: bool = False, manifest: Manifest | None = None,
-           on_epoch: Callable[[EpochSummary], None] | None = None) -> ReplayResult:
-    """Replay the log in ``log_dir`` (or only ``segments``, a prefix of the manifest's list)."""
+           on_epoch: Callable[[EpochSummary], None] | None = None,
+           options: ReplayOptions | Mapping[str, Any] | None = None, materialize: bool = True,
+           allocs: Mapping[str, ImageAlloc] | None = None) -> ReplayResult:
+    """Replay the log in ``log_dir`` (or only ``segments``, a prefix of the manifest's list).
+
+    ``materialize=False`` stops after pass 1: the result's ``pending`` holds the verified writes and the
+    mapped segments until ``result.materialize(allocs)`` or ``result.close()``."""
     log_dir = Path(log_dir)
+    opts = ReplayOptions.coerce(options)
     if manifest is None:
         manifest = load_manifest(log_dir)
     if manifest is None:
@@ -314,45 +370,71 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
             raise LogError(f"{log_dir} holds segment files but no MANIFEST; it was not written by a complete "
                            "`Runtime` start. Run `concordia log check DIR` to see what is there")
         return ReplayResult(Outcome.EMPTY, None, {}, None, None)
+    t0 = time.perf_counter()
     names, fds, manifest = _open_segments(log_dir, manifest, list(segments) if segments is not None else None)
     st = _State()
-    mappings = []
+    mappings: list[mmap.mmap] = []
+    pool: ThreadPoolExecutor | None = None
+    result = ReplayResult(Outcome.OK, None, {}, None, manifest)
+    result.timings.threads = opts.workers
     try:
-        result = ReplayResult(Outcome.OK, None, {}, None, manifest)
         for i, (name, fd) in enumerate(zip(names, fds, strict=True)):
             last = i == len(names) - 1
-            mapping, buf = map_segment(fd)
+            parallel = (verify_payloads and opts.parallel_verify and opts.workers > 1
+                        and os.fstat(fd).st_size >= opts.parallel_min_bytes)
+            if parallel and pool is None:
+                pool = ThreadPoolExecutor(opts.workers, thread_name_prefix="concordia-replay")
+            # a parallel check faults the mapping in on every thread; a serial one is faster pre-faulted
+            mapping, buf = map_segment(fd, populate=not parallel)
             if mapping is not None:
                 mappings.append(mapping)
-            _replay_segment(st, result, name, str(log_dir / name), buf, last, manifest, verify_payloads,
-                            collect_summaries, on_epoch, i == 0)
-            del buf
+            seg = _Segment(name, str(log_dir / name), buf, last, i == 0)
+            _replay_segment(st, result, seg, manifest, verify_payloads, collect_summaries, on_epoch,
+                            pool if parallel else None, opts)
+            del buf, seg
             if result.tail is not None:
                 break
-        st.materialize()  # the payload views point into the mappings: copy before they close
+        result.timings.verify_s = time.perf_counter() - t0
+        result.epoch, result.meta = st.epoch, st.meta
+        if st.epoch is None and result.outcome is Outcome.OK:
+            result.outcome = Outcome.EMPTY
+        if st.epoch is not None:
+            result.pending = PendingImages(st, mappings, opts)
+            mappings = []  # the pending pass owns them now
+            if materialize:
+                pending, result.pending = result.pending, None
+                try:
+                    result.regions = pending.materialize(allocs, result.timings, pool)
+                finally:
+                    pending.close()
     finally:
-        st.writes = []
-        for m in mappings:
-            # an exception's traceback may still hold views of a mapping: then it is freed with them
-            with contextlib.suppress(BufferError):
-                m.close()
+        if pool is not None:
+            pool.shutdown(wait=False)  # idle once the work is back; joining them costs ms on a busy host
+        if mappings:
+            st.writes = []
+            PendingImages(st, mappings, opts).close()
         for fd in fds:
             os.close(fd)
-    result.epoch = st.epoch
-    result.regions = st.regions
-    result.meta = st.meta
-    if st.epoch is None and result.outcome is Outcome.OK:
-        result.outcome = Outcome.EMPTY
     return result
 
 
-def _replay_segment(st: _State, result: ReplayResult, name: str, path: str, buf: memoryview, last: bool,
-                    manifest: Manifest, verify: bool, summaries: bool,
-                    on_epoch: Callable[[EpochSummary], None] | None, first: bool) -> None:
+@dataclass
+class _Segment:
+    name: str
+    path: str
+    buf: memoryview
+    last: bool  # the last segment replayed: only here can an unusable epoch be a tail
+    first: bool
+
+
+def _replay_segment(st: _State, result: ReplayResult, seg: _Segment, manifest: Manifest, verify: bool,
+                    summaries: bool, on_epoch: Callable[[EpochSummary], None] | None, pool: Executor | None,
+                    opts: ReplayOptions) -> None:
+    buf, path = seg.buf, seg.path
     size = len(buf)
     if size < SEGMENT_HEADER_BYTES:
-        if last and _all_zero(buf, 0):
-            result.tail = TailInfo(name, 0, size, TailKind.TORN, "segment header never finished")
+        if seg.last and _all_zero(buf, 0):
+            result.tail = TailInfo(seg.name, 0, size, TailKind.TORN, "segment header never finished")
             result.outcome = Outcome.TORN_TAIL
             return
         raise LogCorruptError(path, 0, f"segment is {size} bytes, shorter than its header")
@@ -363,44 +445,85 @@ def _replay_segment(st: _State, result: ReplayResult, name: str, path: str, buf:
     if header.log_id.hex() != manifest.log_id:
         raise LogCorruptError(path, 0, f"segment belongs to log {header.log_id.hex()}, not {manifest.log_id}",
                               "a segment from another log was copied in; remove it from this directory")
-    if header.kind == SEGMENT_BASE and not first:
+    if header.kind == SEGMENT_BASE and not seg.first:
         raise LogCorruptError(path, 0, "a base segment appears after the first position in the manifest")
-    pos = SEGMENT_HEADER_BYTES
-    result.end_segment, result.end_offset = name, pos
-    while pos < size:
-        try:
-            ep = decode_epoch(buf, pos, verify_payloads=verify)
-        except NewerFormatError as e:
-            raise LogError(f"{path} at offset {pos}: {e}") from None
-        except EpochTail as t:
-            if _all_zero(buf, pos):
-                result.trailing_zero_bytes = size - pos
-                return
-            if not last:
-                raise LogCorruptError(path, pos, t.reason,
-                                      "this is not the last segment: later epochs depend on this one") from None
-            later = _valid_epoch_header_after(buf, pos + 1)
-            if later is not None:
-                raise LogCorruptError(path, pos, f"{t.reason} (a valid epoch follows at offset {later})",
-                                      "damage before the tail: the epochs before this offset are intact; "
-                                      "run `concordia log check DIR` for a full report") from None
-            nonzero = np.flatnonzero(np.frombuffer(buf[pos:], dtype=np.uint8))
-            written_end = pos + int(nonzero[-1]) + 1 if len(nonzero) else pos
-            result.tail = TailInfo(name, pos, size - pos, t.kind, t.reason, written_end)
-            result.outcome = Outcome.TORN_TAIL if t.kind is TailKind.TORN else Outcome.DAMAGED_TAIL
+    result.end_segment, result.end_offset = seg.name, SEGMENT_HEADER_BYTES
+    epochs, stop = _walk(buf, SEGMENT_HEADER_BYTES)
+    bad: tuple[int, str] | None = None  # (index in epochs, reason) of the first payload that fails its checksum
+    if verify:
+        bad = _first_bad_payload(epochs, pool, opts, result.timings)
+    for i, ep in enumerate(epochs):
+        if bad is not None and i == bad[0]:
+            _stop(st, result, seg, ep.offset, EpochTail(TailKind.DAMAGED, bad[1]))
             return
+        pos = ep.offset
         if st.epoch is not None and not ep.full and ep.epoch != st.epoch + 1:
             raise LogCorruptError(path, pos, f"epoch {ep.epoch} follows epoch {st.epoch}: epochs are missing")
         if st.epoch is not None and ep.full and ep.epoch <= st.epoch:
             raise LogCorruptError(path, pos, f"base epoch {ep.epoch} does not advance past epoch {st.epoch}")
         pages = st.add(ep, path)
         result.bytes_read += ep.total_bytes
-        pos += ep.total_bytes
-        result.end_offset = pos
+        result.end_offset = pos + ep.total_bytes
         if summaries or on_epoch is not None:
-            s = EpochSummary(ep.epoch, name, ep.offset, ep.total_bytes, ep.payload_bytes, ep.full, pages,
+            s = EpochSummary(ep.epoch, seg.name, ep.offset, ep.total_bytes, ep.payload_bytes, ep.full, pages,
                              st.region_bytes())
             if summaries:
                 result.epochs.append(s)
             if on_epoch is not None:
                 on_epoch(s)
+    if stop is not None:
+        pos, exc = stop
+        if isinstance(exc, NewerFormatError):
+            raise LogError(f"{path} at offset {pos}: {exc}") from None
+        _stop(st, result, seg, pos, exc)
+
+
+def _walk(buf: memoryview, pos: int) -> tuple[list[DecodedEpoch], tuple[int, EpochTail | NewerFormatError] | None]:
+    """Every epoch whose structure checks (header, descriptors, commit marker; payloads NOT checksummed),
+    from ``pos`` until the end of the segment or the first one that does not: (its offset, why)."""
+    epochs: list[DecodedEpoch] = []
+    size = len(buf)
+    while pos < size:
+        try:
+            ep = decode_epoch(buf, pos, verify_payloads=False)
+        except (EpochTail, NewerFormatError) as e:
+            return epochs, (pos, e)
+        epochs.append(ep)
+        pos += ep.total_bytes
+    return epochs, None
+
+
+def _first_bad_payload(epochs: list[DecodedEpoch], pool: Executor | None, opts: ReplayOptions,
+                       timings: ReplayTimings) -> tuple[int, str] | None:
+    """(index, reason) of the earliest epoch with a payload that fails its checksum (its first such record)."""
+    items = [ChecksumItem((i, r), ep.payload(e), e.payload_crc)
+             for i, ep in enumerate(epochs) for r, e in enumerate(ep.entries) if e.payload_len]
+    timings.verify_bytes += sum(it.data.nbytes for it in items)
+    bad = first_mismatch(items, pool=pool, workers=opts.workers if pool is not None else 1,
+                         chunk_bytes=opts.chunk_bytes)
+    if bad is None:
+        return None
+    i, r = bad.key
+    ep = epochs[i]
+    return i, f"epoch {ep.epoch} record {r} ({ep.entries[r].name!r}) payload checksum mismatch"
+
+
+def _stop(st: _State, result: ReplayResult, seg: _Segment, pos: int, t: EpochTail) -> None:
+    """The epoch at ``pos`` cannot be used: trailing zeros, a tail, or damage before the tail."""
+    buf, path = seg.buf, seg.path
+    size = len(buf)
+    if _all_zero(buf, pos):
+        result.trailing_zero_bytes = size - pos
+        return
+    if not seg.last:
+        raise LogCorruptError(path, pos, t.reason,
+                              "this is not the last segment: later epochs depend on this one") from None
+    later = _valid_epoch_header_after(buf, pos + 1)
+    if later is not None:
+        raise LogCorruptError(path, pos, f"{t.reason} (a valid epoch follows at offset {later})",
+                              "damage before the tail: the epochs before this offset are intact; "
+                              "run `concordia log check DIR` for a full report") from None
+    nonzero = np.flatnonzero(np.frombuffer(buf[pos:], dtype=np.uint8))
+    written_end = pos + int(nonzero[-1]) + 1 if len(nonzero) else pos
+    result.tail = TailInfo(seg.name, pos, size - pos, t.kind, t.reason, written_end)
+    result.outcome = Outcome.TORN_TAIL if t.kind is TailKind.TORN else Outcome.DAMAGED_TAIL

@@ -197,8 +197,13 @@ class CpuTracker:
             target[full * pb :] = src[-1, :tail_len]
 
     def restore(self, pages: npt.NDArray[np.int64], payload: memoryview) -> None:
-        """Write recovered pages into the region and make them the baseline (as if just committed)."""
-        self._write_pages(self.buf, pages, payload)
+        """Write recovered pages into the region and make them the baseline (as if just committed). A payload
+        that IS the region's memory (a replay that wrote the region in place) is not copied onto itself."""
+        src = np.frombuffer(payload, dtype=np.uint8)
+        in_place = (len(pages) == self.spec.n_pages and src.nbytes == self.buf.nbytes
+                    and src.ctypes.data == self.buf.ctypes.data)
+        if not in_place:
+            self._write_pages(self.buf, pages, payload)
         delta = RegionDelta(self.spec, pages, payload)
         if self.spec.kind is RegionKind.OPAQUE and self.spec.diff is DiffMode.HASH:
             self._pending_hashes = self._page_hashes()

@@ -82,6 +82,27 @@ class DeviceBuffer:
             pass
 
 
+def pinned_host_array(nbytes: int) -> npt.NDArray[np.uint8]:
+    """``nbytes`` of page-locked host memory as a writable numpy array (contents undefined).
+
+    Recovery replays GPU regions into this, so the restore is one DMA per region at full PCIe speed instead
+    of the driver staging pageable memory through its own bounce buffers. It comes from torch's pinned
+    caching allocator, not cuMemHostAlloc: page-locking hundreds of MB costs tens of ms, and the cache hands
+    the same memory to the next recovery of that size in this process once the array is gone (the array
+    keeps its tensor, hence the memory, alive). Raises RuntimeError when the memory cannot be pinned."""
+    t = pinned_tensor(nbytes)
+    out: npt.NDArray[np.uint8] = t.numpy()
+    return out
+
+
+def reserve_pinned(nbytes: int) -> None:
+    """Page-lock ``nbytes`` now and leave them in torch's pinned cache, so that the first recovery of a region
+    up to that size pins nothing (a serving process calls this at startup with its KV capacity, beside
+    loading and warming its model). Raises RuntimeError when the memory cannot be pinned."""
+    del_me = pinned_tensor(nbytes)
+    del del_me
+
+
 def pinned_tensor(nbytes: int) -> Any:
     """A torch uint8 CPU tensor in pinned memory (torch's pinned allocator; also device-mapped under UVA)."""
     import torch

@@ -3,7 +3,8 @@
 One epoch (see core/tracking.py): ``collect`` finds the dirty pages ON THE GPU and stages them into ONE pinned
 host buffer (the delta's ``payload`` is a memoryview of it, valid until the next ``collect`` of this tracker);
 ``advance`` runs after the commit and moves shadows / hashes / dirty flags forward from exactly the committed
-bytes; ``restore`` scatters pages back into the tensor.
+bytes; ``restore`` writes pages back into the tensor: a whole region (what recovery restores) as ONE
+host-to-device copy followed by the shadow / hash re-base on the device, a subset by a scatter kernel.
 
 Per kind:
 - opaque, ``diff=hash`` (the default we recommend, see DESIGN.md): ``concordia_scan_hash`` over the whole
@@ -42,7 +43,7 @@ from ..core.regions import DiffMode, RegionKind, RegionSpec
 from ..core.tracking import RegionDelta, pages_to_runs
 from ..errors import ConfigError, RegionError
 from . import driver
-from .handlers import HandlerModule
+from .handlers import HandlerModule, reference_page_hash
 from .memory import DeviceBuffer, PinnedBuffer
 
 _modules: dict[tuple[Any, int], HandlerModule] = {}
@@ -306,7 +307,9 @@ class CudaTracker:
         if len(pages) and (pages.min() < 0 or pages.max() >= self.n_pages):
             raise ConfigError(f"restore {self.spec.name!r}: page indices outside [0, {self.n_pages})")
         stream = self.stream
-        if len(pages):
+        if len(pages) == self.n_pages and _is_identity(pages):
+            self._restore_whole(np.frombuffer(payload, dtype=np.uint8), stream)
+        elif len(pages):
             src = np.frombuffer(payload, dtype=np.uint8)
             dev_payload = torch.empty(want, dtype=torch.uint8, device=self.tensor.device)
             dev_pages = torch.empty(len(pages), dtype=torch.int64, device=self.tensor.device)
@@ -321,8 +324,22 @@ class CudaTracker:
         # restored bytes are committed bytes: after a whole-region restore the next epoch is a delta
         self.initialised = len(pages) == self.n_pages or (self.initialised and len(pages) > 0)
 
+    def _restore_whole(self, image: npt.NDArray[np.uint8], stream: driver.Stream) -> None:
+        """The whole region from its padded image: ONE host-to-device copy of the region's real bytes straight
+        into the tensor (a DMA at full PCIe speed when the image is page-locked, as recovery allocates it),
+        then the detection state re-based on the device from the restored bytes. No page list, no scatter."""
+        driver.memcpy_htod_async(self.base, image.ctypes.data, self.spec.nbytes, stream)
+        keep = self._rebase_whole(image, stream)
+        stream.synchronize()  # the caller may free the image (and ``keep``) as soon as this returns
+        del keep
+
     def _rebase(self, dev_pages: int, dev_payload: int, n: int, stream: driver.Stream) -> None:
         """Make the detection state match restored pages (kinds with state override this)."""
+        return None
+
+    def _rebase_whole(self, image: npt.NDArray[np.uint8], stream: driver.Stream) -> Any:
+        """Make the detection state match the whole restored region, enqueued after its copy on ``stream``.
+        Returns host memory the enqueued work reads (kept alive until the stream is synchronized)."""
         return None
 
     def close(self) -> None:
@@ -506,6 +523,27 @@ class OpaqueTracker(CudaTracker):
         else:
             m.launch("concordia_hash_store", m.list_args(dev_payload, dev_pages, n, self._state.ptr), stream, grid=g)
 
+    def _rebase_whole(self, image: npt.NDArray[np.uint8], stream: driver.Stream) -> Any:
+        if self.mode is DiffMode.SHADOW:
+            driver.memcpy_dtod_async(self._state.ptr, self.base, self.spec.nbytes, stream)
+            return None
+        # hash every whole page where it now lies on the device; a partial last page (the region is not a
+        # whole number of pages) is hashed on the host, zero-padded exactly as the scan kernel pads it
+        pb = self.page_bytes
+        tail = self.spec.nbytes - (self.n_pages - 1) * pb
+        whole = self.n_pages if tail == pb else self.n_pages - 1
+        m = self.mod
+        if whole:
+            m.launch("concordia_hash_store", m.list_args(self.base, 0, whole, self._state.ptr), stream,
+                     grid=m.grid_for("concordia_hash_store", whole))
+        if whole == self.n_pages:
+            return None
+        last = np.zeros(pb, dtype=np.uint8)
+        last[:tail] = image[whole * pb : whole * pb + tail]
+        h = reference_page_hash(last, pb)
+        driver.memcpy_htod_async(self._state.ptr + 8 * whole, h.ctypes.data, 8, stream)
+        return h
+
     def _advance(self, delta: RegionDelta, stream: driver.Stream) -> None:
         n = delta.n_pages
         if n == 0:
@@ -642,6 +680,12 @@ class PagedTracker(CudaTracker):
     def close(self) -> None:
         super().close()
         self._meta.close()
+
+
+def _is_identity(pages: npt.NDArray[np.int64]) -> bool:
+    """pages == [0, 1, ..., len-1] (ascending, no gaps): a whole-region restore."""
+    n = len(pages)
+    return n > 0 and int(pages[0]) == 0 and int(pages[-1]) == n - 1 and bool((np.diff(pages) == 1).all())
 
 
 def make_cuda_tracker(spec: RegionSpec, tensor: Any, *, dirty_blocks: Any = None,

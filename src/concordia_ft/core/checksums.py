@@ -1,0 +1,139 @@
+"""CRC32C of large buffers on several threads: split into chunks, checksum each, combine.
+
+The log stores one CRC32C per payload, and one payload can be a whole prompt's KV (hundreds of MB in ONE
+record), so verifying "many epochs in parallel" is not enough: a payload is cut into ``chunk_bytes`` pieces
+whose checksums are combined exactly (``crc32c_combine``: crc(A || B) from crc(A), crc(B) and len(B), the
+GF(2) method zlib uses for crc32_combine, here for the Castagnoli polynomial).
+
+The ``crc32c`` package releases the GIL around the checksum loop of buffers >= 32 KiB by default
+(``gil_release_mode=-1``); worker threads pass ``gil_release_mode=1`` (always release: every chunk they get
+is large) and the serial path passes 0 for the small headers and descriptors it checks, where a release and
+re-acquire would cost more than the checksum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+import crc32c as _crc32c
+
+_POLY = 0x82F63B78  # CRC32C (Castagnoli), bit-reflected
+_TOP = 1 << 31  # x^0 in the reflected representation
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) modulo the CRC polynomial (reflected bit order)."""
+    m = _TOP
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+        if not m:
+            return p
+
+
+def _x2n_table() -> list[int]:
+    out = []
+    p = _TOP >> 1  # x^1
+    for _ in range(32):
+        out.append(p)
+        p = _multmodp(p, p)
+    return out
+
+
+_X2N = _x2n_table()  # _X2N[k] = x^(2^k) mod p
+
+
+def _x2nmodp(n: int, k: int) -> int:
+    """x^(n * 2^k) mod p."""
+    p = _TOP
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return p
+
+
+def crc32c_shift(nbytes: int) -> int:
+    """The operator that appends ``nbytes`` bytes to a CRC (see ``crc32c_combine``); reuse it per length."""
+    if nbytes < 0:
+        raise ValueError(f"a length cannot be negative ({nbytes})")
+    return _x2nmodp(nbytes, 3)
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int, shift: int | None = None) -> int:
+    """CRC32C of A || B from crc1 = CRC32C(A), crc2 = CRC32C(B) and len2 = len(B).
+
+    ``shift`` may be ``crc32c_shift(len2)`` computed once for many combines of equal-length pieces."""
+    op = crc32c_shift(len2) if shift is None else shift
+    return _multmodp(op, crc1) ^ crc2
+
+
+def crc32c(data: bytes | bytearray | memoryview, value: int = 0, *, release_gil: bool | None = None) -> int:
+    """CRC32C of ``data``. ``release_gil``: None = the package's default (release from 32 KiB), True = always
+    (worker threads), False = never (small buffers on the thread that holds the GIL anyway)."""
+    mode = -1 if release_gil is None else int(release_gil)
+    return int(_crc32c.crc32c(data, value, gil_release_mode=mode))
+
+
+@dataclass(frozen=True)
+class ChecksumItem:
+    """One buffer with the checksum it must have; ``key`` orders failures (the earliest one is reported)."""
+
+    key: tuple[int, ...]
+    data: memoryview
+    expected: int
+
+
+def first_mismatch(items: Sequence[ChecksumItem], *, pool: Executor | None = None, workers: int = 1,
+                   chunk_bytes: int = 8 << 20) -> ChecksumItem | None:
+    """The item with the smallest ``key`` whose CRC32C differs from ``expected``, or None when all match.
+
+    Without a pool (or with one worker) the items are checked in key order and the first mismatch ends the
+    check. With a pool every item is checked: large ones in ``chunk_bytes`` pieces spread over ``workers``
+    lists of about equal bytes, so one huge payload keeps every worker busy."""
+    ordered = sorted(items, key=lambda it: it.key)
+    if pool is None or workers <= 1:
+        for it in ordered:
+            if crc32c(it.data, release_gil=it.data.nbytes >= 32 << 10) != it.expected:
+                return it
+        return None
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    pieces: list[tuple[int, int, memoryview]] = []  # (item index, piece index, bytes)
+    n_pieces = []
+    for i, it in enumerate(ordered):
+        n = max(1, -(-it.data.nbytes // chunk_bytes))
+        n_pieces.append(n)
+        pieces.extend((i, j, it.data[j * chunk_bytes : (j + 1) * chunk_bytes]) for j in range(n))
+    # greedy balance by bytes: biggest pieces first onto the least loaded worker
+    loads = [0] * workers
+    shares: list[list[tuple[int, int, memoryview]]] = [[] for _ in range(workers)]
+    for p in sorted(pieces, key=lambda p: -p[2].nbytes):
+        w = loads.index(min(loads))
+        shares[w].append(p)
+        loads[w] += p[2].nbytes
+    crcs: dict[tuple[int, int], int] = {}
+    for part in pool.map(_checksum_pieces, [s for s in shares if s]):
+        crcs.update(part)
+    full_shift = crc32c_shift(chunk_bytes)
+    for i, it in enumerate(ordered):
+        crc = crcs[(i, 0)]
+        for j in range(1, n_pieces[i]):
+            tail = it.data.nbytes - j * chunk_bytes
+            shift = full_shift if tail >= chunk_bytes else None
+            crc = crc32c_combine(crc, crcs[(i, j)], min(chunk_bytes, tail), shift)
+        if crc != it.expected:
+            return it
+    return None
+
+
+def _checksum_pieces(share: list[tuple[int, int, memoryview]]) -> dict[tuple[int, int], int]:
+    return {(i, j): crc32c(data, release_gil=True) for i, j, data in share}
