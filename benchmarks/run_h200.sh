@@ -15,7 +15,7 @@ rc=0
 for part in "$@"; do
   echo "=== $part ($(date -u +%H:%M:%S))"
   case "$part" in
-    tests) python3 -m pytest tests/gpu -q -x -p no:cacheprovider --durations=10 2>&1 | tail -25 ;;
+    tests) python3 -m pytest tests/gpu -q -p no:cacheprovider --durations=10 2>&1 | tail -40 ;;
     executor) python3 benchmarks/bench_executor.py --out-dir "$out" 2>&1 | tail -60 ;;
     sm_share) python3 benchmarks/bench_sm_share.py --out-dir "$out" 2>&1 | grep -v -i warn | tail -60 ;;
     delta) python3 benchmarks/bench_delta_gpu.py --out-dir "$out" 2>&1 | tail -40 ;;
