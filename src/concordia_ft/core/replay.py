@@ -27,6 +27,7 @@ import contextlib
 import enum
 import mmap
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -286,8 +287,8 @@ class PendingImages:
         mappings, self._mappings = self._mappings or [], None
         if sum(len(m) for m in mappings) >= BACKGROUND_UNMAP_BYTES:
             # unmapping a large populated mapping tears down a page table entry per 4 KiB (~13 ms for 232 MB
-            # on a small VM): nothing waits for it, so a short-lived thread does it while recovery goes on
-            threading.Thread(target=_unmap, args=(mappings,), name="concordia-unmap", daemon=True).start()
+            # on a small VM): nothing waits for it, so a background thread does it while recovery goes on
+            _unmapper().put(mappings)
         else:
             _unmap(mappings)
 
@@ -297,6 +298,9 @@ class PendingImages:
 
 
 BACKGROUND_UNMAP_BYTES = 64 << 20
+_unmap_queue: queue.SimpleQueue[list[mmap.mmap]] | None = None
+_unmap_pid = 0  # the process whose thread serves the queue (a fork() child starts its own)
+_unmap_lock = threading.Lock()
 
 
 def _unmap(mappings: list[mmap.mmap]) -> None:
@@ -304,6 +308,23 @@ def _unmap(mappings: list[mmap.mmap]) -> None:
         # an exception's traceback may still hold views of a mapping: then it is freed with them
         with contextlib.suppress(BufferError):
             m.close()
+
+
+def _unmapper() -> queue.SimpleQueue[list[mmap.mmap]]:
+    """The queue of ONE daemon thread per process that unmaps what it is given (started on first use: a
+    thread started per release would cost its start-up wait, several ms on a busy host)."""
+    global _unmap_queue, _unmap_pid
+    with _unmap_lock:
+        if _unmap_queue is None or _unmap_pid != os.getpid():
+            q: queue.SimpleQueue[list[mmap.mmap]] = queue.SimpleQueue()
+
+            def loop() -> None:
+                while True:
+                    _unmap(q.get())
+
+            threading.Thread(target=loop, name="concordia-unmap", daemon=True).start()
+            _unmap_queue, _unmap_pid = q, os.getpid()
+        return _unmap_queue
 
 
 def _valid_epoch_header_after(buf: memoryview, start: int) -> int | None:
