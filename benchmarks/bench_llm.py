@@ -231,7 +231,8 @@ def _recover_once(model: Any, log: Path, backend: str, device: str, recovery: di
     return out
 
 
-def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick: bool) -> list[dict[str, Any]]:
+def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick: bool,
+                   threads: int | None = None) -> list[dict[str, Any]]:
     """A 2k-token session abandoned mid-answer, recovered ``reps`` times with the new path (parallel checksums,
     pinned images, one DMA per region) and the baseline path, interleaved in one process. The first recovery
     of the new path is reported apart: it also pins the image memory (torch's pinned cache then reuses it)."""
@@ -272,8 +273,8 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
         checks[f"ids_equal_{name}"] = r.ids == live_ids
 
     runs: dict[str, list[dict[str, Any]]] = {"new": [], "baseline": []}
-    # the new path's first recovery is the first pinned allocation of this size in the process (cold); it is
-    # reported apart, not in the median
+    new_opts: dict[str, Any] = {} if threads is None else {"threads": threads}
+
     def fresh_copy() -> Path:  # every recovery appends its first token's epoch: each one gets the same log
         dst = d / "rep"
         shutil.rmtree(dst, ignore_errors=True)
@@ -281,14 +282,16 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
         (dst / "LOCK").unlink(missing_ok=True)
         return dst
 
+    # the new path's first recovery is the first pinned allocation of this size in the process (cold); it is
+    # reported apart, not in the median
     for k in range(reps + 1):
-        for name, opts in (("new", {}), ("baseline", BASELINE_RECOVERY)):
+        for name, opts in (("new", new_opts), ("baseline", BASELINE_RECOVERY)):
             if name == "baseline" and k == 0:
                 continue
             rep_log = fresh_copy()
             _warm_decode(model, device, max_len, lengths)  # before the timer: the model is loaded and warm
             runs[name].append(_recover_once(model, rep_log, backend, device, opts))
-    for name, opts in (("new", {}), ("baseline", BASELINE_RECOVERY)):  # untimed: the state checks
+    for name, opts in (("new", new_opts), ("baseline", BASELINE_RECOVERY)):  # untimed: the state checks
         _recover_once(model, fresh_copy(), backend, device, opts, check=lambda r, n=name: check(r, n))
     rows = []
     for name, rs in runs.items():
@@ -446,6 +449,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default="decode,base,recovery,lora")
+    ap.add_argument("--recovery-threads", type=int, default=None,
+                    help="replay threads of the new recovery path (default: min(8, CPUs))")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="cft-llm-"))
     log_root, backend = log_place(work, 3 << 30)
@@ -462,7 +467,7 @@ def main() -> int:
             elif part == "base":
                 rows += bench_base(model, log_root, backend, a.device)
             elif part == "recovery":
-                rows += bench_recovery(model, log_root, backend, a.device, a.quick)
+                rows += bench_recovery(model, log_root, backend, a.device, a.quick, a.recovery_threads)
             elif part == "lora":
                 del model
                 model = None

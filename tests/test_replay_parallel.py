@@ -442,3 +442,28 @@ def test_host_regions_are_replayed_in_place_when_no_image_is_kept(shm_dir: Path)
                 assert peak < 2 << 20 and rec.images == {}
             rt.checkpoint()  # the restored bytes are the baseline: only the dense region is logged again
             assert rt.last_stats.region_pages == {"dense": 2048}
+
+
+def test_a_large_replay_unmaps_its_segments_in_the_background(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    monkeypatch.setattr("concordia_ft.core.replay.BACKGROUND_UNMAP_DELAY_S", 0.2)  # the default waits 2 s
+
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc/self/maps (Linux)")
+    a = np.random.default_rng(22).integers(0, 256, 70 << 20, dtype=np.uint8)  # past BACKGROUND_UNMAP_BYTES
+    with cft.Runtime(shm_dir / "log", fsync="never") as rt:
+        rt.register("a", a, "dense")
+        rt.checkpoint()
+    seg = str(_segment(shm_dir / "log"))
+    for materialize in (True, False):
+        res = replay(shm_dir / "log", options=PARALLEL, materialize=materialize)
+        if not materialize:
+            assert seg in maps.read_text()  # mapped until the deferred copy pass
+            res.materialize()
+        assert res.regions["a"].data.tobytes() == a.tobytes()
+        deadline = time.monotonic() + 10
+        while seg in maps.read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seg not in maps.read_text(), "the segment mapping was never released"

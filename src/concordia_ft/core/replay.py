@@ -27,6 +27,7 @@ import contextlib
 import enum
 import mmap
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -286,12 +287,10 @@ class PendingImages:
         mappings, self._mappings = self._mappings or [], None
         if sum(len(m) for m in mappings) >= BACKGROUND_UNMAP_BYTES:
             # unmapping a large populated mapping tears down a page table entry per 4 KiB (~24 ms for 232 MB on
-            # the H200 host) and stalls the whole process meanwhile: an unmap on a thread running beside the
-            # restore took its other 23 ms to ~50 ms (profiled: a numpy pass and four tiny GPU copies waited on
-            # it). So it runs later, off recovery's critical path (restore + first token)
-            t = threading.Timer(BACKGROUND_UNMAP_DELAY_S, _unmap, args=(mappings,))
-            t.name, t.daemon = "concordia-unmap", True
-            t.start()
+            # the H200 host) and stalls the whole process meanwhile: profiled there, an unmap running beside the
+            # restore stretched its other work from ~25 to ~50 ms. So the unmapper waits
+            # BACKGROUND_UNMAP_DELAY_S first: off recovery's critical path (restore + first token)
+            _unmapper().put((time.monotonic() + BACKGROUND_UNMAP_DELAY_S, mappings))
         else:
             _unmap(mappings)
 
@@ -301,7 +300,10 @@ class PendingImages:
 
 
 BACKGROUND_UNMAP_BYTES = 64 << 20
-BACKGROUND_UNMAP_DELAY_S = 2.0  # after a recovery's first token, on any host we measured
+BACKGROUND_UNMAP_DELAY_S = 2.0  # after a recovery's first token on every host we measured
+_unmap_queue: queue.SimpleQueue[tuple[float, list[mmap.mmap]]] | None = None
+_unmap_pid = 0  # the process whose thread serves the queue (a fork() child starts its own)
+_unmap_lock = threading.Lock()
 
 
 def _unmap(mappings: list[mmap.mmap]) -> None:
@@ -309,6 +311,25 @@ def _unmap(mappings: list[mmap.mmap]) -> None:
         # an exception's traceback may still hold views of a mapping: then it is freed with them
         with contextlib.suppress(BufferError):
             m.close()
+
+
+def _unmapper() -> queue.SimpleQueue[tuple[float, list[mmap.mmap]]]:
+    """The queue of ONE daemon thread per process that unmaps what it is given (started on first use: a
+    thread started per release would cost its start-up wait, several ms on a busy host)."""
+    global _unmap_queue, _unmap_pid
+    with _unmap_lock:
+        if _unmap_queue is None or _unmap_pid != os.getpid():
+            q: queue.SimpleQueue[tuple[float, list[mmap.mmap]]] = queue.SimpleQueue()
+
+            def loop() -> None:
+                while True:
+                    due, mappings = q.get()
+                    time.sleep(max(0.0, due - time.monotonic()))
+                    _unmap(mappings)
+
+            threading.Thread(target=loop, name="concordia-unmap", daemon=True).start()
+            _unmap_queue, _unmap_pid = q, os.getpid()
+        return _unmap_queue
 
 
 def _valid_epoch_header_after(buf: memoryview, start: int) -> int | None:
