@@ -296,7 +296,8 @@ class PendingEpoch:
             for _, s in self._staged:
                 deltas.append(s.result())
             t1 = time.perf_counter()
-            res = self._log.append(defs=self._defs, drops=self._drops, deltas=deltas, meta=self._meta)
+            res = self._log.append(defs=self._defs, drops=self._drops, deltas=deltas,
+                                   meta=None if self._meta is None else self._meta.value)
             t2 = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - handed to the caller's next call, never lost
             for name, s in self._staged:
@@ -366,12 +367,24 @@ def _drain_at_exit() -> None:
                       job.epoch, rt.log_dir, _EXIT_DRAIN_S)
 
 
-def _frozen_meta(meta: Any) -> Any:
-    """A private copy of an epoch's metadata, checked JSON-able now (the caller may change its dict next)."""
+@dataclass(frozen=True)
+class _FrozenMeta:
+    """An epoch's metadata as JSON text, taken on the caller's thread (the caller may change its dict next);
+    the writer thread decodes it (``value``), off the training step's critical path."""
+
+    text: bytes
+
+    @property
+    def value(self) -> Any:
+        return json.loads(self.text)
+
+
+def _frozen_meta(meta: Any) -> _FrozenMeta | None:
+    """A private copy of an epoch's metadata, checked JSON-able now."""
     if meta is None:
         return None
     try:
-        return json.loads(encode_json(meta))
+        return _FrozenMeta(encode_json(meta))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"checkpoint metadata must be JSON-able: {e}") from None
 
