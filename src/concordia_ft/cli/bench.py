@@ -59,13 +59,15 @@ def run(args: argparse.Namespace) -> int:
     return status
 
 
-_KEYS = ("case", "op", "n", "path", "region_mib", "dirty_pages", "dirty_pct", "mode", "staging", "backend", "fsync")
-_METRICS = ("wall_ms", "p50_us", "value", "total_ms", "overhead_pct", "seconds", "delta_ms_gpu_handlers", "cpu_wall_ms",
-            "dtoh_ms")
+_KEYS = ("case", "op", "what", "n", "path", "region_mib", "dirty_pages", "dirty_pct", "mode", "staging", "backend",
+         "fsync", "shape_mnk", "config", "resident")
+_BARE = ("case", "op", "what", "config", "resident")  # shown as their value alone
+_METRICS = ("vs_none", "wall_ms", "p50_us", "value", "total_ms", "overhead_pct", "seconds", "delta_ms_gpu_handlers",
+            "cpu_wall_ms", "dtoh_ms", "gb_s")
 
 
 def _label(row: dict[str, Any]) -> str:
-    parts = [f"{k}={row[k]}" if k not in ("case", "op") else str(row[k]) for k in _KEYS if k in row]
+    parts = [f"{k}={row[k]}" if k not in _BARE else str(row[k]) for k in _KEYS if k in row]
     return ", ".join(parts) or "row"
 
 
