@@ -18,11 +18,14 @@ Usage: python benchmarks/bench_sm_share.py [--quick] [--out-dir benchmarks/resul
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import tempfile
 import time
 from typing import Any
 
-import numpy as np
 import torch
+from bench_executor import ev_ms  # the benchmarks directory is on sys.path when a script runs
 
 from concordia_ft import benchreport
 from concordia_ft.core import ring as R
@@ -31,28 +34,8 @@ from concordia_ft.cuda.executor import ExecutorOptions, LaunchExecutor, Resident
 SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 1024), (2048, 4864, 896), (8192, 2048, 8192)]
 
 
-def ev_ms(fn: Any, iters: int, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.current_stream().synchronize()
-    a = torch.cuda.Event(enable_timing=True)
-    b = torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(iters):
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return float(np.median(ts))
-
-
 def kernel_name(fn: Any) -> str:
     """The longest-named CUDA kernel ``fn`` runs, with its grid, cluster and shared memory (profiler trace)."""
-    import json
-    import os
-    import tempfile
-
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 import ctypes
 import time
-from typing import Any
 
 import numpy as np
 import torch
+from bench_executor import ev_ms  # the benchmarks directory is on sys.path when a script runs
 
 from concordia_ft import benchreport
 from concordia_ft.cuda import driver, nvrtc
@@ -81,22 +81,6 @@ __device__ void body(BODY_ARGS) {
 SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (8192, 2048, 8192), (16384, 8192, 1024)]
 MODES = {"clock": (0, 0), "dev_poll": (1, 0), "host_relaxed": (2, 0), "host_acquire": (3, 0), "host_warp9": (4, 0),
          "host_sleep2000": (3, 2000), "host_sleep20000": (3, 20000)}
-
-
-def ev_ms(fn: Any, iters: int, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.current_stream().synchronize()
-    a = torch.cuda.Event(enable_timing=True)
-    b = torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(iters):
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return float(np.median(ts))
 
 
 def main() -> int:
