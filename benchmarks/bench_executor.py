@@ -56,48 +56,60 @@ def stream_sync() -> None:
 
 
 def host_fast_paths(batches: int, batch: int = 4096) -> list[dict[str, Any]]:
-    """T7h: ResidentExecutor's submit/wait closures (core.ring.make_submit / make_wait, the same code) over
-    ordinary memory with the state word RUNNING and no consumer; tail is advanced between timed batches.
+    """T7h: ResidentExecutor's submit/wait fast paths (core.ring.make_submit / make_wait, the same code) over
+    ordinary memory with the state word RUNNING and no consumer; tail is advanced between timed batches. Both
+    producers: C (core/_ringfast.c) and pure Python, interleaved batch by batch.
     Per-call ns = batch time / batch, loop included; p50 and min over ``batches`` batches."""
-    lay = R.RingLayout(memoryview(bytearray(R.ring_bytes(R.MAX_CAPACITY))), R.MAX_CAPACITY)
-    lay.initialise()
-    prod = R.RingProducer(lay)
-    lay.store32(R.OFF_STATE, R.ConsumerState.RUNNING)
 
     def never(*_: Any) -> Any:
         raise AssertionError("the host-only benchmark must stay on the fast path")
 
-    submit = R.make_submit(prod, threading.Lock(), never)
-    wait = R.make_wait(prod, never, never)
+    impls = ["python"] + (["c"] if R._ringfast is not None else [])
     a0, a1, a2, a3, a4, a5 = PTRS
     op = R.Opcode.NOP
+    fns: dict[tuple[str, str], Any] = {}
+    lays: dict[str, tuple[R.RingLayout, R.RingProducer]] = {}
+    for impl in impls:
+        lay = R.RingLayout(memoryview(bytearray(R.ring_bytes(R.MAX_CAPACITY))), R.MAX_CAPACITY)
+        lay.initialise()
+        prod = R.RingProducer(lay, fast=impl == "c")
+        lay.store32(R.OFF_STATE, R.ConsumerState.RUNNING)
+        submit = R.make_submit(prod, threading.Lock(), never)
+        wait = R.make_wait(prod, never, never)
+        done = submit(R.Opcode.NOP)
+        q = lay.q
+        ri = lay.result_off(done) >> 3
+        q[ri], q[ri + 1] = 5, done  # as the device would complete it: value 5, status OK
+        lays[impl] = (lay, prod)
 
-    def nop() -> None:
-        for _ in range(batch):
-            submit(op)
+        def nop(submit: Any = submit) -> None:
+            for _ in range(batch):
+                submit(op)
 
-    def six() -> None:
-        for _ in range(batch):
-            submit(op, a0, a1, a2, a3, a4, a5, AUX)
+        def six(submit: Any = submit) -> None:
+            for _ in range(batch):
+                submit(op, a0, a1, a2, a3, a4, a5, AUX)
 
-    def waits() -> None:
-        for _ in range(batch):
-            wait(done)
+        def waits(wait: Any = wait, done: int = done) -> None:
+            for _ in range(batch):
+                wait(done)
 
-    done = submit(R.Opcode.NOP)
-    q = lay.q
-    ri = lay.result_off(done) >> 3
-    q[ri], q[ri + 1] = 5, done  # as the device would complete it: value 5, status OK
-    rows = []
-    for what, fn in (("host-only submit NOP (fast path, no GPU)", nop),
-                     ("host-only submit 6 args + aux (fast path, no GPU)", six),
-                     ("host-only wait on a completed task (no GPU)", waits)):
-        per = []
-        for _ in range(batches):
+        fns[impl, "host-only submit NOP (fast path, no GPU)"] = nop
+        fns[impl, "host-only submit 6 args + aux (fast path, no GPU)"] = six
+        fns[impl, "host-only wait on a completed task (no GPU)"] = waits
+    per: dict[tuple[str, str], list[float]] = {k: [] for k in fns}
+    for _ in range(batches):
+        for (impl, what), fn in fns.items():
+            lay, prod = lays[impl]
             lay.store(R.OFF_TAIL, prod.head)  # the "consumer" catches up outside the timing
-            per.append(timeit.timeit(fn, number=1) / batch * 1e6)
-        rows.append({"table": "T7h", "what": what, "p50_us": benchreport.median(per), "p99_us": max(per),
-                     "min_us": min(per)})
+            per[impl, what].append(timeit.timeit(fn, number=1) / batch * 1e6)
+    rows = []
+    for (impl, what), xs in per.items():
+        row = {"table": "T7h", "what": f"{what} [{impl} producer]", "impl": impl, "p50_us": benchreport.median(xs),
+               "p99_us": max(xs), "min_us": min(xs)}
+        if impl == "c":
+            row["speedup_vs_python"] = benchreport.median(per["python", what]) / row["p50_us"]
+        rows.append(row)
     return rows
 
 
@@ -144,8 +156,8 @@ def main() -> None:
         path = benchreport.write_results("executor-host", host, notes="T7h only: Python fast paths, no GPU",
                                          out_dir=args.out_dir)
         print(f"wrote {path}")
-        benchreport.print_table("T7h: Python fast paths over ordinary memory (no GPU)", host,
-                                ["what", "p50_us", "p99_us", "min_us"])
+        benchreport.print_table("T7h: host fast paths (C and Python) over ordinary memory (no GPU)", host,
+                                ["what", "impl", "p50_us", "p99_us", "min_us", "speedup_vs_python"])
         return
     torch.cuda.init()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -229,31 +241,35 @@ def main() -> None:
     with guard.quiesced():
         ok = bool(torch.equal(o, torch.relu(a + b)))
 
-    # ---- T7: trigger costs
+    # ---- T7: trigger costs. The ring's host fast paths in C (the default, ``ex``) and in pure Python (``exp``,
+    # the same image and device code): one resident at a time.
     t7: list[dict[str, Any]] = []
-    rt = lat(lambda: ex.wait(ex.submit(R.Opcode.NOP)), 20 * reps)
-    t7.append({"table": "T7", "what": "ring round trip (NOP, submit+wait)", **summary(rt)})
-    per = []
-    for _ in range(10):
-        t = time.perf_counter_ns()
-        for _ in range(2000):
-            s = ex.submit(R.Opcode.NOP)
-        per.append((time.perf_counter_ns() - t) / 2000 / 1e3)
-        ex.wait(s)
-    t7.append({"table": "T7", "what": "ring submit from Python (no wait)", "p50_us": benchreport.median(per),
-               "p99_us": max(per), "min_us": min(per)})
     a0, a1, a2, a3, a4, a5 = PTRS  # a NOP carrying a full descriptor: the device ignores the arguments
-    per = []
-    for _ in range(10):
-        t = time.perf_counter_ns()
-        for _ in range(2000):
-            s = ex.submit(R.Opcode.NOP, a0, a1, a2, a3, a4, a5, AUX)
-        per.append((time.perf_counter_ns() - t) / 2000 / 1e3)
-        ex.wait(s)
-    t7.append({"table": "T7", "what": "ring submit from Python, 6 args + aux (no wait)",
-               "p50_us": benchreport.median(per), "p99_us": max(per), "min_us": min(per)})
-    rt6 = lat(lambda: ex.wait(ex.submit(R.Opcode.NOP, a0, a1, a2, a3, a4, a5, AUX)), 20 * reps)
-    t7.append({"table": "T7", "what": "ring round trip (NOP with 6 args + aux, submit+wait)", **summary(rt6)})
+    ex.suspend()
+    exp = ResidentExecutor(ExecutorOptions(capacity=4096, idle_timeout_ms=20_000, lease_ms=600_000,
+                                           fast_ring=False), image=ex.image, start=False)
+    for path, impl in ((exp, "python"), (ex, "c")):
+        path.resume()
+        sfx = f" [{impl} producer]"
+        rt = lat(lambda: path.wait(path.submit(R.Opcode.NOP)), 20 * reps)  # noqa: B023 - called here
+        t7.append({"table": "T7", "what": "ring round trip (NOP, submit+wait)" + sfx, "impl": impl, **summary(rt)})
+        for what, targs in (("ring submit from Python (no wait)", ()),
+                            ("ring submit from Python, 6 args + aux (no wait)", (a0, a1, a2, a3, a4, a5, AUX))):
+            per = []
+            for _ in range(10):
+                t = time.perf_counter_ns()
+                for _ in range(2000):
+                    s = path.submit(R.Opcode.NOP, *targs)
+                per.append((time.perf_counter_ns() - t) / 2000 / 1e3)
+                path.wait(s)
+            t7.append({"table": "T7", "what": what + sfx, "impl": impl, "p50_us": benchreport.median(per),
+                       "p99_us": max(per), "min_us": min(per)})
+        rt6 = lat(lambda: path.wait(path.submit(R.Opcode.NOP, a0, a1, a2, a3, a4, a5, AUX)), 20 * reps)  # noqa: B023
+        t7.append({"table": "T7", "what": "ring round trip (NOP with 6 args + aux, submit+wait)" + sfx, "impl": impl,
+                   **summary(rt6)})
+        path.suspend()
+    exp.close()
+    ex.resume()
     t7.append({"table": "T7", "what": "armed trigger, host store -> done (NOP)",
                **summary(lat(lambda: armed.wait(armed.fire(R.Opcode.NOP)) or armed.rearm(), reps))})
     rearm = lat(lambda: (armed.fire(R.Opcode.NOP), armed.rearm()), reps)
@@ -355,8 +371,8 @@ def main() -> None:
                              "graph_p50_us": g["p50_us"], "ring_vs_eager": e["p50_us"] / t2_ring[n]["p50_us"]})
     benchreport.print_table("T9: SM footprint / interference", t9 + [footprint])
     benchreport.print_table("T7: trigger cost", t7, ["what", "p50_us", "p99_us", "min_us", "gb_s"])
-    benchreport.print_table("T7h: Python fast paths over ordinary memory (no GPU)", host,
-                            ["what", "p50_us", "p99_us", "min_us"])
+    benchreport.print_table("T7h: host fast paths (C and Python) over ordinary memory (no GPU)", host,
+                            ["what", "impl", "p50_us", "p99_us", "min_us", "speedup_vs_python"])
     benchreport.print_table("T2-4: add, round trip from Python (all ops in the JSON)", summary_rows)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 import sys
@@ -21,6 +22,18 @@ from concordia_ft.errors import ConfigError, DescriptorError, ExecutorError
 MATCH, STALE, BAD = R.WordState.MATCH, R.WordState.STALE, R.WordState.BAD
 PAYLOADS = st.integers(0, 2**48 - 1)
 CAPACITIES = st.sampled_from([2**k for k in range(1, 15)])
+
+
+@pytest.fixture(scope="module", params=["c", "python"], autouse=True)
+def ring_impl(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test here runs against both producers: the C fast paths (core/_ringfast.c) and pure Python."""
+    if request.param == "c" and R._ringfast is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must build the C ring fast path: {R.fast_path_status()}")
+        pytest.skip(f"C ring fast path not built: {R.fast_path_status()}")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CONCORDIA_RING_IMPL", request.param)
+        yield request.param
 
 
 def make(capacity: int) -> tuple[R.RingLayout, R.RingProducer]:
@@ -506,3 +519,58 @@ def test_submit_goes_slow_only_when_full_or_not_running() -> None:
     ex.wait(5)
     ex.close()
     assert sorted(ex.counts) == [0, 1, 2, 3, 4]
+
+
+# ---------------------------------------------------------------------------------------------- C == Python
+
+
+def test_producer_runs_the_implementation_asked_for(ring_impl: str) -> None:
+    _, prod = make(4)
+    assert prod.implementation == ring_impl
+
+
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.sampled_from([2, 4, 16, 64]), tasks=st.lists(st.tuples(
+    st.integers(0, 2**16 - 1), st.lists(PAYLOADS, max_size=6), st.integers(0, 2**32 - 1), st.integers(0, 2**16 - 1)),
+    min_size=1, max_size=40))
+def test_c_and_python_producers_write_identical_rings(capacity: int,
+                                                     tasks: list[tuple[int, list[int], int, int]]) -> None:
+    if R._ringfast is None:
+        pytest.skip("C ring fast path not built")
+    rings = []
+    for fast in (True, False):
+        lay = R.RingLayout(memoryview(bytearray(R.ring_bytes(capacity))), capacity)
+        lay.initialise()
+        prod = R.RingProducer(lay, fast=fast)
+        seqs = []
+        for i, (op, args, aux, flags) in enumerate(tasks):
+            seq = prod.try_publish(op, *args, aux=aux, flags=flags)
+            seqs.append(seq)
+            if i % 3 == 2:  # a consumer completes some: tail moves, the ring wraps
+                lay.store(R.OFF_TAIL, prod.head)
+        rings.append((bytes(lay.buf), seqs, prod.head))
+    assert rings[0] == rings[1]
+
+
+def test_fast_submit_keeps_reference_counts(ring_impl: str) -> None:
+    """The slow path gets the caller's objects and drops them again (a leak in C would show here)."""
+    lay, prod = make(2)
+    big = 2**47 + 12345  # not a cached small int
+    seen: list[int] = []
+
+    def slow(seq: int, *a: int) -> int:
+        seen.append(seq)
+        return seq
+
+    submit = R.make_submit(prod, threading.Lock(), slow)  # consumer not RUNNING: every submit goes slow
+    before = sys.getrefcount(big)
+    for _ in range(1000):
+        lay.store(R.OFF_TAIL, prod.head)
+        submit(R.Opcode.MARK, big, aux=7)
+    assert sys.getrefcount(big) == before and seen == list(range(1, 1001))
+
+
+def test_c_path_is_required_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONCORDIA_RING_IMPL", "rust")
+    with pytest.raises(ConfigError, match="CONCORDIA_RING_IMPL"):
+        make(2)

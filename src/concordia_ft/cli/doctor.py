@@ -28,6 +28,7 @@ def _version(name: str) -> str | None:
 def collect() -> dict[str, Any]:
     import crc32c
 
+    from ..core import ring
     from ..core.segment import is_tmpfs
 
     shm = Path("/dev/shm")
@@ -44,6 +45,7 @@ def collect() -> dict[str, Any]:
         "cuda_bindings": _version("cuda-bindings"),
         "nvrtc": _version("nvidia-cuda-nvrtc"),
         "cuda_devices": 0,
+        "ring_fast_path": ring.fast_path_status(),
         "hints": [],
     }
     try:
@@ -58,6 +60,9 @@ def collect() -> dict[str, Any]:
         rep["hints"].append("crc32c runs in software here: checksums will cap log throughput")
     if not rep["nvrtc"]:
         rep["hints"].append("no NVRTC: `pip install 'concordia-ft[cuda]'` for GPU handlers")
+    if not rep["ring_fast_path"].startswith("c"):
+        rep["hints"].append("the executor ring's C fast path is not in use (submit ~10x slower): reinstall "
+                            "concordia-ft where a C compiler and the Python headers are present")
     if not rep["dram_backend"]:
         rep["hints"].append("/dev/shm is not a writable tmpfs: use backend='file'")
     return rep

@@ -69,6 +69,7 @@ slot before its last read. No word is read-modify-written by both sides.
 from __future__ import annotations
 
 import enum
+import os
 import struct
 import sys
 import time
@@ -77,6 +78,13 @@ from dataclasses import dataclass
 from typing import NoReturn, Protocol
 
 from ..errors import ConfigError, DescriptorError, ExecutorError, RingError, RingFullError
+
+try:  # the C fast paths (core/_ringfast.c), built by pip install; optional
+    from . import _ringfast
+    _FAST_WHY = ""
+except ImportError as _e:  # no compiler at install time, or a source tree used without building it
+    _ringfast = None  # type: ignore[assignment]
+    _FAST_WHY = f"import failed: {_e}"
 
 MAGIC = 0x47524343  # b"CCRG" little-endian
 VERSION = 2
@@ -157,6 +165,34 @@ class ConsumerState(enum.IntEnum):
 
 
 assert int(ConsumerState.RUNNING) == 1  # make_submit inlines it
+
+if _ringfast is not None and (
+        _ringfast.SLOT_BYTES, _ringfast.RESULT_BYTES, _ringfast.OFF_TAIL, _ringfast.OFF_STATE,
+        _ringfast.STATE_RUNNING, _ringfast.PAYLOAD_BITS) != (
+        SLOT_BYTES, RESULT_BYTES, OFF_TAIL, OFF_STATE, int(ConsumerState.RUNNING), PAYLOAD_BITS):
+    _FAST_WHY = "the built extension is stale (its ring constants differ from ring.py's): rebuild it"
+    _ringfast = None  # type: ignore[assignment]
+
+
+def fast_path_available() -> bool:
+    """Whether new producers use the C fast paths: built, current, and not turned off with
+    ``CONCORDIA_RING_IMPL=python`` (``=c`` makes a missing build an error instead of a fallback)."""
+    want = os.environ.get("CONCORDIA_RING_IMPL", "").lower()
+    if want not in ("", "c", "python"):
+        raise ConfigError(f"CONCORDIA_RING_IMPL={want!r}: use 'c', 'python' or leave it unset")
+    if want == "python":
+        return False
+    if want == "c" and _ringfast is None:
+        raise ConfigError(f"CONCORDIA_RING_IMPL=c but the C ring fast path is not available ({_FAST_WHY}): "
+                          "reinstall concordia-ft with a C compiler and the Python headers (pip install -e .)")
+    return _ringfast is not None
+
+
+def fast_path_status() -> str:
+    """One line for ``concordia doctor`` and benchmark stamps."""
+    if _ringfast is None:
+        return f"python ({_FAST_WHY})"
+    return "c" if fast_path_available() else "python (CONCORDIA_RING_IMPL=python)"
 
 
 class ConsumerError(enum.IntEnum):
@@ -395,16 +431,33 @@ class RingLayout:
 # ---------------------------------------------------------------------------------------------- producer
 
 
+class _PyState:
+    """The producer's counters when the C fast path is not in use (the C type ``_ringfast._ProducerBase`` has
+    the same two members and adds the fast paths)."""
+
+    __slots__ = ("head", "_tail_seen")
+
+    def __init__(self) -> None:
+        self.head = 0
+        self._tail_seen = 0
+
+
 class RingProducer:
     """The host side: publishes descriptors, never overruns a slot the consumer has not completed.
 
-    Single producer: callers that submit from several threads must serialise (:func:`make_submit` takes the
-    lock). ``head`` counts published tasks; it lives here only (see the module docstring: no head word)."""
+    Two implementations of the same producer: the C extension ``core._ringfast`` (built by ``pip install``;
+    ~0.1 us per submit) and pure Python (~0.9 us), which this class falls back to when the extension is missing.
+    ``fast`` picks: None takes C when it is built (unless ``CONCORDIA_RING_IMPL=python``), True requires it,
+    False forces Python. Either way ``head`` (tasks published) lives in one place, ``self.st``, which the fast
+    paths of :func:`make_submit` and :func:`make_wait` share.
 
-    __slots__ = ("layout", "capacity", "head", "_tail_seen", "_q", "_buf", "_mask", "_tail_q", "_slot_offs",
-                 "_result_q")
+    Producers in several threads: the C publish is one step under the GIL (it neither calls into Python nor
+    releases the GIL; a free-threaded build takes a mutex), the Python one needs the lock :func:`make_submit`
+    takes. ``head`` lives here only (see the module docstring: no head word)."""
 
-    def __init__(self, layout: RingLayout) -> None:
+    __slots__ = ("layout", "capacity", "st", "_fast", "_q", "_buf", "_mask", "_tail_q", "_slot_offs", "_result_q")
+
+    def __init__(self, layout: RingLayout, fast: bool | None = None) -> None:
         layout.validate()
         self.layout = layout
         self.capacity = layout.capacity
@@ -415,16 +468,46 @@ class RingProducer:
         # indexed by seq & mask: the byte offset of task seq's slot, the u64 index of its result's seq word
         self._slot_offs = [layout.slot_off(s) for s in range(self.capacity)]
         self._result_q = [(layout.result_off(s) >> 3) + 1 for s in range(self.capacity)]
-        self.head = layout.published()
-        self._tail_seen = layout.load(OFF_TAIL)
+        use_c = fast_path_available() if fast is None else fast
+        if use_c and _ringfast is None:
+            raise ConfigError(f"the C ring fast path is not built ({_FAST_WHY}): reinstall concordia-ft with a C "
+                              "compiler and the Python headers (pip install -e . builds core/_ringfast.c), or "
+                              "pass fast=False")
+        self._fast: _ringfast._ProducerBase | None = None
+        self.st: _PyState | _ringfast._ProducerBase
+        if use_c:
+            assert _ringfast is not None
+            self._fast = self.st = _ringfast._ProducerBase()
+            self._fast._bind(layout.buf, self.capacity, layout.slots_off, layout.results_off)
+            self._fast._hooks(None, check_fields, None, None, None)
+        else:
+            self.st = _PyState()
+        self.st.head = layout.published()
+        self.st._tail_seen = layout.load(OFF_TAIL)
         nxt = layout.slot_states(self.head + 1)
-        if self.head - self._tail_seen < self.capacity and WordState.MATCH in nxt:
+        if self.head - self.st._tail_seen < self.capacity and WordState.MATCH in nxt:
             raise RingError(f"the slot of task {self.head + 1} is partly written ({[s.name for s in nxt]}): a "
                             "producer stopped in the middle of a publish; initialise a new ring")
 
+    @property
+    def head(self) -> int:
+        """Tasks published: the seq of the last one."""
+        return int(self.st.head)
+
+    @property
+    def implementation(self) -> str:
+        """``"c"`` or ``"python"``: which fast paths this producer runs."""
+        return "c" if self._fast is not None else "python"
+
+    @property
+    def _tail_seen(self) -> int:
+        return int(self.st._tail_seen)
+
     def tail(self) -> int:
-        self._tail_seen = int(self._q[self._tail_q])
-        return self._tail_seen
+        if self._fast is not None:
+            return self._fast.tail()
+        self.st._tail_seen = t = int(self._q[self._tail_q])
+        return t
 
     def free(self) -> int:
         return free_slots(self.head, self.tail(), self.capacity)
@@ -433,16 +516,19 @@ class RingProducer:
                     a5: int = 0, aux: int = 0, flags: int = 0) -> int:
         """Publish one task; return its seq, or 0 when the ring is full (nothing written).
 
-        The same steps as :func:`make_submit`'s fast path (which adds the lock and the consumer check)."""
+        The same steps as :func:`make_submit`'s fast path (which adds the consumer check)."""
+        if self._fast is not None:
+            return self._fast.try_publish(opcode, a0, a1, a2, a3, a4, a5, aux, flags)
         if (a0 | a1 | a2 | a3 | a4 | a5) >> 48 or aux >> 32 or (opcode | flags) >> 16:
             check_fields(opcode, (a0, a1, a2, a3, a4, a5), flags, aux)  # raises, naming the field
-        seq = self.head + 1
-        if seq - self._tail_seen > self.capacity and seq - self.tail() > self.capacity:
+        st = self.st
+        seq = st.head + 1
+        if seq - st._tail_seen > self.capacity and seq - self.tail() > self.capacity:
             return 0
         t = ((seq & 0x7FFF) | 0x8000) << 48
         _WORDS.pack_into(self._buf, self._slot_offs[seq & self._mask], opcode | flags << 16 | t, a0 | t,
                          a1 | t, a2 | t, a3 | t, a4 | t, a5 | t, aux | t)
-        self.head = seq
+        st.head = seq
         return seq
 
     def publish(self, opcode: int, *args: int, flags: int = 0, aux: int = 0, timeout_s: float = 5.0,
@@ -532,15 +618,22 @@ class WaitFn(Protocol):
 
 
 def make_submit(producer: RingProducer, lock: Lock, slow: SlowSubmitFn) -> SubmitFn:
-    """The executor's submit, as a closure over the ring's views (no attribute lookups on the fast path).
+    """The executor's submit. Returns the C fast path (``producer.implementation == "c"``) or a Python closure
+    over the ring's views; both do the same steps.
 
-    Fast path: validate the fields (one combined test), take ``lock``, publish with one ``pack_into`` of the 8
-    tagged words, release, and check with ONE word compare that the consumer is RUNNING. Anything else (ring
-    full by the cached tail and by the real one, consumer not running) goes to ``slow``. ``lock`` serialises
-    producers (threads): a plain ``threading.Lock`` is enough (nothing re-enters it), its bound ``acquire`` /
-    ``release`` are called directly (a ``with`` block costs more), and only the slot write is inside it.
-    Zero arguments are the tag itself (``a | t if a else t``): one integer op fewer per unused argument."""
+    Fast path: validate the fields (one combined test), publish the 8 tagged words, and check with ONE word
+    compare that the consumer is RUNNING. Anything else (ring full by the cached tail and by the real one,
+    consumer not running) goes to ``slow``. ``lock`` serialises producers (threads) on the Python path: a plain
+    ``threading.Lock`` is enough (nothing re-enters it), its bound ``acquire`` / ``release`` are called
+    directly (a ``with`` block costs more), and only the slot write is inside it. The C publish needs no lock
+    (see :class:`RingProducer`), so ``lock`` only has to be held by whoever else publishes
+    (:meth:`RingProducer.try_publish` is atomic on the C path too). In Python, zero arguments are the tag itself
+    (``a | t if a else t``): one integer op fewer per unused argument."""
+    if producer._fast is not None:
+        producer._fast._hooks(slow, check_fields, None, None, None)
+        return producer._fast.submit
     p = producer
+    st = p.st
     pack = _WORDS.pack_into
     buf = p._buf
     offs = p._slot_offs
@@ -556,15 +649,15 @@ def make_submit(producer: RingProducer, lock: Lock, slow: SlowSubmitFn) -> Submi
             check_fields(opcode, (a0, a1, a2, a3, a4, a5), 0, aux)  # raises, naming the field
         acquire()
         try:
-            seq = p.head + 1
-            if seq - p._tail_seen > cap and seq - p.tail() > cap:
+            seq = st.head + 1
+            if seq - st._tail_seen > cap and seq - p.tail() > cap:
                 seq = 0  # full
             else:
                 t = ((seq & 0x7FFF) | 0x8000) << 48
                 pack(buf, offs[seq & mask], opcode | t if opcode else t, a0 | t if a0 else t,
                      a1 | t if a1 else t, a2 | t if a2 else t, a3 | t if a3 else t, a4 | t if a4 else t,
                      a5 | t if a5 else t, aux | t if aux else t)
-                p.head = seq
+                st.head = seq
         finally:
             release()
         if seq and state[80] == 1:
@@ -577,15 +670,34 @@ def make_submit(producer: RingProducer, lock: Lock, slow: SlowSubmitFn) -> Submi
 _SPINS = range(1024)  # result polls between calls of ``on_spin`` and clock reads
 
 
+def _raise_failed(capacity: int) -> Callable[[int, int, int], NoReturn]:
+    """What a wait raises for a result that is not the task's (overwritten) or carries a failure status."""
+
+    def failed(ticket: int, rseq: int, vs: int) -> NoReturn:
+        if rseq != ticket:
+            raise RingError(f"result of task {ticket} was overwritten by task {rseq}: wait within {capacity} "
+                            "tasks of completion")
+        status = vs >> 32
+        name = Status(status).name if status in Status._value2member_map_ else f"status {status}"
+        raise ExecutorError(f"task {ticket} failed on the device: {name}")
+
+    return failed
+
+
 def make_wait(producer: RingProducer, on_spin: Callable[[], None],
               on_timeout: Callable[[int, float], NoReturn]) -> WaitFn:
     """The executor's wait: spin on the result's seq word (host memory: a cached load per poll), then read
     value|status as one word. Every 1024 polls ``on_spin`` runs (e.g. relaunch a consumer that exited) and the
-    clock is read; past ``timeout_s`` ``on_timeout(ticket, timeout_s)`` raises."""
+    clock is read; past ``timeout_s`` ``on_timeout(ticket, timeout_s)`` raises. The C path polls with a pause
+    hint, holds the GIL for the first 4096 polls (a few us: the usual round trip) and gives it away between
+    bursts of 1024 after that; the Python path holds it until the interpreter's switch interval."""
+    failed = _raise_failed(producer.capacity)
+    if producer._fast is not None:
+        producer._fast._hooks(None, None, on_spin, on_timeout, failed)
+        return producer._fast.wait
     q = producer._q
     rq = producer._result_q
     mask = producer._mask
-    cap = producer.capacity
 
     def wait(ticket: int, timeout_s: float = 10.0) -> int:
         i = rq[ticket & mask]
@@ -605,11 +717,10 @@ def make_wait(producer: RingProducer, on_spin: Callable[[], None],
                     elif now > deadline:
                         on_timeout(ticket, timeout_s)
             if r != ticket:
-                raise RingError(f"result of task {ticket} was overwritten by task {r}: wait within {cap} tasks "
-                                "of completion")
+                failed(ticket, r, 0)
         vs = q[i - 1]
         if vs >> 32:
-            raise ExecutorError(f"task {ticket} failed on the device: {Status(vs >> 32).name}")
+            failed(ticket, ticket, vs)
         return int(vs & 0xFFFFFFFF)
 
     return wait

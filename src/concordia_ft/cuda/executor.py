@@ -168,6 +168,8 @@ class ExecutorOptions:
     lease_ms: float = 1000.0  # exit at a task boundary after this long resident, busy or not
     poll_sleep_ns: int = 0  # __nanosleep between polls (0: spin)
     image_id: int = 1
+    # the ring's host fast paths: None = C when built (core/_ringfast.c), True = require C, False = pure Python
+    fast_ring: bool | None = None
 
 
 class ResidentExecutor:
@@ -207,7 +209,7 @@ class ResidentExecutor:
             self.layout.initialise()
             self._q = self.layout.q
             self._u32 = self.layout.u32
-            self.producer = R.RingProducer(self.layout)
+            self.producer = R.RingProducer(self.layout, fast=o.fast_ring)
             self.submit = R.make_submit(self.producer, self._submit_lock, self._submit_slow)
             self.wait = R.make_wait(self.producer, self._ensure_running, self._wait_timeout)
             self.stream = driver.Stream.create(non_blocking=True, device=self.device)
