@@ -153,7 +153,7 @@ def main() -> None:
     reps = 50 if args.quick else 200
     host = host_fast_paths(20 if args.quick else 100)
     if args.host_only:
-        path = benchreport.write_results("executor-host", host, notes="T7h only: Python fast paths, no GPU",
+        path = benchreport.write_results("executor-host", host, notes=f"T7h only: host fast paths, no GPU; ring fast path {R.fast_path_status()}",
                                          out_dir=args.out_dir)
         print(f"wrote {path}")
         benchreport.print_table("T7h: host fast paths (C and Python) over ordinary memory (no GPU)", host,
@@ -356,7 +356,8 @@ def main() -> None:
     ex.close()
     t2_ring = {r["n"]: r for r in rows if r["op"] == "add" and r["path"] == "resident"}
     notes = (f"ring correctness spot check (add_relu, N={SIZES[-1]}) {ok}; page-diff dirty counts "
-             f"{counted} (cumulative over paths); executor 1 block x {ex.image.threads} threads, {regs} regs/thread")
+             f"{counted} (cumulative over paths); executor 1 block x {ex.image.threads} threads, {regs} regs/thread; "
+             f"ring host fast path {R.fast_path_status()} (T7 rows name their producer)")
     path = benchreport.write_results("executor", rows + t7 + host + t9 + [footprint], baseline=base, notes=notes,
                                      out_dir=args.out_dir)
     print(f"wrote {path}")

@@ -494,6 +494,11 @@ class RingProducer:
         """Tasks published: the seq of the last one."""
         return int(self.st.head)
 
+    @head.setter
+    def head(self, seq: int) -> None:
+        """For a caller that wrote a descriptor itself (tests that tear writes on purpose)."""
+        self.st.head = seq
+
     @property
     def implementation(self) -> str:
         """``"c"`` or ``"python"``: which fast paths this producer runs."""
