@@ -94,6 +94,11 @@ class ExecutorImage:
         attr = getattr(drv.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")
         return int(driver.check(drv.cuFuncGetAttribute(attr, function), f"cuFuncGetAttribute({name})"))
 
+    def set_attribute(self, function: Any, name: str, value: int) -> None:
+        drv = driver.bindings()
+        attr = getattr(drv.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")
+        driver.check(drv.cuFuncSetAttribute(function, attr, value), f"cuFuncSetAttribute({name}={value})")
+
     def close(self) -> None:
         self.module.close()
 
