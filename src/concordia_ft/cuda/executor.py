@@ -180,13 +180,13 @@ class ExecutorOptions:
 class ResidentExecutor:
     """One resident block consuming the ring. Thread-safe submit/wait.
 
-    ``submit`` and ``wait`` are the ring's fast paths (:func:`core.ring.make_submit` / ``make_wait``:
-    closures over the mapped ring, one ``pack_into`` per task, one word compare to see that the block runs);
-    they fall back to :meth:`_submit_slow` / :meth:`_ensure_running` only when the ring is full or the block is
-    not RUNNING. Producers serialise on a plain ``threading.Lock`` (held only around the slot write; nothing
-    re-enters it, and it measured ~4% cheaper per NOP submit than an RLock: 0.89 vs 0.92 us on the 2-core
-    CPU VM); lifecycle changes (launch, suspend, swap, the exit-release table) serialise on a separate
-    re-entrant lock, which the fast path never takes.
+    ``submit`` and ``wait`` are the ring's host fast paths (:func:`core.ring.make_submit` / ``make_wait``: the C
+    extension ``core/_ringfast.c`` when built, else Python closures; ``ExecutorOptions.fast_ring`` picks): one
+    publish of the 8 tagged words, one word compare to see that the block runs; they fall back to
+    :meth:`_submit_slow` / :meth:`_ensure_running` only when the ring is full or the block is not RUNNING.
+    Producers in several threads: the C publish is one step under the GIL; the Python one serialises on a
+    plain ``threading.Lock`` (held only around the slot write). Lifecycle changes (launch, suspend, swap, the
+    exit-release table) serialise on a separate re-entrant lock, which the fast path never takes.
     """
 
     kind = "resident"
