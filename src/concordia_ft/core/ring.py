@@ -471,7 +471,7 @@ class RingProducer:
         use_c = fast_path_available() if fast is None else fast
         if use_c and _ringfast is None:
             raise ConfigError(f"the C ring fast path is not built ({_FAST_WHY}): reinstall concordia-ft with a C "
-                              "compiler and the Python headers (pip install -e . builds core/_ringfast.c), or "
+                              "compiler and the Python headers (pip install -e . builds core/_ringfast.c through setup.py), or "
                               "pass fast=False")
         self._fast: _ringfast._ProducerBase | None = None
         self.st: _PyState | _ringfast._ProducerBase
