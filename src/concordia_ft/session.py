@@ -182,6 +182,7 @@ class Session:
         self.rng_bytes = rng_bytes
         self.rng_dirty = np.zeros(len(self.rng) // 512, np.uint8)  # set when the sampler drew (greedy: never)
         self.gen: GenerationState | None = None
+        self._settings_cache: tuple[GenerationSettings, dict[str, Any]] | None = None
         self.turns: list[dict[str, Any]] = []
         if system_prompt is not None:
             self.turns.append({"role": "system", "content": system_prompt})
@@ -241,10 +242,18 @@ class Session:
             "fingerprint": self.fingerprint,
             "log_weights": self.log_weights,
             "rng_device": str(self.device.type),
-            "gen": None if g is None else {**asdict(g), "settings": asdict(g.settings)},
+            "gen": None if g is None else {"settings": self._settings_dict(g.settings), "start": g.start,
+                                           "n_new": g.n_new, "done": g.done, "turn": g.turn},
             "turns": self.turns,
             "time": time.time(),
         }}
+
+    def _settings_dict(self, settings: GenerationSettings) -> dict[str, Any]:
+        """``asdict(settings)``, computed once per generate() (the settings are frozen; asdict deep-copies)."""
+        cached = self._settings_cache
+        if cached is None or cached[0] is not settings:
+            cached = self._settings_cache = (settings, asdict(settings))
+        return cached[1]
 
     def checkpoint(self) -> int:
         """Commit the session (new KV blocks, new token ids, sampler state, metadata) as ONE epoch."""

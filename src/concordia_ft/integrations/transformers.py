@@ -315,14 +315,33 @@ class ArenaKVCache(Cache):
             else:
                 layers.append(ArenaSlidingLayer(k, v, slot, geometry.max_cache_len))
         super().__init__(layers=layers)
+        # Every full layer's length counter is a view into ONE device tensor, so lengths() reads them all with
+        # one copy (no stack kernel). The layers update their counters in place (add_/sub_/zero_/fill_), which
+        # keeps the views; lengths() checks that they are still the views before trusting the shared tensor.
+        self._full = [i for i, layer in enumerate(self.layers) if isinstance(layer, ArenaFullLayer)]
+        self._full_lengths = torch.zeros(len(self._full), dtype=torch.int64, device=device)
+        self._full_views = []
+        for j, i in enumerate(self._full):
+            layer = self.layers[i]
+            view = self._full_lengths[j]
+            view.copy_(layer.cumulative_length)
+            layer.cumulative_length = view
+            self._full_views.append(view)
+        # mark_dirty on a GPU: the block indices go up in one copy and one index_fill_ (not a fill per span)
+        self._idx_host: torch.Tensor | None = None
+        self._idx_dev: torch.Tensor | None = None
+        self._idx_done: Any = None
 
     # -- lengths -------------------------------------------------------------------------------------------
     def lengths(self) -> list[int]:
-        """Every layer's cumulative length, read with ONE device sync (not one per layer)."""
-        full = [i for i, layer in enumerate(self.layers) if isinstance(layer, ArenaFullLayer)]
+        """Every layer's cumulative length, read with ONE device copy (not one sync per layer)."""
         out = [0] * len(self.layers)
+        full = self._full
         if full:
-            vals = torch.stack([self.layers[i].cumulative_length for i in full]).tolist()
+            if all(self.layers[i].cumulative_length is v for i, v in zip(full, self._full_views, strict=True)):
+                vals = self._full_lengths.tolist()
+            else:  # a caller replaced a counter: read them one by one (still one sync)
+                vals = torch.stack([self.layers[i].cumulative_length for i in full]).tolist()
             for i, v in zip(full, vals, strict=True):
                 out[i] = int(v)
         for i, layer in enumerate(self.layers):
@@ -359,9 +378,32 @@ class ArenaKVCache(Cache):
                 spans[-1] = (spans[-1][0], max(spans[-1][1], b1))
             else:
                 spans.append((b0, b1))
-        for b0, b1 in spans:  # one fill per contiguous span (one small kernel on a GPU)
-            self.dirty_blocks[b0:b1] = 1
-        return sum(b1 - b0 for b0, b1 in spans)
+        marked = sum(b1 - b0 for b0, b1 in spans)
+        if len(spans) <= 2 or self.dirty_blocks.device.type != "cuda":
+            for b0, b1 in spans:  # one fill per contiguous span (cheap on the CPU)
+                self.dirty_blocks[b0:b1] = 1
+        else:  # a decode token touches one block per layer: ~30 spans -> one copy + one kernel, not ~30 kernels
+            self._fill_blocks(spans, marked)
+        return marked
+
+    def _fill_blocks(self, spans: list[tuple[int, int]], marked: int) -> None:
+        if self._idx_host is None:
+            n = self.geometry.n_blocks
+            self._idx_host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+            self._idx_dev = torch.empty(n, dtype=torch.int64, device=self.dirty_blocks.device)
+        assert self._idx_dev is not None
+        if self._idx_done is not None:
+            self._idx_done.synchronize()  # the previous copy out of the pinned buffer has finished
+        host = self._idx_host.numpy()
+        k = 0
+        for b0, b1 in spans:
+            host[k: k + b1 - b0] = range(b0, b1)
+            k += b1 - b0
+        dev = self._idx_dev[:marked]
+        dev.copy_(self._idx_host[:marked], non_blocking=True)
+        self.dirty_blocks.index_fill_(0, dev, 1)
+        self._idx_done = torch.cuda.Event()
+        self._idx_done.record()
 
     def mark_clean(self, lengths: list[int] | None = None) -> None:
         """After a commit: the committed lengths are the new marks (the runtime clears ``dirty_blocks``)."""
