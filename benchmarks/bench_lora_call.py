@@ -14,7 +14,8 @@ and event) is not in this number: bench_llm.py --only lora measures it.
 two trees then run in alternating rounds (same machine, same minutes), each round its own process, and the
 table compares their medians.
 
-Usage: python benchmarks/bench_lora_call.py [--baseline-src DIR] [--rounds 6] [--steps 100] [--profile]
+Usage: python benchmarks/bench_lora_call.py [--baseline-src DIR [--baseline-commit C]] [--rounds 6] [--steps 100]
+       [--profile]
 """
 
 from __future__ import annotations
@@ -116,6 +117,7 @@ def spawn(src: Path, a: argparse.Namespace, profile: bool = False) -> dict[str, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline-src", type=Path, default=None, help="src/ of the tree to compare against")
+    ap.add_argument("--baseline-commit", default=None, help="the commit that tree is (recorded in the results)")
     ap.add_argument("--rounds", type=int, default=6, help="processes per tree, alternating")
     ap.add_argument("--steps", type=int, default=100, help="timed steps per process")
     ap.add_argument("--warmup", type=int, default=10)
@@ -153,6 +155,8 @@ def main() -> int:
                      "adapter_params": rs[0]["adapter_params"], "adapter_tensors": rs[0]["adapter_tensors"]})
     if len(rows) == 2:
         base, new = rows
+        if a.baseline_commit:
+            base["commit"] = a.baseline_commit
         new["vs_baseline_x"] = base["checkpoint_s_us_median"] / max(1e-9, new["checkpoint_s_us_median"])
         new["call_vs_baseline_x"] = base["call_us_median"] / max(1e-9, new["call_us_median"])
     if a.profile:
