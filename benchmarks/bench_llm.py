@@ -405,7 +405,7 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
         astats = [h.stats for h in handles]
         call_only = [h.call_seconds for h in handles]
         snapshot_bytes = t.runtime.snapshot_device_bytes
-        plan = t.runtime._plan  # how the async epochs staged the dense regions
+        plan = getattr(t.runtime, "_plan", None)  # how the async epochs staged the dense regions (None before)
         batches = "; ".join(f"{type(b).__name__} {','.join(names)}"
                             + (f": {len(b.copies)} D2D copies" if hasattr(b, "copies") else "")
                             for _, names, b in (plan.batches if plan is not None else []))

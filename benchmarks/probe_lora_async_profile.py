@@ -102,7 +102,7 @@ def main() -> int:
     print(f"    settle previous step  {med(settle[-n:]):8.1f}")
     print(f"    rest (RNG copy, timers) {med(rest):6.1f}")
     print("dense batches (region: D2D copies):")
-    plan = rt._plan
+    plan = getattr(rt, "_plan", None)  # None: a tree from before dense batches (one stage per region)
     for _, names, b in plan.batches if plan is not None else []:
         copies = getattr(b, "copies", None)
         print(f"  {type(b).__name__}: {list(names)} -> {len(copies) if copies is not None else 'host copies'}"
