@@ -403,7 +403,13 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
                     cpu_append.append(1e3 * cst.append_seconds)
                 t.wait()  # the last async epoch commits before the next mode's steps are timed
         astats = [h.stats for h in handles]
+        call_only = [h.call_seconds for h in handles]
         snapshot_bytes = t.runtime.snapshot_device_bytes
+        plan = getattr(t.runtime, "_plan", None)  # how the async epochs staged the dense regions (None before)
+        batches = "; ".join(f"{type(b).__name__} {','.join(names)}"
+                            + (f": {len(b.copies)} D2D copies" if hasattr(b, "copies") else "")
+                            for _, names, b in (plan.batches if plan is not None else []))
+        lora_regions = ",".join(sorted(sp.name for sp in t.runtime.table if sp.kind.value != "immutable"))
     finally:
         t.close()
         rt_cpu.close()
@@ -422,6 +428,8 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
         # the step delta: the checkpoint call on the training thread
         "delta_ms_gpu_handlers": 1e3 * median(call["sync"]), "delta_ms_async": 1e3 * median(call["async"]),
         "delta_ms_async_p90": 1e3 * percentile(call["async"], 90),
+        "async_checkpoint_async_call_ms": 1e3 * median(call_only),  # Runtime.checkpoint_async alone
+        "lora_regions": lora_regions, "async_dense_batches": batches,
         "delta_ms_cpu_path": median(cpu_ms), "speedup_x": median(cpu_ms) / max(1e-9, 1e3 * median(call["sync"])),
         "async_vs_sync_x": median(call["sync"]) / max(1e-12, median(call["async"])),
         # the step delta: whole steps against no checkpoint (train_step wall, medians), and steps/s

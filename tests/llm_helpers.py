@@ -55,6 +55,12 @@ def prompt_ids(n: int = 12, *, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, n), generator=g)
 
 
+# tests/data/lora-layout1/: a LoRA training log in layout 1 (AdamW's step counters in lora.steps, the RNG state
+# in lora.rng), written by concordia_ft before lora.state (tests/data/make_lora_layout1_log.py made it); dropout
+# is on, so its RNG state matters to the next step's loss
+LAYOUT1_LORA = {"r": 2, "dropout": 0.1, "targets": ("q_proj", "v_proj")}
+LAYOUT1_SEED, LAYOUT1_STEPS, LAYOUT1_LR = 7, 3, 1e-2
+
 GEN_KW = {
     "greedy": dict(do_sample=False),
     "sampled": dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, seed=1234),

@@ -317,3 +317,104 @@ def test_close_drains_the_epoch_in_flight(shm_dir: Path) -> None:
         rt.checkpoint_async()
     with pytest.raises(ConfigError, match="closed"):
         rt.checkpoint()
+
+
+# ------------------------------------------------------------------------------------------ dense batches
+def test_plan_dense_copies_merges_only_adjacent_whole_page_regions() -> None:
+    from concordia_ft.core.tracking import plan_dense_copies
+
+    P = 4096
+    # an arena: a (2 pages) | b (3 pages) | c (1.5 pages) | d right after c's real end; e elsewhere
+    a, b = 1 << 20, (1 << 20) + 2 * P
+    c = b + 3 * P
+    d = c + P + P // 2
+    e = 1 << 30
+    plan = plan_dense_copies([(a, 2 * P, 2 * P), (b, 3 * P, 3 * P), (c, P + P // 2, 2 * P), (d, P, P),
+                              (e, 100, P)])
+    # a, b and c share one copy (c's pad is never written); d starts after c's pad in the buffer: its own copy
+    assert plan == [(0, a, 6 * P + P // 2), (7 * P, d, P), (8 * P, e, 100)]
+    assert plan_dense_copies([(b, 3 * P, 3 * P), (a, 2 * P, 2 * P)]) == [(0, b, 3 * P), (3 * P, a, 2 * P)]
+    assert plan_dense_copies([]) == []
+    with pytest.raises(AssertionError):
+        plan_dense_copies([(a, 2 * P + 1, 2 * P)])
+
+
+def test_dense_batch_follows_registry_changes_and_logs_what_a_sync_twin_logs(shm_dir: Path) -> None:
+    """Dense host regions (slices of one torch arena, as LoraTrainer lays them out, and a numpy array) are
+    staged as one batch; registering and unregistering rebuild it; every epoch equals a sync twin's."""
+    arena = torch.arange(3 * 1024 + 200, dtype=torch.float32)  # p: 8 pages, m: 16 pages, t: 1.56 pages
+    regions = {"p": arena[:1024], "m": arena[1024:3 * 1024], "t": arena[3 * 1024:], "n": np.arange(700, dtype=np.int16)}
+    twin_arena = arena.clone()
+    twin = {"p": twin_arena[:1024], "m": twin_arena[1024:3 * 1024], "t": twin_arena[3 * 1024:],
+            "n": regions["n"].copy()}
+    rt, tw = _runtime(shm_dir / "async"), _runtime(shm_dir / "twin")
+    for r, bufs in ((rt, regions), (tw, twin)):
+        for name in ("p", "m", "n"):
+            r.register(name, bufs[name], "dense")
+
+    def step(e: int) -> None:
+        arena.mul_(1.5).add_(e)
+        twin_arena.mul_(1.5).add_(e)
+        regions["n"][:] += 3
+        twin["n"][:] += 3
+        h = rt.checkpoint_async({"e": e})
+        arena.add_(1000.0)  # after the call: the next epoch's, never this one's
+        regions["n"][:] -= 1
+        assert h.wait() == e and tw.checkpoint({"e": e}) == e
+        arena.sub_(1000.0)
+        regions["n"][:] += 1
+
+    step(1)
+    step(2)
+    for r, bufs in ((rt, regions), (tw, twin)):
+        r.register("t", bufs["t"], "dense")
+        r.unregister("p")
+    step(3)
+    step(4)
+    assert rt.last_stats is not None and rt.last_stats.region_pages == {"m": 16, "n": 3, "t": 2}
+    rt.close()
+    tw.close()
+    assert _epoch_bytes(shm_dir / "async") == _epoch_bytes(shm_dir / "twin")
+    rec = cft.recover(shm_dir / "async")
+    assert sorted(rec.regions) == ["m", "n", "t"]
+    assert rec.regions["m"].tobytes() == regions["m"].numpy().tobytes()
+    assert rec.regions["t"].tobytes() == regions["t"].numpy().tobytes()
+    assert rec.regions["n"].tobytes() == regions["n"].tobytes()
+
+
+def test_forget_drops_a_region_the_log_holds_but_nobody_registers(shm_dir: Path) -> None:
+    old, keep = np.full(3000, 7, np.uint8), np.arange(5000, dtype=np.int32)
+    rt = _runtime(shm_dir / "log")
+    rt.register("old", old, "dense")
+    rt.register("keep", keep, "dense")
+    rt.checkpoint({"e": 1})
+    rt.close()
+    rt = _runtime(shm_dir / "log")  # a later process, with another layout: only "keep"
+    rt.register("keep", keep, "dense")
+    with pytest.raises(cft.RegionError, match="unregister"):
+        rt.forget("keep")
+    assert rt.checkpoint_async({"e": 2}).wait() == 2
+    assert sorted(cft.recover(shm_dir / "log").regions) == ["keep", "old"]  # not forgotten: still replayed
+    rt.forget("old")
+    rt.forget("never-logged")  # harmless
+    assert rt.checkpoint_async({"e": 3}).wait() == 3
+    rt.close()
+    rec = cft.recover(shm_dir / "log")
+    assert sorted(rec.regions) == ["keep"] and (rec.array("keep") == keep).all()
+
+
+def test_handed_over_metadata_is_not_copied_and_a_bad_one_fails_its_epoch_only(shm_dir: Path) -> None:
+    rt = _runtime(shm_dir / "log")
+    a = np.zeros(2000, np.uint8)
+    rt.register("a", a, "dense")
+    assert rt.checkpoint_async({"step": 1, "loss": 0.5}, copy_meta=False).wait() == 1
+    a[:] = 1
+    h = rt.checkpoint_async({"bad": object()}, copy_meta=False)  # not checked at the call: the writer finds it
+    with pytest.raises(CheckpointError, match="not JSON serializable") as ei:
+        rt.wait()
+    assert ei.value is h.error and not h.committed and ei.value.last_committed == 1
+    assert cft.recover(shm_dir / "log").epoch == 1
+    assert rt.checkpoint_async({"step": 2}, copy_meta=False).wait() == 2
+    rt.close()
+    rec = cft.recover(shm_dir / "log")
+    assert rec.meta == {"step": 2} and (rec.array("a") == 1).all()

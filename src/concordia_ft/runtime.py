@@ -38,8 +38,8 @@ from .core.format import encode_json
 from .core.log import LogOptions, OpenReport, RecoveryLog
 from .core.regions import DiffMode, MemoryRange, RegionKind, RegionSpec, RegionTable, check_page_bytes
 from .core.replay import Outcome, RegionImage, ReplayOptions, ReplayResult, ReplayTimings, TailInfo, replay
-from .core.tracking import RegionDelta, StagedDelta, Tracker
-from .cpu.trackers import CpuTracker
+from .core.tracking import DenseBatch, RegionDelta, StagedBatch, StagedDelta, Tracker
+from .cpu.trackers import CpuDenseBatch, CpuTracker
 from .errors import CheckpointError, ConcordiaError, ConfigError, RecoveryError, RegionError
 
 log = logging.getLogger("concordia_ft.runtime")
@@ -234,29 +234,72 @@ def open_to_recover(log_dir: str | Path, key: str, what: str, *, fsync: str = "n
 
 
 # -------------------------------------------------------------------------------------- async epochs
+class _StagePlan:
+    """How an asynchronous epoch stages the registry (built once per registry state): the dense regions of each
+    backend (and device) as one ``DenseBatch``, every other region by its own tracker; immutable regions only
+    until their full epoch has committed. Indices are registration order, the order of an epoch's regions."""
+
+    def __init__(self, trackers: dict[str, Tracker]) -> None:
+        host: list[CpuTracker] = []
+        device: list[Any] = []
+        self.singles: list[tuple[int, str, Tracker]] = []  # opaque and paged regions
+        self.immutables: list[tuple[int, str, Tracker]] = []
+        index: dict[str, int] = {}
+        for i, (name, t) in enumerate(trackers.items()):
+            index[name] = i
+            if t.spec.kind is RegionKind.DENSE:
+                (host if isinstance(t, CpuTracker) else device).append(t)
+            elif t.spec.kind is RegionKind.IMMUTABLE:
+                self.immutables.append((i, name, t))
+            else:
+                self.singles.append((i, name, t))
+        batches: list[DenseBatch] = [CpuDenseBatch(host)] if host else []
+        if device:
+            from .cuda.trackers import batch_dense
+
+            batches.extend(batch_dense(device))
+        self.batches = [(tuple(index[sp.name] for sp in b.specs), tuple(sp.name for sp in b.specs), b)
+                        for b in batches]
+        # what holds device memory for snapshots (dense members hold none: their batch does)
+        self.holders: list[Any] = [*batches, *(t for _, _, t in self.singles)]
+
+    def close(self) -> None:
+        for _, _, b in self.batches:
+            b.close()
+
+
+def _first(item: tuple[int, RegionDelta]) -> int:
+    return item[0]
+
+
 class PendingEpoch:
     """An epoch handed to the background writer by ``Runtime.checkpoint_async``.
 
     Not durable yet: ``wait()`` returns the epoch number once it is committed (per the fsync policy) or raises
     ``CheckpointError``. ``epoch`` is the number it gets if it commits; ``stats`` is set once it has."""
 
-    def __init__(self, runtime: Runtime, log: RecoveryLog, epoch: int, staged: list[tuple[str, StagedDelta]], *,
-                 defs: list[RegionSpec], drops: list[str], full: set[str], meta: Any, started: float,
-                 backpressure_seconds: float, full_bytes: int, snapshot_device_bytes: int) -> None:
+    def __init__(self, runtime: Runtime, log: RecoveryLog, epoch: int,
+                 batches: list[tuple[tuple[int, ...], tuple[str, ...], StagedBatch]],
+                 singles: list[tuple[int, str, StagedDelta]], *,
+                 plan: _StagePlan, defs: list[RegionSpec], drops: list[str], full: set[str], meta: Any,
+                 started: float, backpressure_seconds: float, full_bytes: int) -> None:
         self.epoch = epoch
         self.stats: CheckpointStats | None = None
         self.error: CheckpointError | None = None
         self.committed = False
         self._runtime = runtime
         self._log = log
-        self._staged = staged
+        self._batches = batches
+        self._singles = singles
+        self._plan = plan
         self._defs, self._drops, self._full, self._meta = defs, drops, full, meta
         self._started = started
         self._backpressure = backpressure_seconds
         self._call_seconds = 0.0
         self._full_bytes = full_bytes
-        self._snapshot_bytes = snapshot_device_bytes
-        self._done = threading.Event()
+        self._finished = False  # committed or failed; then the latch is released (a latch, not an Event:
+        self._latch = threading.Lock()  # this is built on the training thread once per step)
+        self._latch.acquire()
         self._reaped = False
 
     @property
@@ -269,14 +312,18 @@ class PendingEpoch:
         """How long ``checkpoint_async`` waited for the previous epoch to finish (0 when it had)."""
         return self._backpressure
 
+    def _region_names(self) -> list[str]:
+        """The regions this epoch snapshotted."""
+        return [n for _, names, _ in self._batches for n in names] + [n for _, n, _ in self._singles]
+
     def done(self) -> bool:
         """True once the epoch has committed or failed (``wait()`` then returns or raises at once)."""
-        return self._done.is_set()
+        return self._finished
 
     def wait(self, timeout_s: float | None = None) -> int:
         """Block until the epoch is committed; return its number. Raises its ``CheckpointError`` if it failed
         (the runtime then does not raise that failure again), ``TimeoutError`` if ``timeout_s`` passed first."""
-        if not self._done.wait(timeout_s):
+        if not self._await(timeout_s):
             raise TimeoutError(f"epoch {self.epoch} is not committed after {timeout_s} s (still in flight)")
         self._runtime._reap(self)
         if self.error is not None:
@@ -288,28 +335,44 @@ class PendingEpoch:
         state = "failed" if self.error else "committed" if self.committed else "in flight"
         return f"PendingEpoch({self.epoch}, {state})"
 
+    def _await(self, timeout_s: float | None = None) -> bool:
+        """Block until the epoch has finished (or ``timeout_s`` passed); True when it has."""
+        if self._finished:
+            return True
+        if self._latch.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
+            self._latch.release()  # the next waiter passes too
+        return self._finished
+
+    def _finish(self) -> None:
+        self._finished = True
+        self._latch.release()
+
     # ---- the background writer's part ----
     def _run(self) -> None:
         t0 = time.perf_counter()
-        deltas: list[RegionDelta] = []
+        single_deltas: list[RegionDelta] = []
         try:
-            for _, s in self._staged:
-                deltas.append(s.result())
+            ordered: list[tuple[int, RegionDelta]] = []
+            for idx, _, sb in self._batches:
+                ordered.extend(zip(idx, sb.results(), strict=True))
+            for i, _, s in self._singles:
+                d = s.result()
+                single_deltas.append(d)
+                ordered.append((i, d))
+            ordered.sort(key=_first)  # registration order, as a synchronous epoch lays the regions out
             t1 = time.perf_counter()
-            res = self._log.append(defs=self._defs, drops=self._drops, deltas=deltas,
+            res = self._log.append(defs=self._defs, drops=self._drops, deltas=[d for _, d in ordered],
                                    meta=None if self._meta is None else self._meta.value)
             t2 = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - handed to the caller's next call, never lost
-            for name, s in self._staged:
-                try:
-                    s.abandon()
-                except BaseException as e2:  # noqa: BLE001 - the first failure is the one to report
-                    log.error("giving back the snapshot of %r after epoch %d failed: %s", name, self.epoch, e2)
+            self._abandon()
             self._fail(e, committed=False)
             return
         self.epoch = res.epoch
         try:
-            for (_, s), d in zip(self._staged, deltas, strict=True):
+            for _, _, sb in self._batches:
+                sb.commit()
+            for (_, _, s), d in zip(self._singles, single_deltas, strict=True):
                 s.commit(d)
         except BaseException as e:  # noqa: BLE001
             self._fail(e, committed=True)
@@ -319,9 +382,22 @@ class PendingEpoch:
             res.epoch, res.n_pages, res.payload_bytes, res.total_bytes, self._full_bytes, end - self._started,
             (t1 - t0) + (self._call_seconds - self._backpressure), t2 - t1, res.region_pages, mode="async",
             call_seconds=self._call_seconds, backpressure_seconds=self._backpressure,
-            commit_latency_seconds=t2 - self._started, snapshot_device_bytes=self._snapshot_bytes)
+            commit_latency_seconds=t2 - self._started,
+            snapshot_device_bytes=sum(h.snapshot_device_bytes for h in self._plan.holders))
         self.committed = True
-        self._done.set()
+        self._finish()
+
+    def _abandon(self) -> None:
+        for _, names, sb in self._batches:
+            try:
+                sb.abandon()
+            except BaseException as e2:  # noqa: BLE001 - the first failure is the one to report
+                log.error("giving back the snapshot of %s after epoch %d failed: %s", names, self.epoch, e2)
+        for _, name, s in self._singles:
+            try:
+                s.abandon()
+            except BaseException as e2:  # noqa: BLE001 - the first failure is the one to report
+                log.error("giving back the snapshot of %r after epoch %d failed: %s", name, self.epoch, e2)
 
     def _fail(self, e: BaseException, *, committed: bool) -> None:
         last = self.epoch if committed else self._log.last_epoch
@@ -329,7 +405,7 @@ class PendingEpoch:
         err.__cause__ = e
         self.error, self.committed = err, committed
         log.error("%s", err)
-        self._done.set()
+        self._finish()
 
 
 class _EpochWriter:
@@ -362,7 +438,7 @@ def _drain_at_exit() -> None:
     """An interpreter exiting without close(): let an in-flight epoch finish (the writer thread is a daemon)."""
     for rt in list(_with_writers):
         job = rt._inflight
-        if job is not None and not job._done.wait(_EXIT_DRAIN_S):
+        if job is not None and not job._await(_EXIT_DRAIN_S):
             log.error("exiting with epoch %d of %s still in flight after %.0f s: it is lost (not committed)",
                       job.epoch, rt.log_dir, _EXIT_DRAIN_S)
 
@@ -379,10 +455,20 @@ class _FrozenMeta:
         return json.loads(self.text)
 
 
-def _frozen_meta(meta: Any) -> _FrozenMeta | None:
-    """A private copy of an epoch's metadata, checked JSON-able now."""
+@dataclass(frozen=True)
+class _HandedMeta:
+    """An epoch's metadata handed over by a caller that never changes it again (``copy_meta=False``): no copy,
+    and the writer encodes it (once, in the log append)."""
+
+    value: Any
+
+
+def _frozen_meta(meta: Any, copy: bool = True) -> _FrozenMeta | _HandedMeta | None:
+    """A private copy of an epoch's metadata, checked JSON-able now (or, ``copy=False``, the object itself)."""
     if meta is None:
         return None
+    if not copy:
+        return _HandedMeta(meta)
     try:
         return _FrozenMeta(encode_json(meta))
     except (TypeError, ValueError) as e:
@@ -427,6 +513,7 @@ class Runtime:
         self._closed = False
         self._mutable: list[tuple[str, Tracker]] | None = None  # trackers that are not immutable (cached)
         self._nbytes: int | None = None  # bytes of every tracked region (cached)
+        self._plan: _StagePlan | None = None  # how checkpoint_async stages the registry (cached)
         replayed = self.log.replayed
         self.opened_meta: Any = replayed.meta if replayed is not None else None  # the log's last metadata at open
 
@@ -482,7 +569,7 @@ class Runtime:
             tracker = None if kind is RegionKind.SCRATCH else self._make_tracker(spec, buf, dirty_blocks, where)
             self.table.add(spec, where)
             self._buffers[name] = buf
-            self._mutable, self._nbytes = None, None
+            self._registry_changed()
             if tracker is not None:
                 self._trackers[name] = tracker
                 self._pending_defs[name] = spec
@@ -508,7 +595,7 @@ class Runtime:
     def unregister(self, name: str) -> None:
         with self._mutex:
             self._drain(raise_failure=False)
-            self._mutable, self._nbytes = None, None
+            self._registry_changed()
             self.table.remove(name)
             self._buffers.pop(name, None)
             tracker = self._trackers.pop(name, None)
@@ -517,6 +604,24 @@ class Runtime:
                 if self._pending_defs.pop(name, None) is None:
                     self._pending_drops.append(name)
                 self._needs_full.discard(name)
+
+    def forget(self, name: str) -> None:
+        """Drop a region that the log holds but this process does not register (a component whose layout
+        changed, after it restored the old regions): the next epoch records the drop, and recovery of any later
+        epoch no longer returns it. A name the log does not hold is dropped harmlessly."""
+        with self._mutex:
+            if name in self.table:
+                raise RegionError(f"region {name!r} is registered; use unregister({name!r})")
+            self._drain(raise_failure=False)
+            if name not in self._pending_drops:
+                self._pending_drops.append(name)
+
+    def _registry_changed(self) -> None:
+        """Drop what is cached about the registry (caller holds the mutex, no epoch in flight)."""
+        self._mutable, self._nbytes = None, None
+        if self._plan is not None:
+            self._plan.close()
+            self._plan = None
 
     # ------------------------------------------------------------------------------------- checkpoint
     def checkpoint(self, meta: Any = None) -> int:
@@ -546,22 +651,27 @@ class Runtime:
             self.last_stats = CheckpointStats(res.epoch, res.n_pages, res.payload_bytes, res.total_bytes,
                                               self._full_bytes(), took, t1 - tb, t2 - t1, res.region_pages,
                                               call_seconds=took, backpressure_seconds=tb - t0,
-                                              commit_latency_seconds=t2 - t0, snapshot_device_bytes=sum(
-                                                  self._trackers[d.spec.name].snapshot_device_bytes for d in deltas))
+                                              commit_latency_seconds=t2 - t0,
+                                              snapshot_device_bytes=self._snapshot_bytes(deltas))
             self._appended_since_compact += res.total_bytes
             self._maybe_compact()
             return res.epoch
 
-    def checkpoint_async(self, meta: Any = None) -> PendingEpoch:
+    def checkpoint_async(self, meta: Any = None, *, copy_meta: bool = True) -> PendingEpoch:
         """Start an epoch of every region's dirty pages and ``meta`` and return without waiting for the log.
 
         On the calling thread: wait for the previous asynchronous epoch if it is still in flight (backpressure:
         at most ONE epoch is ever pending; ``stats.backpressure_seconds`` says how long), raise its failure if
         it failed, then snapshot this epoch's pages. A CUDA region's snapshot is enqueued on torch's current
-        stream, after the caller's work: detection and a gather (opaque, paged) or one D2D copy (dense) into a
-        device buffer, then an event, with no host synchronisation, so GPU work launched after this call
-        returns may rewrite the region at once. A host region's snapshot is a copy. A paged region's dirty
-        flags are taken (cleared) now and flagged again if the epoch fails. ``meta`` is copied now.
+        stream, after the caller's work: detection and a gather (opaque, paged) into a device buffer, then an
+        event; the dense regions of a device are ONE batch: D2D copies into one device buffer (regions adjacent
+        in memory share a copy) and one event. No host synchronisation, so GPU work launched after this call
+        returns may rewrite the regions at once. A host region's snapshot is a copy (dense host regions: one
+        copy each into one reused staging buffer). A paged region's dirty flags are taken (cleared) now and
+        flagged again if the epoch fails. ``meta`` is copied now (as JSON, so a value that is not JSON-able
+        raises ``ConfigError`` here); ``copy_meta=False`` hands the object over instead, for a caller that builds
+        a fresh one per call and never changes it afterwards (``LoraTrainer`` does): no copy on this thread, the
+        writer encodes it, and a value that is not JSON-able fails the epoch in the background.
 
         On the background writer: wait for the snapshot, copy it DtoH into pinned memory, append and commit
         the epoch, then advance the trackers from exactly the committed bytes.
@@ -575,9 +685,10 @@ class Runtime:
         the next checkpoint, ``wait()`` or ``close()`` (or by the handle's ``wait()``, then not again); the
         regions' changes are logged again by the next epoch.
 
-        Memory: the first asynchronous epoch allocates a device snapshot buffer the size of each mutable CUDA
-        region (plus one byte per block for paged regions; immutable regions need none):
-        ``snapshot_device_bytes`` reports it. Call ``wait()`` before ``recover_into()``.
+        Memory: the first asynchronous epoch allocates a device snapshot buffer the padded size of each mutable
+        CUDA region (plus one byte per block for paged regions; immutable regions need none):
+        ``snapshot_device_bytes`` reports it; and a host staging buffer the padded size of the dense host
+        regions. Call ``wait()`` before ``recover_into()``.
         """
         with self._mutex:
             if self._closed:
@@ -585,20 +696,30 @@ class Runtime:
             t0 = time.perf_counter()
             self._drain()
             t1 = time.perf_counter()
-            frozen = _frozen_meta(meta)
-            staged: list[tuple[str, StagedDelta]] = []
+            frozen = _frozen_meta(meta, copy_meta)
+            plan = self._plan if self._plan is not None else self._build_plan()
+            needs_full = self._needs_full
+            batches: list[tuple[tuple[int, ...], tuple[str, ...], StagedBatch]] = []
+            singles: list[tuple[int, str, StagedDelta]] = []
             try:
-                for name, tracker in self._epoch_trackers():
-                    staged.append((name, tracker.stage(full=name in self._needs_full)))
+                for idx, names, batch in plan.batches:  # dense regions: every page, whatever ``full`` says
+                    batches.append((idx, names, batch.stage()))
+                for i, name, tracker in plan.singles:
+                    singles.append((i, name, tracker.stage(full=name in needs_full)))
+                if needs_full:  # an immutable region until its full epoch has committed
+                    for i, name, tracker in plan.immutables:
+                        if name in needs_full:
+                            singles.append((i, name, tracker.stage(full=True)))
             except BaseException:
-                for _, s in staged:
+                for _, _, sb in batches:
+                    sb.abandon()
+                for _, _, s in singles:
                     s.abandon()
                 raise
-            job = PendingEpoch(self, self.log, (self.log.last_epoch or 0) + 1, staged,
+            job = PendingEpoch(self, self.log, (self.log.last_epoch or 0) + 1, batches, singles, plan=plan,
                                defs=list(self._pending_defs.values()), drops=list(self._pending_drops),
-                               full=set(self._needs_full), meta=frozen, started=t0, backpressure_seconds=t1 - t0,
-                               full_bytes=self._full_bytes(),  # (immutable regions hold no snapshot)
-                               snapshot_device_bytes=sum(self._trackers[n].snapshot_device_bytes for n, _ in staged))
+                               full=set(needs_full), meta=frozen, started=t0, backpressure_seconds=t1 - t0,
+                               full_bytes=self._full_bytes())
             if self._writer is None:
                 self._writer = _EpochWriter(f"concordia-epochs-{self.log_dir.name}")
                 _with_writers.add(self)
@@ -621,8 +742,22 @@ class Runtime:
 
     @property
     def snapshot_device_bytes(self) -> int:
-        """Device memory the trackers hold for asynchronous snapshots (allocated by the first async epoch)."""
-        return sum(t.snapshot_device_bytes for t in self._trackers.values())
+        """Device memory held for asynchronous snapshots (allocated by the first async epoch)."""
+        held = sum(t.snapshot_device_bytes for t in self._trackers.values())
+        if self._plan is not None:
+            held += sum(b.snapshot_device_bytes for _, _, b in self._plan.batches)
+        return held
+
+    def _snapshot_bytes(self, deltas: list[RegionDelta]) -> int:
+        """snapshot_device_bytes, asking only the regions of an epoch (not hundreds of immutable weights)."""
+        held = sum(self._trackers[d.spec.name].snapshot_device_bytes for d in deltas)
+        if self._plan is not None:
+            held += sum(b.snapshot_device_bytes for _, _, b in self._plan.batches)
+        return held
+
+    def _build_plan(self) -> _StagePlan:
+        self._plan = _StagePlan(self._trackers)
+        return self._plan
 
     def _epoch_trackers(self) -> list[tuple[str, Tracker]]:
         """The trackers an epoch asks for pages: an immutable region only until its full epoch committed (a
@@ -643,7 +778,7 @@ class Runtime:
         """Wait for the in-flight asynchronous epoch and take its outcome (caller holds the mutex)."""
         job = self._inflight
         if job is not None:
-            job._done.wait()
+            job._await()
             self._reap(job)
         if raise_failure and self._unreported is not None:
             err, self._unreported = self._unreported, None
@@ -664,7 +799,7 @@ class Runtime:
                 self._needs_full -= job._full
             if job.error is not None:
                 if job.error.committed:  # the trackers' baselines are unknown: log everything next time
-                    self._needs_full |= {n for n, _ in job._staged if n in self._trackers}
+                    self._needs_full |= {n for n in job._region_names() if n in self._trackers}
                 self._unreported = job.error
             if job.stats is not None:
                 self.last_stats = job.stats
@@ -821,6 +956,8 @@ class Runtime:
                 self._writer = None
             self._join_compactor()
             with self._mutex:
+                if self._plan is not None:
+                    self._plan.close()
                 for t in self._trackers.values():
                     t.close()
                 self.log.close()

@@ -9,6 +9,7 @@ Data is fresh random every run (the seed is in every assertion message)."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -170,29 +171,136 @@ def test_a_failed_async_epoch_flags_its_blocks_again_and_the_retry_logs_everythi
         assert np.array_equal(rec.regions[name], _host(want)), (seed, name)
 
 
+def test_dense_regions_of_a_device_are_one_batch_and_adjacent_ones_share_a_copy(shm_dir: Path) -> None:
+    """The dense CUDA regions of a runtime are staged as ONE batch: slices of one arena that are whole pages
+    and adjacent share one D2D copy (as LoRA's adapter and moments do), a region that is not whole pages ends
+    that copy, a region after its pad or elsewhere has its own. The snapshot is still the state at the call:
+    writes queued right after it, behind a busy GPU, never reach the epoch; every epoch replays exactly and
+    logs the pages a CPU runtime logs for the same states."""
+    seed = _seed()
+    g = torch.Generator().manual_seed(seed)
+    f = PAGE // 4  # float32 elements per page
+    arena = torch.randn(2 * f + 3 * f + 1000 + f, generator=g).to("cuda")
+    t = {"a": arena[: 2 * f], "b": arena[2 * f: 5 * f],  # 2 and 3 whole pages, adjacent
+         "c": arena[5 * f: 5 * f + 1000],  # 4000 bytes: ends the shared copy (its pad is not arena bytes)
+         "d": arena[5 * f + 1000:],  # right after c in memory, after c's pad in the snapshot: its own copy
+         "e": torch.randn(777, generator=g).to(torch.bfloat16).to("cuda"),  # another allocation
+         "hash": torch.randn(50_003, generator=g).to("cuda")}
+    rt = cft.Runtime(shm_dir / "gpu", fsync="never", compact_after_bytes=None)
+    for name, buf in t.items():
+        rt.register(name, buf, "opaque" if name == "hash" else "dense")
+    states, handles = [], []
+    for step in range(5):
+        arena.mul_(-1.5).add_(step)
+        t["e"].add_(1.0)
+        t["hash"][int(step * 1000)] += 1.0
+        torch.cuda._sleep(BUSY_CYCLES)
+        states.append({k: v.clone() for k, v in t.items()})
+        handles.append(rt.checkpoint_async({"step": step}))
+        arena.neg_()  # queued behind the busy GPU, after the snapshot: the next epoch's
+        t["e"].zero_()
+        if step % 2:
+            assert handles[-1].wait() == step + 1
+            rec = cft.recover(shm_dir / "gpu")
+            for name, want in states[-1].items():
+                assert np.array_equal(rec.regions[name], _host(want)), (seed, step, name)
+        arena.neg_()
+        t["e"].copy_(states[-1]["e"])
+    batches = [b for _, _, b in rt._plan.batches]
+    assert [type(b).__name__ for b in batches] == ["CudaDenseBatch"] and len(batches[0].specs) == 5
+    copies = batches[0].copies
+    assert len(copies) == 3, copies  # a+b+c, d, e
+    assert (PAGE * 2 + PAGE * 3 + 4000) in [n for _, _, n in copies]
+    dense_padded = sum(-(-v.numel() * v.element_size() // PAGE) * PAGE for k, v in t.items() if k != "hash")
+    assert batches[0].snapshot_device_bytes == dense_padded
+    hash_padded = -(-t["hash"].numel() * 4 // PAGE) * PAGE
+    assert rt.snapshot_device_bytes == dense_padded + hash_padded, seed  # + the opaque region's snapshot
+    for h in handles:
+        h.wait()
+        assert h.stats.region_pages["c"] == 1 and h.stats.region_pages["a"] == 2, seed
+    rt.close()
+    rec = cft.recover(shm_dir / "gpu")
+    assert rec.epoch == 5
+    for name, want in states[-1].items():
+        assert np.array_equal(rec.regions[name], _host(want)), (seed, name)
+
+
 def test_lora_on_the_gpu_commits_each_steps_exact_state(tmp_path: Path) -> None:
-    """Async LoRA epochs on the GPU: the committed adapter and moments are the bytes right after each step
-    (device copies taken after train_step returned, before the next step rewrites them)."""
+    """Async LoRA epochs on the GPU: the committed adapter, moments and lora.state (AdamW's step counters, the
+    CPU RNG state) are the bytes right after each step (copies taken after train_step returned, before the next
+    step rewrites them). The adapter and moments are one arena: ONE D2D copy per step."""
     pytest.importorskip("peft")
     from concordia_ft.integrations.peft import LoraTrainer, synthetic_batch
     from llm_helpers import VOCAB, tiny_model
 
     t = LoraTrainer(tiny_model("qwen3").to("cuda"), tmp_path / "log", lr=1e-2)
     assert t.async_checkpoint  # the default
-    after: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    after: dict[int, tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
     for k in range(6):
         res = t.train_step(synthetic_batch(k, vocab=VOCAB, device="cuda"))
-        after[res.step] = (t.params_flat.clone(), t.adam_flat.clone())
+        after[res.step] = (t.params_flat.clone(), t.adam_flat.clone(), t.state_flat.numpy().copy())
         if res.step == 3:
             assert t.wait() == 3 and res.durable
             rec = cft.recover(tmp_path / "log")
             assert rec.epoch == 3 and rec.meta["concordia.lora"]["step"] == 3
             assert np.array_equal(rec.regions["lora.params"], _host(after[3][0]))
             assert np.array_equal(rec.regions["lora.adam"], _host(after[3][1]))
+            assert np.array_equal(rec.regions["lora.state"], after[3][2])
+    device_batches = [b for _, _, b in t.runtime._plan.batches if type(b).__name__ == "CudaDenseBatch"]
+    assert len(device_batches) == 1 and len(device_batches[0].copies) == 1  # params + moments: one copy
     assert t.runtime.snapshot_device_bytes >= 3 * t.params_flat.numel() * 4
     t.close()
     assert all(r.durable for r in t.stats.results) and t.committed_step == 6
     rec = cft.recover(tmp_path / "log")
-    assert rec.epoch == 6
+    assert rec.epoch == 6 and sorted(rec.regions) == ["lora.adam", "lora.params", "lora.state"]
     assert np.array_equal(rec.regions["lora.params"], _host(after[6][0]))
     assert np.array_equal(rec.regions["lora.adam"], _host(after[6][1]))
+    assert np.array_equal(rec.regions["lora.state"], after[6][2])
+    n = len(t.param_names)
+    assert (rec.regions["lora.state"][: 4 * n].view(np.float32) == 6).all()
+
+
+def _eager_model(family: str) -> torch.nn.Module:
+    """The tiny model on the GPU with eager attention (plain matmuls: the same arithmetic on every run)."""
+    from llm_helpers import tiny_model
+
+    m = tiny_model(family)
+    m.set_attn_implementation("eager")
+    return m.to("cuda")
+
+
+def test_lora_on_the_gpu_resumes_with_the_same_losses(tmp_path: Path) -> None:
+    """Recovered onto a fresh GPU model (lora.params and lora.adam restored into the CUDA arena, lora.state
+    into host memory), training continues with the losses of an uninterrupted run, bit for bit; a log of the
+    layout before lora.state (tests/data/lora-layout1, written on a CPU) restores onto the GPU too."""
+    pytest.importorskip("peft")
+    from concordia_ft.integrations.peft import LoraTrainer, default_lora_config, synthetic_batch
+    from llm_helpers import LAYOUT1_LORA, LAYOUT1_LR, LAYOUT1_STEPS, VOCAB
+
+    def batch(k: int) -> dict[str, torch.Tensor]:
+        return synthetic_batch(k, vocab=VOCAB, device="cuda")
+
+    steps, cut = 6, 3
+    with LoraTrainer(_eager_model("qwen3"), tmp_path / "ref", lr=1e-2) as ref:
+        ref_losses = [r.loss for r in ref.train(batch, steps)]
+    with LoraTrainer(_eager_model("qwen3"), tmp_path / "log", lr=1e-2) as t:
+        t.train(batch, cut)
+    t = LoraTrainer.recover(tmp_path / "log", _eager_model("qwen3"), lr=1e-2)
+    assert t.params_flat.is_cuda and t.step == cut
+    resumed = [r.loss for r in t.train(batch, steps)]
+    t.close()
+    assert resumed == ref_losses[cut:]
+    assert len(set(ref_losses)) == steps
+
+    log1 = tmp_path / "layout1"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "lora-layout1", log1)
+    old = cft.recover(log1)
+    t = LoraTrainer.recover(log1, _eager_model("qwen3"), lora_config=default_lora_config(**LAYOUT1_LORA),
+                            lr=LAYOUT1_LR)
+    assert t.step == LAYOUT1_STEPS
+    assert np.array_equal(_host(t.params_flat), old.regions["lora.params"])
+    assert np.array_equal(_host(t.adam_flat), old.regions["lora.adam"])
+    assert t.steps_flat.numpy().tobytes() == old.regions["lora.steps"].tobytes()
+    t.train(batch, LAYOUT1_STEPS + 1)
+    t.close()
+    assert sorted(cft.recover(log1).regions) == ["lora.adam", "lora.params", "lora.state"]

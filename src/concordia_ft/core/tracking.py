@@ -25,6 +25,12 @@ the snapshot after its own work and never waits for the device:
 At most one staged epoch per tracker is outstanding: the runtime finishes (commits or abandons) the previous
 one before it stages the next, so an opaque region's next scan compares against the in-flight epoch's bytes.
 
+Dense regions have nothing to find and no baseline to advance, so an asynchronous epoch stages them together:
+each backend groups its dense regions into a ``DenseBatch`` (CUDA: one per device), whose ``stage()`` snapshots
+every member at once (CUDA: the copies of ``plan_dense_copies`` into one device buffer and ONE event; host: one
+copy per member into one staging buffer) instead of a stage, an event and their bookkeeping per region. The
+per-call cost is then that of the batch, not of the number of dense regions.
+
 A ``RegionDelta``'s payload holds ``len(pages) * page_bytes`` bytes, pages in ascending order, each page's
 bytes at ``i * page_bytes``. The last page of a region that is not a whole number of pages is zero-padded in
 the payload; restore writes only the region's real bytes.
@@ -80,6 +86,36 @@ class StagedDelta(Protocol):
         ...
 
 
+class StagedBatch(Protocol):
+    """A ``DenseBatch``'s share of an asynchronous epoch: every member's whole region, snapshotted together."""
+
+    def results(self) -> list[RegionDelta]:
+        """Wait for the snapshot; one delta per member (``DenseBatch.specs`` order), every page, staged in host
+        memory that stays valid until the batch's next stage. Runs on the background writer."""
+        ...
+
+    def commit(self) -> None:
+        """The epoch committed: the members hold a committed baseline (dense regions keep no other state)."""
+        ...
+
+    def abandon(self) -> None:
+        """The epoch did not commit (nothing to give back: the next epoch logs every page again)."""
+        ...
+
+
+class DenseBatch(Protocol):
+    """The dense regions of one backend (and device), staged together by asynchronous epochs."""
+
+    specs: list[RegionSpec]  # the members, in the order ``results()`` returns their deltas
+
+    def stage(self) -> StagedBatch: ...
+
+    @property
+    def snapshot_device_bytes(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
 class Tracker(Protocol):
     """Finds, stages and restores the dirty pages of one registered region."""
 
@@ -119,3 +155,25 @@ def runs_to_pages(runs: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     total = int(lengths.sum())
     offsets = np.repeat(starts - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
     return (offsets + np.arange(total, dtype=np.int64)).astype(np.int64)
+
+
+def plan_dense_copies(regions: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """The copies that snapshot dense regions into ONE buffer in which region ``i`` starts after the padded sizes
+    of the regions before it. ``regions``: (address, nbytes, padded_bytes) in buffer order. Returns
+    (buffer offset, source address, nbytes) per copy. A region that is a whole number of pages and ends where the
+    next one starts shares its copy with it (LoRA's adapter and moments in one arena: one copy for both); any
+    other region gets its own copy, so a padded tail's bytes in the buffer are never written (zero)."""
+    copies: list[tuple[int, int, int]] = []
+    dst = 0
+    extends = False  # the previous region was whole pages: its copy ends exactly where this one's bytes go
+    for addr, nbytes, padded in regions:
+        if not 0 < nbytes <= padded:
+            raise AssertionError(f"a region of {nbytes} bytes padded to {padded}")
+        if extends and copies[-1][1] + copies[-1][2] == addr:
+            off, src, n = copies[-1]
+            copies[-1] = (off, src, n + nbytes)
+        else:
+            copies.append((dst, addr, nbytes))
+        extends = nbytes == padded
+        dst += padded
+    return copies

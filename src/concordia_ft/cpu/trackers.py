@@ -2,6 +2,7 @@
 
 Every GPU handler is tested against these. No Python loop runs over pages: dirty detection is one
 vectorised compare (shadow) or one vectorised hash per page (hash), gathers are fancy indexing.
+``CpuDenseBatch`` stages every dense host region of an asynchronous epoch at once (core/tracking.py).
 """
 
 from __future__ import annotations
@@ -240,3 +241,64 @@ class CpuStaged:
         if self._taken is not None and len(self._taken) and t.dirty_blocks is not None:
             t.dirty_blocks[self._taken] = 1  # flagged again: the next epoch logs these blocks' current bytes
         t._pending_hashes = None
+
+
+class CpuDenseBatch:
+    """The dense host regions of a runtime, staged together by asynchronous epochs (core/tracking.py's
+    DenseBatch). The first stage allocates ONE zeroed staging buffer holding every member at its padded offset
+    and builds each member's delta (every page; the payload a view of its slice) once; each stage is then one
+    copy per member and nothing else. The payload bytes are exactly ``CpuTracker.stage``'s: the region, then
+    zeros to the end of its last page. The staging buffer is reused by the next stage (the runtime stages
+    again only after the epoch in flight has finished), so it costs one padded copy of the dense host regions,
+    held from the first asynchronous epoch on."""
+
+    def __init__(self, trackers: list[CpuTracker]) -> None:
+        for t in trackers:
+            if t.spec.kind is not RegionKind.DENSE:
+                raise AssertionError(f"region {t.spec.name!r} is {t.spec.kind.value}, not dense")
+        self.trackers = trackers
+        self.specs = [t.spec for t in trackers]
+        self._copies: list[tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]] = []
+        self._deltas: list[RegionDelta] = []
+
+    def _allocate(self) -> None:
+        sizes = [t.spec.n_pages * t.spec.page_bytes for t in self.trackers]
+        staging = np.zeros(sum(sizes), dtype=np.uint8)
+        off = 0
+        for t, padded in zip(self.trackers, sizes, strict=True):
+            pages = np.arange(t.spec.n_pages, dtype=np.int64)
+            pages.flags.writeable = False
+            self._copies.append((staging[off : off + t.spec.nbytes], t.buf))
+            self._deltas.append(RegionDelta(t.spec, pages, memoryview(staging[off : off + padded])))
+            off += padded
+
+    def stage(self) -> CpuStagedBatch:
+        if not self._deltas:
+            self._allocate()
+        for dst, src in self._copies:
+            np.copyto(dst, src)
+        return CpuStagedBatch(self)
+
+    @property
+    def snapshot_device_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self._copies, self._deltas = [], []
+
+
+class CpuStagedBatch:
+    """A CpuDenseBatch's share of an asynchronous epoch: the copies are made, ``results`` is free."""
+
+    def __init__(self, batch: CpuDenseBatch) -> None:
+        self._batch = batch
+
+    def results(self) -> list[RegionDelta]:
+        return self._batch._deltas
+
+    def commit(self) -> None:
+        for t in self._batch.trackers:
+            t._synced = True
+
+    def abandon(self) -> None:
+        return None

@@ -29,6 +29,11 @@ then an event. The background writer waits for the event, copies the snapshot Dt
 buffer on the tracker's own non-blocking stream, and after the commit advances shadows / hashes from the
 snapshot on that stream. Immutable regions take no snapshot (their contract is that they never change): their
 one full epoch is copied straight from the region after the event.
+
+Dense regions are staged by a ``CudaDenseBatch`` per device instead (``batch_dense``; core/tracking.py): one
+device snapshot holding every member, the D2D copies planned once (``plan_dense_copies``: regions adjacent in
+memory share one copy, e.g. LoRA's adapter and moments in one arena), ONE event; the writer copies each member
+DtoH into that member's own pinned staging buffer (the one its sync ``collect`` uses).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..core.regions import DiffMode, RegionKind, RegionSpec
-from ..core.tracking import RegionDelta, pages_to_runs
+from ..core.tracking import RegionDelta, pages_to_runs, plan_dense_copies
 from ..errors import ConfigError, RegionError
 from . import driver
 from .handlers import HandlerModule, reference_page_hash
@@ -472,6 +477,108 @@ class DenseTracker(CudaTracker):
 
     def collect(self, *, full: bool) -> RegionDelta:
         return super().collect(full=True)
+
+
+class CudaDenseBatch:
+    """The dense regions of one device, staged together by asynchronous epochs (core/tracking.py's DenseBatch).
+
+    Members are laid out in the snapshot in address order (so regions adjacent in memory share a copy). The
+    first stage allocates the snapshot (zeroed on the caller's stream, before the first copies: the copies
+    never write a padded tail, so it stays zero), an event and a side stream. Each stage is then: torch's
+    current stream, the planned D2D copies, one event record; no host synchronisation. The background writer
+    waits for the event on the side stream, copies each member DtoH into its tracker's pinned staging buffer
+    and synchronises the side stream once."""
+
+    def __init__(self, trackers: list[DenseTracker]) -> None:
+        members = sorted(trackers, key=lambda t: t.base)
+        devices = {t.device for t in members}
+        if len(devices) != 1:
+            raise AssertionError(f"one batch per device; got devices {sorted(devices)}")
+        self.trackers = members
+        self.specs = [t.spec for t in members]
+        self.device = members[0].device
+        self._lead = members[0]  # its stream (torch's current one, unless the tracker was given a stream)
+        self.offsets = list(np.cumsum([0] + [t.padded_bytes for t in members[:-1]]).tolist())
+        self.padded_bytes = sum(t.padded_bytes for t in members)
+        self.copies = plan_dense_copies([(t.base, t.spec.nbytes, t.padded_bytes) for t in members])
+        self._pages = [np.arange(t.n_pages, dtype=np.int64) for t in members]
+        for p in self._pages:
+            p.flags.writeable = False
+        self._snap: DeviceBuffer | None = None
+        self._ready: driver.Event | None = None
+        self._side: driver.Stream | None = None
+
+    def stage(self) -> CudaStagedBatch:
+        """Snapshot every member in stream order after the caller's work; no host synchronisation."""
+        driver.ensure_context(self.device)
+        stream = self._lead.stream
+        if self._snap is None:
+            self._snap = DeviceBuffer(self.padded_bytes)
+            driver.memset_d8_async(self._snap.ptr, 0, self.padded_bytes, stream)  # ordered before the copies
+            self._ready = driver.Event(timing=False)
+            self._side = driver.Stream.create(non_blocking=True, device=self.device)
+        base = self._snap.ptr
+        for off, src, nbytes in self.copies:
+            driver.memcpy_dtod_async(base + off, src, nbytes, stream)
+        assert self._ready is not None
+        self._ready.record(stream)
+        return CudaStagedBatch(self)
+
+    def _results(self) -> list[RegionDelta]:
+        """Background writer: wait for the snapshot, copy each member DtoH into its pinned staging buffer."""
+        driver.ensure_context(self.device)
+        side, ready, snap = self._side, self._ready, self._snap
+        assert side is not None and ready is not None and snap is not None, "results of a stage that never ran"
+        side.wait_event(ready)
+        for t, off in zip(self.trackers, self.offsets, strict=True):
+            driver.memcpy_dtoh_async(t._staging(t.padded_bytes).host_ptr, snap.ptr + off, t.padded_bytes, side)
+        side.synchronize()
+        out = []
+        for t, pages in zip(self.trackers, self._pages, strict=True):
+            assert t._staging_view is not None
+            out.append(RegionDelta(t.spec, pages, t._staging_view[: t.padded_bytes], scanned_bytes=t.spec.nbytes))
+        return out
+
+    @property
+    def snapshot_device_bytes(self) -> int:
+        return self._snap.nbytes if self._snap is not None else 0
+
+    def close(self) -> None:
+        if self._snap is not None:
+            self._snap.close()
+            self._snap = None
+        if self._ready is not None:
+            self._ready.close()
+            self._ready = None
+        if self._side is not None:
+            self._side.close()
+            self._side = None
+
+
+class CudaStagedBatch:
+    """A CudaDenseBatch's share of an asynchronous epoch (core/tracking.py's StagedBatch)."""
+
+    def __init__(self, batch: CudaDenseBatch) -> None:
+        self._batch = batch
+
+    def results(self) -> list[RegionDelta]:
+        return self._batch._results()
+
+    def commit(self) -> None:
+        for t in self._batch.trackers:
+            t.initialised = True
+
+    def abandon(self) -> None:
+        return None
+
+
+def batch_dense(trackers: list[DenseTracker]) -> list[CudaDenseBatch]:
+    """One CudaDenseBatch per device (and per fixed stream) for the dense regions of a runtime."""
+    groups: dict[tuple[int, int], list[DenseTracker]] = {}
+    for t in trackers:
+        key = (t.device, 0 if t._stream is None else t._stream.handle)
+        groups.setdefault(key, []).append(t)
+    return [CudaDenseBatch(ts) for ts in groups.values()]
 
 
 class ImmutableTracker(CudaTracker):

@@ -2,20 +2,30 @@
 
 Every trainable adapter tensor is moved into ONE flat buffer (``lora.params``), and AdamW's ``exp_avg`` /
 ``exp_avg_sq`` into another (``lora.adam``), both registered ``dense`` (every page is rewritten by each step:
-no scan). AdamW's per-parameter ``step`` counters (CPU scalars unless fused) live in ``lora.steps``. The base
-weights are frozen: not logged by default (reload them from their files), or registered ``immutable`` with
-``log_weights=True`` (base snapshot once, never diffed). The metadata of each epoch holds the step number,
-the loss and the torch CPU RNG state (dropout), so a killed run resumes with the same next-step loss as an
-uninterrupted one as long as the data for step ``k`` is a function of ``k`` (``batch_fn(step)``).
+no scan). The two are slices of one arena, the moments starting at the first page boundary after the adapter,
+so an asynchronous epoch snapshots both with ONE device copy when the adapter is a whole number of pages (the
+runtime's dense batch; a second copy otherwise). AdamW's per-parameter ``step`` counters (CPU scalars unless
+fused) and the torch CPU RNG state (dropout) share one small host region, ``lora.state``: the counters as
+float32 from byte 0, the RNG state after them. The base weights are frozen: not logged by default (reload them
+from their files), or registered ``immutable`` with ``log_weights=True`` (base snapshot once, never diffed).
+The metadata of each epoch holds the step number and the loss, so a killed run resumes with the same
+next-step loss as an uninterrupted one as long as the data for step ``k`` is a function of ``k``
+(``batch_fn(step)``).
+
+Layouts: the metadata's ``layout`` says which regions hold the state. 2 (this version): ``lora.params``,
+``lora.adam``, ``lora.state``. 1 (no ``layout`` key; written before): the counters in ``lora.steps`` and the RNG
+state in ``lora.rng``. ``recover`` reads both; after recovering a layout-1 log the next epoch logs
+``lora.state`` and drops the two old regions, so the log continues in layout 2.
 
 Asynchronous epochs (``async_checkpoint=True``, the default): each ``train_step`` ends with
 ``Runtime.checkpoint_async``, which only snapshots the adapter and moments on the GPU (one D2D copy, in stream
-order) and returns; the log write runs on a background thread while the next step computes. A step's epoch is
-durable once the next step's checkpoint (or ``wait()``, ``train()``'s end, ``close()``) has waited for it, so a
-crash loses at most the last step, and ``recover`` continues from the last committed step with the same losses.
-The default is async because that exactness holds either way while sync epochs hold every step up for the whole
-log write (28 ms of a 144 ms step on the H200 benchmark); the price is one step of loss window and a device copy
-of the dense state (``runtime.snapshot_device_bytes``, 53 MB for Qwen2.5-0.5B r=8).
+order) and the small host region (one copy) and returns; the log write runs on a background thread while the
+next step computes. A step's epoch is durable once the next step's checkpoint (or ``wait()``, ``train()``'s end,
+``close()``) has waited for it, so a crash loses at most the last step, and ``recover`` continues from the last
+committed step with the same losses. The default is async because that exactness holds either way while sync
+epochs hold every step up for the whole log write (28 ms of a 144 ms step on the H200 benchmark); the price is
+one step of loss window and a device copy of the dense state (``runtime.snapshot_device_bytes``, 53 MB for
+Qwen2.5-0.5B r=8).
 """
 
 from __future__ import annotations
@@ -26,15 +36,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
+from ..core.regions import DEFAULT_PAGE_BYTES
 from ..errors import ConfigError, RecoveryError
 
 if TYPE_CHECKING:
     from ..runtime import PendingEpoch
 
 META_KEY = "concordia.lora"
+LAYOUT = 2  # the regions this version writes (see the module docstring); recover() also reads layout 1
+STATE_PAGE_BYTES = 512  # lora.state is a few KB: small pages keep its padding small
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -46,17 +58,22 @@ def default_lora_config(r: int = 8, alpha: int = 16, dropout: float = 0.0,
                       task_type="CAUSAL_LM", bias="none")
 
 
-def _flatten_into(tensors: list[torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """One contiguous buffer holding every tensor; each tensor's storage is re-pointed at its slice."""
-    total = sum(t.numel() for t in tensors)
-    flat = torch.zeros(total, dtype=dtype, device=device)
+def _flatten_into(tensors: list[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy every tensor into consecutive slices of ``flat`` and re-point each tensor's storage at its slice."""
     off = 0
     for t in tensors:
         n = t.numel()
         flat[off: off + n].copy_(t.detach().reshape(-1))
         t.data = flat[off: off + n].view_as(t)
         off += n
-    return flat
+
+
+def plan_arena(n_params: int, element_bytes: int, page_bytes: int) -> tuple[int, int]:
+    """(moments offset, arena length) in elements: the adapter at 0, the two moments from the first page
+    boundary after it, so the adapter is whole pages of the arena and both regions start page-aligned."""
+    page_elems = max(1, page_bytes // element_bytes)
+    start = -(-n_params // page_elems) * page_elems
+    return start, start + 2 * n_params
 
 
 @dataclass
@@ -109,10 +126,20 @@ class LoraTrainer:
         self.param_names = [n for n, _ in named]
         params = [p for _, p in named]
         dev, dt = params[0].device, params[0].dtype
-        self.params_flat = _flatten_into(params, dev, dt)
-        n = self.params_flat.numel()
-        self.adam_flat = torch.zeros(2 * n, dtype=dt, device=dev)
-        self.steps_flat = torch.zeros(len(params), dtype=torch.float32)  # AdamW keeps `step` on the CPU
+        n = sum(p.numel() for p in params)
+        page_bytes = (_runtime.page_bytes if _runtime is not None
+                      else int((runtime_options or {}).get("page_bytes", DEFAULT_PAGE_BYTES)))
+        adam_at, arena_len = plan_arena(n, params[0].element_size(), page_bytes)
+        self.arena = torch.zeros(arena_len, dtype=dt, device=dev)  # adapter | zero pad | exp_avg, exp_avg_sq
+        self.params_flat = self.arena[:n]
+        _flatten_into(params, self.params_flat)
+        self.adam_flat = self.arena[adam_at:]
+        # lora.state: AdamW's `step` counters (CPU float32 scalars) from byte 0, then the CPU RNG state
+        rng_bytes = int(torch.get_rng_state().numel())
+        self.state_flat = torch.zeros(4 * len(params) + rng_bytes, dtype=torch.uint8)
+        self.steps_flat = self.state_flat[: 4 * len(params)].view(torch.float32)
+        self.rng_state = self.state_flat[4 * len(params):]  # torch.get_rng_state() is copied here
+        self.rng = self.rng_state.numpy()
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
         off = 0
         for i, p in enumerate(params):
@@ -123,7 +150,6 @@ class LoraTrainer:
                 "exp_avg_sq": self.adam_flat[n + off: n + off + k].view_as(p),
             }
             off += k
-        self.rng = np.zeros(torch.get_rng_state().numel(), np.uint8)
         self.step = 0
         self.last_loss: float | None = None
         self.stats = TrainStats()
@@ -137,8 +163,9 @@ class LoraTrainer:
         rt = self.runtime
         rt.register("lora.params", self.params_flat, kind="dense")
         rt.register("lora.adam", self.adam_flat, kind="dense")
-        rt.register("lora.steps", self.steps_flat, kind="dense", page_bytes=512)
-        rt.register("lora.rng", self.rng, kind="dense", page_bytes=512)
+        rt.register("lora.state", self.state_flat, kind="dense", page_bytes=STATE_PAGE_BYTES)
+        self._meta_fixed = {"layout": LAYOUT, "names_n": len(self.param_names), "n_params": n,
+                            "dtype": str(dt), "log_weights": log_weights}
         if log_weights:
             for name, p in self.model.named_parameters():
                 if not p.requires_grad:
@@ -149,13 +176,21 @@ class LoraTrainer:
         return int(self.params_flat.numel())
 
     def _meta(self) -> dict[str, Any]:
-        return {META_KEY: {"step": self.step, "loss": self.last_loss, "names_n": len(self.param_names),
-                           "n_params": self.n_adapter_params, "dtype": str(self.params_flat.dtype),
-                           "log_weights": self.log_weights, "time": time.time()}}
+        return {META_KEY: {**self._meta_fixed, "step": self.step, "loss": self.last_loss, "time": time.time()}}
+
+    def _state_targets(self, layout: int) -> dict[str, Any]:
+        """The registered buffers (or views of them) that the regions of a log of ``layout`` restore into."""
+        dense = {"lora.params": self.params_flat, "lora.adam": self.adam_flat}
+        if layout == 1:
+            return {**dense, "lora.steps": self.steps_flat, "lora.rng": self.rng}
+        if layout == LAYOUT:
+            return {**dense, "lora.state": self.state_flat}
+        raise RecoveryError(f"the log holds LoRA state in layout {layout}; this version of concordia_ft reads "
+                            f"layouts 1 and {LAYOUT}: recover it with the version that wrote it, or a newer one")
 
     def checkpoint(self) -> int:
         """Commit the current state as one epoch now (after the in-flight async epoch); return its number."""
-        self.rng[:] = torch.get_rng_state().numpy()
+        self.rng_state.copy_(torch.get_rng_state())
         try:
             epoch = int(self.runtime.checkpoint(meta=self._meta()))
         finally:
@@ -203,9 +238,9 @@ class LoraTrainer:
         if not checkpoint:
             res = StepResult(self.step, self.last_loss, -1, t1 - t0, 0.0, 0, 0, durable=False)
         elif self.async_checkpoint:
-            self.rng[:] = torch.get_rng_state().numpy()
-            try:
-                handle = self.runtime.checkpoint_async(meta=self._meta())  # waits for the previous epoch
+            self.rng_state.copy_(torch.get_rng_state())
+            try:  # waits for the previous epoch; the metadata dict is new and never changed: handed over
+                handle = self.runtime.checkpoint_async(meta=self._meta(), copy_meta=False)
             finally:
                 self._settle()
             t2 = time.perf_counter()
@@ -251,7 +286,11 @@ class LoraTrainer:
             if t.n_adapter_params != int(m["n_params"]):
                 raise RecoveryError(f"this LoRA config makes {t.n_adapter_params} adapter parameters; the log holds "
                                     f"{m['n_params']}: recover with the same base model and LoRA config")
-            t.runtime.recover_into()
+            layout = int(m.get("layout", 1))
+            t.runtime.recover_into(t._state_targets(layout))
+            if layout == 1:  # the next epoch logs lora.state (registered, not restored: logged in full)
+                t.runtime.forget("lora.steps")
+                t.runtime.forget("lora.rng")
             torch.set_rng_state(torch.from_numpy(t.rng.copy()))
             t.step, t.last_loss = int(m["step"]), m["loss"]
             t.committed_step = t.step
