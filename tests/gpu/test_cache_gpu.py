@@ -1,5 +1,5 @@
-"""The arena cache's GPU paths: dirty blocks set with one index copy + one kernel equal the CPU's, and the
-shared length counters read with one copy equal the per-layer counters, through prefill, decode and reset."""
+"""The arena cache on a GPU: the shared length counters (one device tensor, read with one copy) equal the
+per-layer counters, and the dirty blocks equal the CPU cache's, through prefill, decode, commits and reset."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ def test_gpu_dirty_blocks_and_lengths_equal_cpu(family: str) -> None:
     gen = torch.Generator().manual_seed(3)
     feeds = [ids] + [torch.randint(0, model.config.vocab_size, (1, int(n)), generator=gen)
                      for n in torch.randint(1, 4, (12,), generator=gen)]
-    marked_any = False
     with torch.no_grad():
         for step, feed in enumerate(feeds):
             got = {}
@@ -38,8 +37,7 @@ def test_gpu_dirty_blocks_and_lengths_equal_cpu(family: str) -> None:
                     cache.dirty_blocks.zero_()
             assert got["cpu"][0] == got["cuda"][0] and got["cpu"][1] == got["cuda"][1]
             assert torch.equal(got["cpu"][2], got["cuda"][2]), f"step {step}"
-            marked_any = marked_any or got["cuda"][1] > 2
-    assert marked_any  # the multi-span GPU path (index copy + index_fill_) ran
+            assert got["cuda"][1] >= 1  # every feed dirtied at least one block
     for cache in caches.values():  # reset() zeroes the counters in place: still the shared views
         cache.reset()
         assert cache.lengths() == [0] * len(cache.layers)

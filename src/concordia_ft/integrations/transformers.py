@@ -327,10 +327,6 @@ class ArenaKVCache(Cache):
             view.copy_(layer.cumulative_length)
             layer.cumulative_length = view
             self._full_views.append(view)
-        # mark_dirty on a GPU: the block indices go up in one copy and one index_fill_ (not a fill per span)
-        self._idx_host: torch.Tensor | None = None
-        self._idx_dev: torch.Tensor | None = None
-        self._idx_done: Any = None
 
     # -- lengths -------------------------------------------------------------------------------------------
     def lengths(self) -> list[int]:
@@ -378,32 +374,9 @@ class ArenaKVCache(Cache):
                 spans[-1] = (spans[-1][0], max(spans[-1][1], b1))
             else:
                 spans.append((b0, b1))
-        marked = sum(b1 - b0 for b0, b1 in spans)
-        if len(spans) <= 2 or self.dirty_blocks.device.type != "cuda":
-            for b0, b1 in spans:  # one fill per contiguous span (cheap on the CPU)
-                self.dirty_blocks[b0:b1] = 1
-        else:  # a decode token touches one block per layer: ~30 spans -> one copy + one kernel, not ~30 kernels
-            self._fill_blocks(spans, marked)
-        return marked
-
-    def _fill_blocks(self, spans: list[tuple[int, int]], marked: int) -> None:
-        if self._idx_host is None:
-            n = self.geometry.n_blocks
-            self._idx_host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-            self._idx_dev = torch.empty(n, dtype=torch.int64, device=self.dirty_blocks.device)
-        assert self._idx_dev is not None
-        if self._idx_done is not None:
-            self._idx_done.synchronize()  # the previous copy out of the pinned buffer has finished
-        host = self._idx_host.numpy()
-        k = 0
-        for b0, b1 in spans:
-            host[k: k + b1 - b0] = range(b0, b1)
-            k += b1 - b0
-        dev = self._idx_dev[:marked]
-        dev.copy_(self._idx_host[:marked], non_blocking=True)
-        self.dirty_blocks.index_fill_(0, dev, 1)
-        self._idx_done = torch.cuda.Event()
-        self._idx_done.record()
+        for b0, b1 in spans:  # one fill per contiguous span (a decode token is one span: rows hold every layer)
+            self.dirty_blocks[b0:b1] = 1
+        return sum(b1 - b0 for b0, b1 in spans)
 
     def mark_clean(self, lengths: list[int] | None = None) -> None:
         """After a commit: the committed lengths are the new marks (the runtime clears ``dirty_blocks``)."""
