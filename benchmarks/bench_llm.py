@@ -83,13 +83,13 @@ def sync(device: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- decode
 def decode_run(model: Any, log_root: Path, backend: str, every: int, prompt: torch.Tensor, new: int,
-               device: str) -> dict[str, Any]:
+               device: str, async_checkpoint: bool = False) -> dict[str, Any]:
     from concordia_ft.session import Session
 
     stamps: list[float] = []
     d = Path(tempfile.mkdtemp(dir=log_root))
     s = Session(model, d / "log", checkpoint_every=every, max_cache_len=prompt.shape[1] + new + 8,
-                backend=backend, runtime_options=RT_OPTS)
+                backend=backend, runtime_options=RT_OPTS, async_checkpoint=async_checkpoint)
     try:
         s.generate(prompt, max_new_tokens=new, eos_token_ids=(), on_token=lambda t: stamps.append(time.perf_counter()))
         sync(device)
@@ -113,11 +113,14 @@ def bench_decode(model: Any, log_root: Path, backend: str, device: str, quick: b
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=g)
     decode_run(model, log_root, backend, 1, prompt, 8, device)  # warm-up (kernels, handler module load)
-    runs: dict[str, list[dict[str, Any]]] = {"none": [], "every": []}
-    for _ in range(1 if quick else 3):
+    decode_run(model, log_root, backend, 1, prompt, 8, device, async_checkpoint=True)
+    runs: dict[str, list[dict[str, Any]]] = {"none": [], "every": [], "every_async": []}
+    for _ in range(1 if quick else 5):  # interleaved: the host's clock drifts over a run
         runs["none"].append(decode_run(model, log_root, backend, 10**9, prompt, new, device))
         runs["every"].append(decode_run(model, log_root, backend, 1, prompt, new, device))
-    assert all(r["tokens"] == runs["none"][0]["tokens"] for r in runs["none"] + runs["every"]), "tokens differ"
+        runs["every_async"].append(decode_run(model, log_root, backend, 1, prompt, new, device,
+                                              async_checkpoint=True))
+    assert all(r["tokens"] == runs["none"][0]["tokens"] for rs in runs.values() for r in rs), "tokens differ"
     # plain generate() (DynamicCache, its own loop) for reference
     ids = prompt.to(device)
     model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)
@@ -128,17 +131,22 @@ def bench_decode(model: Any, log_root: Path, backend: str, device: str, quick: b
     gen_tps = new / (time.perf_counter() - t0)
     none_ms = median(r["ms_per_token"] for r in runs["none"])
     every_ms = median(r["ms_per_token"] for r in runs["every"])
+    async_ms = median(r["ms_per_token"] for r in runs["every_async"])
     e = runs["every"][-1]
+    ea = runs["every_async"][-1]
     return [{
         "case": "decode qwen3-0.6b bf16", "tokens": new, "log_backend": backend,
         "tok_s_no_ckpt": 1e3 / none_ms, "tok_s_ckpt_every_token": 1e3 / every_ms,
         "overhead_pct": 100.0 * (every_ms / none_ms - 1.0), "checkpoint_ms": e["checkpoint_ms"],
+        "tok_s_ckpt_every_token_async": 1e3 / async_ms, "overhead_pct_async": 100.0 * (async_ms / none_ms - 1.0),
+        "checkpoint_call_ms_async": ea["checkpoint_ms"],
         "detect_ms": e["detect_ms"], "append_ms": e["append_ms"],
         "first_epoch_pages": e["first_epoch_pages"], "first_epoch_bytes": e["first_epoch_bytes"],
         "token_epoch_pages": e["token_epoch_pages"], "token_epoch_bytes": e["token_epoch_bytes"],
         "full_bytes": e["full_bytes"], "reduction_x": e["full_bytes"] / max(1, e["token_epoch_bytes"] or 1),
         "generate_tok_s": gen_tps, "runs_ms_none": [r["ms_per_token"] for r in runs["none"]],
         "runs_ms_every": [r["ms_per_token"] for r in runs["every"]],
+        "runs_ms_every_async": [r["ms_per_token"] for r in runs["every_async"]],
     }]
 
 
@@ -487,7 +495,7 @@ def main() -> int:
         print(f"[{part}] {time.time() - t0:.1f} s", flush=True)
     shutil.rmtree(log_root, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
-    notes = ("random weights, bf16; decode = Session's own loop (eager), overhead from interleaved runs in one "
+    notes = ("random weights, bf16; decode = Session's own loop (eager), overhead from 5 interleaved rounds (none, every token sync, every token async) in one "
              f"process; log backend {backend}, fsync never. Recovery: before each timed recovery the model runs "
              "one decode step on a throwaway cache of the same shape (a serving process that has loaded and "
              "warmed its model); everything that depends on the log (open, verify, copy, restore, the first "

@@ -68,7 +68,7 @@ GEN_KW = {
 
 
 def run_writer(log_dir: str, family: str, window: int | None, mode: str, max_new: int, every: int,
-               delay_s: float) -> None:
+               delay_s: float, async_checkpoint: bool = False) -> None:
     """Child process: generate with a checkpoint every ``every`` tokens, print each token as it is produced.
 
     ``delay_s`` makes the consumer slow (like a terminal or a network client) so the parent can kill it
@@ -80,7 +80,7 @@ def run_writer(log_dir: str, family: str, window: int | None, mode: str, max_new
     from concordia_ft.session import Session
 
     model = tiny_model(family, sliding_window=window)
-    s = Session(model, log_dir, checkpoint_every=every, max_cache_len=96)
+    s = Session(model, log_dir, checkpoint_every=every, max_cache_len=96, async_checkpoint=async_checkpoint)
 
     def on_token(tok: int) -> None:
         print(f"TOKEN {tok}", flush=True)
@@ -125,6 +125,6 @@ if __name__ == "__main__":
         stall = int(sys.argv[7]) if len(sys.argv) > 7 else 0
         run_lora_writer(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]), mode, stall)
         raise SystemExit(0)
-    _, log_dir, family, window, mode, max_new, every, delay = sys.argv
+    _, log_dir, family, window, mode, max_new, every, delay, *rest = sys.argv
     run_writer(log_dir, family, None if window == "none" else int(window), mode, int(max_new), int(every),
-               float(delay))
+               float(delay), async_checkpoint=rest[:1] == ["async"])

@@ -46,18 +46,19 @@ def test_generate_equals_model_generate(family, mode, tmp_path):
     assert len(set(got)) > 3
 
 
-@pytest.mark.parametrize(("family", "window", "mode", "every"), [
-    ("qwen3", 5, "sampled", 1),  # sliding-window layer rolls during the run; the sampler state is restored
-    pytest.param("llama", None, "greedy", 1, marks=pytest.mark.slow),
-    pytest.param("llama", None, "sampled", 3, marks=pytest.mark.slow),  # resume redoes up to 2 tokens
+@pytest.mark.parametrize(("family", "window", "mode", "every", "epochs"), [
+    ("qwen3", 5, "sampled", 1, "sync"),  # sliding-window layer rolls during the run; the sampler state is restored
+    ("llama", None, "sampled", 1, "async"),  # decode epochs committed by the background writer
+    pytest.param("llama", None, "greedy", 1, "sync", marks=pytest.mark.slow),
+    pytest.param("llama", None, "sampled", 3, "sync", marks=pytest.mark.slow),  # resume redoes up to 2 tokens
 ])
-def test_sigkill_mid_generate_then_recover(family, window, mode, every, tmp_path):
+def test_sigkill_mid_generate_then_recover(family, window, mode, every, epochs, tmp_path):
     max_new = 40
     log_dir = tmp_path / "log"
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     child = subprocess.Popen(
         [sys.executable, str(HELPERS), str(log_dir), family, str(window).lower(), mode, str(max_new), str(every),
-         "0.03"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+         "0.03", epochs], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     seen: list[int] = []
     try:
         assert child.stdout is not None
@@ -76,7 +77,8 @@ def test_sigkill_mid_generate_then_recover(family, window, mode, every, tmp_path
     model, ref = _reference(family, window, mode, max_new, tmp_path)
     s = Session.recover(log_dir, model)
     assert s.gen is not None and not s.gen.done
-    assert 13 - every <= s.gen.n_new < max_new  # killed mid-answer, after the 13th token was printed
+    lag = 1 if epochs == "async" else 0  # an async token's epoch commits while the next one is computed
+    assert 13 - every - lag <= s.gen.n_new < max_new  # killed mid-answer, after the 13th token was printed
     committed = s.ids[s.gen.start:]
     assert committed == ref[: len(committed)] == seen[: len(committed)]
     got = s.resume()
@@ -149,3 +151,24 @@ def test_the_first_epoch_after_recovery_is_a_delta_and_no_host_copy_is_kept(tmp_
         assert kv_pages >= 8 and 1 <= st.region_pages["kv"] <= 2 and st.region_pages["tokens"] == 1, st
     finally:
         rec.close()
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_async_epochs_log_what_sync_epochs_log(mode, tmp_path):
+    """Async decode epochs: the same tokens, the same recovered state, and every token's epoch committed by the
+    time generate() returns (its last one synchronously)."""
+    model = tiny_model("qwen3")
+    out = {}
+    for epochs in ("sync", "async"):
+        with Session(model, tmp_path / epochs, max_cache_len=96, async_checkpoint=epochs == "async") as s:
+            toks = s.generate(prompt_ids(12), max_new_tokens=20, eos_token_ids=(), **GEN_KW[mode])
+            assert s.runtime._inflight is None  # generate() returned with nothing in flight
+            assert s.stats.epochs == 1 + 20  # the prompt's, then one per token (async ones recorded once committed)
+            last = s.runtime.epoch
+            rng = bytes(s.rng[: s.rng_bytes])
+        r = Session.recover(tmp_path / epochs, model)
+        assert r.gen is not None and r.gen.done and r.gen.n_new == 20 and r.runtime.epoch == last == 21
+        assert bytes(r.rng[: r.rng_bytes]) == rng  # (an unseeded session's generator starts from its own state)
+        out[epochs] = (toks, r.ids, bytes(r.cache.arena.numpy()), rng if mode == "sampled" else b"")
+        r.close()
+    assert out["sync"] == out["async"]

@@ -146,7 +146,7 @@ class Session:
     def __init__(self, model: Any, log_dir: str | Path, tokenizer: Any = None, checkpoint_every: int = 1, *,
                  max_cache_len: int = DEFAULT_MAX_CACHE_LEN, fsync: str = "never", backend: str = "file",
                  log_weights: bool = False, block_bytes: int = 4096, system_prompt: str | None = None,
-                 runtime_options: dict[str, Any] | None = None,
+                 runtime_options: dict[str, Any] | None = None, async_checkpoint: bool = False,
                  _recovering: dict[str, Any] | None = None, _runtime: Any = None) -> None:
         from . import runtime as _rt
 
@@ -160,6 +160,12 @@ class Session:
         self.model, self.tokenizer = model, tokenizer
         self.log_dir = Path(log_dir)
         self.checkpoint_every = int(checkpoint_every)
+        # True: decode epochs are snapshotted on the GPU in stream order and logged by a background writer while
+        # the next token is computed; on_token then runs before its epoch commits (it commits during the next
+        # step; a kill loses at most the tokens since, which recovery regenerates identically). The prompt's
+        # epoch and the last token's of every generate() stay synchronous: generate() returns durable.
+        self.async_checkpoint = bool(async_checkpoint)
+        self._pending: tuple[Any, float] | None = None  # (PendingEpoch, call seconds): stats not recorded yet
         self.log_weights = log_weights
         p = next(model.parameters())
         self.device, self.kv_dtype = p.device, p.dtype
@@ -255,9 +261,8 @@ class Session:
             cached = self._settings_cache = (settings, asdict(settings))
         return cached[1]
 
-    def checkpoint(self) -> int:
-        """Commit the session (new KV blocks, new token ids, sampler state, metadata) as ONE epoch."""
-        t0 = time.perf_counter()
+    def _mark(self) -> list[int]:
+        """Flag what changed since the last epoch: new KV blocks (from the lengths), new token ids, the sampler."""
         lengths = self.cache.lengths()  # one device read
         self.cache.mark_dirty(lengths)
         bb = TOKEN_BLOCK_BYTES
@@ -266,20 +271,52 @@ class Session:
             self.tokens_dirty[lo // bb: -(-hi // bb)] = 1
         if self.rng_dirty.any():
             self.rng[: self.rng_bytes] = self.generator.get_state().numpy()
-        epoch = self.runtime.checkpoint(meta=self._meta(lengths))
+        return lengths
+
+    def _marked_clean(self, lengths: list[int]) -> None:
         self.cache.mark_clean(lengths)
         self._tokens_marked = self.n_tokens
-        st = self.runtime.last_stats
+
+    def _record(self, st: Any, seconds: float) -> None:
         self.stats.epochs += 1
-        self.stats.checkpoint_s.append(time.perf_counter() - t0)
+        self.stats.checkpoint_s.append(seconds)
         self.stats.epoch_bytes.append(int(_stat(st, "total_bytes")))
         self.stats.epoch_full_bytes.append(int(_stat(st, "full_bytes")))
         self.stats.epoch_pages.append(int(_stat(st, "pages")))
         self.stats.detect_s.append(float(_stat(st, "detect_seconds")))
         self.stats.append_s.append(float(_stat(st, "append_seconds")))
+
+    def _settle(self) -> None:
+        """Record the stats of the async epoch before this one: the runtime call that just returned finished it
+        first (a failure of it was raised by that call, and is not recorded)."""
+        item, self._pending = self._pending, None
+        if item is not None:
+            p, seconds = item
+            if p.done() and p.error is None and p.stats is not None:
+                self._record(p.stats, seconds)
+
+    def checkpoint(self) -> int:
+        """Commit the session (new KV blocks, new token ids, sampler state, metadata) as ONE epoch."""
+        t0 = time.perf_counter()
+        lengths = self._mark()
+        epoch = self.runtime.checkpoint(meta=self._meta(lengths))  # finishes an async epoch in flight first
+        self._settle()
+        self._marked_clean(lengths)
+        self._record(self.runtime.last_stats, time.perf_counter() - t0)
         return int(epoch)
 
-    # -- decoding --------------------------------------------------------------------------------------------
+    def checkpoint_async(self) -> Any:
+        """Start the session's epoch and return its ``PendingEpoch`` without waiting for the log: the KV pages
+        are snapshotted on the device in stream order, the token ids, sampler state and metadata now; the
+        background writer commits it (``Runtime.checkpoint_async``). The next checkpoint finishes it first."""
+        t0 = time.perf_counter()
+        lengths = self._mark()
+        pending = self.runtime.checkpoint_async(meta=self._meta(lengths))
+        self._settle()
+        self._marked_clean(lengths)  # the snapshot took these marks; a failed epoch gives them back to the runtime
+        self._pending = (pending, time.perf_counter() - t0)  # stats recorded once it has committed
+        return pending
+
     def settings(self, max_new_tokens: int = 64, do_sample: bool = False, **kw: Any) -> GenerationSettings:
         eos = kw.pop("eos_token_ids", None)
         if eos is None:
@@ -353,7 +390,10 @@ class Session:
                 else:
                     self.stats.step_s.append(time.perf_counter() - t0)
                 if g.done or g.n_new % self.checkpoint_every == 0:
-                    self.checkpoint()
+                    if self.async_checkpoint and not g.done:
+                        self.checkpoint_async()
+                    else:
+                        self.checkpoint()  # the last token's epoch: generate() returns with every token durable
                 if on_token is not None:
                     on_token(tok)
         return self.tokens[g.start: g.start + g.n_new].tolist()
@@ -415,7 +455,7 @@ class Session:
     @classmethod
     def recover(cls, log_dir: str | Path, model: Any, tokenizer: Any = None, *, fsync: str = "never",
                 backend: str = "file", checkpoint_every: int = 1,
-                runtime_options: dict[str, Any] | None = None) -> Session:
+                runtime_options: dict[str, Any] | None = None, async_checkpoint: bool = False) -> Session:
         """Rebuild the session from the last committed epoch (in a fresh process); then call resume()."""
         from .runtime import open_to_recover
 
@@ -436,7 +476,7 @@ class Session:
                 raise RecoveryError(f"the model's KV arena would be {geo.nbytes} bytes; the log's is "
                                     f"{m['arena_nbytes']}: recover with the same model configuration")
             s = cls(model, log_dir, tokenizer, checkpoint_every, log_weights=bool(m.get("log_weights")),
-                    _recovering=m, _runtime=rt)
+                    async_checkpoint=async_checkpoint, _recovering=m, _runtime=rt)
             s._load(m)
         except BaseException:
             rt.close()
@@ -460,7 +500,7 @@ class Session:
         self.restore_s = time.perf_counter() - t0
 
     def close(self) -> None:
-        self.runtime.close()
+        self.runtime.close()  # an async epoch in flight is finished first
 
     def __enter__(self) -> Session:
         return self

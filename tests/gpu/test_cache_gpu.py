@@ -3,6 +3,8 @@ per-layer counters, and the dirty blocks equal the CPU cache's, through prefill,
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -23,11 +25,13 @@ def test_gpu_dirty_blocks_and_lengths_equal_cpu(family: str) -> None:
     gen = torch.Generator().manual_seed(3)
     feeds = [ids] + [torch.randint(0, model.config.vocab_size, (1, int(n)), generator=gen)
                      for n in torch.randint(1, 4, (12,), generator=gen)]
+    # transformers renamed the forward's cache argument in 5.x (the device image's release may predate it)
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
         for step, feed in enumerate(feeds):
             got = {}
             for dev, cache in caches.items():
-                models[dev](input_ids=feed.to(dev), cache=cache, use_cache=True)
+                models[dev](input_ids=feed.to(dev), use_cache=True, **{kw: cache})
                 lengths = cache.lengths()
                 assert lengths == [layer.length() for layer in cache.layers]  # shared tensor == each counter
                 n = cache.mark_dirty(lengths)
