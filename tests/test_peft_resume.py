@@ -136,7 +136,7 @@ def test_async_and_sync_training_log_the_same_bytes(tmp_path):
     a, b = cft.recover(tmp_path / "sync"), cft.recover(tmp_path / "async")
     assert a.epoch == b.epoch == steps
     assert sorted(a.regions) == sorted(b.regions) == REGIONS
-    assert a.meta["concordia.lora"]["layout"] == b.meta["concordia.lora"]["layout"] == LAYOUT == 2
+    assert a.meta["concordia.lora"]["layout"] == b.meta["concordia.lora"]["layout"] == LAYOUT == 3
     for name in a.regions:
         assert a.regions[name].tobytes() == b.regions[name].tobytes(), name
     # lora.state: one float32 step counter per adapter tensor, then the CPU RNG state

@@ -252,7 +252,7 @@ def test_lora_on_the_gpu_commits_each_steps_exact_state(tmp_path: Path) -> None:
     t.close()
     assert all(r.durable for r in t.stats.results) and t.committed_step == 6
     rec = cft.recover(tmp_path / "log")
-    assert rec.epoch == 6 and sorted(rec.regions) == ["lora.adam", "lora.params", "lora.state"]
+    assert rec.epoch == 6 and sorted(rec.regions) == ["lora.adam", "lora.cuda_rng", "lora.params", "lora.state"]
     assert np.array_equal(rec.regions["lora.params"], _host(after[6][0]))
     assert np.array_equal(rec.regions["lora.adam"], _host(after[6][1]))
     assert np.array_equal(rec.regions["lora.state"], after[6][2])
@@ -303,4 +303,39 @@ def test_lora_on_the_gpu_resumes_with_the_same_losses(tmp_path: Path) -> None:
     assert t.steps_flat.numpy().tobytes() == old.regions["lora.steps"].tobytes()
     t.train(batch, LAYOUT1_STEPS + 1)
     t.close()
-    assert sorted(cft.recover(log1).regions) == ["lora.adam", "lora.params", "lora.state"]
+    # continues in the current layout: lora.state, and the GPU's RNG state logged in full by the next epoch
+    assert sorted(cft.recover(log1).regions) == ["lora.adam", "lora.cuda_rng", "lora.params", "lora.state"]
+
+
+def test_lora_dropout_on_the_gpu_resumes_with_the_same_losses(tmp_path: Path) -> None:
+    """Dropout on the GPU draws from the device's RNG: recovery restores it (lora.cuda_rng), so the resumed
+    losses equal the uninterrupted run's even though this process's generator was moved elsewhere first; the
+    same recovery with the generator left where it was gives other losses (what the region is for)."""
+    pytest.importorskip("peft")
+    from concordia_ft.integrations.peft import LoraTrainer, default_lora_config, synthetic_batch
+    from llm_helpers import VOCAB
+
+    def batch(k: int) -> dict[str, torch.Tensor]:
+        return synthetic_batch(k, vocab=VOCAB, device="cuda")
+
+    def cfg() -> object:
+        return default_lora_config(dropout=0.2)
+
+    steps, cut = 6, 3
+    torch.manual_seed(7)
+    with LoraTrainer(_eager_model("qwen3"), tmp_path / "ref", lora_config=cfg(), lr=1e-2) as ref:
+        ref_losses = [r.loss for r in ref.train(batch, steps)]
+    torch.manual_seed(7)
+    with LoraTrainer(_eager_model("qwen3"), tmp_path / "log", lora_config=cfg(), lr=1e-2) as t:
+        t.train(batch, cut)
+    shutil.copytree(tmp_path / "log", tmp_path / "log2")
+    torch.cuda.manual_seed(12345)  # as in a fresh process: the device's generator is not where the run left it
+    t = LoraTrainer.recover(tmp_path / "log", _eager_model("qwen3"), lora_config=cfg(), lr=1e-2)
+    resumed = [r.loss for r in t.train(batch, steps)]
+    t.close()
+    assert resumed == ref_losses[cut:]
+    t = LoraTrainer.recover(tmp_path / "log2", _eager_model("qwen3"), lora_config=cfg(), lr=1e-2)
+    torch.cuda.manual_seed(12345)  # undo the restore: the dropout masks differ
+    other = [r.loss for r in t.train(batch, steps)]
+    t.close()
+    assert other != ref_losses[cut:]

@@ -12,10 +12,15 @@ The metadata of each epoch holds the step number and the loss, so a killed run r
 next-step loss as an uninterrupted one as long as the data for step ``k`` is a function of ``k``
 (``batch_fn(step)``).
 
-Layouts: the metadata's ``layout`` says which regions hold the state. 2 (this version): ``lora.params``,
-``lora.adam``, ``lora.state``. 1 (no ``layout`` key; written before): the counters in ``lora.steps`` and the RNG
-state in ``lora.rng``. ``recover`` reads both; after recovering a layout-1 log the next epoch logs
-``lora.state`` and drops the two old regions, so the log continues in layout 2.
+An adapter on a GPU also logs that device's CUDA RNG state (``lora.cuda_rng``, 16 bytes: dropout on the GPU
+draws from it), so a resumed run draws the same dropout masks as the uninterrupted one.
+
+Layouts: the metadata's ``layout`` says which regions hold the state. 3 (this version): ``lora.params``,
+``lora.adam``, ``lora.state``, and ``lora.cuda_rng`` when the metadata's ``cuda_rng`` is true. 2: the same
+without ``lora.cuda_rng`` (a GPU run with dropout then resumes with fresh CUDA dropout draws). 1 (no ``layout``
+key): the counters in ``lora.steps`` and the RNG state in ``lora.rng``. ``recover`` reads all three; after
+recovering an older log the next epoch logs the regions it lacked (and drops layout 1's two), so the log
+continues in layout 3.
 
 Asynchronous epochs (``async_checkpoint=True``, the default): each ``train_step`` ends with
 ``Runtime.checkpoint_async``, which only snapshots the adapter and moments on the GPU (one D2D copy, in stream
@@ -45,7 +50,7 @@ if TYPE_CHECKING:
     from ..runtime import PendingEpoch
 
 META_KEY = "concordia.lora"
-LAYOUT = 2  # the regions this version writes (see the module docstring); recover() also reads layout 1
+LAYOUT = 3  # the regions this version writes (see the module docstring); recover() also reads layouts 1 and 2
 STATE_PAGE_BYTES = 512  # lora.state is a few KB: small pages keep its padding small
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -140,6 +145,11 @@ class LoraTrainer:
         self.steps_flat = self.state_flat[: 4 * len(params)].view(torch.float32)
         self.rng_state = self.state_flat[4 * len(params):]  # torch.get_rng_state() is copied here
         self.rng = self.rng_state.numpy()
+        # lora.cuda_rng: the adapter's GPU's RNG state (dropout on the GPU draws from it); None on a CPU
+        self.device = dev
+        self.cuda_rng: torch.Tensor | None = None
+        if dev.type == "cuda":
+            self.cuda_rng = torch.zeros(int(torch.cuda.get_rng_state(dev).numel()), dtype=torch.uint8)
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=True)
         off = 0
         for i, p in enumerate(params):
@@ -164,8 +174,10 @@ class LoraTrainer:
         rt.register("lora.params", self.params_flat, kind="dense")
         rt.register("lora.adam", self.adam_flat, kind="dense")
         rt.register("lora.state", self.state_flat, kind="dense", page_bytes=STATE_PAGE_BYTES)
+        if self.cuda_rng is not None:
+            rt.register("lora.cuda_rng", self.cuda_rng, kind="dense", page_bytes=STATE_PAGE_BYTES)
         self._meta_fixed = {"layout": LAYOUT, "names_n": len(self.param_names), "n_params": n,
-                            "dtype": str(dt), "log_weights": log_weights}
+                            "dtype": str(dt), "log_weights": log_weights, "cuda_rng": self.cuda_rng is not None}
         if log_weights:
             for name, p in self.model.named_parameters():
                 if not p.requires_grad:
@@ -178,19 +190,28 @@ class LoraTrainer:
     def _meta(self) -> dict[str, Any]:
         return {META_KEY: {**self._meta_fixed, "step": self.step, "loss": self.last_loss, "time": time.time()}}
 
-    def _state_targets(self, layout: int) -> dict[str, Any]:
+    def _capture_rng(self) -> None:
+        """Copy the RNG states dropout draws from into the logged regions (before each epoch)."""
+        self.rng_state.copy_(torch.get_rng_state())
+        if self.cuda_rng is not None:
+            self.cuda_rng.copy_(torch.cuda.get_rng_state(self.device))
+
+    def _state_targets(self, layout: int, log_cuda_rng: bool = False) -> dict[str, Any]:
         """The registered buffers (or views of them) that the regions of a log of ``layout`` restore into."""
         dense = {"lora.params": self.params_flat, "lora.adam": self.adam_flat}
         if layout == 1:
             return {**dense, "lora.steps": self.steps_flat, "lora.rng": self.rng}
-        if layout == LAYOUT:
-            return {**dense, "lora.state": self.state_flat}
+        if layout in (2, LAYOUT):
+            out = {**dense, "lora.state": self.state_flat}
+            if log_cuda_rng and self.cuda_rng is not None:
+                out["lora.cuda_rng"] = self.cuda_rng
+            return out
         raise RecoveryError(f"the log holds LoRA state in layout {layout}; this version of concordia_ft reads "
-                            f"layouts 1 and {LAYOUT}: recover it with the version that wrote it, or a newer one")
+                            f"layouts 1 to {LAYOUT}: recover it with the version that wrote it, or a newer one")
 
     def checkpoint(self) -> int:
         """Commit the current state as one epoch now (after the in-flight async epoch); return its number."""
-        self.rng_state.copy_(torch.get_rng_state())
+        self._capture_rng()
         try:
             epoch = int(self.runtime.checkpoint(meta=self._meta()))
         finally:
@@ -238,7 +259,7 @@ class LoraTrainer:
         if not checkpoint:
             res = StepResult(self.step, self.last_loss, -1, t1 - t0, 0.0, 0, 0, durable=False)
         elif self.async_checkpoint:
-            self.rng_state.copy_(torch.get_rng_state())
+            self._capture_rng()
             try:  # waits for the previous epoch; the metadata dict is new and never changed: handed over
                 handle = self.runtime.checkpoint_async(meta=self._meta(), copy_meta=False)
             finally:
@@ -287,11 +308,18 @@ class LoraTrainer:
                 raise RecoveryError(f"this LoRA config makes {t.n_adapter_params} adapter parameters; the log holds "
                                     f"{m['n_params']}: recover with the same base model and LoRA config")
             layout = int(m.get("layout", 1))
-            t.runtime.recover_into(t._state_targets(layout))
+            log_cuda_rng = bool(m.get("cuda_rng", False))
+            t.runtime.recover_into(t._state_targets(layout, log_cuda_rng))
             if layout == 1:  # the next epoch logs lora.state (registered, not restored: logged in full)
                 t.runtime.forget("lora.steps")
                 t.runtime.forget("lora.rng")
             torch.set_rng_state(torch.from_numpy(t.rng.copy()))
+            if t.cuda_rng is not None and log_cuda_rng:
+                torch.cuda.set_rng_state(t.cuda_rng.clone(), t.device)
+            elif log_cuda_rng:  # a GPU run recovered onto a CPU: its CUDA RNG state has nothing to seed
+                t.runtime.forget("lora.cuda_rng")
+            # (a GPU trainer recovering a log without it: lora.cuda_rng is registered, not restored, so the next
+            # epoch logs it in full and later recoveries have it)
             t.step, t.last_loss = int(m["step"]), m["loss"]
             t.committed_step = t.step
         except BaseException:
