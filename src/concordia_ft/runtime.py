@@ -36,6 +36,7 @@ import numpy.typing as npt
 from .core.compaction import CompactionResult, compact_with_writer
 from .core.format import encode_json
 from .core.log import LogOptions, OpenReport, RecoveryLog
+from .core.options import coerce_options
 from .core.regions import DiffMode, MemoryRange, RegionKind, RegionSpec, RegionTable, check_page_bytes
 from .core.replay import Outcome, RegionImage, ReplayOptions, ReplayResult, ReplayTimings, TailInfo, replay
 from .core.tracking import DenseBatch, RegionDelta, StagedBatch, StagedDelta, Tracker
@@ -114,16 +115,7 @@ class RecoveryOptions:
 
     @classmethod
     def coerce(cls, value: RecoveryOptions | Mapping[str, Any] | None) -> RecoveryOptions:
-        if value is None:
-            return cls()
-        if isinstance(value, RecoveryOptions):
-            return value
-        if isinstance(value, Mapping):
-            try:
-                return cls(**value)
-            except TypeError as e:
-                raise ConfigError(f"unknown recovery option: {e}") from None
-        raise ConfigError(f"recovery options must be RecoveryOptions or a dict, got {type(value).__name__}")
+        return coerce_options(cls, value, "recovery")
 
     def replay_options(self) -> ReplayOptions:
         return ReplayOptions(threads=self.threads, parallel_verify=self.parallel_verify)

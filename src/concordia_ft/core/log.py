@@ -21,7 +21,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from ..errors import ConfigError, LogCorruptError, LogLockedError
 from .epochs import plan_epoch
 from .format import SEGMENT_BASE, SEGMENT_INCR, SegmentHeader
 from .manifest import SEGMENT_RE, Manifest, fsync_dir, store_manifest
+from .options import coerce_options
 from .regions import RegionSpec
 from .replay import Outcome, ReplayOptions, ReplayResult, replay
 from .segment import DaxSegment, FileSegment, SegmentWriter, check_backend
@@ -58,17 +59,8 @@ class LogOptions:
             raise ConfigError(f"segment_max_bytes must be at least 1 MiB, got {self.segment_max_bytes}")
 
     @classmethod
-    def coerce(cls, value: LogOptions | dict[str, Any] | None) -> LogOptions:
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
-            try:
-                return cls(**value)
-            except TypeError as e:
-                raise ConfigError(f"bad log options {value!r}: {e}") from None
-        raise ConfigError(f"log options must be LogOptions or a dict, got {type(value).__name__}")
+    def coerce(cls, value: LogOptions | Mapping[str, Any] | None) -> LogOptions:
+        return coerce_options(cls, value, "log")
 
 
 @dataclass

@@ -58,6 +58,7 @@ from .format import (
 )
 from .images import ImageAlloc, PageWrite, RegionImage, default_threads, materialize_images
 from .manifest import Manifest, load_manifest
+from .options import coerce_options
 from .regions import RegionSpec
 from .segment import map_segment
 
@@ -88,16 +89,7 @@ class ReplayOptions:
 
     @classmethod
     def coerce(cls, value: ReplayOptions | Mapping[str, Any] | None) -> ReplayOptions:
-        if value is None:
-            return cls()
-        if isinstance(value, ReplayOptions):
-            return value
-        if isinstance(value, Mapping):
-            try:
-                return cls(**value)
-            except TypeError as e:
-                raise ConfigError(f"unknown replay option: {e}") from None
-        raise ConfigError(f"replay options must be ReplayOptions or a dict, got {type(value).__name__}")
+        return coerce_options(cls, value, "replay")
 
 
 @dataclass

@@ -504,10 +504,6 @@ class RingProducer:
         """``"c"`` or ``"python"``: which fast paths this producer runs."""
         return "c" if self._fast is not None else "python"
 
-    @property
-    def _tail_seen(self) -> int:
-        return int(self.st._tail_seen)
-
     def tail(self) -> int:
         if self._fast is not None:
             return self._fast.tail()
