@@ -113,7 +113,12 @@ class FaultInjector:
     before its epoch is appended), ``prepared`` (the epoch durable, its store record not yet published),
     ``uncommitted`` (published, the commit not yet seen), ``rebuild`` (inside the next group's construction),
     ``restore`` (a replacement opening the dead rank's log), ``step`` (local compute). Each fault fires once per
-    job: the store's ``fired/<i>`` counter decides, so a replacement does not repeat its predecessor's death."""
+    job: the store's ``fired/<i>`` counter decides, so a replacement does not repeat its predecessor's death.
+
+    ``action``: ``kill`` (SIGKILL, the default), ``stop`` (SIGSTOP: a hung process, heartbeats stop),
+    ``error`` (point ``collective`` only: the collective's result is replaced by an error, as a broken link
+    gives, while the peers' halves stay in flight), ``cuda`` (the step raises the error torch raises after an
+    illegal address, CUDA error 700: sticky)."""
 
     def __init__(self, faults: list[dict[str, Any]], store: Any) -> None:
         self.faults = faults
@@ -121,7 +126,8 @@ class FaultInjector:
         self.rank = -1
         self.gen = 0
 
-    def hit(self, point: str, cut: int) -> None:
+    def hit(self, point: str, cut: int) -> str | None:
+        """Fire the faults set for this point; returns the action the caller must take (error, cuda)."""
         for i, f in enumerate(self.faults):
             if f["point"] != point or int(f["rank"]) != self.rank:
                 continue
@@ -129,8 +135,16 @@ class FaultInjector:
                 continue
             if "min_gen" in f and self.gen < int(f["min_gen"]):
                 continue
-            if self.store.add(P.fired_key(i), 1) == 1:
+            if self.store.add(P.fired_key(i), 1) != 1:
+                continue
+            action = f.get("action", "kill")
+            if action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif action == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                return str(action)
+        return None
 
 
 def build_group(backend: str, store: Any, gen: int, rank: int, world: int, timeout_ms: int,
@@ -176,8 +190,8 @@ class FaultTolerantGroup:
         cut = self._boundary()
         buf = t.detach().clone()
         work = self.pg.allreduce([buf])
-        if cut is not None and self.faults is not None:
-            self.faults.hit("collective", cut)
+        if cut is not None and self.faults is not None and self.faults.hit("collective", cut) == "error":
+            raise Interrupted("collective", f"allreduce failed on rank {self.rank}: injected link error")
         self._await(work, "allreduce")
         t.copy_(buf)
 

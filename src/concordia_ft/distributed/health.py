@@ -20,7 +20,22 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from ..cuda.driver import STICKY_CODES
+from ..errors import DeviceError
 from .options import DistOptions
+
+# the CUDA runtime's message for each sticky driver code (what torch raises: "CUDA error: <message>")
+STICKY_MESSAGES = {
+    "an illegal memory access was encountered": 700,
+    "the launch timed out and was terminated": 702,
+    "hardware stack error": 714,
+    "an illegal instruction was encountered": 715,
+    "misaligned address": 716,
+    "operation not supported on global/shared address space": 717,
+    "invalid program counter": 718,
+    "unspecified launch failure": 719,
+    "uncorrectable ecc error encountered": 214,
+}
 
 
 class FailureKind(str, enum.Enum):
@@ -106,6 +121,23 @@ def classify_silence(rank: int, beat: Beat | None, seen_ns: int, now_ns: int, t:
                            f"{t.progress_timeout_ms:.0f} ms = max(floor, factor x slowest step "
                            f"{t.slowest_step_ms:.1f} ms))")
     return None
+
+
+def classify_exception(e: BaseException) -> tuple[str, bool, str]:
+    """(kind, sticky, message) of an exception raised by a rank's step: ``cuda`` (sticky when the code is in
+    the driver's must-restart table), ``collective`` (a torch.distributed backend error) or ``error``."""
+    msg = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    if isinstance(e, DeviceError):
+        return "cuda", e.sticky, msg
+    low = msg.lower()
+    if "cuda error" in low:
+        code = next((c for m, c in STICKY_MESSAGES.items() if m in low), None)
+        if code is not None:
+            return "cuda", True, f"{msg} ({STICKY_CODES[code]}, code {code}: the context is poisoned)"
+        return "cuda", False, msg
+    if type(e).__name__ in ("DistBackendError", "DistNetworkError") or "nccl" in low or "gloo" in low:
+        return "collective", False, msg
+    return "error", False, msg
 
 
 def classify_report(rank: int, report: Mapping[str, str], since_ns: int, now_ns: int, opts: DistOptions,

@@ -60,8 +60,26 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _committed_in(events: Path, pos: int) -> tuple[int, int]:
+    """The newest cut committed in the events appended since ``pos``; and the new position."""
+    best = -1
+    try:
+        with open(events, "rb") as f:
+            f.seek(pos)
+            data = f.read()
+    except OSError:
+        return best, pos
+    end = data.rfind(b"\n") + 1
+    for line in data[:end].splitlines():
+        e = json.loads(line)
+        if e["event"] == "commit":
+            best = max(best, int(e["cut"]))
+    return best, pos + end
+
+
 def run_job(job_dir: str | Path, options: DistOptions | Mapping[str, Any], *,
-            kill_coordinator_at_s: Sequence[float] = (), timeout_s: float | None = None) -> JobResult:
+            kill_coordinator_at_s: Sequence[float] = (), kill_coordinator_after_cut: Sequence[int] = (),
+            timeout_s: float | None = None) -> JobResult:
     opts = DistOptions.coerce(options)
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -69,6 +87,9 @@ def run_job(job_dir: str | Path, options: DistOptions | Mapping[str, Any], *,
     t0 = time.monotonic()
     limit = timeout_s if timeout_s is not None else opts.job_timeout_s + 30
     kills = list(kill_coordinator_at_s)
+    cut_kills = list(kill_coordinator_after_cut)
+    events = job_dir / "events.jsonl"
+    pos = events.stat().st_size if events.exists() else 0
     ck = 0
     resume = False
     while True:
@@ -78,7 +99,12 @@ def run_job(job_dir: str | Path, options: DistOptions | Mapping[str, Any], *,
         with open(job_dir / "coordinator.log", "ab") as log:
             p = subprocess.Popen(cmd, stdout=log, stderr=log, env=_env(), preexec_fn=_pdeathsig)
         kill_at = time.monotonic() + kills.pop(0) if kills else None
+        kill_cut = cut_kills.pop(0) if cut_kills else None
         while p.poll() is None:
+            if kill_cut is not None:
+                newest, pos = _committed_in(events, pos)
+                if newest >= kill_cut:
+                    kill_at = time.monotonic()
             if kill_at is not None and time.monotonic() >= kill_at:
                 os.kill(p.pid, signal.SIGKILL)
                 p.wait()
@@ -89,7 +115,7 @@ def run_job(job_dir: str | Path, options: DistOptions | Mapping[str, Any], *,
                 p.wait(30)
                 raise JobError(f"the job in {job_dir} did not finish in {limit:.0f} s; see coordinator.log, "
                                "events.jsonl and logs/")
-            time.sleep(0.01)
+            time.sleep(0.005)
         if p.returncode == -signal.SIGKILL and kill_at is not None:
             resume = True
             continue

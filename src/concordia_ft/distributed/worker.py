@@ -36,8 +36,9 @@ import torch.distributed as dist  # noqa: E402
 from . import protocol as P  # noqa: E402
 from .epochs import RankEpochs  # noqa: E402
 from .group import FaultInjector, FaultTolerantGroup, Interrupted, Watch, build_group, connect_store  # noqa: E402
+from .health import classify_exception  # noqa: E402
 from .options import DistOptions  # noqa: E402
-from .workloads import Workload, make_workload  # noqa: E402
+from .workloads import Workload, make_workload, state_digest  # noqa: E402
 
 EXIT_DONE, EXIT_ERROR, EXIT_COORDINATOR, EXIT_REPLACED = 0, 1, 3, 4
 
@@ -56,6 +57,7 @@ class Member:
         self.epochs: RankEpochs | None = None
         self.rank = -1
         self.group: FaultTolerantGroup | None = None
+        self.resumed_cut = -1
         self.timing: dict[str, Any] = {}
 
     # ----------------------------------------------------------------------------------------- life
@@ -71,7 +73,8 @@ class Member:
         t1 = time.monotonic_ns()
         self.timing = {"wid": self.wid, "rank": self.rank, "role": self.role, "started_ns": STARTED_NS,
                        "model_ms": self.model_ms, "assigned_ns": t0, "restore_start_ns": t0, "restore_end_ns": t1,
-                       "restore_ms": (t1 - t0) / 1e6, "log_slots": slots, "resumed_cut": plan.cut}
+                       "restore_ms": (t1 - t0) / 1e6, "log_slots": slots, "resumed_cut": plan.cut,
+                       "resume_digest": state_digest(self.wl.state())}
         while True:
             try:
                 return self._generation(plan)
@@ -94,12 +97,13 @@ class Member:
                 self.timing = {"wid": self.wid, "rank": self.rank, "role": "survivor", "interrupted_ns": t_int,
                                "interrupt": e.reason, "abort_start_ns": t_int, "abort_end_ns": t_ab,
                                "abort_ms": abort_ms, "plan_seen_ns": time.monotonic_ns(), "resumed_cut": nxt.cut,
-                               "failed_gen": plan.gen}
+                               "failed_gen": plan.gen, "resume_digest": state_digest(self.wl.state())}
                 plan = nxt
                 self.faults.gen = plan.gen
 
     def _generation(self, plan: P.Plan) -> int:
         self.group = None
+        self.resumed_cut = plan.cut
         self.timing["rebuild_start_ns"] = time.monotonic_ns()
         pg = self._build(plan)
         self.group = FaultTolerantGroup(pg, store=self.store, backend=self.opts.backend, gen=plan.gen,
@@ -111,7 +115,8 @@ class Member:
         start = max(plan.cut, 0)
         for step in range(start, self.wl.steps):
             self.watch.set_step(step, True)
-            self.faults.hit("step", step)
+            if self.faults.hit("step", step) == "cuda":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
             self.wl.step(step, self.group)
             self.watch.set_step(step, False)
             if step == start:
@@ -130,7 +135,7 @@ class Member:
     def _cut(self, cut: int) -> None:
         """The boundary of cut ``cut``: the rank's prepare (called by the group before the collective)."""
         assert self.group is not None and self.epochs is not None
-        if cut > 0:
+        if cut - 1 > self.resumed_cut:  # cuts commit in order: the plan's cut commits every one before it
             self.group.wait_key(P.commit_key(cut - 1), f"the commit of cut {cut - 1}")
         self.epochs.prepare(cut, before_append=lambda: self.faults.hit("prepare", cut))
         self.faults.hit("prepared", cut)
@@ -235,10 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted:
         return EXIT_COORDINATOR
     except Exception as e:
+        kind, sticky, msg = classify_exception(e)
+        print(f"worker {a.wid}: {kind} error (sticky={sticky}): {msg}", file=sys.stderr, flush=True)
         try:
-            member._report("error", f"{type(e).__name__}: {e}", -1)
-        finally:
-            print(f"worker {a.wid}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            member._report(kind, msg, member.watch.gen, sticky="1" if sticky else "0")
+        except Exception:  # noqa: BLE001 - the coordinator sees the exit either way
+            return EXIT_ERROR
+        if sticky:  # the coordinator kills this process (its context is poisoned) and replaces it
+            time.sleep(member.opts.job_timeout_s)
         return EXIT_ERROR
 
 
