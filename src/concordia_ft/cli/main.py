@@ -1,4 +1,4 @@
-"""`concordia`: the command line. Subcommands: demo, log (check/inspect/compact), bench, doctor."""
+"""`concordia`: the command line. Subcommands: demo, log (check/inspect/compact), bench, doctor, dist."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench.add_arguments(sub)
     doctor.add_arguments(sub)
+    from . import dist
+
+    dist.add_arguments(sub)
     return p
 
 
@@ -38,6 +41,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import logcmds
 
         return logcmds.run(args)
+    if args.cmd == "dist":
+        from . import dist
+
+        return dist.run(args)
     if args.cmd == "bench":
         from . import bench
 

@@ -468,6 +468,7 @@ class Coordinator:
         wid = self.members[rank]
         t = self._sigkill(wid)
         self.kills_done += 1
+        self.gen_committed = False  # not settled until the repair this kill causes has committed a cut
         self.event("kill", rank=rank, wid=wid, why=why, t_kill_ns=t, cut=self.commits.cut)
 
     # ---------------------------------------------------------------------------------------- result

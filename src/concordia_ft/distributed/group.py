@@ -158,8 +158,10 @@ def build_group(backend: str, store: Any, gen: int, rank: int, world: int, timeo
     opts._timeout = timeout
     pg = dist.ProcessGroupNCCL(prefix, rank, world, opts)
     x = torch.zeros(1, device=device)
-    pg.allreduce([x]).wait()  # connect now: the first step must not pay for it
-    torch.cuda.synchronize(device)
+    work = pg.allreduce([x])  # connect now: the first step must not pay for it
+    while not work.is_completed():  # never a device-wide synchronize: an aborted group's kernel may still spin
+        time.sleep(0.0005)
+    work.wait()
     return pg
 
 
@@ -248,6 +250,9 @@ class FaultTolerantGroup:
         return cut
 
     def _await(self, work: Any, what: str) -> None:
+        if self.backend == "nccl":
+            self._await_nccl(work, what)
+            return
         done = threading.Event()
         fut = work.get_future()
         fut.add_done_callback(lambda _f: done.set())
@@ -258,9 +263,23 @@ class FaultTolerantGroup:
         except Exception as e:  # noqa: BLE001 - any backend error: the group is broken
             raise Interrupted("collective", f"{what} failed on rank {self.rank}: {str(e).splitlines()[0][:300]}"
                               ) from None
-        if self.backend == "nccl":
+
+    def _await_nccl(self, work: Any, what: str) -> None:
+        """A NCCL work's future completes when the collective is enqueued (a CUDA future: its value is ready
+        in stream order), so waiting on it, or synchronising the stream, would wait on a dead peer's kernel
+        (seen on the H200: the survivor never left). ``is_completed()`` queries the work's end event without
+        blocking: poll it, and look at the generation between polls."""
+        next_check = time.monotonic() + self.poll_s
+        while not work.is_completed():
+            time.sleep(0.0002)
+            if time.monotonic() >= next_check:
+                self.check_generation()
+                next_check = time.monotonic() + self.poll_s
+        try:
             work.wait()
-            torch.cuda.current_stream(self.device).synchronize()
+        except Exception as e:  # noqa: BLE001 - ncclRemoteError & co: the group is broken
+            raise Interrupted("collective", f"{what} failed on rank {self.rank}: {str(e).splitlines()[0][:300]}"
+                              ) from None
 
 
 def _abort_quietly(pg: Any) -> None:

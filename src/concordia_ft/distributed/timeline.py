@@ -31,7 +31,7 @@ def recovery_phases(repairs: list[dict[str, Any]], timings: dict[int, list[dict[
         joined = max([m["restore_end_ns"] for m in new] + [m["plan_seen_ns"] for m in old])
         first = max(m["first_step_end_ns"] for m in members)
         row: dict[str, Any] = {
-            "gen": g, "mode": rec["mode"], "standby": ",".join(rec.get("standby", {}).values()) or rec["mode"],
+            "gen": g, "recovery": rec["mode"], "failure": rec["kind"], "standby": ",".join(rec.get("standby", {}).values()) or rec["mode"],
             "cut": rec["cut"], "detection_ms": (t_det - t_kill) / 1e6 if t_kill is not None else None,
             "decide_ms": (t_plan - t_det) / 1e6,
             "abort_ms": max((m["abort_ms"] for m in old), default=0.0),
