@@ -37,6 +37,7 @@ from .core.compaction import CompactionResult, compact_with_writer
 from .core.format import encode_json
 from .core.log import LogOptions, OpenReport, RecoveryLog
 from .core.options import coerce_options
+from .core.oscalls import OsCalls
 from .core.regions import DiffMode, MemoryRange, RegionKind, RegionSpec, RegionTable, check_page_bytes
 from .core.replay import Outcome, RegionImage, ReplayOptions, ReplayResult, ReplayTimings, TailInfo, replay
 from .core.tracking import DenseBatch, RegionDelta, StagedBatch, StagedDelta, Tracker
@@ -392,9 +393,12 @@ class PendingEpoch:
                 log.error("giving back the snapshot of %r after epoch %d failed: %s", name, self.epoch, e2)
 
     def _fail(self, e: BaseException, *, committed: bool) -> None:
-        last = self.epoch if committed else self._log.last_epoch
-        err = CheckpointError(self.epoch, last, committed, f"{type(e).__name__}: {e}")
-        err.__cause__ = e
+        if isinstance(e, CheckpointError) and not committed:  # the log's own account of its failure
+            err = e
+        else:
+            last = self.epoch if committed else self._log.last_epoch
+            err = CheckpointError(self.epoch, last, committed, f"{type(e).__name__}: {e}")
+            err.__cause__ = e
         self.error, self.committed = err, committed
         log.error("%s", err)
         self._finish()
@@ -469,13 +473,15 @@ def _frozen_meta(meta: Any, copy: bool = True) -> _FrozenMeta | _HandedMeta | No
 
 # ------------------------------------------------------------------------------------------- runtime
 class Runtime:
-    """Registers regions, checkpoints them as committed epochs, and restores them."""
+    """Registers regions, checkpoints them as committed epochs, and restores them.
+
+    ``log_io``: the OS calls the log writer makes (core/oscalls.py); tests pass one that injects faults."""
 
     def __init__(self, log_dir: str | Path, fsync: str = "always", *, backend: str = "file",
                  fsync_interval_ms: int = 100, page_bytes: int = 4096, segment_max_bytes: int = 1 << 30,
                  compact_after_bytes: int | None = 256 << 20, background_compaction: bool = True,
-                 device_handlers: str = "auto", recovery: RecoveryOptions | Mapping[str, Any] | None = None
-                 ) -> None:
+                 device_handlers: str = "auto", recovery: RecoveryOptions | Mapping[str, Any] | None = None,
+                 log_io: OsCalls | None = None) -> None:
         self.page_bytes = check_page_bytes(page_bytes)
         if device_handlers not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"device_handlers must be 'auto', 'cuda' or 'cpu', got {device_handlers!r}")
@@ -483,7 +489,7 @@ class Runtime:
         self.recovery = RecoveryOptions.coerce(recovery)
         self.log = RecoveryLog.open(log_dir, LogOptions(fsync=fsync, fsync_interval_ms=fsync_interval_ms,
                                                         backend=backend, segment_max_bytes=segment_max_bytes),
-                                    replay_options=self.recovery.replay_options())
+                                    replay_options=self.recovery.replay_options(), io=log_io)
         self.log_dir = Path(log_dir)
         self.table = RegionTable()
         self._trackers: dict[str, Tracker] = {}
@@ -952,8 +958,8 @@ class Runtime:
                     self._plan.close()
                 for t in self._trackers.values():
                     t.close()
-                self.log.close()
                 self._closed = True
+                self.log.close()  # raises CheckpointError if its final sync fails
         err, self._unreported = self._unreported, None
         if err is not None:
             raise err
