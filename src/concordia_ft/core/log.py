@@ -357,8 +357,8 @@ class RecoveryLog:
             seg = _add_incr_segment(self.dir, self.manifest, self.options, self._io)
         except DirSyncError as e:
             raise _WriteFailed(self._mark_failed((self.last_epoch or 0) + 1, (
-                f"starting segment {self.manifest.incr[-1]}: {e}; whether the manifest naming it survives a crash "
-                "is unknown"))) from e
+                f"starting segment {self.manifest.incr[-1]}: the manifest naming it is in place, but fsyncing the "
+                f"directory after it failed ({_describe(e)}), so whether it survives a crash is unknown"))) from e
         except OSError as e:
             raise _WriteFailed(f"starting a new segment after {old.path.name} failed: {_describe(e)}; the log goes "
                                f"on in {old.path.name}, unchanged") from e
@@ -460,7 +460,9 @@ class RecoveryLog:
             try:
                 install_base(self.dir, self.manifest, base_name, replaced, io=self._io)
             except DirSyncError as e:
-                self._mark_failed((self._durable_epoch or 0) + 1, f"installing base {base_name}: {e}")
+                self._mark_failed((self._durable_epoch or 0) + 1, (
+                    f"installing base {base_name}: the manifest naming it is in place, but fsyncing the directory "
+                    f"after it failed ({_describe(e)})"))
                 raise
 
     def bytes_since_base(self) -> int:

@@ -129,8 +129,7 @@ def write_atomically(path: Path, data: bytes, *, sync: bool = True, io: OsCalls 
         try:
             io.fsync_dir(path.parent)
         except OSError as e:
-            raise DirSyncError(e.errno, f"fsync of directory {path.parent} after replacing {path.name} failed: "
-                               f"{e.strerror}") from e
+            raise DirSyncError(e.errno, e.strerror, str(path.parent)) from e
 
 
 def store_manifest(log_dir: Path, manifest: Manifest, *, sync: bool = True, io: OsCalls = REAL_OS) -> None:
