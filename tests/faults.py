@@ -56,10 +56,9 @@ class FaultyOS(OsCalls):
             self._partial, self._drop = partial, drop_unsynced
 
     def clear(self) -> None:
-        """The fault clears: every call succeeds from now on (the count goes on)."""
+        """The fault clears: every counted call succeeds from now on (the count goes on)."""
         with self._lock:
             self._at = None
-            self.fail_fallocate = False
 
     def _fails(self, op: str) -> bool:
         with self._lock:
@@ -153,7 +152,7 @@ class FaultyOS(OsCalls):
 
     def fallocate(self, fd: int, mode: int, offset: int, length: int) -> None:
         if self.fail_fallocate:
-            raise self._error("fallocate")
+            raise OSError(errno.EOPNOTSUPP, f"{os.strerror(errno.EOPNOTSUPP)} (injected into fallocate)")
         super().fallocate(fd, mode, offset, length)
 
     def replace(self, src: StrPath, dst: StrPath) -> None:
