@@ -11,6 +11,11 @@ loses nothing that ``append`` returned under any policy, since the bytes are in 
 - ``always``: fdatasync before ``append`` returns: nothing that returned is lost.
 - ``interval``: a background thread syncs every ``fsync_interval_ms``: at most that many ms of epochs.
 - ``never``: the kernel's writeback decides (dirty_expire_centisecs, 30 s by default).
+
+When an OS call fails (every one goes through ``oscalls.OsCalls``), ``append`` raises ``CheckpointError``: the
+failed epoch's bytes are cut back and its number stays free, or, where what the disk holds is no longer known
+(a failed sync of returned epochs, a failed cut, a failed directory fsync), the log is failed and appends
+nothing more until it is reopened. DESIGN.md, "When a write or a sync fails", has the rule for each call.
 """
 
 from __future__ import annotations
@@ -324,7 +329,7 @@ class RecoveryLog:
         try:
             seg.append(parts)
             if self.options.fsync == "always":
-                step = f"fdatasync of epoch {number} in {seg.path.name}"
+                step = f"{'msync' if isinstance(seg, DaxSegment) else 'fdatasync'} of epoch {number} in {seg.path.name}"
                 seg.sync()
         except LogError as e:  # it does not fit (DAX): nothing was stored
             raise _WriteFailed(f"{step} failed: {e}") from e
