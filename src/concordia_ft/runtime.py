@@ -929,7 +929,7 @@ class Runtime:
         """Suspend every resident GPU executor around work that would block behind it (module loads,
         first launches, device-wide sync, cudaFree): ``with rt.quiesced(): model = torch.compile(...)``.
         Without an executor (or without CUDA) this is a no-op."""
-        guard = sys.modules.get("concordia_ft.cuda.guard")  # never imported: no executor can be resident
+        guard = sys.modules.get("concordia_ft.executor.guard")  # never imported: no executor can be resident
         if guard is None:
             yield
             return
