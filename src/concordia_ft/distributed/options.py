@@ -61,7 +61,9 @@ class DistOptions:
     wait_poll_ms: float = 5.0  # a rank's wait slice: how often a blocked wait looks at the generation
     hang_factor: float = 50.0  # progress timeout = hang_factor x the slowest recent step (DESIGN.md §4)
     min_progress_timeout_ms: int = 2000  # floor of that timeout (the first steps have no measurement yet)
-    collective_timeout_ms: int = 5000  # the torch group's own timeout (frees an abandoned collective's thread)
+    collective_timeout_ms: int = 30000  # the torch group's own timeout: frees an abandoned collective's threads; also
+    # bounds a rendezvous nobody abandons (fresh processes starting 9 s apart on a loaded 2-core host: 5 s was
+    # too short there and cost a needless rebuild in bench_distributed)
     collective_grace_ms: int = 200  # after a collective error, how long to wait for a death to explain it
     abort_bound_ms: int = 50  # a survivor leaves a broken communicator within this bound (asserted in tests)
     max_rebuilds: int = 8  # repairs of one step before the job gives up (a failure that repeats)
