@@ -61,6 +61,7 @@ from .manifest import Manifest, load_manifest
 from .options import coerce_options
 from .regions import RegionSpec
 from .segment import map_segment
+from .snapshot import RegionPages, region_pages
 
 __all__ = ["EpochSummary", "Outcome", "PendingImages", "RegionImage", "ReplayOptions", "ReplayResult",
            "ReplayTimings", "TailInfo", "replay"]
@@ -261,6 +262,13 @@ class PendingImages:
     @property
     def specs(self) -> Mapping[str, RegionSpec]:
         return self._state.specs
+
+    def region_pages(self) -> list[RegionPages]:
+        """Each region's newest committed page versions, read in place from the mapped segments (valid
+        until ``close``): what a streamed base is written from, without building an image."""
+        if self._mappings is None:
+            raise LogError("this replay's segments were already released; replay the log again")
+        return region_pages(self._state.specs, self._state.born, self._state.writes)
 
     def materialize(self, allocs: Mapping[str, ImageAlloc] | None, timings: ReplayTimings,
                     pool: Executor | None = None) -> dict[str, RegionImage]:
