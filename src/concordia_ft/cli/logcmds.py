@@ -241,6 +241,19 @@ def _tail(path: Path, rep: CheckReport, res: ReplayResult, *, fix: bool) -> None
         rep.in_flight = (f"the epoch being written at {t.segment}+{t.offset} is not committed yet and was not "
                          f"checked; the {res.epoch or 0} committed epoch(s) before it verify")
         return
+    if t.offset < SEGMENT_HEADER_BYTES:  # the segment's header never finished: it holds nothing
+        manifest = res.manifest
+
+        def drop_segment() -> str:
+            where = set_aside(path, [t.segment])
+            manifest.incr = [n for n in manifest.incr if n != t.segment]
+            store_manifest(path, manifest)
+            return _kept(where, "its bytes are")
+
+        _found(rep, f"{t.segment} is named in the manifest but its header never finished ({t.size_bytes} bytes)",
+               fix=fix, repair=drop_segment, done=f"took {t.segment} out of the manifest",
+               next_step="run `concordia log check DIR --fix` to take it out of the manifest (it holds no epoch)")
+        return
     damaged = t.kind.value == "damaged"
     what = ("whole but failing its checks (media damage or a lost write): that epoch is lost" if damaged
             else "an unfinished write: that epoch never committed")

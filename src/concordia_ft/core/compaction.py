@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import LogCorruptError
 from .log import DirLock, RecoveryLog, install_base, remove_orphans, segment_header
-from .manifest import load_manifest, write_atomically
+from .manifest import MANIFEST_NAME, REBUILD_HINT, SEGMENT_RE, load_manifest, write_atomically
 from .replay import Outcome, replay
 from .snapshot import write_base
 
@@ -119,6 +119,9 @@ def compact_offline(log_dir: str | os.PathLike[str], *, kill_hook: Callable[[str
     try:
         manifest = load_manifest(path)
         if manifest is None:
+            if any(SEGMENT_RE.match(p.name) for p in path.iterdir()):
+                raise LogCorruptError(str(path / MANIFEST_NAME), 0, "the MANIFEST is missing (segment files are "
+                                      "there)", REBUILD_HINT)
             return CompactionResult(False, reason=f"{path} holds no log (no MANIFEST)")
         remove_orphans(path, manifest)
         segments = manifest.segments()
