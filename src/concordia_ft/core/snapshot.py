@@ -78,15 +78,26 @@ class RegionPages:
                 idx = only[lo:hi] - a
             for i in range(0, len(idx), step):
                 part = idx[i : i + step]
-                out = np.empty((len(part), pb), dtype=np.uint8)
-                s, r = src[part], row[part]
-                for k in np.unique(s).tolist():
-                    if k < 0:
-                        raise AssertionError(f"region {self.spec.name!r}: a page asked for was never written")
-                    m = s == k
-                    payload = np.frombuffer(self.writes[k].payload, dtype=np.uint8).reshape(-1, pb)
-                    out[m] = payload[r[m]]
-                yield part.astype(np.int64) + a, out
+                yield part.astype(np.int64) + a, self._gather(src[part], row[part])
+
+    def _gather(self, s: npt.NDArray[np.int32], r: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
+        """The rows ``r`` of writes ``s``: a view when they are consecutive rows of one write (a dense or
+        contiguous delta: no copy), else gathered into a new array."""
+        pb = self.spec.page_bytes
+        ks = np.unique(s).tolist()
+        if ks and ks[0] < 0:
+            raise AssertionError(f"region {self.spec.name!r}: a page asked for was never written")
+        payloads = {k: np.frombuffer(self.writes[k].payload, dtype=np.uint8).reshape(-1, pb) for k in ks}
+        if len(ks) == 1 and int(r[-1]) - int(r[0]) + 1 == len(r):
+            return payloads[ks[0]][int(r[0]) : int(r[-1]) + 1]
+        out = np.empty((len(r), pb), dtype=np.uint8)
+        if len(ks) == 1:
+            np.take(payloads[ks[0]], r, axis=0, out=out)
+            return out
+        for k in ks:
+            m = s == k
+            out[m] = payloads[k][r[m]]
+        return out
 
     def nonzero_pages(self) -> npt.NDArray[np.int64]:
         """The live pages whose newest version is not all zeros (what the base must hold)."""
