@@ -94,9 +94,11 @@ class RegionPages:
         if len(ks) == 1:
             np.take(payloads[ks[0]], r, axis=0, out=out)
             return out
-        for k in ks:
-            m = s == k
-            out[m] = payloads[k][r[m]]
+        order = np.argsort(s, kind="stable")  # group the rows by write: one gather per write, not a mask each
+        bounds = np.searchsorted(s[order], ks + [ks[-1] + 1])
+        for k, lo, hi in zip(ks, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            sel = order[lo:hi]
+            out[sel] = payloads[k][r[sel]]
         return out
 
     def nonzero_pages(self) -> npt.NDArray[np.int64]:
