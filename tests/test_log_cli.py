@@ -460,3 +460,69 @@ def test_check_of_a_live_log_is_not_a_damaged_log(tmp_path: Path, capsys: pytest
     assert rec.epoch == last and (rec.array("a") == np.load(tmp_path / "final.npy")).all()
     m = load_manifest(d)
     assert m is not None and m.base is not None, "the writer compacted while the checks ran"
+
+
+class FaultyFsyncOs:
+    """``os`` for the manifest writer with ``fsync`` failing with EIO (a disk that fails the repair)."""
+
+    def fsync(self, fd: int) -> None:
+        raise OSError(5, os.strerror(5))
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+
+def test_a_repair_the_disk_refuses_is_reported_and_leaves_the_log_as_it_was(
+        corpus_model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from concordia_ft.core import manifest as manifest_mod
+
+    d = tmp_path / "log"
+    shutil.copytree(corpus_model.dir, d)
+    (d / MANIFEST_NAME).write_bytes(b"garbage")
+    monkeypatch.setattr(manifest_mod, "os", FaultyFsyncOs())
+    for as_json in (False, True):
+        rc, text = run_cli(capsys, "log", "check", str(d), "--fix", *(["--json"] if as_json else []))
+        assert rc == 1, text
+        if as_json:
+            doc = json.loads(text)
+            assert any("repair failed" in x for x in doc["left"]) and doc["next_step"], doc
+        else:
+            assert "repair failed: Input/output error" in text and len(_next_steps(text)) == 1, text
+    assert (d / MANIFEST_NAME).read_bytes() == b"garbage"  # the atomic replace never happened
+    monkeypatch.setattr(manifest_mod, "os", os)
+    rc, text = run_cli(capsys, "log", "check", str(d), "--fix")
+    assert rc == 0, text
+    assert _assert_recovers(d, corpus_model, corpus_model.last) == corpus_model.last
+
+
+@pytest.mark.parametrize("which", [-1, 2])
+def test_truncation_sweep_check_and_fix(which: int, corpus_model: Model, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Truncations spread over a whole segment (the active one: a torn tail; a sealed one: damage before
+    the tail): check says 1 unless the cut is at an epoch boundary of the active segment, and the fixes keep
+    exactly the epochs the cut left whole."""
+    model = corpus_model
+    seg = model.segments[which]
+    size = (model.dir / seg).stat().st_size
+    ends = {e.end for e in model.in_segment(seg)} | {F.SEGMENT_HEADER_BYTES}
+    offsets = sorted({int(x) for x in np.linspace(1, size - 1, 23)} | {F.SEGMENT_HEADER_BYTES + 1})
+    for off in offsets:
+        keep = model.before(seg, off)
+        d = tmp_path / f"t{off}"
+        shutil.copytree(model.dir, d)
+        os.truncate(d / seg, off)
+        boundary = off in ends and which == -1
+        rc, text = run_cli(capsys, "log", "check", str(d))
+        assert rc == (0 if boundary else 1) and len(_next_steps(text)) == (0 if boundary else 1), (off, text)
+        before = _files(d)
+        rc, text = run_cli(capsys, "log", "check", str(d), "--fix")
+        if which == -1 and off >= F.SEGMENT_HEADER_BYTES:  # a torn tail (a cut header is damage: not a crash)
+            assert rc == 0 and _assert_recovers(d, model, keep) == keep, (off, text)
+        else:
+            assert rc == 1 and _files(d) == before, (off, text)
+            rc, text = run_cli(capsys, "log", "check", str(d), "--fix", "--drop-after-damage")
+            assert rc == 0 and _assert_recovers(d, model, keep) == keep, (off, text)
+        rc, text = run_cli(capsys, "log", "check", str(d))
+        assert rc == 0, (off, text)
+        shutil.rmtree(d)

@@ -191,7 +191,19 @@ def _found(rep: CheckReport, problem: str, *, fix: bool, repair: Any, done: str,
     """Record ``problem``; run ``repair`` (a callable returning extra words for ``done``) when fixing."""
     rep.problems.append(problem)
     if fix and repair is not None:
-        extra = repair()
+        try:
+            extra = repair()
+        except OSError as e:  # the disk refused the repair: what is done so far is consistent (each step is)
+            what, todo = describe_os_error(e)
+            rep.left.append(f"repair failed: {what}")
+            rep.problems.append(rep.left[-1])
+            rep.next_step = rep.next_step or todo
+            return
+        except ConcordiaError as e:
+            rep.left.append(f"repair failed: {e}")
+            rep.problems.append(rep.left[-1])
+            rep.next_step = rep.next_step or "run `concordia log check DIR` to see where the log stands"
+            return
         rep.fixed.append(done + (f" ({extra})" if extra else ""))
     else:
         rep.left.append(problem)
