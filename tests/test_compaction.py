@@ -1,7 +1,7 @@
 """Compaction: the threshold counts what is on disk, the base is sparse, memory stays bounded, failures surface.
 
 Real logs on tmpfs, real processes' worth of restarts (a Runtime closed and reopened), faults injected at the
-OS boundary of the base writer (its ``os.pwrite``), memory measured with tracemalloc (numpy's allocations are
+log's OS boundary under the compactor (``FaultyOS``: the base writer's pwritev), memory measured with tracemalloc (numpy's allocations are
 traced) on logs larger than the bound.
 """
 
@@ -20,11 +20,11 @@ import pytest
 
 import concordia_ft as cft
 from concordia_ft.cli.main import main
-from concordia_ft.core import snapshot
 from concordia_ft.core.compaction import FAILURE_NAME, compact_offline
 from concordia_ft.core.manifest import load_manifest
 from concordia_ft.core.replay import replay
 from concordia_ft.errors import CompactionError
+from faults import FaultyOS
 
 PAGE = 4096
 
@@ -142,39 +142,47 @@ def test_compaction_check_and_inspect_stream_in_bounded_memory(shm_dir: Path,
     assert res.epoch == 4 and res.regions["big"].data.tobytes() == a.tobytes()
 
 
-class FaultyOs:
-    """``os`` for the base writer, with ``pwrite`` failing with ``err`` (what a full disk returns)."""
+class FullDiskForBases(FaultyOS):
+    """The log's OS boundary with a disk that is full for a new base: every pwritev into a ``*.cft.tmp``
+    (what the compactor writes) fails with ENOSPC while ``full``; the writer's own appends go through."""
 
-    def __init__(self, err: int) -> None:
-        self.err = err
-        self.calls = 0
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = False
+        self.refused = 0
+        self._bases: set[int] = set()
 
-    def pwrite(self, fd: int, data: Any, offset: int) -> int:
-        self.calls += 1
-        raise OSError(self.err, os.strerror(self.err))
+    def open(self, path: Any, flags: int, mode: int = 0o644) -> int:
+        fd = super().open(path, flags, mode)
+        (self._bases.add if str(path).endswith(".cft.tmp") else self._bases.discard)(fd)
+        return fd
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
+    def pwritev(self, fd: int, buffers: Any, offset: int) -> int:
+        if self.full and fd in self._bases:
+            self.refused += 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().pwritev(fd, buffers, offset)
 
 
 def test_a_background_compaction_failure_is_raised_by_the_next_checkpoint(shm_dir: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch,
                                                                           capsys: pytest.CaptureFixture[str]
                                                                           ) -> None:
+    """ENOSPC injected at the log's OS boundary under the compactor: the base writer's pwritev fails."""
     d = shm_dir / "log"
     a = np.random.default_rng(4).integers(0, 256, 32 * PAGE, dtype=np.uint8)
-    faulty = FaultyOs(errno.ENOSPC)
-    monkeypatch.setattr(snapshot, "os", faulty)
-    with cft.Runtime(d, fsync="never", compact_after_bytes=None) as rt:
+    faulty = FullDiskForBases()
+    with cft.Runtime(d, fsync="never", compact_after_bytes=None, log_io=faulty) as rt:
         rt.register("a", a)
         for i in range(3):
             a[i] = i + 1
             rt.checkpoint()
+        faulty.full = True
         assert rt.compact(wait=False) is None
         deadline = time.monotonic() + 30
         while rt.compaction_error is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert faulty.calls >= 1
+        faulty.full = False
+        assert faulty.refused and not list(d.glob("*.tmp")), "the failed base's temp file is removed"
         a[5] = 9
         with pytest.raises(CompactionError, match="No space left") as ei:
             rt.checkpoint()
@@ -182,15 +190,18 @@ def test_a_background_compaction_failure_is_raised_by_the_next_checkpoint(shm_di
         assert rt.checkpoint() == 4  # reported once; the log goes on
         recorded = json.loads((d / FAILURE_NAME).read_text())
         assert recorded["error"] == "OSError" and "No space left" in recorded["message"], recorded
+        faulty.full = True
         with pytest.raises(CompactionError, match="No space left"):
             rt.compact()  # a foreground compaction raises its own failure
+        faulty.full = False
     res = replay(d)
     assert res.epoch == 4 and (res.regions["a"].data == a).all()
     assert main(["log", "inspect", str(d)]) == 0
     out = capsys.readouterr().out
     assert "last compaction failed" in out and "No space left" in out, out
-    monkeypatch.setattr(snapshot, "os", os)
     r = compact_offline(d)
     assert r.compacted and not (d / FAILURE_NAME).exists()
     assert main(["log", "inspect", str(d)]) == 0
     assert "last compaction failed" not in capsys.readouterr().out
+    res = replay(d)
+    assert res.epoch == 4 and (res.regions["a"].data == a).all()

@@ -462,25 +462,19 @@ def test_check_of_a_live_log_is_not_a_damaged_log(tmp_path: Path, capsys: pytest
     assert m is not None and m.base is not None, "the writer compacted while the checks ran"
 
 
-class FaultyFsyncOs:
-    """``os`` for the manifest writer with ``fsync`` failing with EIO (a disk that fails the repair)."""
-
-    def fsync(self, fd: int) -> None:
-        raise OSError(5, os.strerror(5))
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(os, name)
-
-
 def test_a_repair_the_disk_refuses_is_reported_and_leaves_the_log_as_it_was(
         corpus_model: Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from concordia_ft.core import manifest as manifest_mod
+    """EIO from every fsync at the OS boundary (the default OsCalls table the repair writes through)."""
+    from concordia_ft.core.oscalls import REAL_OS
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(5, os.strerror(5))
 
     d = tmp_path / "log"
     shutil.copytree(corpus_model.dir, d)
     (d / MANIFEST_NAME).write_bytes(b"garbage")
-    monkeypatch.setattr(manifest_mod, "os", FaultyFsyncOs())
+    monkeypatch.setattr(REAL_OS, "fsync", failing_fsync)
     for as_json in (False, True):
         rc, text = run_cli(capsys, "log", "check", str(d), "--fix", *(["--json"] if as_json else []))
         assert rc == 1, text
@@ -490,7 +484,7 @@ def test_a_repair_the_disk_refuses_is_reported_and_leaves_the_log_as_it_was(
         else:
             assert "repair failed: Input/output error" in text and len(_next_steps(text)) == 1, text
     assert (d / MANIFEST_NAME).read_bytes() == b"garbage"  # the atomic replace never happened
-    monkeypatch.setattr(manifest_mod, "os", os)
+    monkeypatch.undo()
     rc, text = run_cli(capsys, "log", "check", str(d), "--fix")
     assert rc == 0, text
     assert _assert_recovers(d, corpus_model, corpus_model.last) == corpus_model.last

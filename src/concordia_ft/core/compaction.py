@@ -24,6 +24,7 @@ from typing import Any
 from ..errors import LogCorruptError
 from .log import DirLock, RecoveryLog, install_base, remove_orphans, segment_header
 from .manifest import MANIFEST_NAME, REBUILD_HINT, SEGMENT_RE, load_manifest, write_atomically
+from .oscalls import REAL_OS, OsCalls
 from .replay import Outcome, replay
 from .snapshot import write_base
 
@@ -43,12 +44,12 @@ class CompactionResult:
 FAILURE_NAME = "COMPACTION_FAILED"  # the last compaction failure of this log, until one succeeds
 
 
-def record_failure(log_dir: Path, error: BaseException) -> None:
+def record_failure(log_dir: Path, error: BaseException, *, io: OsCalls = REAL_OS) -> None:
     """Leave the failure in ``DIR/COMPACTION_FAILED`` (JSON) for `concordia log inspect`; best effort (the
     disk that made the compaction fail may refuse this too)."""
     doc = {"time_ns": time.time_ns(), "pid": os.getpid(), "error": type(error).__name__, "message": str(error)}
     with contextlib.suppress(OSError):
-        write_atomically(log_dir / FAILURE_NAME, json.dumps(doc, sort_keys=True).encode())
+        write_atomically(log_dir / FAILURE_NAME, json.dumps(doc, sort_keys=True).encode(), io=io)
 
 
 def last_failure(log_dir: Path) -> dict[str, Any] | None:
@@ -60,14 +61,13 @@ def last_failure(log_dir: Path) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
-def clear_failure(log_dir: Path) -> None:
-    with contextlib.suppress(OSError):
-        (log_dir / FAILURE_NAME).unlink(missing_ok=True)
+def clear_failure(log_dir: Path, *, io: OsCalls = REAL_OS) -> None:
+    io.unlink_quietly(log_dir / FAILURE_NAME)
 
 
 def compact_sealed(log_dir: Path, manifest_segments: list[str], *, new_name: str, header: bytes,
                    install: Callable[[str, list[str]], None],
-                   kill_hook: Callable[[str], None] | None = None) -> CompactionResult:
+                   kill_hook: Callable[[str], None] | None = None, io: OsCalls = REAL_OS) -> CompactionResult:
     """Replay (verify) the sealed ``manifest_segments``, write their state as base ``new_name`` (streamed from
     the mapped segments, sparse), and ``install`` it in their place."""
     t0 = time.perf_counter()
@@ -83,7 +83,7 @@ def compact_sealed(log_dir: Path, manifest_segments: list[str], *, new_name: str
             return CompactionResult(False, reason="the sealed segments hold no committed epoch")
         before = sum(os.path.getsize(log_dir / n) for n in manifest_segments)
         size = write_base(log_dir, new_name, header, res.epoch, res.pending.region_pages(), res.meta,
-                          kill_hook=kill_hook)
+                          kill_hook=kill_hook, io=io)
     finally:
         res.close()
     if kill_hook:
@@ -91,7 +91,7 @@ def compact_sealed(log_dir: Path, manifest_segments: list[str], *, new_name: str
     install(new_name, manifest_segments)
     if kill_hook:
         kill_hook("after-manifest")
-    clear_failure(log_dir)
+    clear_failure(log_dir, io=io)
     return CompactionResult(True, res.epoch, new_name, tuple(manifest_segments), before, size,
                             time.perf_counter() - t0)
 
@@ -103,14 +103,14 @@ def compact_with_writer(writer: RecoveryLog, *, kill_hook: Callable[[str], None]
         sealed = writer.seal_for_compaction()
         name, header = writer.reserve_base()
         return compact_sealed(writer.dir, sealed, new_name=name, header=header, install=writer.install_base,
-                              kill_hook=kill_hook)
+                              kill_hook=kill_hook, io=writer.io)
     except Exception as e:
-        record_failure(writer.dir, e)
+        record_failure(writer.dir, e, io=writer.io)
         raise
 
 
-def compact_offline(log_dir: str | os.PathLike[str], *, kill_hook: Callable[[str], None] | None = None
-                    ) -> CompactionResult:
+def compact_offline(log_dir: str | os.PathLike[str], *, kill_hook: Callable[[str], None] | None = None,
+                    io: OsCalls = REAL_OS) -> CompactionResult:
     """Compact a log no process is writing (`concordia log compact DIR`). Takes the directory lock."""
     path = Path(log_dir)
     lock = DirLock(path, "compactor")
@@ -127,8 +127,9 @@ def compact_offline(log_dir: str | os.PathLike[str], *, kill_hook: Callable[[str
         header = segment_header(manifest, name)
 
         def install(base: str, replaced: list[str]) -> None:
-            install_base(path, manifest, base, replaced)
+            install_base(path, manifest, base, replaced, io=io)
 
-        return compact_sealed(path, segments, new_name=name, header=header, install=install, kill_hook=kill_hook)
+        return compact_sealed(path, segments, new_name=name, header=header, install=install, kill_hook=kill_hook,
+                              io=io)
     finally:
         lock.release()

@@ -33,7 +33,7 @@ from ..errors import LogError
 from .epochs import layout_epoch
 from .format import crc32c
 from .images import PageWrite
-from .manifest import fsync_dir
+from .oscalls import REAL_OS, OsCalls
 from .regions import RegionSpec
 
 WINDOW_PAGES = 1 << 20
@@ -122,18 +122,20 @@ def region_pages(specs: Mapping[str, RegionSpec], born: Mapping[str, int], write
 
 
 def write_base(log_dir: Path, name: str, header: bytes, epoch: int, regions: Sequence[RegionPages], meta: Any, *,
-               kill_hook: Callable[[str], None] | None = None) -> int:
+               kill_hook: Callable[[str], None] | None = None, io: OsCalls = REAL_OS) -> int:
     """Write segment ``name`` (via ``name.tmp``, synced, renamed, directory synced) holding one FULL epoch of
-    ``regions``' nonzero pages and ``meta``. Returns the file's size."""
+    ``regions``' nonzero pages and ``meta``. Returns the file's size. Every call that changes the directory
+    goes through ``io`` (the log's OS boundary); a failure leaves at most a ``.tmp`` (deleted here, or as
+    crash debris at the next open): the log itself is untouched until the manifest names the base."""
     tmp = log_dir / (name + ".tmp")
-    tmp.unlink(missing_ok=True)
+    io.unlink_quietly(tmp)
     kept = [(r, r.nonzero_pages()) for r in regions]
     start = len(header)
     lay = layout_epoch(epoch, start, defs=[r.spec for r in regions], drops=[],
                        pages_of=[(r.spec, pages) for r, pages in kept], meta=meta, full=True)
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = io.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _pwrite_all(fd, header, 0)
+        _pwrite_all(io, fd, header, 0)
         if kill_hook:
             kill_hook("base-writing")
         crcs: list[int] = []
@@ -145,28 +147,32 @@ def write_base(log_dir: Path, name: str, header: bytes, epoch: int, regions: Seq
             crc = 0
             for _, data in r.chunks(pages):
                 crc = crc32c(data.data.cast("B"), crc)
-                _pwrite_all(fd, data, pos)
+                _pwrite_all(io, fd, data, pos)
                 pos += data.nbytes
             crcs.append(crc)
         head, desc_crc = lay.head(crcs)
-        _pwrite_all(fd, head, start)
-        _pwrite_all(fd, lay.commit(desc_crc), start + lay.total_bytes - len(lay.commit(desc_crc)))
-        os.fsync(fd)
+        commit = lay.commit(desc_crc)
+        _pwrite_all(io, fd, head, start)
+        _pwrite_all(io, fd, commit, start + lay.total_bytes - len(commit))
+        io.fsync(fd)
         size = os.fstat(fd).st_size
-    finally:
-        os.close(fd)
+    except BaseException:
+        io.close_quietly(fd)
+        io.unlink_quietly(tmp)
+        raise
+    io.close(fd)
     if size != start + lay.total_bytes:
         raise LogError(f"base {tmp} is {size} bytes after writing, expected {start + lay.total_bytes}")
     if kill_hook:
         kill_hook("base-written")
-    os.replace(tmp, log_dir / name)
-    fsync_dir(log_dir)
+    io.replace(tmp, log_dir / name)
+    io.fsync_dir(log_dir)
     return size
 
 
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
+def _pwrite_all(io: OsCalls, fd: int, data: Any, offset: int) -> None:
     view = memoryview(data).cast("B")
     while view.nbytes:
-        n = os.pwrite(fd, view, offset)
+        n = io.pwritev(fd, [view], offset)
         view = view[n:]
         offset += n
