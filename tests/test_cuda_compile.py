@@ -170,3 +170,57 @@ def test_reference_hash_sees_every_single_byte_change() -> None:
         assert (h != h0).tolist() == [i == pos // 4096 for i in range(4)]
     # zero padding of the tail page: explicit zeros past the end hash like the padded region
     assert handlers.reference_page_hash(np.concatenate([data, np.zeros(4096 - 100, np.uint8)]), 4096)[3] == h0[3]
+
+
+# A child that compiles with an empty cache, then checks that the interpreter's shared immutable objects are
+# what they were. CPython caches every one-byte bytes object (bytes([i]), b"%c" % i, b" " * 1 all return it):
+# handing one to NVRTC as an output buffer rewrites that byte for the whole process. The checks avoid
+# comparing two cached objects with each other (b" " == bytes([32]) holds even when both are corrupted).
+_INTEGRITY_CHILD = r'''
+import hashlib, sys
+from concordia_ft.cuda import executor, handlers, nvrtc
+from concordia_ft.core.regions import RegionKind, RegionSpec
+
+def one_byte_objects_intact():
+    bad = []
+    for i in range(256):
+        for obj in (bytes([i]), b"%c" % i, bytes((i,)) * 1, chr(i).encode("latin-1")):
+            if len(obj) != 1 or obj[0] != i or list(obj) != [i]:
+                bad.append((i, list(obj)))
+    return bad
+
+before = one_byte_objects_intact()
+assert not before, before
+outs = []
+clean = 'extern "C" __global__ void concordia_k(int* x) { x[threadIdx.x] += 1; }'  # empty log: size 1
+warns = 'extern "C" __global__ void concordia_w(int* x) { int unused = 3; x[0] = 1; }'  # a non-empty log
+for src, name in ((clean, "clean"), (warns, "warns")):
+    m = nvrtc.compile_cubin(src, name)
+    assert not m.cache_hit
+    outs.append((m, hashlib.sha256(m.cubin).hexdigest()))
+for m in (handlers.compile_handlers(RegionSpec("r", RegionKind.OPAQUE, 12345, page_bytes=512)),
+          executor.compile_executor()):
+    outs.append((m, hashlib.sha256(m.cubin).hexdigest()))
+# every output is stable: the bytes handed back never change, and equal a fresh compile and the cache file
+for m, digest in outs:
+    assert hashlib.sha256(m.cubin).hexdigest() == digest, m.name
+    assert m.cubin.startswith(b"\x7fELF") and m.path is not None and m.path.read_bytes() == m.cubin, m.name
+again = nvrtc.compile_cubin(clean, "clean", use_cache=False)
+assert again.cubin == outs[0][0].cubin and hashlib.sha256(outs[0][0].cubin).hexdigest() == outs[0][1]
+after = one_byte_objects_intact()
+assert not after, "one-byte bytes objects rewritten: " + repr(after[:8])
+assert bytes([32])[0] == 32 and b" "[0] == 32 and b"\x00"[0] == 0
+print("T", 914, sep=" ")
+print("A", "B")
+sys.stdout.flush()
+'''
+
+
+def test_compile_leaves_the_interpreter_intact(tmp_path: Path) -> None:
+    """A real NVRTC compile with an empty cache, in a fresh interpreter: every one-byte bytes object still
+    holds its byte, print's separator is still a space, the returned cubins never change."""
+    env = dict(os.environ, PYTHONPATH=str(SRC), CONCORDIA_CACHE_DIR=str(tmp_path / "fresh-cache"))
+    r = subprocess.run([sys.executable, "-c", _INTEGRITY_CHILD], capture_output=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    assert r.stdout == b"T 914\nA B\n", r.stdout  # through the pipe: str " " is encoded to the cached b" "
+    assert list((tmp_path / "fresh-cache" / "cubin").iterdir())  # it did compile (the cache was empty)

@@ -165,6 +165,18 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def _read_output(get_size: Any, get: Any, prog: Any, what: str) -> bytes:
+    """One of NVRTC's outputs (log, cubin) as a new ``bytes``. NVRTC writes into the buffer it is handed, so
+    that buffer is a fresh ``bytearray``: never an immutable ``bytes``, which could be an object the
+    interpreter shares (``b" " * 1`` IS the cached one-byte ``b" "``: writing NUL into it once turned every
+    ``bytes([32])`` and ``print``'s separator into ``b"\\0"`` for the rest of the process)."""
+    size = int(_nv_check(get_size(prog), f"{what} size"))
+    buf = bytearray(size)
+    if size:
+        _nv_check(get(prog, buf), what)
+    return bytes(buf)
+
+
 def _compile(source: str, name: str, flags: list[str]) -> tuple[bytes, str]:
     nvrtc = _nvrtc()
     prog = _nv_check(nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []),
@@ -172,16 +184,12 @@ def _compile(source: str, name: str, flags: list[str]) -> tuple[bytes, str]:
     try:
         opts = [f.encode() for f in flags]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        size = _nv_check(nvrtc.nvrtcGetProgramLogSize(prog), f"{name}: log size")
-        buf = b" " * int(size)
-        _nv_check(nvrtc.nvrtcGetProgramLog(prog, buf), f"{name}: log")
-        log = buf.rstrip(b"\0 ").decode(errors="replace")
+        raw_log = _read_output(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog, f"{name}: log")
+        log = raw_log.rstrip(b"\0 ").decode(errors="replace")
         if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(name, f"options: {' '.join(flags)}\n{log}")
-        n = _nv_check(nvrtc.nvrtcGetCUBINSize(prog), f"{name}: cubin size")
-        cubin = b" " * int(n)
-        _nv_check(nvrtc.nvrtcGetCUBIN(prog, cubin), f"{name}: cubin")
-        return bytes(cubin), log
+        cubin = _read_output(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog, f"{name}: cubin")
+        return cubin, log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
