@@ -158,6 +158,50 @@ def test_device_error_translation_marks_sticky_codes() -> None:
     assert e.code == 700 and e.sticky
 
 
+def test_device_side_assert_is_sticky_and_explained() -> None:
+    import pickle
+
+    from concordia_ft.cuda import driver
+    from concordia_ft.errors import DeviceError
+
+    with pytest.raises(DeviceError) as ei:
+        driver.check((driver.bindings().CUresult(710),), "cuStreamSynchronize")
+    e = ei.value
+    assert e.sticky and e.name == "CUDA_ERROR_ASSERT" and "device-side assert" in e.explanation
+    assert "restart the process" in str(e) and "device-side assert" in str(e)
+    back = pickle.loads(pickle.dumps(e))
+    assert (back.code, back.sticky, back.explanation, str(back)) == (710, True, e.explanation, str(e))
+    # next to it in the numbering, but the context survives
+    for code in (709, 720):
+        with pytest.raises(DeviceError) as ei2:
+            driver.check((driver.bindings().CUresult(code),), "x")
+        assert not ei2.value.sticky and ei2.value.explanation and "go on using CUDA" in str(ei2.value)
+    # a code outside our table is explained from the driver's own documentation
+    assert "allocate enough memory" in driver.explain(2)
+
+
+def test_sticky_table_matches_the_installed_driver_documentation() -> None:
+    """Every CUresult that cuda-bindings documents as poisoning (restart needed, or the context must be
+    destroyed) is sticky in our table, every name in the table is the driver's own, and nothing documented as
+    recoverable is called sticky except 214 (uncorrectable ECC: device memory lost)."""
+    from cuda.bindings import driver as drv
+
+    from concordia_ft.cuda import results
+
+    documented = set()
+    for member in drv.CUresult:
+        doc = " ".join((member.__doc__ or "").split())
+        if "must be terminated and relaunched" in doc or "context cannot be used anymore" in doc:
+            documented.add(int(member))
+    assert {700, 702, 710, 714, 715, 716, 717, 718, 719, 721} <= documented  # the docs did say this
+    missing = sorted(documented - set(results.STICKY_CODES))
+    assert not missing, f"documented as poisoning but not sticky here: {missing}"
+    assert set(results.STICKY_CODES) - documented <= {214}
+    for code, info in results.RESULTS.items():
+        assert drv.CUresult(code).name == info.name, code
+        assert info.explanation and not info.explanation.endswith(".")
+
+
 def test_reference_hash_sees_every_single_byte_change() -> None:
     rng = np.random.default_rng(7)
     data = rng.integers(0, 256, 3 * 4096 + 100, dtype=np.uint8)
