@@ -104,6 +104,37 @@ def test_concurrent_writers_of_one_key_leave_one_whole_cubin(_cache: Path) -> No
     assert all(r == results[0] for r in results)
 
 
+def test_threads_compiling_at_once_run_nvrtc_once_per_key(_cache: Path) -> None:
+    """8 threads released together ask for 2 keys: NVRTC runs exactly twice, every thread gets its key's
+    cubin, the first to finish compiled it and the others read it from the cache."""
+    sources = [f'extern "C" __global__ void concordia_c{i}(float* x) {{ x[threadIdx.x] *= {i + 2}.0f; }}'
+               for i in range(2)]
+    before = nvrtc.stats["compiles"]
+    start = threading.Barrier(8)
+    got: dict[int, list[nvrtc.CompiledModule]] = {0: [], 1: []}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            start.wait()
+            got[i % 2].append(nvrtc.compile_cubin(sources[i % 2], f"c{i % 2}"))
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert nvrtc.stats["compiles"] - before == 2
+    for mods in got.values():
+        assert len(mods) == 4 and len({m.cubin for m in mods}) == 1
+        assert sum(not m.cache_hit for m in mods) == 1
+    assert got[0][0].cubin != got[1][0].cubin
+    assert len(list((_cache / "cubin").iterdir())) == 2
+
+
 def test_bad_source_raises_compile_error_with_log() -> None:
     with pytest.raises(CompileError) as ei:
         nvrtc.compile_cubin('extern "C" __global__ void concordia_bad() { int x = ; }', "bad")
