@@ -299,3 +299,21 @@ def test_compile_leaves_the_interpreter_intact(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     assert r.stdout == b"T 914\nA B\n", r.stdout  # through the pipe: str " " is encoded to the cached b" "
     assert list((tmp_path / "fresh-cache" / "cubin").iterdir())  # it did compile (the cache was empty)
+
+
+@pytest.mark.parametrize(("cached", "requested", "torch_current", "planned"), [
+    (None, None, None, -1),  # first call, no torch: the default (device 0)
+    (None, None, 2, 2),  # first call: torch's current device
+    (None, 1, 2, 1),  # an explicit device wins
+    (0, None, None, None),  # no torch: the thread's cached context stands
+    (0, None, 0, None),  # torch agrees with the cache
+    (0, None, 1, 1),  # torch.cuda.set_device(1) after our first call: follow it (the old code stayed on 0)
+    (0, 0, 1, 0),  # asked for 0 but torch moved the thread to 1: make 0 current again (old code: nothing)
+    (0, 1, None, 1),  # another device asked for
+    (1, 1, 1, None),
+])
+def test_context_plan_follows_torch_set_device(cached: int | None, requested: int | None,
+                                               torch_current: int | None, planned: int | None) -> None:
+    from concordia_ft.cuda import driver
+
+    assert driver.plan_context(cached, requested, torch_current) == planned

@@ -105,18 +105,49 @@ def _torch_device() -> int | None:
     return None
 
 
+def _torch_current() -> int | None:
+    """torch's current device in this thread when torch has initialised CUDA (it follows
+    ``torch.cuda.set_device`` and the thread's current context), else None. Never initialises anything."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        return int(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - torch's CUDA state is optional here
+        return None
+
+
+def plan_context(cached: int | None, requested: int | None, torch_current: int | None) -> int | None:
+    """The device whose primary context must be made current, or None when the thread's cached one stands.
+
+    ``cached``: the device this thread last made current here; ``requested``: the caller's device (None: the
+    current one); ``torch_current``: torch's current device (None: torch has no CUDA state). The cache stands
+    only when it is what was asked for AND torch has not moved the thread elsewhere since (a later
+    ``torch.cuda.set_device`` or a torch device guard changes the thread's current context under us). -1 means
+    "the default": torch's current device if torch has one, else device 0 (resolved by the caller)."""
+    want = requested if requested is not None else torch_current
+    if cached is not None and (want is None or want == cached) and (torch_current is None or torch_current == cached):
+        return None
+    return want if want is not None else -1
+
+
 def ensure_context(device: int | None = None) -> int:
     """Make ``device``'s primary context current in this thread (torch's current device by default); return
-    the ordinal. Cheap after the first call in a thread for the same device."""
+    the ordinal. Cheap after the first call in a thread for the same device; a later
+    ``torch.cuda.set_device`` is followed (see :func:`plan_context`)."""
     cached = getattr(_tls, "device", None)
-    if cached is not None and (device is None or device == cached):
+    planned = plan_context(cached, device, _torch_current())
+    if planned is None and cached is not None:
         return int(cached)
     _init()
     drv = bindings()
-    if device is None:
-        device = _torch_device()
-    if device is None:
-        device = 0
+    if planned is None or planned < 0:
+        planned = _torch_device()
+        if planned is None:
+            planned = 0
+    device = planned
     n = device_count()
     if not 0 <= device < n:
         raise DeviceError(101, "CUDA_ERROR_INVALID_DEVICE", False,
