@@ -17,7 +17,7 @@ import pytest
 
 import concordia_ft as cf
 from concordia_ft.core.segment import is_tmpfs
-from concordia_ft.errors import ConfigError, LogError, LogLockedError, RecoveryError, RegionError
+from concordia_ft.errors import ConfigError, LogLockedError, RecoveryError, RegionError
 from concordia_ft.runtime import Runtime
 from support import subprocess_env
 
