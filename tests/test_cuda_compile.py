@@ -253,7 +253,8 @@ def test_reference_hash_sees_every_single_byte_change() -> None:
 # comparing two cached objects with each other (b" " == bytes([32]) holds even when both are corrupted).
 _INTEGRITY_CHILD = r'''
 import hashlib, sys
-from concordia_ft.cuda import executor, handlers, nvrtc
+from concordia_ft.cuda import handlers, nvrtc
+from concordia_ft.executor import resident as executor
 from concordia_ft.core.regions import RegionKind, RegionSpec
 
 def one_byte_objects_intact():

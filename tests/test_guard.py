@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from concordia_ft.cuda import guard
+from concordia_ft.executor import guard
 
 
 class RecordingTarget:

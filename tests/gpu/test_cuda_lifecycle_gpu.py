@@ -21,10 +21,12 @@ pytestmark = pytest.mark.gpu
 if __name__ != "__main__" and not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from concordia_ft.core import ring as R  # noqa: E402
 from concordia_ft.core.regions import RegionKind, RegionSpec  # noqa: E402
-from concordia_ft.cuda import driver, guard, nvrtc, trackers  # noqa: E402
-from concordia_ft.cuda.executor import (  # noqa: E402
+from concordia_ft.cuda import driver, nvrtc, trackers  # noqa: E402
+from concordia_ft.errors import DeviceError, ExecutorError  # noqa: E402
+from concordia_ft.executor import guard  # noqa: E402
+from concordia_ft.executor import ring as R  # noqa: E402
+from concordia_ft.executor.resident import (  # noqa: E402
     ArmedChannel,
     ExecutorImage,
     ExecutorOptions,
@@ -32,7 +34,6 @@ from concordia_ft.cuda.executor import (  # noqa: E402
     ResidentExecutor,
     run_task,
 )
-from concordia_ft.errors import DeviceError, ExecutorError  # noqa: E402
 
 
 def _device_free_bytes() -> int:
