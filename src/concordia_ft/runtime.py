@@ -36,6 +36,7 @@ from .buffers import any_nonzero, describe_buffer, host_bytes
 from .checkpoint import CheckpointStats, EpochWriter, PendingEpoch, StagePlan, drain_at_exit, freeze_meta
 from .core.compaction import CompactionResult, compact_with_writer
 from .core.log import LogOptions, OpenReport, RecoveryLog
+from .core.oscalls import OsCalls
 from .core.regions import DiffMode, RegionKind, RegionSpec, RegionTable, check_page_bytes
 from .core.replay import RegionImage, replay
 from .core.tracking import RegionDelta, StagedBatch, StagedDelta, Tracker
@@ -65,19 +66,21 @@ _KIND_LOGGING = {RegionKind.DENSE: "whole every epoch", RegionKind.PAGED: "by it
 
 
 class Runtime:
-    """Registers regions, checkpoints them as committed epochs, and restores them."""
+    """Registers regions, checkpoints them as committed epochs, and restores them.
+
+    ``log_io``: the OS calls the log writer makes (core/oscalls.py); tests pass one that injects faults."""
 
     def __init__(self, log_dir: str | Path, fsync: str = "always", *, backend: str = "file",
                  fsync_interval_ms: int = 100, page_bytes: int = 4096, segment_max_bytes: int = 1 << 30,
                  compact_after_bytes: int | None = 256 << 20, background_compaction: bool = True,
-                 device_handlers: str = "auto", recovery: RecoveryOptions | Mapping[str, Any] | None = None
-                 ) -> None:
+                 device_handlers: str = "auto", recovery: RecoveryOptions | Mapping[str, Any] | None = None,
+                 log_io: OsCalls | None = None) -> None:
         self.page_bytes = check_page_bytes(page_bytes)
         self.device_handlers = check_device_handlers(device_handlers)
         self.recovery = RecoveryOptions.coerce(recovery)
         self.log = RecoveryLog.open(log_dir, LogOptions(fsync=fsync, fsync_interval_ms=fsync_interval_ms,
                                                         backend=backend, segment_max_bytes=segment_max_bytes),
-                                    replay_options=self.recovery.replay_options())
+                                    replay_options=self.recovery.replay_options(), io=log_io)
         self.log_dir = Path(log_dir)
         self.table = RegionTable()
         self._trackers: dict[str, Tracker] = {}
@@ -507,8 +510,8 @@ class Runtime:
                     self._plan.close()
                 for t in self._trackers.values():
                     t.close()
-                self.log.close()
                 self._closed = True
+                self.log.close()  # raises CheckpointError if its final sync fails
         err, self._unreported = self._unreported, None
         if err is not None:
             raise err
