@@ -61,6 +61,24 @@ def prompt_ids(n: int = 12, *, seed: int = 1) -> torch.Tensor:
 LAYOUT1_LORA = {"r": 2, "dropout": 0.1, "targets": ("q_proj", "v_proj")}
 LAYOUT1_SEED, LAYOUT1_STEPS, LAYOUT1_LR = 7, 3, 1e-2
 
+def byte_tokenizer():
+    """A byte-level tokenizer whose token id is the byte value (vocab 256, no merges), for stop_strings."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(VOCAB):  # GPT-2's byte -> visible character map
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b], extra = chr(256 + extra), extra + 1
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(VOCAB)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
 GEN_KW = {
     "greedy": dict(do_sample=False),
     "sampled": dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, seed=1234),
@@ -68,7 +86,7 @@ GEN_KW = {
 
 
 def run_writer(log_dir: str, family: str, window: int | None, mode: str, max_new: int, every: int,
-               delay_s: float, async_checkpoint: bool = False) -> None:
+               delay_s: float, async_checkpoint: bool = False, settings: dict | None = None) -> None:
     """Child process: generate with a checkpoint every ``every`` tokens, print each token as it is produced.
 
     ``delay_s`` makes the consumer slow (like a terminal or a network client) so the parent can kill it
@@ -80,14 +98,18 @@ def run_writer(log_dir: str, family: str, window: int | None, mode: str, max_new
     from concordia_ft.session import Session
 
     model = tiny_model(family, sliding_window=window)
-    s = Session(model, log_dir, checkpoint_every=every, max_cache_len=96, async_checkpoint=async_checkpoint)
+    tok = byte_tokenizer() if settings and "stop_strings" in settings else None
+    s = Session(model, log_dir, tok, checkpoint_every=every, max_cache_len=96, async_checkpoint=async_checkpoint)
 
     def on_token(tok: int) -> None:
         print(f"TOKEN {tok}", flush=True)
         time.sleep(delay_s)
 
     print("READY", flush=True)
-    s.generate(prompt_ids(12), max_new_tokens=max_new, eos_token_ids=(), on_token=on_token, **GEN_KW[mode])
+    kw = {**GEN_KW[mode], **(settings or {})}
+    if "eos_token_id" not in kw:
+        kw["eos_token_ids"] = ()
+    s.generate(prompt_ids(12), max_new_tokens=max_new, on_token=on_token, **kw)
     print("DONE", flush=True)
     sys.stdout.flush()
 
@@ -118,6 +140,7 @@ def run_lora_writer(log_dir: str, family: str, steps: int, delay_s: float, mode:
 
 
 if __name__ == "__main__":
+    import json
     import sys
 
     if sys.argv[1] == "lora":
@@ -127,4 +150,5 @@ if __name__ == "__main__":
         raise SystemExit(0)
     _, log_dir, family, window, mode, max_new, every, delay, *rest = sys.argv
     run_writer(log_dir, family, None if window == "none" else int(window), mode, int(max_new), int(every),
-               float(delay), async_checkpoint=rest[:1] == ["async"])
+               float(delay), async_checkpoint=rest[:1] == ["async"],
+               settings=json.loads(rest[1]) if len(rest) > 1 else None)

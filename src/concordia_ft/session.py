@@ -319,6 +319,7 @@ class Session:
             raise ConfigError("input_ids is empty: generate() needs at least one prompt token")
         s = self.settings(max_new_tokens, do_sample, generation_config=generation_config, prompt_len=len(ids),
                           **settings)
+        self._rules_for(s, ids)  # a setting transformers refuses is refused before anything is logged
         self._start(ids, s)
         return self._run(on_token)
 
@@ -375,14 +376,21 @@ class Session:
     def _ids_tensor(self) -> torch.Tensor:
         return torch.as_tensor(self.tokens[: self.n_tokens], device=self.device).unsqueeze(0)
 
-    def _rules_for(self, settings: GenerationSettings) -> Any:
+    def _rules_for(self, settings: GenerationSettings, prompt: Sequence[int] | None = None) -> Any:
         """transformers' processors and stopping criteria for ``settings`` (built once per generate() call, and
-        again after a recovery from the logged settings: they keep no per-token state)."""
+        again after a recovery from the logged settings: they keep no per-token state). ``prompt``: the ids
+        the call starts from (default: the first ``prompt_len`` ids the session holds)."""
         cached = self._rules
         if cached is None or cached[0] is not settings:
-            prompt = torch.as_tensor(self.tokens[: settings.prompt_len], device=self.device).unsqueeze(0)
-            cached = self._rules = (settings, plan_rules(self.model, settings, prompt, self.tokenizer,
-                                                         device=self.device))
+            src = self.tokens[: settings.prompt_len] if prompt is None else np.asarray(prompt, dtype=np.int64)
+            ids = torch.as_tensor(src, device=self.device).unsqueeze(0)
+            try:
+                rules = plan_rules(self.model, settings, ids, self.tokenizer, device=self.device)
+            except ValueError as e:
+                if isinstance(e, ConfigError):
+                    raise
+                raise ConfigError(f"generation settings refused by transformers: {e}") from None
+            cached = self._rules = (settings, rules)
         return cached[1]
 
     def resume(self, on_token: Callable[[int], Any] | None = None) -> list[int]:
@@ -403,6 +411,7 @@ class Session:
         self.turns.append({"role": "user", "content": text})
         ids = self._render_turns()
         s = self.settings(max_new_tokens, do_sample, prompt_len=len(ids), **settings)
+        self._rules_for(s, ids)
         self.turns.append({"role": "assistant", "start": len(ids), "end": -1})  # end -1: being generated
         self._start(ids, s, turn=len(self.turns) - 1)
         self._run(on_token)
@@ -467,6 +476,8 @@ class Session:
             s = cls(model, log_dir, tokenizer, checkpoint_every, log_weights=bool(m.get("log_weights")),
                     async_checkpoint=async_checkpoint, _recovering=m, _runtime=rt)
             s._load(m)
+            if s.gen is not None and not s.gen.done:
+                s._rules_for(s.gen.settings)  # e.g. stop_strings without the tokenizer: refused here, log closed
         except BaseException:
             rt.close()
             raise
