@@ -79,10 +79,53 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok)
 
 
+# tests/data/h200/ and tests/data/session-v1/: logs written by tests/data/make_device_logs.py (a session
+# interrupted after DEVLOG_KILL_AFTER of DEVLOG_NEW tokens, greedy and sampled; a LoRA run of DEVLOG_LORA_STEPS
+# steps); expected.json beside them holds the writer's uninterrupted tokens and losses
+DEVLOG_FAMILY, DEVLOG_PROMPT, DEVLOG_NEW, DEVLOG_KILL_AFTER, DEVLOG_CACHE = "llama", 12, 24, 10, 48
+DEVLOG_LORA = {"r": 2, "dropout": 0.0, "targets": ("q_proj", "v_proj")}
+DEVLOG_LORA_STEPS, DEVLOG_LORA_TOTAL, DEVLOG_LORA_LR = 3, 5, 1e-2
+
 GEN_KW = {
     "greedy": dict(do_sample=False),
     "sampled": dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, seed=1234),
 }
+
+
+class Stop(Exception):
+    """Raised by on_token: the process stops there (what it committed stays, as after a kill)."""
+
+
+def write_session(log, device: str, mode: str, kill_after: int | None) -> list[int]:
+    """The device-log session: returns the tokens shown before it stopped after ``kill_after`` (None: all)."""
+    from concordia_ft.session import Session
+
+    model = tiny_model(DEVLOG_FAMILY).to(device)
+    seen: list[int] = []
+
+    def on_token(tok: int) -> None:
+        seen.append(tok)
+        if kill_after is not None and len(seen) >= kill_after:
+            raise Stop
+
+    with Session(model, log, max_cache_len=DEVLOG_CACHE) as s:
+        try:
+            s.generate(prompt_ids(DEVLOG_PROMPT), max_new_tokens=DEVLOG_NEW, eos_token_ids=(),
+                       on_token=on_token, **GEN_KW[mode])
+        except Stop:
+            pass
+    return seen
+
+
+def write_lora(log, device: str, steps: int) -> list[float]:
+    """The device-log LoRA run: ``steps`` sync epochs; returns the losses."""
+    from concordia_ft.integrations.peft import LoraTrainer, default_lora_config, synthetic_batch
+
+    t = LoraTrainer(tiny_model("qwen3").to(device), log, lora_config=default_lora_config(**DEVLOG_LORA),
+                    lr=DEVLOG_LORA_LR, async_checkpoint=False)
+    losses = [r.loss for r in t.train(lambda k: synthetic_batch(k, vocab=VOCAB, device=device), steps)]
+    t.close()
+    return losses
 
 
 def run_writer(log_dir: str, family: str, window: int | None, mode: str, max_new: int, every: int,
