@@ -142,3 +142,32 @@ def test_a_version_1_session_log_recovers_exactly_and_continues_in_version_2(mod
         assert again.gen.done and again.resume() == exp["uninterrupted"]
     finally:
         again.close()
+
+
+def test_the_sampler_record_round_trips_and_says_whose_state_it_holds():
+    import numpy as np
+
+    from concordia_ft.errors import RecoveryError
+    from concordia_ft.integrations.generation import (
+        SAMPLER_BYTES,
+        decode_sampler_state,
+        encode_sampler_state,
+        restore_sampler_state,
+    )
+
+    g = torch.Generator().manual_seed(5)
+    torch.rand(7, generator=g)
+    rec = np.zeros(SAMPLER_BYTES, np.uint8)
+    assert decode_sampler_state(rec) is None  # never written
+    encode_sampler_state(g, rec)
+    kind, state = decode_sampler_state(rec)
+    h = torch.Generator()
+    assert kind == "cpu" and restore_sampler_state(h, kind, state)
+    assert torch.equal(torch.rand(5, generator=h), torch.rand(5, generator=g))  # the same stream continues
+    cuda_like = (123).to_bytes(8, "little") + (64).to_bytes(8, "little")  # Philox seed + offset
+    a, b = torch.Generator(), torch.Generator()
+    assert not restore_sampler_state(a, "cuda", cuda_like) and not restore_sampler_state(b, "cuda", cuda_like)
+    assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))  # reseeded, deterministically
+    rec[:8] = np.frombuffer(b"garbage!", np.uint8)
+    with pytest.raises(RecoveryError, match="sampler record"):
+        decode_sampler_state(rec)

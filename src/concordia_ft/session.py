@@ -158,6 +158,7 @@ class Session:
         self.rng = np.zeros(SAMPLER_BYTES, np.uint8)  # the sampler record: the same size on every device
         self.rng_bytes = SAMPLER_BYTES
         self.rng_exact = True  # False after recovering a log whose sampler ran on another device type
+        self._sampler_blocks = -(-(64 + int(self.generator.get_state().numel())) // 512)
         self._rules: tuple[GenerationSettings, Any] | None = None
         self.rng_dirty = np.zeros(len(self.rng) // 512, np.uint8)  # set when the sampler drew (greedy: never)
         self.gen: GenerationState | None = None
@@ -355,8 +356,8 @@ class Session:
                 logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
                 seq = self._ids_tensor() if with_ids else None
                 tok, scores = pick_token(rules, seq, logits, self.generator)
-                if rules.do_sample:
-                    self.rng_dirty[:] = 1
+                if rules.do_sample:  # the blocks of the record that hold the state (a CUDA generator's: one)
+                    self.rng_dirty[: self._sampler_blocks] = 1
                 self._append([tok])
                 g.n_new += 1
                 g.done = should_stop(rules, tok, g.n_new, self._ids_tensor() if with_ids else None, scores)
