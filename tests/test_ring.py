@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from concordia_ft.core import ring as R
 from concordia_ft.errors import ConfigError, DescriptorError, ExecutorError
+from concordia_ft.executor import ring as R
 
 MATCH, STALE, BAD = R.WordState.MATCH, R.WordState.STALE, R.WordState.BAD
 PAYLOADS = st.integers(0, 2**48 - 1)
@@ -26,7 +26,7 @@ CAPACITIES = st.sampled_from([2**k for k in range(1, 15)])
 
 @pytest.fixture(scope="module", params=["c", "python"], autouse=True)
 def ring_impl(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test here runs against both producers: the C fast paths (core/_ringfast.c) and pure Python."""
+    """Every test here runs against both producers: the C fast paths (executor/_ringfast.c) and pure Python."""
     if request.param == "c" and R._ringfast is None:
         if os.environ.get("CI"):
             pytest.fail(f"CI must build the C ring fast path: {R.fast_path_status()}")
@@ -135,6 +135,29 @@ def test_fields_that_do_not_fit_are_refused_before_anything_is_written(
     assert prod.head == 0 and bytes(lay.buf) == before
     with pytest.raises(DescriptorError, match="at most 6 args"):
         R.encode_words(1, 0, range(7))
+
+
+def test_retire_moves_the_producer_off_memory_that_is_about_to_be_freed(ring_impl: str) -> None:
+    """An executor's close() frees the ring's pinned memory: after ``retire`` nothing the producer (or, on the
+    C path, a submit function taken earlier) does touches the old buffer, and a submit reaches ``slow``."""
+    old = bytearray(R.ring_bytes(8))
+    lay = R.RingLayout(memoryview(old), 8)
+    lay.initialise()
+    prod = R.RingProducer(lay)
+    slow_calls: list[int] = []
+    submit = R.make_submit(prod, threading.Lock(), lambda seq, *a: slow_calls.append(seq) or seq)
+    lay.store32(R.OFF_STATE, R.ConsumerState.RUNNING)
+    assert submit(R.Opcode.MARK, 1) == 1 and not slow_calls
+    tomb = prod.retire()
+    assert tomb.buf.obj is not old and tomb.state == R.ConsumerState.EXITED_STOP
+    assert R.decode_words(tomb.slot_words(1), 1).args[0] == 1  # what was published is in the copy
+    old[:] = b"\xa5" * len(old)  # as if freed and reused
+    prod.set_releases([(0x1000, 7)])
+    assert prod.try_publish(R.Opcode.MARK, 2) == 2
+    if ring_impl == "c":  # the fast path taken before retire() now publishes into the copy
+        assert submit(R.Opcode.MARK, 3) == 3 and slow_calls == [3]
+    assert old == b"\xa5" * len(old)
+    assert prod.head == (3 if ring_impl == "c" else 2)
 
 
 # ---------------------------------------------------------------------------------------------- layout
