@@ -60,6 +60,11 @@ log = logging.getLogger("concordia_ft.runtime")
 
 
 # ------------------------------------------------------------------------------------------- runtime
+# how each kind is logged, for the message that refuses a diff mode on it
+_KIND_LOGGING = {RegionKind.DENSE: "whole every epoch", RegionKind.PAGED: "by its dirty_blocks flags",
+                 RegionKind.IMMUTABLE: "once", RegionKind.SCRATCH: "never"}
+
+
 class Runtime:
     """Registers regions, checkpoints them as committed epochs, and restores them.
 
@@ -136,8 +141,15 @@ class Runtime:
         Checked here (one pass over the buffer), since a wrong promise would lose data.
         """
         with self._mutex:
+            if self._closed:
+                raise ConfigError(f"register({name!r}): the runtime of {self.log_dir} is closed; open a new "
+                                  "Runtime on the log to register regions")
             self._drain(raise_failure=False)  # an in-flight epoch names the registry as it was
             kind = RegionKind.parse(kind)
+            if diff is not None and kind is not RegionKind.OPAQUE:
+                raise RegionError(f"region {name!r}: diff={str(getattr(diff, 'value', diff))!r} applies to opaque "
+                                  f"regions only; a {kind.value} region is logged "
+                                  f"{_KIND_LOGGING.get(kind, 'without a diff')}: drop diff=")
             dtype, shape, where = describe_buffer(buf)
             if diff is None:
                 diff = DiffMode.HASH if where.device.startswith("cuda") else DiffMode.SHADOW

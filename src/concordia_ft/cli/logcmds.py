@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,11 +70,21 @@ def describe_os_error(e: OSError) -> tuple[str, str]:
     where = f" ({e.filename})" if e.filename else ""
     what = f"{e.strerror or e}{where}"
     if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return what, ("the log directory is not writable here: `concordia log check DIR` and `inspect` still "
-                      "work; copy the directory somewhere writable to fix or compact it")
+        return what, READ_ONLY_STEP
     if e.errno == errno.ENOSPC:
         return what, "the disk is full: free space (or move the log) and run the command again"
     return what, "check the device and the directory's permissions, then run the command again"
+
+
+READ_ONLY_STEP = ("the log directory is not writable here: `concordia log check DIR` and `inspect` still work; copy "
+                  "the directory somewhere writable to fix or compact it")
+
+
+def _not_writable(path: Path) -> str | None:
+    """Why a repair or compaction cannot write ``path`` (a read-only mount, no permission), or None."""
+    if os.access(path, os.W_OK):
+        return None
+    return f"{path} is not writable (a read-only mount or no write permission)"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,15 +151,22 @@ def check(path: Path, *, fix: bool, drop_after_damage: bool = False, as_json: bo
     writer = live_writer(path)
     lock: DirLock | None = None
     if fix and writer is None:
-        try:
-            lock = DirLock(path, "repair")
-        except LogLockedError:
-            writer = live_writer(path) or LiveWriter(None)
-        except OSError as e:
-            what, todo = describe_os_error(e)
-            rep.problems.append(f"cannot lock the log for a repair: {what}")
+        refused: tuple[str, str] | None = None
+        if (ro := _not_writable(path)) is not None:
+            refused = (ro, READ_ONLY_STEP)
+        else:
+            try:
+                lock = DirLock(path, "repair")
+            except LogLockedError:
+                writer = live_writer(path) or LiveWriter(None)
+            except LogError as e:  # the LOCK file cannot be opened for writing
+                refused = (str(e), READ_ONLY_STEP)
+            except OSError as e:
+                refused = describe_os_error(e)
+        if refused is not None:
+            rep.problems.append(f"cannot lock the log for a repair: {refused[0]}")
             rep.left.append(rep.problems[-1])
-            rep.next_step = todo
+            rep.next_step = refused[1]
             return _print_check(rep, as_json)
     if fix and writer is not None:
         rep.live = writer
@@ -453,6 +471,9 @@ def compact(path: Path) -> int:
         _error(f"{path} is being written by {writer.describe()}; an offline compaction needs the log to itself",
                "the writer compacts its own log (Runtime.compact(), or by itself past compact_after_bytes); stop "
                "it first to compact offline")
+        return 1
+    if (ro := _not_writable(path)) is not None:
+        _error(f"cannot compact: {ro}", READ_ONLY_STEP)
         return 1
     try:
         r = compact_offline(path)

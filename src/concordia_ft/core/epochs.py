@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import ConfigError
 from .format import (
     ALIGN,
     COMMIT_BYTES,
@@ -60,8 +61,8 @@ class EpochPlan:
 _Record = tuple[int, bytes, bytes, int, int, int]
 
 
-def _records(defs: list[RegionSpec], drops: list[str], pages_of: list[tuple[RegionSpec, npt.NDArray[np.int64]]],
-             meta: Any) -> list[_Record]:
+def _records(epoch: int, defs: list[RegionSpec], drops: list[str],
+             pages_of: list[tuple[RegionSpec, npt.NDArray[np.int64]]], meta: Any) -> list[_Record]:
     """The epoch's records in file order; a region's pages go in a RUNS record when they form at most half
     as many runs as pages, a PAGES record otherwise."""
     records: list[_Record] = []
@@ -81,7 +82,13 @@ def _records(defs: list[RegionSpec], drops: list[str], pages_of: list[tuple[Regi
         else:
             records.append((REC_PAGES, spec.name.encode(), pages.astype("<i8").tobytes(), n, nbytes, n))
     if meta is not None:
-        records.append((REC_META, b"", encode_json(meta), 0, -1, 0))
+        try:
+            meta_json = encode_json(meta)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"epoch {epoch} not written: its metadata must be JSON-able (dicts with string keys, "
+                              f"lists, strings, numbers, booleans, None): {e}; convert it (e.g. sets to lists, "
+                              "arrays with .tolist()) and checkpoint again") from None
+        records.append((REC_META, b"", meta_json, 0, -1, 0))
     return records
 
 
@@ -131,7 +138,7 @@ def layout_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops
     """Lay out one epoch that will start at file offset ``start_offset`` from the pages each region writes
     (payloads 4 KiB-aligned in the file). A writer that streams its payloads (a compaction's base) fills them
     in later and asks for the head with their CRCs."""
-    records = _records(defs, drops, pages_of, meta)
+    records = _records(epoch, defs, drops, pages_of, meta)
     desc_bytes = sum(entry_size(len(r[1]), len(r[2])) for r in records)
     cursor = align_up(start_offset + EPOCH_HEADER_BYTES + desc_bytes) - start_offset
     payload_area = cursor
