@@ -240,7 +240,8 @@ def test_cli_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str], tmp_
     from concordia_ft.cli.main import main
 
     assert main(["dist", "run", "--kill", "x", "--job-dir", str(tmp_path)]) == 2
-    assert "use RANK@CUT" in capsys.readouterr().out
+    err = capsys.readouterr().err
+    assert "use RANK@CUT" in err and "Traceback" not in err
     assert main(["dist", "run", "--world", "2", "--kill", "5@3", "--job-dir", str(tmp_path)]) == 2
-    assert "ranks 0..1" in capsys.readouterr().out
+    assert "ranks 0..1" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # nothing was started

@@ -83,6 +83,21 @@ class CheckpointError(ConcordiaError):
                 f"{upto}, and the next checkpoint logs the changes again (fix the cause first)")
 
 
+class CompactionError(LogError):
+    """A compaction (background or ``Runtime.compact()``) failed. The log is intact: the segments it would have
+    replaced stay in the manifest, every committed epoch is kept, and appending goes on."""
+
+    def __init__(self, log_dir: str, cause: str) -> None:
+        super().__init__(log_dir, cause)
+        self.log_dir = log_dir
+        self.cause = cause
+
+    def __str__(self) -> str:
+        return (f"compaction of {self.log_dir} failed: {self.cause}; the log is intact (the old segments stay, no "
+                "committed epoch is lost); fix the cause, then call Runtime.compact() (or let the next threshold "
+                "retry it)")
+
+
 class RingError(ConcordiaError):
     """The task ring cannot be used as asked (full, bad layout, consumer error, result overwritten)."""
 
@@ -117,21 +132,24 @@ class CompileError(ConcordiaError):
 
 
 class DeviceError(ConcordiaError):
-    """A CUDA driver call failed. ``sticky`` errors poison the context: the process must restart."""
+    """A CUDA driver call failed. ``sticky`` errors poison the context: the process must restart.
+    ``explanation`` says what the code means (cuda/results.py)."""
 
-    def __init__(self, code: int, name: str, sticky: bool, what: str = "") -> None:
-        super().__init__(code, name, sticky, what)
+    def __init__(self, code: int, name: str, sticky: bool, what: str = "", explanation: str = "") -> None:
+        super().__init__(code, name, sticky, what, explanation)
         self.code = code
         self.name = name
         self.sticky = sticky
         self.what = what
+        self.explanation = explanation
 
     def __str__(self) -> str:
         todo = (
             "the CUDA context is poisoned: restart the process and recover from the log "
             "(concordia_ft.recover / Session.recover)"
             if self.sticky
-            else "the context is still usable"
+            else "not sticky: this process can go on using CUDA"
         )
         where = f" in {self.what}" if self.what else ""
-        return f"CUDA error {self.code} ({self.name}){where}; {todo}"
+        means = f": {self.explanation}" if self.explanation else ""
+        return f"CUDA error {self.code} ({self.name}){where}{means}; {todo}"

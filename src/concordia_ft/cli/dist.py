@@ -11,7 +11,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from ..errors import ConcordiaError, ConfigError
+from ..errors import ConfigError
 from .output import console
 
 
@@ -45,30 +45,25 @@ def _kills(specs: list[str]) -> list[dict[str, int]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Errors are raised: ``cli.main.guarded`` turns them into one line (ConfigError: exit 2, a job that
+    failed: 1, torch missing: 2 with the extra to install)."""
     c = console()
-    try:
-        from ..distributed import DistOptions, run_job
-        from ..distributed.timeline import recovery_phases
+    from ..distributed import DistOptions, run_job
+    from ..distributed.timeline import recovery_phases
 
-        kills = _kills(args.kill)
-        bad = [k["rank"] for k in kills if not 0 <= k["rank"] < args.world]
-        if bad:
-            raise ConfigError(f"--kill names rank {bad[0]}, but the world has ranks 0..{args.world - 1}")
-        opts = DistOptions(workload=args.workload, world=args.world, steps=args.steps, backend=args.backend,
-                           device="cuda:0" if args.backend == "nccl" else "cpu", heartbeat_ms=args.heartbeat_ms,
-                           on_failure="restart" if args.restart else "repair",
-                           standby={"hot": args.hot, "warm": args.warm}, kills=tuple(kills),
-                           chaos={"kills": args.chaos, "seed": 0} if args.chaos else {})
-        job_dir = Path(args.job_dir) if args.job_dir else Path(tempfile.mkdtemp(prefix="concordia-dist-"))
-        c.print(f"job in {job_dir}: {args.workload}, {args.world} ranks, {args.backend}")
-        r = run_job(job_dir, opts)
-        res = r.same_on_every_rank()
-    except ConcordiaError as e:
-        c.print(f"[red]error:[/] {e}")
-        return 2
-    except ImportError as e:
-        c.print(f"[red]error:[/] concordia dist needs torch ({e}); install the `llm` extra")
-        return 2
+    kills = _kills(args.kill)
+    bad = [k["rank"] for k in kills if not 0 <= k["rank"] < args.world]
+    if bad:
+        raise ConfigError(f"--kill names rank {bad[0]}, but the world has ranks 0..{args.world - 1}")
+    opts = DistOptions(workload=args.workload, world=args.world, steps=args.steps, backend=args.backend,
+                       device="cuda:0" if args.backend == "nccl" else "cpu", heartbeat_ms=args.heartbeat_ms,
+                       on_failure="restart" if args.restart else "repair",
+                       standby={"hot": args.hot, "warm": args.warm}, kills=tuple(kills),
+                       chaos={"kills": args.chaos, "seed": 0} if args.chaos else {})
+    job_dir = Path(args.job_dir) if args.job_dir else Path(tempfile.mkdtemp(prefix="concordia-dist-"))
+    c.print(f"job in {job_dir}: {args.workload}, {args.world} ranks, {args.backend}")
+    r = run_job(job_dir, opts)
+    res = r.same_on_every_rank()
     shown = res.get("losses") or res.get("tokens")
     c.print(f"done in {r.wall_s:.1f} s, {len(r.repairs)} repair(s), {r.kills} kill(s); result digest "
             f"{res['digest'][:16]}; last values {shown[-4:] if shown else ''}")

@@ -99,7 +99,14 @@ class DirLock:
 
     def __init__(self, log_dir: Path, what: str) -> None:
         self.path = log_dir / LOCK_NAME
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise LogError(
+                f"cannot write to the log directory {log_dir} ({e.strerror}): a {what} needs a directory it can "
+                "write; fix its permissions or mount, or pick another directory. To read a log on read-only "
+                "media, use concordia_ft.recover(DIR) or `concordia log inspect DIR`"
+            ) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -181,6 +188,43 @@ def remove_orphans(log_dir: Path, manifest: Manifest) -> list[str]:
     return removed
 
 
+def make_log_dir(path: Path) -> Path | None:
+    """Create the log directory (and missing parents); return the topmost directory this call created (None:
+    it existed). Raises ConfigError when ``path`` (or a parent) is a file, LogError when it cannot be created."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a log directory; pass a directory (it is created if missing)")
+    top = None
+    p = path
+    while not p.exists() and p != p.parent:
+        top, p = p, p.parent
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"cannot create the log directory {path}: {p} is a file, not a directory") from None
+    except OSError as e:
+        raise LogError(f"cannot create the log directory {path} ({e.strerror}); pick a directory you can write, "
+                       "or fix the permissions or mount of its parent") from None
+    return top
+
+
+def remove_created_dir(path: Path, top: Path | None) -> None:
+    """Undo :func:`make_log_dir` after a refused open: remove the directories it created, if they hold
+    nothing but the lock file this open made (never anything else)."""
+    if top is None:
+        return
+    try:
+        if {p.name for p in path.iterdir()} <= {LOCK_NAME}:
+            (path / LOCK_NAME).unlink(missing_ok=True)
+        p = path
+        while True:
+            p.rmdir()
+            if p == top:
+                break
+            p = p.parent
+    except OSError:
+        pass  # not empty (something else was written meanwhile) or already gone: leave it
+
+
 class RecoveryLog:
     """The single writer of a log directory. Thread-safe: the compactor runs beside the appender."""
 
@@ -225,9 +269,13 @@ class RecoveryLog:
         pass a fault-injecting table; default the real ones)."""
         opts = LogOptions.coerce(options)
         path = Path(log_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        check_backend(opts.backend, path)
-        lock = DirLock(path, "writer")
+        check_backend(opts.backend, path)  # refused before anything is created
+        created = make_log_dir(path)
+        try:
+            lock = DirLock(path, "writer")
+        except BaseException:
+            remove_created_dir(path, created)
+            raise
         result: ReplayResult | None = None
         try:
             result = replay(path, options=replay_options, materialize=False)
@@ -236,6 +284,7 @@ class RecoveryLog:
             if result is not None:
                 result.close()
             lock.release()
+            remove_created_dir(path, created)
             raise
 
     @classmethod
@@ -455,6 +504,11 @@ class RecoveryLog:
                 except _WriteFailed as f:
                     raise LogError(f"sealing the active segment for compaction failed: {f.text}") from f.__cause__
             return self.manifest.segments()[:-1]
+
+    @property
+    def io(self) -> OsCalls:
+        """The OS boundary this writer's calls go through (a compactor writing beside it uses it too)."""
+        return self._io
 
     def reserve_base(self) -> tuple[str, bytes]:
         """The name and segment header of the next base segment a compactor writes."""

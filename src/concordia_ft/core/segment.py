@@ -252,7 +252,10 @@ class DaxSegment:
 def check_backend(backend: str, log_dir: Path) -> None:
     if backend not in ("file", "dram", "dax"):
         raise ConfigError(f"unknown log backend {backend!r}; use 'file', 'dram' or 'dax'")
-    if backend == "dram" and not is_tmpfs(log_dir):
+    probe = log_dir  # the directory may not exist yet: it is refused before anything is created
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if backend == "dram" and not is_tmpfs(probe):
         raise ConfigError(f"backend 'dram' needs a directory on tmpfs (e.g. /dev/shm/NAME); {log_dir} is not on tmpfs")
 
 
