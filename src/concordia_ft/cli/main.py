@@ -1,4 +1,4 @@
-"""`concordia`: the command line. Subcommands: demo, log (check/inspect/compact), bench, doctor."""
+"""`concordia`: the command line. Subcommands: demo, serve, log (check/inspect/compact), bench, doctor."""
 
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import logcmds
 
     logcmds.add_arguments(sub)
-    from . import bench, doctor
+    from . import bench, doctor, serve
 
+    serve.add_arguments(sub)
     bench.add_arguments(sub)
     doctor.add_arguments(sub)
     return p
@@ -38,6 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import logcmds
 
         return logcmds.run(args)
+    if args.cmd == "serve":
+        from . import serve
+
+        return serve.run(args)
     if args.cmd == "bench":
         from . import bench
 
