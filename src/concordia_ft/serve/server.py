@@ -331,8 +331,8 @@ class Server:
         p = api.parse(kind, raw, served=self.opts.served_model_name, tokenizer=self.tok, vocab_size=self.vocab,
                       eos=self.eos, default_max_tokens=self.opts.default_max_tokens)
         key = request.headers.get("Idempotency-Key") or None
-        s = await asyncio.wrap_future(self.worker.call("submit", (p, key)))
         start = _last_event_id(request.headers.get("Last-Event-ID"))
+        s = await asyncio.wrap_future(self.worker.call("submit", (p, key)))
         if p.stream:
             return await self._stream(request, s, p, start, abort_on_disconnect=key is None)
         while s.finish is None:
