@@ -82,6 +82,7 @@ class Request:
     n_computed: int = 0  # positions whose KV is in the pool
     row: int = -1  # sampler row
     slots: list[int] = field(default_factory=list)
+    table: torch.Tensor | None = None  # the block table as a CPU int64 tensor (for the batch builder)
     status: str = "waiting"  # waiting | running | finished
     finish_reason: str | None = None
     collected: bool = False
@@ -151,6 +152,7 @@ class Engine:
         self.step_no = 0
         self._seq = itertools.count()
         self.recovered_epoch: int | None = None
+        self.recovered: Any = None  # the Runtime's Recovered (timings) after Engine.recover
         self.runtime = None
         if opts.checkpoint:
             self.runtime = _runtime if _runtime is not None else _rt.Runtime(
@@ -237,13 +239,18 @@ class Engine:
         for r in sorted(admitted, key=lambda q: (q.digest, q.id)):
             need = blocks_for(r.n_prompt + r.params.max_new_tokens, self.geo.block_size)
             self.blocks.allocate(r.id, need)
-            r.slots = self.blocks.slots(r.id, 0, need * self.geo.block_size)
+            self._bind_slots(r)
             r.status, r.admitted, r.row = "running", self.step_no, self.rng.take()
             self._write_tokens(r, 0, r.n_prompt)
             if not r.params.greedy:
                 r.gen = new_generator(self.device, r.params.seed)
                 self.rng.save(r.row, r.gen)
             self.running[r.id] = r
+
+    def _bind_slots(self, r: Request) -> None:
+        table = self.blocks.tables[r.id]
+        r.table = torch.as_tensor(table, dtype=torch.long)
+        r.slots = self.blocks.slots(r.id, 0, len(table) * self.geo.block_size)
 
     def _write_tokens(self, r: Request, lo: int, hi: int) -> None:
         s = r.slots[lo:hi]
@@ -303,7 +310,8 @@ class Engine:
         dev = self.device
         ids = [t for r, s, e in feeds for t in r.ids[s:e]]
         batch, positions, last = build_batch(
-            self.pool, [r.slots for r, _, _ in feeds], [s for _, s, _ in feeds], [e for _, _, e in feeds], dev)
+            self.pool, [r.table for r, _, _ in feeds], [s for _, s, _ in feeds],  # type: ignore[misc]
+            [e for _, _, e in feeds], dev)
         h = self.decoder(input_ids=torch.as_tensor([ids], device=dev), position_ids=positions.unsqueeze(0),
                          use_cache=False, concordia_batch=batch).last_hidden_state
         self.pool.dirty.index_fill_(0, batch.write_slots, 1)
@@ -329,7 +337,7 @@ class Engine:
         del self.running[r.id]
         self.blocks.free(r.id)
         self.rng.give_back(r.row)
-        r.status, r.finish_reason, r.row, r.slots, r.gen = "finished", reason, -1, [], None
+        r.status, r.finish_reason, r.row, r.slots, r.gen, r.table = "finished", reason, -1, [], None, None
         self.finished[r.id] = r
 
     def _forget_key(self, r: Request) -> None:
@@ -410,14 +418,14 @@ class Engine:
     def _load(self, m: dict[str, Any]) -> None:
         assert self.runtime is not None
         rec = self.runtime.recover_into(keep_images=False)
-        self.recovered_epoch = rec.epoch
+        self.recovered_epoch, self.recovered = rec.epoch, rec
         self.step_no, self._seq = int(m["step"]), itertools.count(int(m["next_seq"]))
         self.blocks = BlockPool.restore(self.geo.num_blocks, self.geo.block_size,
                                         {d["id"]: list(d["table"]) for d in m["running"]})
         self.rng.free = [i for i in range(self.opts.max_running) if i not in {d["row"] for d in m["running"]}]
         for d in m["running"]:
             r = self._request(d, [])
-            r.slots = self.blocks.slots(r.id, 0, len(d["table"]) * self.geo.block_size)
+            self._bind_slots(r)
             r.ids = [int(t) for t in self.tokens[r.slots[: int(d["n_tokens"])]]]
             r.status, r.n_computed, r.row, r.admitted = "running", int(d["n_computed"]), int(d["row"]), int(d["admitted"])
             if not r.params.greedy:

@@ -120,26 +120,26 @@ class PagedBatch:
     mask: torch.Tensor
 
 
-def build_batch(pool: KVPool, slots: list[list[int]], starts: list[int], ends: list[int],
-                           device: torch.device) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
-    """The batch of requests ``i`` feeding positions ``[starts[i], ends[i])`` whose slots are ``slots[i]``
-    (position ``p`` at ``slots[i][p]``). Returns it, the packed positions ``[T]`` and each request's last packed
-    token ``[B]``. Built with a handful of tensor ops: no per-token Python."""
-    b, lmax = len(slots), max(ends)
-    table = torch.zeros(b, lmax, dtype=torch.long)
-    for i, (s, e) in enumerate(zip(slots, ends, strict=True)):
-        table[i, :e] = torch.as_tensor(s[:e], dtype=torch.long)
-    kv_slots = table.to(device, non_blocking=True)
-    st = torch.as_tensor(starts, dtype=torch.long, device=device)
-    en = torch.as_tensor(ends, dtype=torch.long, device=device)
-    qlen = en - st
+def build_batch(pool: KVPool, tables: list[torch.Tensor], starts: list[int], ends: list[int],
+                device: torch.device) -> tuple[PagedBatch, torch.Tensor, torch.Tensor]:
+    """The batch of requests ``i`` feeding positions ``[starts[i], ends[i])`` whose block tables are
+    ``tables[i]`` (CPU int64: position ``p`` lives at slot ``tables[i][p // block_size] * block_size + p %
+    block_size``). Returns it, the packed positions ``[T]`` and each request's last packed token ``[B]``.
+    A handful of tensor ops on the device: no per-token Python."""
+    bs = pool.geo.block_size
+    lmax = max(ends)
+    padded = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True).to(device, non_blocking=True)
+    keys = torch.arange(lmax, device=device)
+    kv_slots = padded[:, keys // bs] * bs + keys % bs  # [B, L] (rows past a request's end are masked)
+    st = torch.as_tensor(starts, dtype=torch.long).to(device, non_blocking=True)
+    qlen = torch.as_tensor([e - s for s, e in zip(starts, ends, strict=True)], dtype=torch.long).to(
+        device, non_blocking=True)
     qmax = max(e - s for s, e in zip(starts, ends, strict=True))
     ar = torch.arange(qmax, device=device)
     q_pos = st.unsqueeze(1) + ar.unsqueeze(0)  # [B, Q]
     q_valid = ar.unsqueeze(0) < qlen.unsqueeze(1)
     offsets = torch.cumsum(qlen, 0) - qlen
     q_index = torch.where(q_valid, offsets.unsqueeze(1) + ar.unsqueeze(0), 0)
-    keys = torch.arange(lmax, device=device)
     mask = (keys.view(1, 1, lmax) <= q_pos.unsqueeze(2)) & q_valid.unsqueeze(2)
     mask[:, :, 0] |= ~q_valid  # a padded query sees key 0 (its output is dropped): no all-masked row, no NaN
     positions = q_pos[q_valid]
@@ -180,7 +180,10 @@ def install(model: Any) -> str:
 
     AttentionInterface.register(ATTN_NAME, paged_attention)
     prev = str(model.config._attn_implementation)
-    model.set_attn_implementation(ATTN_NAME) if hasattr(model, "set_attn_implementation") else None
+    try:
+        model.set_attn_implementation(ATTN_NAME)
+    except (AttributeError, ValueError, TypeError):  # older 5.x: the config field is what the layers read
+        pass
     if model.config._attn_implementation != ATTN_NAME:
         model.config._attn_implementation = ATTN_NAME
     return prev
