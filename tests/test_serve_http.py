@@ -282,3 +282,23 @@ def test_restart_with_nothing_in_flight_serves_finished_outputs(model_dir: Path,
         assert _get(f"{srv.base}/v1/requests/req-missing")[0] == 404
     finally:
         srv.stop()
+
+
+def test_cli_errors_are_messages_not_tracebacks(model_dir: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from support import subprocess_env
+
+    def serve(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "concordia_ft.cli.main", "serve", "--port", "0", *args],
+                              capture_output=True, text=True, env=subprocess_env(), timeout=300)
+
+    r = serve("--model", str(tmp_path / "missing"), "--log", str(tmp_path / "log"))
+    assert r.returncode == 2 and "not a local model directory" in r.stderr and "Traceback" not in r.stderr
+    log = tmp_path / "other"
+    log.mkdir()
+    (log / "MANIFEST").write_text("not a manifest")
+    r = serve("--model", str(model_dir), "--log", str(log))
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("concordia serve: manifest has no checksum line")

@@ -54,6 +54,11 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"concordia serve: {e.strerror or e} ({getattr(e, 'filename', '') or ''})", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - no traceback reaches the user; the message says what failed
+        print(f"concordia serve: unexpected {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:
