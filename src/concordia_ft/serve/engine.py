@@ -60,7 +60,7 @@ class EngineOptions:
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
         if value is None:
             return cls()
-        if isinstance(value, cls):
+        if isinstance(value, EngineOptions):
             return value
         try:
             return cls(**dict(value))
@@ -226,7 +226,7 @@ class Engine:
 
     # -- the step ----------------------------------------------------------------------------------------
     def _admit(self) -> None:
-        admitted = []
+        admitted: list[Request] = []
         while self.waiting and len(self.running) + len(admitted) < self.opts.max_running:
             r = self.waiting[0]
             need = blocks_for(r.n_prompt + r.params.max_new_tokens, self.geo.block_size)
