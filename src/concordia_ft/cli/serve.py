@@ -11,11 +11,8 @@ import argparse
 import asyncio
 import json
 import signal
-import sys
 from pathlib import Path
 from typing import Any
-
-from ..errors import ConcordiaError
 
 
 def add_arguments(sub: Any) -> None:
@@ -46,30 +43,14 @@ def _ready(**kw: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except ConcordiaError as e:
-        print(f"concordia serve: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"concordia serve: {e.strerror or e} ({getattr(e, 'filename', '') or ''})", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # noqa: BLE001 - no traceback reaches the user; the message says what failed
-        print(f"concordia serve: unexpected {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
+    """Errors (a missing model, a log of another kind, a damaged log) become main's one-line messages."""
+    return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..errors import ConfigError
-    from ..models import load_causal_lm
+    from aiohttp import web  # missing: main says `pip install 'concordia-ft[serve]'`
 
-    try:
-        from aiohttp import web
-    except ImportError:
-        raise ConfigError("`concordia serve` needs aiohttp: install the serve extra "
-                          "(`pip install 'concordia-ft[serve]'`)") from None
+    from ..models import load_causal_lm
     from ..serve.engine import Engine, EngineOptions
     from ..serve.server import Server, ServerOptions
 
