@@ -1,0 +1,166 @@
+"""Cooperative pause/resume of Triton kernels on the GPU: probe overhead, pause latency, resume cost.
+
+For matmul, softmax and layernorm at several sizes, in one process:
+- time (triton.testing.do_bench, median) the kernel compiled WITHOUT probes (the baseline a user runs), the
+  instrumented kernel disarmed, and armed but never paused: the probe overhead;
+- pause mid-kernel at several delays: latency from the flag write to the drained launch, next to one wave's
+  run time (the bound: a block that passed entry finishes); the resume launch's time; bit-equality of the
+  resumed output with the uninterrupted one (every trial);
+- the cost of a resume launch in which every block already ran (all exit at entry) vs grid size.
+Writes benchmarks/results/pause-<tag>.json.  Run: python3 benchmarks/bench_pause.py --out-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "src"))
+
+import instrument_kernels as ik  # noqa: E402
+from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
+from concordia_ft.instrument import triton_hook  # noqa: E402
+from concordia_ft.instrument.pause import PausableLaunch  # noqa: E402
+
+
+def matmul_case(n: int):
+    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.float32)
+    grid = (triton.cdiv(n, 128), triton.cdiv(n, 128))
+    args = [a, b, c, n, n, n, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1)]
+    return ik.matmul_kernel, grid, args, dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3), c
+
+
+def softmax_case(rows: int, cols: int = 1000):
+    x = torch.randn(rows, cols, device="cuda")
+    y = torch.empty_like(x)
+    return ik.softmax_kernel, (rows,), [x, y, cols, x.stride(0)], dict(BLOCK=1024), y
+
+
+def layernorm_case(rows: int, cols: int = 3000):
+    x = torch.randn(rows, cols, device="cuda")
+    w = torch.randn(cols, device="cuda")
+    b = torch.randn(cols, device="cuda")
+    y = torch.empty_like(x)
+    return ik.layernorm_kernel, (rows,), [x, y, w, b, cols, x.stride(0), 1e-5], dict(BLOCK=512), y
+
+
+CASES = [("matmul", matmul_case, [2048, 4096, 8192]), ("softmax", softmax_case, [16384, 65536, 262144]),
+         ("layernorm", layernorm_case, [8192, 32768, 131072])]
+
+
+def waves(kernel, nblocks: int) -> int:
+    from cuda.bindings import driver as drv
+
+    threads = kernel.metadata.num_warps * 32
+    err, per_sm = drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.function, threads, kernel.metadata.shared)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return math.ceil(nblocks / max(1, int(per_sm) * sms)), int(per_sm)
+
+
+def bench_case(name, make, size, trials: int) -> dict:
+    fn, grid, args, kw, out = make(size)
+    triton_hook.uninstall()
+    plain = triton.JITFunction(fn.fn)
+    t_plain = triton.testing.do_bench(lambda: plain[grid](*args, **kw), warmup=25, rep=200, return_mode="median")
+    want = out.clone()
+    plain[grid](*args, **kw)
+    torch.cuda.synchronize()
+    want = out.clone()
+    triton_hook.install()
+    inst = triton.JITFunction(fn.fn)
+    launch = PausableLaunch(inst, grid, args, kw)
+    launch.disarm()
+    t_disarmed = triton.testing.do_bench(lambda: inst[grid](*args, **kw), warmup=25, rep=200, return_mode="median")
+    launch.arm()
+
+    def armed():
+        launch.ctl[:4].zero_()
+        inst[grid](*args, **kw)
+
+    t_armed = triton.testing.do_bench(armed, warmup=25, rep=200, return_mode="median")
+    t_zero = triton.testing.do_bench(lambda: launch.ctl[:4].zero_(), warmup=10, rep=100, return_mode="median")
+    nw, per_sm = waves(launch.kernel, launch.nblocks)
+    wave_ms = t_plain / nw
+    lat, pend, resume_ms, biteq = [], [], [], []
+    for i in range(trials):
+        delay_s = (t_plain / 1e3) * (0.2 + 0.6 * i / max(1, trials - 1))
+        out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        launch.start()
+        t_end = time.perf_counter() + delay_s
+        while time.perf_counter() < t_end:
+            pass
+        st = launch.pause()
+        lat.append(st.request_to_drained_s * 1e3)
+        pend.append(st.pending_blocks)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        launch.resume()
+        e1.record()
+        launch.drain()
+        resume_ms.append(e0.elapsed_time(e1))
+        biteq.append(bool(torch.equal(out, want)) and not launch.pending())
+    # resume when nothing is left: every block exits at entry
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    empties = []
+    for _ in range(20):
+        e0.record()
+        launch.resume()
+        e1.record()
+        launch.drain()
+        empties.append(e0.elapsed_time(e1))
+    launch.disarm()
+    partial = [p for p in pend if 0 < p < launch.nblocks]
+    return {
+        "kernel": name, "size": size, "blocks": launch.nblocks, "blocks_per_sm": per_sm, "waves": nw,
+        "plain_ms": t_plain, "disarmed_ms": t_disarmed, "armed_ms": t_armed - t_zero,
+        "overhead_disarmed_pct": 100 * (t_disarmed / t_plain - 1),
+        "overhead_armed_pct": 100 * ((t_armed - t_zero) / t_plain - 1),
+        "wave_ms": wave_ms, "pause_latency_ms_median": median(lat), "pause_latency_ms_max": max(lat),
+        "latency_over_wave": median(lat) / wave_ms, "pending_blocks": pend, "partial_pauses": len(partial),
+        "resume_ms_median": median(resume_ms), "empty_resume_ms": median(empties),
+        "bit_equal_all": all(biteq), "trials": trials,
+        "barrier_probes": (triton_hook.report(launch.name).barrier_probes if triton_hook.report(launch.name) else None),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--trials", type=int, default=7)
+    ns = ap.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for name, make, sizes in CASES:
+        for s in sizes:
+            rows.append(bench_case(name, make, s, ns.trials))
+            r = rows[-1]
+            print(f"{name} {s}: plain {r['plain_ms']:.3f} ms, armed +{r['overhead_armed_pct']:.2f}%, pause "
+                  f"{r['pause_latency_ms_median']:.3f} ms (wave {r['wave_ms']:.3f}), biteq {r['bit_equal_all']}",
+                  flush=True)
+    path = write_results("pause", rows, baseline=[{"kernel": r["kernel"], "size": r["size"],
+                                                   "plain_ms": r["plain_ms"]} for r in rows],
+                         notes="plain = the same Triton kernel compiled without probes (what a user runs); "
+                               "latency = host clock from the pause flag write to the drained launch",
+                         out_dir=ns.out_dir)
+    print_table("pause/resume", rows, ["kernel", "size", "blocks", "waves", "plain_ms", "overhead_disarmed_pct",
+                                       "overhead_armed_pct", "wave_ms", "pause_latency_ms_median",
+                                       "latency_over_wave", "partial_pauses", "resume_ms_median",
+                                       "empty_resume_ms", "bit_equal_all"])
+    print(path)
+    return 0 if all(r["bit_equal_all"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
