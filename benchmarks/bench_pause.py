@@ -30,6 +30,7 @@ import instrument_kernels as ik  # noqa: E402
 from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
 from concordia_ft.instrument import triton_hook  # noqa: E402
 from concordia_ft.instrument.pause import PausableLaunch  # noqa: E402
+from concordia_ft.instrument.safepoints import SafepointOptions  # noqa: E402
 
 
 def matmul_case(n: int):
@@ -68,7 +69,7 @@ def waves(kernel, nblocks: int) -> int:
     return math.ceil(nblocks / max(1, int(per_sm) * sms)), int(per_sm)
 
 
-def bench_case(name, make, size, trials: int) -> dict:
+def bench_case(name, make, size, trials: int, barrier_probes: bool = True) -> dict:
     fn, grid, args, kw, out = make(size)
     triton_hook.uninstall()
     plain = triton.JITFunction(fn.fn)
@@ -77,7 +78,9 @@ def bench_case(name, make, size, trials: int) -> dict:
     plain[grid](*args, **kw)
     torch.cuda.synchronize()
     want = out.clone()
-    triton_hook.install()
+    plain_k = plain.warmup(*args, grid=grid, **kw)
+    plain_k._init_handles()
+    triton_hook.install(SafepointOptions(barrier_probes=barrier_probes))
     inst = triton.JITFunction(fn.fn)
     launch = PausableLaunch(inst, grid, args, kw)
     launch.disarm()
@@ -85,11 +88,11 @@ def bench_case(name, make, size, trials: int) -> dict:
     launch.arm()
 
     def armed():
-        launch.ctl[:4].zero_()
+        launch.ctl.zero_()
         inst[grid](*args, **kw)
 
     t_armed = triton.testing.do_bench(armed, warmup=25, rep=200, return_mode="median")
-    t_zero = triton.testing.do_bench(lambda: launch.ctl[:4].zero_(), warmup=10, rep=100, return_mode="median")
+    t_zero = triton.testing.do_bench(lambda: launch.ctl.zero_(), warmup=10, rep=100, return_mode="median")
     nw, per_sm = waves(launch.kernel, launch.nblocks)
     wave_ms = t_plain / nw
     lat, pend, resume_ms, biteq = [], [], [], []
@@ -122,8 +125,11 @@ def bench_case(name, make, size, trials: int) -> dict:
         empties.append(e0.elapsed_time(e1))
     launch.disarm()
     partial = [p for p in pend if 0 < p < launch.nblocks]
+    rep = triton_hook.report(launch.name)
     return {
-        "kernel": name, "size": size, "blocks": launch.nblocks, "blocks_per_sm": per_sm, "waves": nw,
+        "kernel": name, "size": size, "barrier_probes_on": barrier_probes, "blocks": launch.nblocks,
+        "regs_plain": plain_k.n_regs, "regs_instrumented": launch.kernel.n_regs,
+        "spills_plain": plain_k.n_spills, "spills_instrumented": launch.kernel.n_spills, "blocks_per_sm": per_sm, "waves": nw,
         "plain_ms": t_plain, "disarmed_ms": t_disarmed, "armed_ms": t_armed - t_zero,
         "overhead_disarmed_pct": 100 * (t_disarmed / t_plain - 1),
         "overhead_armed_pct": 100 * ((t_armed - t_zero) / t_plain - 1),
@@ -131,7 +137,8 @@ def bench_case(name, make, size, trials: int) -> dict:
         "latency_over_wave": median(lat) / wave_ms, "pending_blocks": pend, "partial_pauses": len(partial),
         "resume_ms_median": median(resume_ms), "empty_resume_ms": median(empties),
         "bit_equal_all": all(biteq), "trials": trials,
-        "barrier_probes": (triton_hook.report(launch.name).barrier_probes if triton_hook.report(launch.name) else None),
+        "barrier_probes": rep.barrier_probes if rep else None,
+        "empty_resume_ns_per_block": 1e6 * median(empties) / launch.nblocks,
     }
 
 
@@ -142,11 +149,13 @@ def main() -> int:
     ns = ap.parse_args()
     torch.manual_seed(0)
     rows = []
-    for name, make, sizes in CASES:
+    variants = [(n, m, sz, True) for n, m, sz in CASES] + \
+        [(n, m, sz, False) for n, m, sz in CASES if n != "matmul"]  # matmul gets no barrier probes anyway
+    for name, make, sizes, bp in variants:
         for s in sizes:
-            rows.append(bench_case(name, make, s, ns.trials))
+            rows.append(bench_case(name, make, s, ns.trials, bp))
             r = rows[-1]
-            print(f"{name} {s}: plain {r['plain_ms']:.3f} ms, armed +{r['overhead_armed_pct']:.2f}%, pause "
+            print(f"{name} {s} barrier_probes={bp}: plain {r['plain_ms']:.3f} ms, armed +{r['overhead_armed_pct']:.2f}%, pause "
                   f"{r['pause_latency_ms_median']:.3f} ms (wave {r['wave_ms']:.3f}), biteq {r['bit_equal_all']}",
                   flush=True)
     path = write_results("pause", rows, baseline=[{"kernel": r["kernel"], "size": r["size"],
@@ -154,7 +163,7 @@ def main() -> int:
                          notes="plain = the same Triton kernel compiled without probes (what a user runs); "
                                "latency = host clock from the pause flag write to the drained launch",
                          out_dir=ns.out_dir)
-    print_table("pause/resume", rows, ["kernel", "size", "blocks", "waves", "plain_ms", "overhead_disarmed_pct",
+    print_table("pause/resume", rows, ["kernel", "size", "barrier_probes_on", "blocks", "waves", "plain_ms", "overhead_disarmed_pct",
                                        "overhead_armed_pct", "wave_ms", "pause_latency_ms_median",
                                        "latency_over_wave", "partial_pauses", "resume_ms_median",
                                        "empty_resume_ms", "bit_equal_all"])

@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton", reason="triton not installed")
 from concordia_ft.errors import CompileError, PtxParseError, UnsafeKernelError  # noqa: E402
 from concordia_ft.instrument import REFUSALS, SafepointOptions, decode_bitmap, plan_safepoints, rewrite_ptx  # noqa: E402
 from concordia_ft.instrument.ptxas import assemble, find_ptxas  # noqa: E402
-from concordia_ft.instrument.safepoints import block_index, ctl_bytes  # noqa: E402
+from concordia_ft.instrument.safepoints import block_index, ctl_bytes, pending_blocks  # noqa: E402
 from instrument_kernels import compile_for_sm90  # noqa: E402
 
 pytestmark = pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (triton bundles one)")
@@ -151,7 +151,6 @@ _TWO_KERNELS = """
 \tsetp.gt.u32 \t%p1, %r1, 31;
 \t@%p1 bar.sync \t0;
 \t@!%p1 bar.sync \t0;
-\t@%p1 ret;
 \tcvta.to.global.u64 \t%rd2, %rd1;
 \tst.global.u32 \t[%rd2], %r1;
 \tret;
@@ -172,17 +171,36 @@ $L__BB1_0:
 \tbar.sync \t0;
 \tret;
 }
+
+.visible .entry third(
+\t.param .u64 third_param_0
+)
+{
+\t.reg .pred \t%p<2>;
+\t.reg .b32 \t%r<3>;
+\t.reg .b64 \t%rd<3>;
+\tld.param.u64 \t%rd1, [third_param_0];
+\tmov.u32 \t%r1, %tid.x;
+\tsetp.gt.u32 \t%p1, %r1, 31;
+\t@%p1 ret;
+\tbar.sync \t0;
+\tcvta.to.global.u64 \t%rd2, %rd1;
+\tst.global.u32 \t[%rd2], %r1;
+\tret;
+}
 """
 
 
-def test_two_kernels_get_their_own_symbols_labels_and_keep_guards() -> None:
+def test_kernels_of_one_module_get_their_own_symbols_labels_and_keep_guards() -> None:
     res = rewrite_ptx(_TWO_KERNELS)
-    a, b = res.kernels
-    assert (a.name, b.name) == ("first", "second")
-    assert a.exit_probes == 2 and a.barrier_probes == 2  # both guarded barriers precede the store
+    a, b, c = res.kernels
+    assert (a.name, b.name, c.name) == ("first", "second", "third")
+    assert a.exit_probes == 1 and a.barrier_probes == 2  # both guarded barriers precede the store
     assert b.barrier_probes == 1 and b.barriers == 2  # the second barrier follows a store
-    assert "cft_ctl_first" in res.ptx and "cft_ctl_second" in res.ptx
-    assert "$__cft0_run:" in res.ptx and "$__cft1_run:" in res.ptx
+    # a guarded ret could take the leader out before the barrier: no barrier probes, exits keep their guards
+    assert c.exit_probes == 2 and c.barrier_probes == 0 and "guarded ret" in (c.entry_only or "")
+    assert all(f"cft_ctl_{k}" in res.ptx for k in ("first", "second", "third"))
+    assert all(f"$__cft{i}_run:" in res.ptx for i in range(3))
     assert "@%p1 bar.red.or.pred" in res.ptx and "@!%p1 bar.red.or.pred" in res.ptx  # guards kept
     assert "and.pred \t%cft_p6, %cft_p6, %p1;" in res.ptx  # the guarded ret's exit probe keeps its guard
     # the entry probe sits before the first label: a branch back to $L__BB1_0 does not rerun it
@@ -206,4 +224,6 @@ def test_bitmap_indexes_round_trip(nx: int, ny: int, nz: int, data: st.DataObjec
     for x, y, z in picked:
         b = block_index(x, y, z, grid)
         words[b >> 5] |= 1 << (b & 31)
-    assert decode_bitmap(words, n) == sorted(block_index(x, y, z, grid) for x, y, z in picked)
+    done = sorted(block_index(x, y, z, grid) for x, y, z in picked)
+    assert decode_bitmap(words, n) == done
+    assert pending_blocks(words, n) == [b for b in range(n) if b not in set(done)]

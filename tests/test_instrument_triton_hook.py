@@ -11,7 +11,6 @@ import pytest
 triton = pytest.importorskip("triton", reason="triton not installed")
 
 from concordia_ft.instrument import triton_hook  # noqa: E402
-
 from instrument_kernels import compile_for_sm90  # noqa: E402
 
 

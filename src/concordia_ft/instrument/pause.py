@@ -3,8 +3,8 @@
 A kernel compiled after ``triton_hook.install()`` carries the probes of ``safepoints``. ``PausableLaunch``
 owns one launch of it:
 
-- ``start()`` zeroes a control block in device memory, points the kernel's ``cft_ctl_<name>`` module global at
-  it and launches the full grid on the current torch stream;
+- ``start()`` zeroes a control block in device memory (pause word + one "done" bit per block), points the
+  kernel's ``cft_ctl_<name>`` module global at it and launches the full grid on the current torch stream;
 - ``request_pause()`` writes the pause word from a separate non-blocking stream (a stream memory op: no SM
   is needed, so it lands while the kernel holds every SM); blocks that have not started yet see it at entry,
   record their bit and leave; blocks past entry run to completion (or, at a restartable barrier, leave and
@@ -28,17 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InstrumentError, UnsafeKernelError
-from .safepoints import (
-    CTL_BITMAP,
-    CTL_DONE,
-    CTL_LEFT,
-    CTL_MODE,
-    CTL_PAUSE,
-    MODE_RESUME,
-    SYMBOL_PREFIX,
-    ctl_bytes,
-    decode_bitmap,
-)
+from .safepoints import CTL_BITMAP, CTL_PAUSE, SYMBOL_PREFIX, ctl_bytes, decode_bitmap, pending_blocks
 
 Grid = tuple[int, int, int]
 
@@ -68,8 +58,7 @@ def _check(res: Any, what: str) -> Any:
 class PauseStats:
     request_to_drained_s: float  # flag written -> launch complete (host clock)
     pending_blocks: int
-    left_count: int  # blocks that left without running (entry or barrier), this launch
-    done_count: int  # blocks whose leader reached an exit, this launch
+    done_blocks: int
 
 
 class PausableLaunch:
@@ -162,28 +151,23 @@ class PausableLaunch:
         t0 = self.request_pause()
         self.drain()
         dt = time.perf_counter() - t0
-        pend = self.pending()
-        c = self.counters()
-        return PauseStats(dt, len(pend), c["left"], c["done"])
+        pend = len(self.pending())
+        return PauseStats(dt, pend, self.nblocks - pend)
 
-    def counters(self) -> dict[str, int]:
-        head = self.ctl[:CTL_BITMAP // 4].cpu().tolist()
-        return {"pause": head[CTL_PAUSE // 4], "mode": head[CTL_MODE // 4], "left": head[CTL_LEFT // 4],
-                "done": head[CTL_DONE // 4]}
+    def done(self) -> list[int]:
+        """Block indexes that ran to completion (``(z * ny + y) * nx + x``)."""
+        self.drain()
+        return decode_bitmap(self.ctl[CTL_BITMAP // 4:].cpu().tolist(), self.nblocks)
 
     def pending(self) -> list[int]:
-        """Block indexes that still have to run (``(z * ny + y) * nx + x``)."""
+        """Block indexes that still have to run."""
         self.drain()
-        words = self.ctl[CTL_BITMAP // 4:].cpu().tolist()
-        return decode_bitmap(words, self.nblocks)
+        return pending_blocks(self.ctl[CTL_BITMAP // 4:].cpu().tolist(), self.nblocks)
 
     def resume(self) -> None:
         """Relaunch the full grid; only the pending blocks run."""
-        import torch
-
         self.drain()
-        head = torch.tensor([0, MODE_RESUME, 0, 0], dtype=torch.int32)
-        self.ctl[:4].copy_(head.to(self.ctl.device))
+        self.ctl[CTL_PAUSE // 4].zero_()
         self._launch()
 
     # ------------------------------------------------------------------ epochs

@@ -39,14 +39,10 @@ from .ptx import (
 )
 
 # ---- the control block (device memory, one per armed launch; DESIGN.md) ------------------------------
-CTL_PAUSE = 0  # u32, host sets 1 to pause (stream write from another stream), 0 to run
-CTL_MODE = 4  # u32, 0 = first launch, 1 = resume launch (only blocks whose bit is set run)
-CTL_LEFT = 8  # u32, blocks that left without running their body (each time one leaves)
-CTL_DONE = 12  # u32, blocks whose leader reached an exit
-CTL_BITMAP = 16  # u32 words, bit b of word w = block 32*w+b still has to run
-MODE_FIRST = 0
-MODE_RESUME = 1
+CTL_PAUSE = 0  # u32, host sets 1 to pause (a stream write from another stream), 0 to run
+CTL_BITMAP = 16  # u32 words after a 16-byte header: bit b of word w = block 32*w+b ran to completion
 SYMBOL_PREFIX = "cft_ctl_"
+PROTOCOL_VERSION = 2  # bump when the probes' code or the control block changes (it salts compile caches)
 
 REFUSALS: dict[str, str] = {
     "cluster": "uses thread-block clusters (a skipped CTA breaks its cluster's co-residency and barriers)",
@@ -74,7 +70,6 @@ _LOCAL_SPACES = (".shared", ".local", ".param")
 
 @dataclass(frozen=True)
 class SafepointOptions:
-    exit_probes: bool = True
     barrier_probes: bool = True
     strict: bool = False  # raise UnsafeKernelError instead of leaving a refused kernel unchanged
 
@@ -129,6 +124,12 @@ def grid_blocks(grid: tuple[int, int, int]) -> int:
 def block_index(x: int, y: int, z: int, grid: tuple[int, int, int]) -> int:
     """The bitmap index the probes use for block (x, y, z): ``(z * ny + y) * nx + x``."""
     return (z * grid[1] + y) * grid[0] + x
+
+
+def pending_blocks(done_words: Iterable[int], nblocks: int) -> list[int]:
+    """Block indexes whose done bit is clear: the blocks that still have to run."""
+    done = set(decode_bitmap(done_words, nblocks))
+    return [b for b in range(nblocks) if b not in done]
 
 
 def decode_bitmap(words: Iterable[int], nblocks: int) -> list[int]:
@@ -323,7 +324,9 @@ def _plan(module: PtxModule, kernel: Kernel, opts: SafepointOptions,
     if entry_only is None:
         dirty = _dirty_before(blocks)
         safe = [st.index for st in barriers if st.index not in dirty]
-    exits = [st.index for st in kernel.statements if st.op_parts[0] in ("ret", "exit")] if opts.exit_probes else []
+    exits = [st.index for st in kernel.statements if st.op_parts[0] in ("ret", "exit")]
+    if entry_only is None and any(st.guard for st in kernel.statements if st.index in exits):
+        entry_only, safe = "a guarded ret may take the block leader out before a barrier", []
     first = min([kernel.body_close] + [ln for ln in kernel.labels.values()] + [st.index for st in kernel.statements])
     rep = KernelReport(kernel.name, entry_only=entry_only, entry_probes=1, exit_probes=len(exits),
                        barrier_probes=len(safe), barriers=len(barriers),
@@ -347,37 +350,23 @@ def _negate(guard: str) -> str:
 
 
 def _entry_probe(sym: str, lab: str) -> list[str]:
+    """Every thread: armed? The leader: paused, or done already (a resume launch)? Then the whole block
+    leaves, decided once by the leader and handed to all threads by one reducing barrier."""
     return [
         "\t// concordia-ft safe point: block entry (pause / resume check)",
+        "\tmov.u32 \t%cft_r16, 0;",  # the pause word as last read, for the barrier probes
         f"\tld.global.u64 \t%cft_rd0, [{sym}];",
         "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;",  # armed? uniform: a module global the host sets between launches
         f"\t@!%cft_p1 bra \t{lab}_run;",
-        "\tmov.u32 \t%cft_r0, %tid.x;", "\tmov.u32 \t%cft_r1, %tid.y;", "\tmov.u32 \t%cft_r2, %tid.z;",
-        "\tor.b32 \t%cft_r0, %cft_r0, %cft_r1;", "\tor.b32 \t%cft_r0, %cft_r0, %cft_r2;",
-        "\tsetp.eq.u32 \t%cft_p0, %cft_r0, 0;",  # p0: block leader
+        *_leader(),
         "\tsetp.ne.u32 \t%cft_p2, %cft_r0, %cft_r0;",  # p2: leave (false)
         f"\t@!%cft_p0 bra \t{lab}_vote;",
         *_block_bit(),
         f"\tld.volatile.global.u32 \t%cft_r12, [%cft_rd0+{CTL_PAUSE}];",
-        f"\tld.volatile.global.u32 \t%cft_r13, [%cft_rd0+{CTL_MODE}];",
-        "\tsetp.ne.u32 \t%cft_p3, %cft_r12, 0;",  # p3: paused
-        f"\tsetp.eq.u32 \t%cft_p4, %cft_r13, {MODE_FIRST};",
-        f"\t@%cft_p4 bra \t{lab}_first;",
         "\tld.volatile.global.u32 \t%cft_r14, [%cft_rd1];",
         "\tand.b32 \t%cft_r14, %cft_r14, %cft_r10;",
-        "\tsetp.eq.u32 \t%cft_p5, %cft_r14, 0;",
-        f"\t@%cft_p5 bra \t{lab}_leave;",  # resume launch: this block already ran
-        f"\t@%cft_p3 bra \t{lab}_count;",  # still paused: keep the bit
-        "\tnot.b32 \t%cft_r15, %cft_r10;",
-        "\tred.global.and.b32 \t[%cft_rd1], %cft_r15;",  # resumed: it runs now
-        f"\tbra \t{lab}_vote;",
-        f"{lab}_first:",
-        f"\t@!%cft_p3 bra \t{lab}_vote;",
-        "\tred.global.or.b32 \t[%cft_rd1], %cft_r10;",
-        f"{lab}_count:",
-        f"\tred.global.add.u32 \t[%cft_rd0+{CTL_LEFT}], 1;",
-        f"{lab}_leave:",
-        "\tsetp.eq.u32 \t%cft_p2, %cft_r0, %cft_r0;",
+        "\tsetp.ne.u32 \t%cft_p2, %cft_r14, 0;",  # done already: this is a resume launch
+        "\tsetp.ne.or.u32 \t%cft_p2, %cft_r12, 0, %cft_p2;",  # or paused
         f"{lab}_vote:",
         "\tbarrier.red.or.pred \t%cft_p2, 0, %cft_p2;",
         "\t@%cft_p2 ret;",
@@ -385,29 +374,40 @@ def _entry_probe(sym: str, lab: str) -> list[str]:
     ]
 
 
-def _leader_and_ctl(sym: str, pred: str) -> list[str]:
-    """``pred`` := this thread leads its block and the kernel is armed; ``%cft_rd0`` := the control block.
-    Recomputed at each probe so that nothing of the probes stays live across the kernel's own code."""
+def _leader() -> list[str]:
+    """``%cft_p0`` := this thread leads its block (thread 0,0,0); ``%cft_r0`` := tid.x | tid.y | tid.z."""
     return [
         "\tmov.u32 \t%cft_r0, %tid.x;", "\tmov.u32 \t%cft_r1, %tid.y;", "\tmov.u32 \t%cft_r2, %tid.z;",
         "\tor.b32 \t%cft_r0, %cft_r0, %cft_r1;", "\tor.b32 \t%cft_r0, %cft_r0, %cft_r2;",
+        "\tsetp.eq.u32 \t%cft_p0, %cft_r0, 0;",
+    ]
+
+
+def _leader_and_ctl(sym: str, pred: str) -> list[str]:
+    """``pred`` := this thread leads its block and the kernel is armed; ``%cft_rd0`` := the control block.
+    Recomputed at each probe so that nothing of the probes but one word stays live across the kernel."""
+    return [
+        *_leader(),
         f"\tld.global.u64 \t%cft_rd0, [{sym}];",
-        f"\tsetp.eq.u32 \t{pred}, %cft_r0, 0;",
-        f"\tsetp.ne.and.u64 \t{pred}, %cft_rd0, 0, {pred};",
+        f"\tsetp.ne.and.u64 \t{pred}, %cft_rd0, 0, %cft_p0;",
     ]
 
 
 def _exit_probe(guard: str, sym: str) -> list[str]:
-    out = ["\t// concordia-ft: block exit", *_leader_and_ctl(sym, "%cft_p6")]
+    """The leader marks its block done: the bit a resume launch skips on."""
+    out = ["\t// concordia-ft: block exit (the block ran to completion)", *_leader_and_ctl(sym, "%cft_p6")]
     if guard.startswith("!"):
         out += [f"\tnot.pred \t%cft_p7, {guard[1:]};", "\tand.pred \t%cft_p6, %cft_p6, %cft_p7;"]
     elif guard:
         out += [f"\tand.pred \t%cft_p6, %cft_p6, {guard};"]
-    out.append(f"\t@%cft_p6 red.global.add.u32 \t[%cft_rd0+{CTL_DONE}], 1;")
+    out += ["\t@!%cft_p6 bra \t$__cft_x{n};", *_block_bit(), "\tred.global.or.b32 \t[%cft_rd1], %cft_r10;",
+            "$__cft_x{n}:"]
     return out
 
 
 def _barrier_probe(st: Statement, lab: str, sym: str) -> list[str]:
+    """The barrier becomes a reducing barrier carrying the pause word the leader read at the previous safe
+    point; the next read is issued right after it, so its latency hides behind the kernel's own code."""
     aligned = st.opcode.startswith("bar.") or st.opcode.endswith(".aligned")
     red = "bar.red.or.pred" if aligned else "barrier.red.or.pred"
     g = f"@{st.guard} " if st.guard else ""
@@ -415,25 +415,18 @@ def _barrier_probe(st: Statement, lab: str, sym: str) -> list[str]:
         "\t// concordia-ft safe point: barrier (no global effect yet: the block may leave and rerun)",
         *_leader_and_ctl(sym, "%cft_p8"),
         "\tsetp.ne.u32 \t%cft_p9, %cft_r0, %cft_r0;",
-        f"\t@%cft_p8 ld.volatile.global.u32 \t%cft_r16, [%cft_rd0+{CTL_PAUSE}];",
         "\t@%cft_p8 setp.ne.u32 \t%cft_p9, %cft_r16, 0;",
         f"\t{g}{red} \t%cft_p9, 0, %cft_p9;",
     ]
     if st.guard:  # a skipped barrier must not let the leader leave alone
         out.append(f"\t@{_negate(st.guard)} setp.ne.u32 \t%cft_p9, %cft_r0, %cft_r0;")
-    out.append(f"\t@%cft_p9 bra \t{lab}_bpause;")
+    out += [f"\t@%cft_p9 bra \t{lab}_bpause;",
+            f"\t@%cft_p8 ld.volatile.global.u32 \t%cft_r16, [%cft_rd0+{CTL_PAUSE}];"]
     return out
 
 
-def _pause_tail(lab: str, sym: str) -> list[str]:
-    return [
-        f"{lab}_bpause:",
-        *_leader_and_ctl(sym, "%cft_p8"),
-        *_block_bit(),
-        "\t@%cft_p8 red.global.or.b32 \t[%cft_rd1], %cft_r10;",
-        f"\t@%cft_p8 red.global.add.u32 \t[%cft_rd0+{CTL_LEFT}], 1;",
-        "\tret;\t// concordia-ft: the block reruns from its start on resume",
-    ]
+def _pause_tail(lab: str) -> list[str]:
+    return [f"{lab}_bpause:", "\tret;\t// concordia-ft: left at a barrier, not done: it reruns on resume"]
 
 
 def _block_bit() -> list[str]:
@@ -487,12 +480,13 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
         after.setdefault(k.body_open, []).extend(_DECLS)
         before.setdefault(p.entry_line, []).extend(_entry_probe(sym, lab))
         by_index = {st.index: st for st in k.statements}
-        for ln in p.exit_lines:
-            before.setdefault(ln, []).extend(_exit_probe(by_index[ln].guard, sym))
+        for n, ln in enumerate(p.exit_lines):
+            lines = _exit_probe(by_index[ln].guard, sym)
+            before.setdefault(ln, []).extend(x.replace("{n}", f"{ki}_{n}") for x in lines)
         for ln in p.barrier_lines:
             replace[ln] = _barrier_probe(by_index[ln], lab, sym)
         if p.barrier_lines:
-            before.setdefault(k.body_close, []).extend(_pause_tail(lab, sym))
+            before.setdefault(k.body_close, []).extend(_pause_tail(lab))
     out: list[str] = []
     for i, line in enumerate(module.lines):
         out.extend(s + "\n" for s in before.get(i, []))

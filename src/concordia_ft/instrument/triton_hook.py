@@ -11,13 +11,14 @@ the cache directory, so compile in-process while instrumenting.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
-from .safepoints import KernelReport, SafepointOptions, rewrite_ptx
+from .safepoints import PROTOCOL_VERSION, KernelReport, SafepointOptions, rewrite_ptx
 
 _lock = threading.Lock()
 _reports: dict[str, KernelReport] = {}
@@ -36,8 +37,10 @@ def launch_refusals(options: Any, name: str) -> dict[str, tuple[str, str]]:
     return out
 
 
-def default_cache_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"concordia-ft-triton-instrumented-{os.getuid()}"
+def default_cache_dir(options: SafepointOptions) -> Path:
+    """A cache directory per probe protocol and options: Triton's own key knows neither."""
+    salt = hashlib.sha256(f"{PROTOCOL_VERSION}:{options!r}".encode()).hexdigest()[:12]
+    return Path(tempfile.gettempdir()) / f"concordia-ft-triton-{os.getuid()}" / salt
 
 
 def install(options: SafepointOptions | None = None, *, cache_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -50,7 +53,7 @@ def install(options: SafepointOptions | None = None, *, cache_dir: str | os.Path
     with _lock:
         if _installed:
             return Path(_installed["cache_dir"])
-        d = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        d = Path(cache_dir) if cache_dir is not None else default_cache_dir(opts)
         d.mkdir(parents=True, exist_ok=True)
         prev_hook = knobs.runtime.add_stages_inspection_hook
         prev_dir = os.environ.get("TRITON_CACHE_DIR")
