@@ -2,7 +2,7 @@
 # The GPU half of the project on one lent H200: GPU tests and the benchmarks, results stamped and written to
 # ${OUT:-benchmarks/results}. The machine's image has torch/triton/cuda-bindings/transformers/peft but not
 # crc32c: a crc32c wheel in .whl/ (ignored by git) is installed first when present.
-#   bash benchmarks/run_h200.sh tests executor sm_share delta llm[:decode,recovery,lora] lora_probe instrument
+#   bash benchmarks/run_h200.sh tests executor sm_share delta llm[:decode,recovery,lora] lora_probe instrument interposer
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
@@ -23,8 +23,9 @@ for part in "$@"; do
     delta) python3 benchmarks/bench_delta_gpu.py --out-dir "$out" 2>&1 | tail -40 ;;
     llm|llm:*) only="${part#llm}"; only="${only#:}"
        python3 benchmarks/bench_llm.py --out "$out" ${only:+--only "$only"} 2>&1 | tail -60 ;;
-    instrument) python3 -m pytest tests/gpu/test_instrument_pause.py -q -p no:cacheprovider -x 2>&1 | tail -30
+    instrument) python3 -m pytest tests/gpu/test_instrument_pause.py tests/gpu/test_instrument_interposer.py -q -p no:cacheprovider 2>&1 | tail -30
        python3 benchmarks/bench_pause.py --out-dir "$out" 2>&1 | tail -40 ;;
+    interposer) python3 benchmarks/bench_interposer.py --out-dir "$out" 2>&1 | tail -40 ;;
     lora_probe) python3 benchmarks/probe_lora_async_profile.py 2>&1 | grep -v -i warn | tail -80 ;;
     *) echo "unknown part $part"; rc=2 ;;
   esac
