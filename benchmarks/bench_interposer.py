@@ -16,18 +16,24 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from concordia_ft.benchreport import print_table, write_results  # noqa: E402
+from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
 from concordia_ft.instrument import interposer as ip  # noqa: E402
 
 
 def run(workload: str, mode: str) -> dict:
     env = ip.child_env() if mode in ("interposer", "both") else dict(os.environ)
     env["PYTHONPATH"] = f"{ROOT / 'src'}:{env.get('PYTHONPATH', '')}"
+    # fresh compile caches per process: a cache hit skips Inductor's autotuning launches, and the runs compared
+    # must launch the same kernels
+    tmp = tempfile.mkdtemp(prefix=f"cft-{workload}-{mode}-")
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
+    env["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "interposer_workload.py"), "--workload", workload,
                         "--mode", mode], capture_output=True, text=True, timeout=400, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -49,36 +55,42 @@ def coverage(seen: dict[str, int], truth: dict[str, int]) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--modes", default="interposer,profiler,both",
+                    help="qwen3 runs: interposer and profiler (required), both (the two in one process)")
     ns = ap.parse_args()
-    runs = {m: run("qwen3", m) for m in ("interposer", "profiler", "both")}
+    runs = {m: run("qwen3", m) for m in ns.modes.split(",")}
     rows = []
     for m, r in runs.items():
         if "error" in r:
             print(f"qwen3/{m} failed:\n{r['error']}")
-    inter, prof, both = runs["interposer"], runs["profiler"], runs["both"]
+    inter, prof = runs["interposer"], runs["profiler"]
+    both = runs.get("both", {"error": "not run (--modes)"})
     cov = coverage(inter["interposer"]["launches"], prof["profiler_kernels"]) \
         if "error" not in inter and "error" not in prof else {}
     cov_both = coverage(both["interposer"]["launches"], both["profiler_kernels"]) if "error" not in both else {}
     rows.append({"what": "qwen3 separate runs", **cov})
     rows.append({"what": "qwen3 same process", **cov_both,
                  "shared_subscriber": both.get("interposer", {}).get("shared_subscriber")})
-    launch = {m: run("launch", m) for m in ("none", "interposer")}
-    load = {m: run("load", m) for m in ("none", "interposer")}
-    cost = {
-        "us_per_launch_none": launch["none"].get("result", {}).get("us_per_launch"),
-        "us_per_launch_interposer": launch["interposer"].get("result", {}).get("us_per_launch"),
-        "us_per_load_none": load["none"].get("result", {}).get("us_per_load_median"),
-        "us_per_load_interposer": load["interposer"].get("result", {}).get("us_per_load_median"),
-    }
-    for k in ("launch", "load"):
-        for m, r in {"launch": launch, "load": load}[k].items():
+    samples: dict[str, list[float]] = {k: [] for k in ("launch_none", "launch_interposer", "load_none",
+                                                       "load_interposer")}
+    for _ in range(ns.repeats):  # alternate, so drift hits both sides alike
+        for m in ("none", "interposer"):
+            r = run("launch", m)
             if "error" in r:
-                print(f"{k}/{m} failed:\n{r['error']}")
-    modules = inter.get("interposer", {}).get("modules", [])
+                print(f"launch/{m} failed:\n{r['error']}")
+            else:
+                samples[f"launch_{m}"].append(r["result"]["us_per_launch"])
+            r = run("load", m)
+            if "error" in r:
+                print(f"load/{m} failed:\n{r['error']}")
+            else:
+                samples[f"load_{m}"].append(r["result"]["us_per_load_median"])
+    cost = {f"us_per_{k}_median": median(v) if v else None for k, v in samples.items()}
+    cost["samples"] = samples
     inv_summary = {**inter.get("interposer", {}).get("summary", {}),
                    "load_calls": inter.get("interposer", {}).get("load_calls"),
-                   "modules_by_api": {str(a): sum(1 for m in modules if m["api"] == a)
-                                      for a in sorted({str(m["api"]) for m in modules})}}
+                   "load_images": inter.get("interposer", {}).get("load_images")}
     path = write_results("interposer", rows, baseline=[cost], out_dir=ns.out_dir,
                          notes=json.dumps({"inventory": inv_summary, "cost": cost,
                                            "wall_s": {m: r.get("wall_s") for m, r in runs.items()}}))

@@ -73,8 +73,6 @@ def bench_case(name, make, size, trials: int, barrier_probes: bool = True) -> di
     fn, grid, args, kw, out = make(size)
     triton_hook.uninstall()
     plain = triton.JITFunction(fn.fn)
-    t_plain = triton.testing.do_bench(lambda: plain[grid](*args, **kw), warmup=25, rep=200, return_mode="median")
-    want = out.clone()
     plain[grid](*args, **kw)
     torch.cuda.synchronize()
     want = out.clone()
@@ -83,16 +81,25 @@ def bench_case(name, make, size, trials: int, barrier_probes: bool = True) -> di
     triton_hook.install(SafepointOptions(barrier_probes=barrier_probes))
     inst = triton.JITFunction(fn.fn)
     launch = PausableLaunch(inst, grid, args, kw)
-    launch.disarm()
-    t_disarmed = triton.testing.do_bench(lambda: inst[grid](*args, **kw), warmup=25, rep=200, return_mode="median")
-    launch.arm()
 
     def armed():
         launch.ctl.zero_()
         inst[grid](*args, **kw)
 
-    t_armed = triton.testing.do_bench(armed, warmup=25, rep=200, return_mode="median")
-    t_zero = triton.testing.do_bench(lambda: launch.ctl.zero_(), warmup=10, rep=100, return_mode="median")
+    def bench(f) -> float:
+        return float(triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median"))
+
+    # alternate the variants over rounds, so clock and thermal drift hit each alike; median per variant
+    ts: dict[str, list[float]] = {"plain": [], "disarmed": [], "armed": [], "zero": []}
+    for _ in range(5):
+        ts["plain"].append(bench(lambda: plain[grid](*args, **kw)))
+        launch.disarm()
+        ts["disarmed"].append(bench(lambda: inst[grid](*args, **kw)))
+        launch.arm()
+        ts["armed"].append(bench(armed))
+        ts["zero"].append(bench(lambda: launch.ctl.zero_()))
+    t_plain, t_disarmed = median(ts["plain"]), median(ts["disarmed"])
+    t_armed, t_zero = median(ts["armed"]), median(ts["zero"])
     nw, per_sm = waves(launch.kernel, launch.nblocks)
     wave_ms = t_plain / nw
     lat, pend, resume_ms, biteq = [], [], [], []
@@ -131,6 +138,7 @@ def bench_case(name, make, size, trials: int, barrier_probes: bool = True) -> di
         "regs_plain": plain_k.n_regs, "regs_instrumented": launch.kernel.n_regs,
         "spills_plain": plain_k.n_spills, "spills_instrumented": launch.kernel.n_spills, "blocks_per_sm": per_sm, "waves": nw,
         "plain_ms": t_plain, "disarmed_ms": t_disarmed, "armed_ms": t_armed - t_zero,
+        "plain_ms_rounds": ts["plain"], "armed_ms_rounds": ts["armed"],
         "overhead_disarmed_pct": 100 * (t_disarmed / t_plain - 1),
         "overhead_armed_pct": 100 * ((t_armed - t_zero) / t_plain - 1),
         "wave_ms": wave_ms, "pause_latency_ms_median": median(lat), "pause_latency_ms_max": max(lat),
@@ -146,11 +154,15 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--only", default="", help="comma-separated kernels (matmul,softmax,layernorm)")
+    ap.add_argument("--name", default="pause", help="results file name")
     ns = ap.parse_args()
     torch.manual_seed(0)
     rows = []
-    variants = [(n, m, sz, True) for n, m, sz in CASES] + \
-        [(n, m, sz, False) for n, m, sz in CASES if n != "matmul"]  # matmul gets no barrier probes anyway
+    only = set(filter(None, ns.only.split(",")))
+    cases = [c for c in CASES if not only or c[0] in only]
+    variants = [(n, m, sz, False) for n, m, sz in cases] + \
+        [(n, m, sz, True) for n, m, sz in cases if n != "matmul"]  # matmul gets no barrier probes anyway
     for name, make, sizes, bp in variants:
         for s in sizes:
             rows.append(bench_case(name, make, s, ns.trials, bp))
@@ -158,7 +170,7 @@ def main() -> int:
             print(f"{name} {s} barrier_probes={bp}: plain {r['plain_ms']:.3f} ms, armed +{r['overhead_armed_pct']:.2f}%, pause "
                   f"{r['pause_latency_ms_median']:.3f} ms (wave {r['wave_ms']:.3f}), biteq {r['bit_equal_all']}",
                   flush=True)
-    path = write_results("pause", rows, baseline=[{"kernel": r["kernel"], "size": r["size"],
+    path = write_results(ns.name, rows, baseline=[{"kernel": r["kernel"], "size": r["size"],
                                                    "plain_ms": r["plain_ms"]} for r in rows],
                          notes="plain = the same Triton kernel compiled without probes (what a user runs); "
                                "latency = host clock from the pause flag write to the drained launch",

@@ -115,7 +115,7 @@ def main() -> int:
         inv = ip.inventory()
         res["interposer"] = {"summary": inv.summary(), "shared_subscriber": inv.shared_subscriber,
                              "launches": {ip.demangle(k): v for k, v in inv.launches.items()},
-                             "load_calls": inv.load_calls,
+                             "load_calls": inv.load_calls, "load_images": inv.load_images,
                              "modules": [{"api": m.api, "image": m.image, "ptx": m.ptx, "bytes": m.bytes,
                                           "kernels": len(m.kernels)} for m in inv.modules]}
     print(json.dumps(res))

@@ -93,6 +93,8 @@ def test_loader_images_are_classified(lib: ctypes.CDLL) -> None:
 def test_not_started_is_a_clear_error(lib: ctypes.CDLL) -> None:
     snap = ip.snapshot(lib)
     assert snap["started"] is False and snap["launch_total"] == 0 and snap["modules"] == []
+    assert snap["load_images"]["cuLibraryLoadData"] == {"unknown": 0, "cubin": 0, "ptx": 0, "fatbin": 0, "file": 0,
+                                                        "with_ptx": 0}
     with pytest.raises(InstrumentError, match="not running"):
         ip.inventory(lib)
 
@@ -118,4 +120,5 @@ def test_inventory_joins_modules_and_launches() -> None:
     assert inv.kernels["a"] == ip.KernelRecord("a", 1, True, 2)
     assert inv.kernels["c"].launches == 0 and inv.kernels["b"].module == 2 and not inv.kernels["b"].ptx
     s = inv.summary()
-    assert s["kernels_launched"] == 2 and s["kernels_launched_sass_only"] == 1 and s["modules_private_path"] == 1
+    assert s["kernels_launched"] == 2 and s["kernels_launched_from_ptx_images"] == 1 and s["modules_loaded_lazily"] == 1
+    assert s["modules_by_loader"] == {"cuModuleLoadData": 1}

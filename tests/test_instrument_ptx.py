@@ -50,10 +50,11 @@ def _probe_free(text: str) -> list[str]:
     return [ln for ln in out if ln.strip()]
 
 
+@pytest.mark.parametrize("barriers", [False, True])
 @pytest.mark.parametrize("name", ["matmul", "softmax", "layernorm", "atomic_sum"])
-def test_rewritten_real_triton_ptx_assembles_for_sm90a(name: str) -> None:
+def test_rewritten_real_triton_ptx_assembles_for_sm90a(name: str, barriers: bool) -> None:
     src = ptx_of(name)
-    res = rewrite_ptx(src)
+    res = rewrite_ptx(src, SafepointOptions(barrier_probes=barriers))
     (rep,) = res.kernels
     assert rep.instrumented and rep.entry_probes == 1 and rep.exit_probes == 1
     assert f".visible .global .align 8 .u64 cft_ctl_{rep.name};" in res.ptx
@@ -64,9 +65,12 @@ def test_rewritten_real_triton_ptx_assembles_for_sm90a(name: str) -> None:
     assert after.spill_bytes.get(rep.name, 0) <= before.spill_bytes.get(rep.name, 0), after.log
 
 
+BARRIERS = SafepointOptions(barrier_probes=True)
+
+
 def test_original_instructions_survive_except_probed_barriers() -> None:
     src = ptx_of("softmax")
-    res = rewrite_ptx(src)
+    res = rewrite_ptx(src, BARRIERS)
     rep = res.kernels[0]
     kept = _probe_free(res.ptx)
     orig = [ln for ln in src.splitlines() if ln.strip()]
@@ -77,20 +81,20 @@ def test_original_instructions_survive_except_probed_barriers() -> None:
 
 
 def test_probe_kinds_per_kernel() -> None:
-    mm = plan_safepoints(ptx_of("matmul"))[0]
+    mm = plan_safepoints(ptx_of("matmul"), options=BARRIERS)[0]
     assert mm.barrier_probes == 0 and "asynchronous" in (mm.entry_only or "")  # wgmma in flight at barriers
-    at = plan_safepoints(ptx_of("atomic_sum"))[0]
+    at = plan_safepoints(ptx_of("atomic_sum"), options=BARRIERS)[0]
     assert at.refused is None and at.barrier_probes == 0 and "atomics" in (at.entry_only or "")
-    ln = plan_safepoints(ptx_of("layernorm"))[0]
+    ln = plan_safepoints(ptx_of("layernorm"), options=BARRIERS)[0]
     assert ln.entry_only is None and ln.barrier_probes == ln.barriers > 0
-    off = plan_safepoints(ptx_of("softmax"), options=SafepointOptions(barrier_probes=False))[0]
+    off = plan_safepoints(ptx_of("softmax"))[0]  # the default: entry probes only
     assert off.barrier_probes == 0 and off.entry_only == "barrier probes off"
 
 
 def test_barriers_after_a_global_store_are_not_safe_points() -> None:
-    rep = plan_safepoints(ptx_of("copy_then_reduce"))[0]
-    assert rep.barriers > 0 and rep.barrier_probes == 0
-    res = rewrite_ptx(ptx_of("copy_then_reduce"))
+    rep = plan_safepoints(ptx_of("copy_then_reduce"), options=BARRIERS)[0]
+    assert rep.barriers > 0 and rep.barrier_probes == 0 and rep.entry_only is None
+    res = rewrite_ptx(ptx_of("copy_then_reduce"), BARRIERS)
     assert "bar.red" not in res.ptx
     assemble(res.ptx)
 
@@ -192,7 +196,7 @@ $L__BB1_0:
 
 
 def test_kernels_of_one_module_get_their_own_symbols_labels_and_keep_guards() -> None:
-    res = rewrite_ptx(_TWO_KERNELS)
+    res = rewrite_ptx(_TWO_KERNELS, BARRIERS)
     a, b, c = res.kernels
     assert (a.name, b.name, c.name) == ("first", "second", "third")
     assert a.exit_probes == 1 and a.barrier_probes == 2  # both guarded barriers precede the store

@@ -10,7 +10,7 @@ import pytest
 
 triton = pytest.importorskip("triton", reason="triton not installed")
 
-from concordia_ft.instrument import triton_hook  # noqa: E402
+from concordia_ft.instrument import SafepointOptions, triton_hook  # noqa: E402
 from instrument_kernels import compile_for_sm90  # noqa: E402
 
 
@@ -20,7 +20,7 @@ def test_hook_instruments_only_inside_its_own_cache(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "plain"))
     plain = compile_for_sm90("layernorm")  # cached in 'plain' without probes
     assert "cft_ctl_" not in plain.asm["ptx"]
-    d = triton_hook.install(cache_dir=tmp_path / "instrumented")
+    d = triton_hook.install(SafepointOptions(barrier_probes=True), cache_dir=tmp_path / "instrumented")
     try:
         assert knobs.cache.dir == str(d)
         inst = compile_for_sm90("layernorm")  # same source, same Triton key: must not come from 'plain'
@@ -37,11 +37,27 @@ def test_hook_instruments_only_inside_its_own_cache(tmp_path: Path, monkeypatch:
     assert "cft_ctl_" not in again.asm["ptx"]  # the instrumented cubin did not poison the plain cache
 
 
+def test_cache_dir_is_salted_by_options() -> None:
+    a = triton_hook.default_cache_dir(SafepointOptions())
+    b = triton_hook.default_cache_dir(SafepointOptions(barrier_probes=True))
+    assert a != b and a == triton_hook.default_cache_dir(SafepointOptions())
+
+
 def test_hook_refuses_pdl_from_compile_options(tmp_path: Path) -> None:
     triton_hook.install(cache_dir=tmp_path / "i")
     try:
         k = compile_for_sm90("softmax", launch_pdl=True)
         assert "cft_ctl_" not in k.asm["ptx"]
         assert triton_hook.report("softmax_kernel").refused == "pdl"
+    finally:
+        triton_hook.uninstall()
+
+
+def test_suspended_compiles_the_plain_baseline_then_instruments_again(tmp_path: Path) -> None:
+    triton_hook.install(cache_dir=tmp_path / "i")
+    try:
+        with triton_hook.suspended():
+            assert "cft_ctl_" not in compile_for_sm90("softmax", num_warps=2).asm["ptx"]
+        assert "cft_ctl_" in compile_for_sm90("softmax", num_warps=2).asm["ptx"]
     finally:
         triton_hook.uninstall()

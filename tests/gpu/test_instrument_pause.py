@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 triton = pytest.importorskip("triton")
 
-from concordia_ft.instrument import triton_hook  # noqa: E402
+from concordia_ft.instrument import SafepointOptions, triton_hook  # noqa: E402
 from concordia_ft.instrument.pause import PausableLaunch  # noqa: E402
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -22,9 +22,10 @@ sys.path.insert(0, str(TESTS))
 import instrument_kernels as ik  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _hook(tmp_path_factory: pytest.TempPathFactory):
-    triton_hook.install(cache_dir=tmp_path_factory.mktemp("tcache"))
+@pytest.fixture(autouse=True)
+def _hook(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    barriers = bool(getattr(request, "param", False))
+    triton_hook.install(SafepointOptions(barrier_probes=barriers), cache_dir=tmp_path_factory.mktemp("tcache"))
     yield
     triton_hook.uninstall()
 
@@ -61,27 +62,37 @@ def _layernorm_case(rows: int, cols: int = 3000):
     return ik.layernorm_kernel, (rows,), [x, y, w, b, cols, x.stride(0), 1e-5], dict(BLOCK=512), y, ref
 
 
-CASES = {"matmul": lambda: _matmul_case(4096), "softmax": lambda: _softmax_case(65536),
-         "layernorm": lambda: _layernorm_case(32768)}
+CASES = {"matmul": lambda: _matmul_case(8192), "softmax": lambda: _softmax_case(262144),
+         "layernorm": lambda: _layernorm_case(131072)}
 
 
 def _uninterrupted(fn, grid, args, kw, out):
-    out.fill_(float("nan"))
-    fresh(fn)[grid](*args, **kw)
-    torch.cuda.synchronize()
-    return out.clone()
+    """The output of the kernel compiled WITHOUT probes (what the user would run), and its run time."""
+    with triton_hook.suspended():
+        plain = fresh(fn)
+        plain[grid](*args, **kw)  # compile + warm
+        out.fill_(float("nan"))
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        plain[grid](*args, **kw)
+        e1.record()
+        torch.cuda.synchronize()
+    return out.clone(), e0.elapsed_time(e1) / 1e3
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_pause_mid_kernel_then_resume_is_bit_equal(name: str) -> None:
+@pytest.mark.parametrize("name,_hook", [("matmul", False), ("softmax", False), ("layernorm", False),
+                                        ("softmax", True), ("layernorm", True)],
+                         indirect=["_hook"], ids=["matmul", "softmax", "layernorm", "softmax-barriers",
+                                                  "layernorm-barriers"])
+def test_pause_mid_kernel_then_resume_is_bit_equal(name: str, _hook: None) -> None:
     fn, grid, args, kw, out, ref = CASES[name]()
-    want = _uninterrupted(fn, grid, args, kw, out)
+    want, run_s = _uninterrupted(fn, grid, args, kw, out)
     rel = ((want.double() - ref).norm() / ref.norm()).item()
     assert rel < (1e-2 if name == "matmul" else 1e-5), rel
     jf = fresh(fn)
     launch = PausableLaunch(jf, grid, args, kw)
     seen_partial = False
-    for delay_s in (0.0, 2e-4, 1e-3):
+    for delay_s in (0.0, 0.15 * run_s, 0.4 * run_s, 0.7 * run_s):
         out.fill_(float("nan"))
         torch.cuda.synchronize()
         launch.start()
@@ -127,7 +138,7 @@ def test_paused_launch_finishes_in_a_fresh_process(tmp_path: Path) -> None:
     from concordia_ft.runtime import Runtime
 
     fn, grid, args, kw, out, _ = _matmul_case(2048)
-    want = _uninterrupted(fn, grid, args, kw, out)
+    want, _ = _uninterrupted(fn, grid, args, kw, out)
     out.fill_(float("nan"))
     launch = PausableLaunch(fresh(fn), grid, args, kw)
     launch.ctl.zero_()

@@ -6,9 +6,10 @@
  * private export table (PyTorch's own), launches through pointers from cuGetProcAddress (cudart, Triton,
  * ATen's LazyNVRTC), cuBLAS's bundled kernels, and cuLibrary* loads (DESIGN.md beside this file).
  *
- * Records, under one mutex: every loaded module (CUPTI module id, size, which public loader call it came
- * from or none = cudart/private, whether that image carried PTX, and its kernels read from the cubin's ELF
- * symbol table), and every launch by kernel name. Python reads them with cft_snapshot() (JSON) through
+ * Records, under one mutex: every loader call and what it was handed (cubin, PTX text, fatbin with or
+ * without PTX); every loaded module (CUPTI module id, size, the loader call it was created in, or none when
+ * the driver loaded it lazily at first use, and its kernels read from the cubin's ELF symbol table); every
+ * launch by kernel name. Python reads them with cft_snapshot() (JSON) through
  * ctypes: the same .so the driver loaded is the one ctypes opens.
  *
  * Built with only a C compiler and headers of pip wheels the bootstrap installs: cuda.h (nvidia-cuda-runtime)
@@ -84,7 +85,7 @@ static const char *IMG_NAMES[] = {"unknown", "cubin", "ptx", "fatbin", "file"};
 typedef struct {
   uint32_t id;
   uint64_t bytes;
-  int api;        /* index into LOAD_APIS, -1: no public loader call (cudart / private path) */
+  int api;        /* index into LOAD_APIS; -1: loaded outside any loader call (lazy loading at first use) */
   int image;      /* IMG_* of the image handed to the loader */
   int has_ptx;    /* that image held PTX */
   int has_sass;
@@ -132,6 +133,7 @@ static size_t n_kernel_names, cap_kernel_names;
 static launch_rec *table; /* open addressing, power-of-two capacity */
 static size_t table_cap, table_used;
 static uint64_t launch_total, graph_launches, load_calls[N_LOAD_APIS];
+static uint64_t load_images[N_LOAD_APIS][5], load_with_ptx[N_LOAD_APIS]; /* what each loader was handed */
 
 static __thread int tl_api = -1, tl_image = IMG_UNKNOWN, tl_ptx = 0, tl_sass = 0;
 
@@ -346,6 +348,8 @@ static void callback(void *userdata, CUpti_CallbackDomain domain, CUpti_Callback
       tl_sass = sass;
       pthread_mutex_lock(&mu);
       load_calls[i]++;
+      load_images[i][kind]++;
+      load_with_ptx[i] += (uint64_t)ptx;
       pthread_mutex_unlock(&mu);
     } else {
       tl_api = -1;
@@ -465,6 +469,21 @@ size_t cft_snapshot(char *buf, size_t cap) {
     put_str(&o, LOAD_APIS[i].name);
     put(&o, ":");
     put_u64(&o, load_calls[i]);
+  }
+  put(&o, "},\"load_images\":{");
+  for (size_t i = 0; i < N_LOAD_APIS; i++) {
+    if (i) put(&o, ",");
+    put_str(&o, LOAD_APIS[i].name);
+    put(&o, ":{");
+    for (int k = 0; k < 5; k++) {
+      put_str(&o, IMG_NAMES[k]);
+      put(&o, ":");
+      put_u64(&o, load_images[i][k]);
+      put(&o, ",");
+    }
+    put(&o, "\"with_ptx\":");
+    put_u64(&o, load_with_ptx[i]);
+    put(&o, "}");
   }
   put(&o, "},\"modules\":[");
   for (size_t i = 0; i < n_modules; i++) {

@@ -180,7 +180,7 @@ def demangle(name: str) -> str:
 class ModuleRecord:
     id: int
     bytes: int
-    api: str | None  # the public loader call it came from; None: cudart's private path (PyTorch's own kernels)
+    api: str | None  # the loader call it was created in; None: loaded lazily by the driver at first use
     image: str  # what that call was handed: cubin, ptx, fatbin, file, unknown
     ptx: bool  # the image carried PTX (the safe-point rewriter can reach its kernels)
     kernels: tuple[str, ...]
@@ -200,6 +200,7 @@ class Inventory:
     modules: list[ModuleRecord]
     launches: dict[str, int]
     load_calls: dict[str, int]
+    load_images: dict[str, dict[str, int]]  # loader -> {image kind: count, "with_ptx": count}
     graph_launches: int
     launch_total: int
     shared_subscriber: bool = False
@@ -219,6 +220,7 @@ class Inventory:
             m = where.get(name)
             kernels[name] = KernelRecord(name, m.id if m else None, bool(m and m.ptx), launches.get(name, 0))
         return cls(bool(snap["started"]), mods, launches, {k: int(v) for k, v in snap["load_calls"].items()},
+                   {k: {i: int(n) for i, n in v.items()} for k, v in snap.get("load_images", {}).items()},
                    int(snap["graph_launches"]), int(snap["launch_total"]), bool(snap.get("shared_subscriber")),
                    kernels)
 
@@ -226,11 +228,14 @@ class Inventory:
         launched = [k for k in self.kernels.values() if k.launches]
         return {
             "modules": len(self.modules),
-            "modules_private_path": sum(1 for m in self.modules if m.api is None),
+            "modules_loaded_lazily": sum(1 for m in self.modules if m.api is None),
+            "modules_by_loader": {str(a): sum(1 for m in self.modules if m.api == a)
+                                  for a in sorted({m.api for m in self.modules if m.api is not None})},
             "modules_with_ptx": sum(1 for m in self.modules if m.ptx),
+            "loader_images_with_ptx": {k: v.get("with_ptx", 0) for k, v in self.load_images.items() if v.get("with_ptx")},
             "kernels_known": len(self.kernels),
             "kernels_launched": len(launched),
-            "kernels_launched_sass_only": sum(1 for k in launched if not k.ptx),
+            "kernels_launched_from_ptx_images": sum(1 for k in launched if k.ptx),
             "launch_total": self.launch_total,
             "graph_launches": self.graph_launches,
         }

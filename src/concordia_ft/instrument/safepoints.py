@@ -10,7 +10,7 @@ paused safely (DESIGN.md beside this file has the protocol):
   or leaves at once because it already ran (resume launch, bit clear). One ``barrier.red.or`` hands the
   leader's decision to the whole block, so the exit is block-uniform;
 - **exit probes** before every ``ret``/``exit`` (their guard predicate kept): the leader counts the block done;
-- **barrier probes** at ``bar.sync 0`` sites that no global write, atomic or call can precede on any path:
+- **barrier probes** (opt-in, ``SafepointOptions(barrier_probes=True)``) at ``bar.sync 0`` sites that no global write, atomic or call can precede on any path:
   the barrier becomes a ``bar.red.or`` carrying the leader's pause read, and a paused block records itself
   and leaves; it reruns from its start on resume, which is exact because it had changed nothing outside
   itself. Never placed in kernels with atomics or asynchronous copies/MMAs in flight.
@@ -70,7 +70,9 @@ _LOCAL_SPACES = (".shared", ".local", ".param")
 
 @dataclass(frozen=True)
 class SafepointOptions:
-    barrier_probes: bool = True
+    # Off by default: measured on the H200 (benchmarks/results/pause-h200.json) they cost 4% (layernorm) to
+    # 48% (softmax: short blocks, barriers close together) armed, and shorten pauses only for long blocks.
+    barrier_probes: bool = False
     strict: bool = False  # raise UnsafeKernelError instead of leaving a refused kernel unchanged
 
 

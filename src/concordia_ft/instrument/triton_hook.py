@@ -15,6 +15,8 @@ import hashlib
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +81,21 @@ def install(options: SafepointOptions | None = None, *, cache_dir: str | os.Path
         knobs.runtime.add_stages_inspection_hook = hook
         knobs.cache.dir = str(d)
         os.environ["TRITON_CACHE_DIR"] = str(d)  # for compile workers started after this
-        _installed.update(cache_dir=str(d), prev_hook=prev_hook, prev_dir=prev_dir)
+        _installed.update(cache_dir=str(d), prev_hook=prev_hook, prev_dir=prev_dir, options=opts)
         return d
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Compile without probes inside (the uninstrumented baseline), then instrument again as before."""
+    with _lock:
+        state = dict(_installed)
+    uninstall()
+    try:
+        yield
+    finally:
+        if state:
+            install(state["options"], cache_dir=state["cache_dir"])
 
 
 def uninstall() -> None:
