@@ -231,3 +231,20 @@ def test_bitmap_indexes_round_trip(nx: int, ny: int, nz: int, data: st.DataObjec
     done = sorted(block_index(x, y, z, grid) for x, y, z in picked)
     assert decode_bitmap(words, n) == done
     assert pending_blocks(words, n) == [b for b in range(n) if b not in set(done)]
+
+
+def test_rewriter_and_interposer_import_without_torch_cuda_or_triton() -> None:
+    from test_layering import _run_hidden
+
+    body = (
+        "from concordia_ft.instrument import rewrite_ptx\n"
+        "import concordia_ft.instrument.ptxas, concordia_ft.instrument.interposer\n"
+        f"src = {_TWO_KERNELS!r}\n"
+        "res = rewrite_ptx(src)\n"
+        "assert [k.name for k in res.kernels] == ['first', 'second', 'third'] and res.changed\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in BANNED]\n"
+        "assert not bad, bad\n"
+        "print('OK')\n"
+    )
+    p = _run_hidden(body)
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stderr[-3000:]

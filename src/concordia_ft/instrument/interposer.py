@@ -217,8 +217,9 @@ class Inventory:
         launches = {str(k): int(v) for k, v in snap["launches"].items()}
         kernels = {}
         for name in sorted(set(where) | set(launches)):
-            m = where.get(name)
-            kernels[name] = KernelRecord(name, m.id if m else None, bool(m and m.ptx), launches.get(name, 0))
+            owner = where.get(name)
+            kernels[name] = KernelRecord(name, owner.id if owner else None, bool(owner and owner.ptx),
+                                         launches.get(name, 0))
         return cls(bool(snap["started"]), mods, launches, {k: int(v) for k, v in snap["load_calls"].items()},
                    {k: {i: int(n) for i, n in v.items()} for k, v in snap.get("load_images", {}).items()},
                    int(snap["graph_launches"]), int(snap["launch_total"]), bool(snap.get("shared_subscriber")),
