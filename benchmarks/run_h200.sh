@@ -23,7 +23,7 @@ for part in "$@"; do
     delta) python3 benchmarks/bench_delta_gpu.py --out-dir "$out" 2>&1 | tail -40 ;;
     llm|llm:*) only="${part#llm}"; only="${only#:}"
        python3 benchmarks/bench_llm.py --out "$out" ${only:+--only "$only"} 2>&1 | tail -60 ;;
-    instrument) python3 -m pytest tests/gpu/test_instrument_pause.py tests/gpu/test_instrument_interposer.py -q -p no:cacheprovider 2>&1 | tail -30
+    instrument) python3 -m pytest tests/gpu/test_instrument_pause_gpu.py tests/gpu/test_instrument_interposer_gpu.py -q -p no:cacheprovider 2>&1 | tail -30
        [ -n "${SKIP_PAUSE_BENCH:-}" ] || python3 benchmarks/bench_pause.py --out-dir "$out" 2>&1 | tail -40 ;;
     interposer) python3 benchmarks/bench_interposer.py --out-dir "$out" ${INTERPOSER_ARGS:-} 2>&1 | tail -40 ;;
     lora_probe) python3 benchmarks/probe_lora_async_profile.py 2>&1 | grep -v -i warn | tail -80 ;;
