@@ -177,23 +177,31 @@ class PausableLaunch:
 
         if not self.pending():
             raise InstrumentError(f"launch of {self.name} has no pending blocks: nothing to checkpoint")
-        spec: list[Any] = []
-        regions: dict[str, Any] = {}
-        for i, a in enumerate(self.args):
-            if isinstance(a, torch.Tensor):
-                regions[f"{prefix}.arg{i}"] = a
-                spec.append({"tensor": f"{prefix}.arg{i}", "dtype": str(a.dtype), "shape": list(a.shape)})
-            else:
-                spec.append({"scalar": a})
-        regions[f"{prefix}.ctl"] = self.ctl
         torch.cuda.synchronize()
-        for name, t in regions.items():
-            host = t.detach().contiguous().cpu()
-            rt.register(name, host, kind="dense")
-        meta = {"paused_launch": {
-            "fn": f"{self.fn.fn.__module__}:{self.fn.fn.__qualname__}", "grid": list(self.grid), "args": spec,
-            "kwargs": self.kwargs, "ctl": f"{prefix}.ctl", "kernel": self.name, "pending": len(self.pending())}}
-        return int(rt.checkpoint(meta=meta))
+        return checkpoint_paused(rt, self.fn, self.grid, self.args, self.kwargs, self.ctl, prefix=prefix)
+
+
+def checkpoint_paused(rt: Any, fn: Any, grid: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any],
+                      ctl: Any, *, prefix: str = "paused") -> int:
+    """Commit a paused launch as one epoch: every tensor argument (host copies), the scalars, the control
+    block, and what is needed to relaunch it (the kernel's import path, grid, constexprs)."""
+    import torch
+
+    spec: list[Any] = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            rt.register(f"{prefix}.arg{i}", a.detach().contiguous().cpu(), kind="dense")
+            spec.append({"tensor": f"{prefix}.arg{i}", "dtype": str(a.dtype), "shape": list(a.shape)})
+        else:
+            spec.append({"scalar": a})
+    rt.register(f"{prefix}.ctl", ctl.detach().contiguous().cpu(), kind="dense")
+    g = _grid3(grid)
+    pending = len(pending_blocks(ctl[CTL_BITMAP // 4:].cpu().tolist(), g[0] * g[1] * g[2]))
+    py = getattr(fn, "fn", fn)  # JITFunction / InterpretedFunction -> the Python function
+    meta = {"paused_launch": {"fn": f"{py.__module__}:{py.__qualname__}", "grid": list(g), "args": spec,
+                              "kwargs": dict(kwargs), "ctl": f"{prefix}.ctl", "kernel": py.__name__,
+                              "pending": pending}}
+    return int(rt.checkpoint(meta=meta))
 
 
 def _import_fn(ref: str) -> Any:
@@ -206,7 +214,10 @@ def _import_fn(ref: str) -> Any:
 
 def finish_from_log(log_dir: str | Path, *, device: str = "cuda") -> dict[str, Any]:
     """In a fresh process: recover a paused launch from its epoch, run its pending blocks, and return its
-    tensor arguments by region name (outputs included), on ``device``."""
+    tensor arguments by region name (outputs included), on ``device``.
+
+    ``device="cpu"`` runs the pending blocks in Triton's interpreter (``TRITON_INTERPRET=1`` must be set
+    before the kernel's module is imported): no GPU needed, numpy's arithmetic for those blocks."""
     from ..runtime import recover
 
     rec = recover(log_dir)
@@ -223,10 +234,18 @@ def finish_from_log(log_dir: str | Path, *, device: str = "cuda") -> dict[str, A
         else:
             args.append(a["scalar"])
     ctl = rec.tensor(meta["ctl"], device=device)
-    launch = PausableLaunch(_import_fn(meta["fn"]), meta["grid"], args, meta["kwargs"], ctl=ctl)
-    if len(launch.pending()) != meta["pending"]:
-        raise InstrumentError(f"recovered bitmap has {len(launch.pending())} pending blocks, the epoch said "
-                              f"{meta['pending']}")
+    fn = _import_fn(meta["fn"])
+    grid = _grid3(meta["grid"])
+    nblocks = grid[0] * grid[1] * grid[2]
+    pend = pending_blocks(ctl[CTL_BITMAP // 4:].tolist(), nblocks)
+    if len(pend) != meta["pending"]:
+        raise InstrumentError(f"recovered bitmap has {len(pend)} pending blocks, the epoch said {meta['pending']}")
+    if device == "cpu":
+        from .interpret import run_blocks
+
+        run_blocks(fn, grid, args, meta["kwargs"], pend)
+        return tensors
+    launch = PausableLaunch(fn, grid, args, meta["kwargs"], ctl=ctl)
     launch.resume()
     launch.drain()
     if launch.pending():
