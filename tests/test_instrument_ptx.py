@@ -248,3 +248,17 @@ def test_rewriter_and_interposer_import_without_torch_cuda_or_triton() -> None:
     )
     p = _run_hidden(body)
     assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", ["softmax", "layernorm", "matmul", "atomic_sum", "copy_then_reduce"])
+def test_rewrite_assembles_across_compile_options(name: str) -> None:
+    """The probes must stay valid PTX whatever Triton's layout choices: every num_warps, with and without
+    barrier probes, and (matmul) every pipelining depth."""
+    combos: list[dict[str, object]] = [{"num_warps": 4, "num_stages": 2}, {"num_warps": 8, "num_stages": 4}] \
+        if name == "matmul" else [{"num_warps": w} for w in (1, 2, 8)]
+    for opts in combos:
+        src = ptx_of(name, **opts)
+        for barriers in (False, True):
+            res = rewrite_ptx(src, SafepointOptions(barrier_probes=barriers))
+            assert res.kernels[0].instrumented
+            assemble(res.ptx)
