@@ -1,0 +1,187 @@
+"""Cooperative pause/resume of Triton kernels on the GPU: probe overhead, pause latency, resume cost.
+
+For matmul, softmax and layernorm at several sizes, in one process:
+- time (triton.testing.do_bench, median) the kernel compiled WITHOUT probes (the baseline a user runs), the
+  instrumented kernel disarmed, and armed but never paused: the probe overhead;
+- pause mid-kernel at several delays: latency from the flag write to the drained launch, next to one wave's
+  run time (the bound: a block that passed entry finishes); the resume launch's time; bit-equality of the
+  resumed output with the uninterrupted one (every trial);
+- the cost of a resume launch in which every block already ran (all exit at entry) vs grid size.
+Writes benchmarks/results/pause-<tag>.json.  Run: python3 benchmarks/bench_pause.py --out-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "src"))
+
+import instrument_kernels as ik  # noqa: E402
+from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
+from concordia_ft.instrument import triton_hook  # noqa: E402
+from concordia_ft.instrument.pause import PausableLaunch  # noqa: E402
+from concordia_ft.instrument.safepoints import SafepointOptions  # noqa: E402
+
+
+def matmul_case(n: int):
+    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    c = torch.empty(n, n, device="cuda", dtype=torch.float32)
+    grid = (triton.cdiv(n, 128), triton.cdiv(n, 128))
+    args = [a, b, c, n, n, n, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1)]
+    return ik.matmul_kernel, grid, args, dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3), c
+
+
+def softmax_case(rows: int, cols: int = 1000):
+    x = torch.randn(rows, cols, device="cuda")
+    y = torch.empty_like(x)
+    return ik.softmax_kernel, (rows,), [x, y, cols, x.stride(0)], dict(BLOCK=1024), y
+
+
+def layernorm_case(rows: int, cols: int = 3000):
+    x = torch.randn(rows, cols, device="cuda")
+    w = torch.randn(cols, device="cuda")
+    b = torch.randn(cols, device="cuda")
+    y = torch.empty_like(x)
+    return ik.layernorm_kernel, (rows,), [x, y, w, b, cols, x.stride(0), 1e-5], dict(BLOCK=512), y
+
+
+CASES = [("matmul", matmul_case, [2048, 4096, 8192]), ("softmax", softmax_case, [16384, 65536, 262144]),
+         ("layernorm", layernorm_case, [8192, 32768, 131072])]
+
+
+def waves(kernel, nblocks: int) -> int:
+    from cuda.bindings import driver as drv
+
+    threads = kernel.metadata.num_warps * 32
+    err, per_sm = drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(kernel.function, threads, kernel.metadata.shared)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return math.ceil(nblocks / max(1, int(per_sm) * sms)), int(per_sm)
+
+
+def bench_case(name, make, size, trials: int, barrier_probes: bool = True) -> dict:
+    fn, grid, args, kw, out = make(size)
+    triton_hook.uninstall()
+    plain = triton.JITFunction(fn.fn)
+    plain[grid](*args, **kw)
+    torch.cuda.synchronize()
+    want = out.clone()
+    plain_k = plain.warmup(*args, grid=grid, **kw)
+    plain_k._init_handles()
+    triton_hook.install(SafepointOptions(barrier_probes=barrier_probes))
+    inst = triton.JITFunction(fn.fn)
+    launch = PausableLaunch(inst, grid, args, kw)
+
+    def armed():
+        launch.ctl.zero_()
+        inst[grid](*args, **kw)
+
+    def bench(f) -> float:
+        return float(triton.testing.do_bench(f, warmup=10, rep=100, return_mode="median"))
+
+    # alternate the variants over rounds, so clock and thermal drift hit each alike; median per variant
+    ts: dict[str, list[float]] = {"plain": [], "disarmed": [], "armed": [], "zero": []}
+    for _ in range(5):
+        ts["plain"].append(bench(lambda: plain[grid](*args, **kw)))
+        launch.disarm()
+        ts["disarmed"].append(bench(lambda: inst[grid](*args, **kw)))
+        launch.arm()
+        ts["armed"].append(bench(armed))
+        ts["zero"].append(bench(lambda: launch.ctl.zero_()))
+    t_plain, t_disarmed = median(ts["plain"]), median(ts["disarmed"])
+    t_armed, t_zero = median(ts["armed"]), median(ts["zero"])
+    nw, per_sm = waves(launch.kernel, launch.nblocks)
+    wave_ms = t_plain / nw
+    lat, pend, resume_ms, biteq = [], [], [], []
+    for i in range(trials):
+        delay_s = (t_plain / 1e3) * (0.2 + 0.6 * i / max(1, trials - 1))
+        out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        launch.start()
+        t_end = time.perf_counter() + delay_s
+        while time.perf_counter() < t_end:
+            pass
+        st = launch.pause()
+        lat.append(st.request_to_drained_s * 1e3)
+        pend.append(st.pending_blocks)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        launch.resume()
+        e1.record()
+        launch.drain()
+        resume_ms.append(e0.elapsed_time(e1))
+        biteq.append(bool(torch.equal(out, want)) and not launch.pending())
+    # resume when nothing is left: every block exits at entry
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    empties = []
+    for _ in range(20):
+        e0.record()
+        launch.resume()
+        e1.record()
+        launch.drain()
+        empties.append(e0.elapsed_time(e1))
+    launch.disarm()
+    partial = [p for p in pend if 0 < p < launch.nblocks]
+    rep = triton_hook.report(launch.name)
+    return {
+        "kernel": name, "size": size, "barrier_probes_on": barrier_probes, "blocks": launch.nblocks,
+        "regs_plain": plain_k.n_regs, "regs_instrumented": launch.kernel.n_regs,
+        "spills_plain": plain_k.n_spills, "spills_instrumented": launch.kernel.n_spills, "blocks_per_sm": per_sm, "waves": nw,
+        "plain_ms": t_plain, "disarmed_ms": t_disarmed, "armed_ms": t_armed - t_zero,
+        "plain_ms_rounds": ts["plain"], "armed_ms_rounds": ts["armed"],
+        "overhead_disarmed_pct": 100 * (t_disarmed / t_plain - 1),
+        "overhead_armed_pct": 100 * ((t_armed - t_zero) / t_plain - 1),
+        "wave_ms": wave_ms, "pause_latency_ms_median": median(lat), "pause_latency_ms_max": max(lat),
+        "latency_over_wave": median(lat) / wave_ms, "pending_blocks": pend, "partial_pauses": len(partial),
+        "resume_ms_median": median(resume_ms), "empty_resume_ms": median(empties),
+        "bit_equal_all": all(biteq), "trials": trials,
+        "barrier_probes": rep.barrier_probes if rep else None,
+        "empty_resume_ns_per_block": 1e6 * median(empties) / launch.nblocks,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--trials", type=int, default=7)
+    ap.add_argument("--only", default="", help="comma-separated kernels (matmul,softmax,layernorm)")
+    ap.add_argument("--name", default="pause", help="results file name")
+    ns = ap.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    only = set(filter(None, ns.only.split(",")))
+    cases = [c for c in CASES if not only or c[0] in only]
+    variants = [(n, m, sz, False) for n, m, sz in cases] + \
+        [(n, m, sz, True) for n, m, sz in cases if n != "matmul"]  # matmul gets no barrier probes anyway
+    for name, make, sizes, bp in variants:
+        for s in sizes:
+            rows.append(bench_case(name, make, s, ns.trials, bp))
+            r = rows[-1]
+            print(f"{name} {s} barrier_probes={bp}: plain {r['plain_ms']:.3f} ms, armed +{r['overhead_armed_pct']:.2f}%, pause "
+                  f"{r['pause_latency_ms_median']:.3f} ms (wave {r['wave_ms']:.3f}), biteq {r['bit_equal_all']}",
+                  flush=True)
+    path = write_results(ns.name, rows, baseline=[{"kernel": r["kernel"], "size": r["size"],
+                                                   "plain_ms": r["plain_ms"]} for r in rows],
+                         notes="plain = the same Triton kernel compiled without probes (what a user runs); "
+                               "latency = host clock from the pause flag write to the drained launch",
+                         out_dir=ns.out_dir)
+    print_table("pause/resume", rows, ["kernel", "size", "barrier_probes_on", "blocks", "waves", "plain_ms", "overhead_disarmed_pct",
+                                       "overhead_armed_pct", "wave_ms", "pause_latency_ms_median",
+                                       "latency_over_wave", "partial_pauses", "resume_ms_median",
+                                       "empty_resume_ms", "bit_equal_all"])
+    print(path)
+    return 0 if all(r["bit_equal_all"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,500 @@
+"""PTX safe points: block-entry pause/resume probes, exit probes and restartable barrier probes.
+
+``rewrite_ptx(ptx)`` takes a module as Triton/Inductor wrote it and returns it with, per kernel that can be
+paused safely (DESIGN.md beside this file has the protocol):
+
+- a module global ``cft_ctl_<kernel>`` (u64, zero = disarmed: the kernel then behaves as before, at the cost
+  of one cached load and a branch per thread);
+- an **entry probe**: the block's leader (thread 0,0,0) reads the control block's pause word and mode; the
+  block then either runs, or records itself in the control block's bitmap and leaves (first launch, paused),
+  or leaves at once because it already ran (resume launch, bit clear). One ``barrier.red.or`` hands the
+  leader's decision to the whole block, so the exit is block-uniform;
+- **exit probes** before every ``ret``/``exit`` (their guard predicate kept): the leader counts the block done;
+- **barrier probes** (opt-in, ``SafepointOptions(barrier_probes=True)``) at ``bar.sync 0`` sites that no global write, atomic or call can precede on any path:
+  the barrier becomes a ``bar.red.or`` carrying the leader's pause read, and a paused block records itself
+  and leaves; it reruns from its start on resume, which is exact because it had changed nothing outside
+  itself. Never placed in kernels with atomics or asynchronous copies/MMAs in flight.
+
+Kernels that cannot be paused by blocks without breaking exactly-once are refused with a name from
+``REFUSALS`` and left byte-for-byte unchanged. Pure text work: no torch, no cuda imports.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ..errors import PtxParseError, UnsafeKernelError
+from .ptx import (
+    REG_RE,
+    BasicBlock,
+    Kernel,
+    PtxModule,
+    Statement,
+    build_cfg,
+    loop_blocks,
+    parse_module,
+    strip_comment,
+)
+
+# ---- the control block (device memory, one per armed launch; DESIGN.md) ------------------------------
+CTL_PAUSE = 0  # u32, host sets 1 to pause (a stream write from another stream), 0 to run
+CTL_BITMAP = 16  # u32 words after a 16-byte header: bit b of word w = block 32*w+b ran to completion
+SYMBOL_PREFIX = "cft_ctl_"
+PROTOCOL_VERSION = 2  # bump when the probes' code or the control block changes (it salts compile caches)
+
+REFUSALS: dict[str, str] = {
+    "cluster": "uses thread-block clusters (a skipped CTA breaks its cluster's co-residency and barriers)",
+    "pdl": "uses programmatic dependent launch (griddepcontrol): an early-exiting block never signals dependents",
+    "spin_wait": "a loop polls global memory or an atomic (grid barrier / semaphore): a skipped block deadlocks "
+                 "the blocks that wait for it",
+    "atomic_control": "branches on an atomic's result (ticket, last-block-reduces, semaphore): blocks of one "
+                      "launch depend on each other",
+    "cross_block_flag": "branches on a volatile/acquire load of global memory other blocks may write",
+    "persistent_grid": "a loop is bounded by %nctaid (persistent grid / grid-stride): one program runs many "
+                       "tiles, so a block is not a unit of work",
+    "cooperative": "launched as a cooperative grid (all blocks must be co-resident)",
+    "indirect_control": "indirect branches (brx.idx): control flow cannot be followed",
+    "unsafe_call": "calls a .func that uses clusters, PDL or spin loops",
+}
+
+_CLUSTER_RE = re.compile(r"%cluster|%is_explicit_cluster|barrier\.cluster|\bmapa\b|shared::cluster|"
+                         r"\.reqnctapercluster|\.explicitcluster|\.maxclusterrank")
+_ASYNC_RE = re.compile(r"^(cp\.async|wgmma|mbarrier|tcgen05|st\.async|red\.async|cp\.reduce\.async|"
+                       r"setmaxnreg|elect|stmatrix)")
+_BARRIER_OPS = ("bar.sync", "barrier.sync", "barrier.sync.aligned", "bar.cta.sync", "barrier.cta.sync",
+                "barrier.cta.sync.aligned")
+_LOCAL_SPACES = (".shared", ".local", ".param")
+
+
+@dataclass(frozen=True)
+class SafepointOptions:
+    # Off by default: measured on the H200 (benchmarks/results/pause-h200.json) they cost 4% (layernorm) to
+    # 48% (softmax: short blocks, barriers close together) armed, and shorten pauses only for long blocks.
+    barrier_probes: bool = False
+    strict: bool = False  # raise UnsafeKernelError instead of leaving a refused kernel unchanged
+
+
+@dataclass(frozen=True)
+class KernelReport:
+    """What the rewriter did to one kernel, and why."""
+
+    name: str
+    refused: str | None = None  # a REFUSALS name, or None when instrumented
+    detail: str = ""
+    entry_only: str | None = None  # why barrier probes were not placed at all (atomics, async ops, option)
+    entry_probes: int = 0
+    exit_probes: int = 0
+    barrier_probes: int = 0
+    barriers: int = 0  # bar.sync sites in the kernel
+
+    @property
+    def instrumented(self) -> bool:
+        return self.refused is None
+
+    @property
+    def ctl_symbol(self) -> str:
+        return SYMBOL_PREFIX + self.name
+
+
+@dataclass(frozen=True)
+class RewriteResult:
+    ptx: str
+    kernels: tuple[KernelReport, ...]
+
+    def kernel(self, name: str) -> KernelReport:
+        for k in self.kernels:
+            if k.name == name:
+                return k
+        raise KeyError(f"no kernel {name!r} in this module (kernels: {[k.name for k in self.kernels]})")
+
+    @property
+    def changed(self) -> bool:
+        return any(k.instrumented for k in self.kernels)
+
+
+def ctl_bytes(nblocks: int) -> int:
+    """Bytes of the control block of a launch of ``nblocks`` blocks."""
+    return CTL_BITMAP + 4 * ((nblocks + 31) // 32)
+
+
+def grid_blocks(grid: tuple[int, int, int]) -> int:
+    return grid[0] * grid[1] * grid[2]
+
+
+def block_index(x: int, y: int, z: int, grid: tuple[int, int, int]) -> int:
+    """The bitmap index the probes use for block (x, y, z): ``(z * ny + y) * nx + x``."""
+    return (z * grid[1] + y) * grid[0] + x
+
+
+def pending_blocks(done_words: Iterable[int], nblocks: int) -> list[int]:
+    """Block indexes whose done bit is clear: the blocks that still have to run."""
+    done = set(decode_bitmap(done_words, nblocks))
+    return [b for b in range(nblocks) if b not in done]
+
+
+def decode_bitmap(words: Iterable[int], nblocks: int) -> list[int]:
+    """Block indexes whose bit is set (the blocks still to run)."""
+    out: list[int] = []
+    for w, word in enumerate(words):
+        word = int(word) & 0xFFFFFFFF
+        while word:
+            low = word & -word
+            b = 32 * w + low.bit_length() - 1
+            if b < nblocks:
+                out.append(b)
+            word ^= low
+    return out
+
+
+# ---- analysis --------------------------------------------------------------------------------------------
+
+def _space_of(st: Statement) -> str:
+    for s in (".global", ".shared", ".local", ".param", ".const"):
+        if s in st.opcode:
+            return s
+    return ""  # generic addressing: may be global
+
+
+def is_global_effect(st: Statement) -> bool:
+    """True when the statement may change memory other blocks (or later launches) can see."""
+    op = st.opcode
+    head = op.split(".")[0]
+    if head in ("st", "atom", "red", "sust", "sured", "multimem") or op.startswith("st.async"):
+        return _space_of(st) not in _LOCAL_SPACES
+    if op.startswith(("cp.async.bulk", "cp.reduce.async")):
+        return ".global" in op.split(".shared")[0] or op.startswith("cp.reduce")
+    return head == "call"
+
+
+def is_atomic(st: Statement) -> bool:
+    head = st.opcode.split(".")[0]
+    return head in ("atom", "red", "sured") or st.opcode.startswith(("cp.reduce.async", "red.async"))
+
+
+def _is_poll_load(st: Statement) -> bool:
+    op = st.opcode
+    return op.startswith("ld.") and any(t in op for t in (".volatile", ".acquire", ".relaxed")) \
+        and _space_of(st) in (".global", "")
+
+
+def _dest(st: Statement) -> str | None:
+    regs = st.registers()
+    if not regs:
+        return None
+    first = st.operands.split(",")[0]
+    if first.strip().startswith("{"):  # vector destination: taint the first member (enough for scalar polls)
+        return regs[0]
+    return regs[0] if regs[0] in first else None
+
+
+def _space_key(st: Statement) -> str:
+    return _space_of(st) or ".generic"
+
+
+def _taint(statements: list[Statement], seeds: set[str]) -> set[str]:
+    """Registers whose value may depend on a seed register (flow-insensitive fixpoint). Values stored to a
+    state space taint every later load from that space: Triton broadcasts a leader's atomic result through
+    shared memory before the block branches on it."""
+    tainted = set(seeds)
+    spaces: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for st in statements:
+            head = st.op_parts[0]
+            if head in ("st", "atom", "red") and "]" in st.operands:
+                values = REG_RE.findall(st.operands.split("]", 1)[1])
+                key = _space_key(st)
+                if key not in spaces and any(r in tainted for r in values):
+                    spaces.add(key)
+                    changed = True
+            d = _dest(st)
+            if d is None or d in tainted:
+                continue
+            loads_tainted = head == "ld" and (_space_key(st) in spaces or ".generic" in spaces)
+            if loads_tainted or any(r in tainted for r in st.registers()[1:]):
+                tainted.add(d)
+                changed = True
+    return tainted
+
+
+def _guard_reg(st: Statement) -> str:
+    return st.guard.lstrip("!")
+
+
+def _refusal(module: PtxModule, kernel: Kernel, blocks: list[BasicBlock] | None) -> tuple[str, str] | None:
+    body = "".join(module.lines[kernel.header_start:kernel.body_close + 1])
+    code = "\n".join(strip_comment(ln) for ln in body.splitlines())
+    m = _CLUSTER_RE.search(code)
+    if m:
+        return "cluster", f"found {m.group(0)!r}"
+    if "griddepcontrol" in code:
+        return "pdl", "found 'griddepcontrol'"
+    if any(st.opcode.startswith("call") for st in kernel.statements) and module.func_ranges:
+        funcs = "\n".join(strip_comment(ln) for ln in module.func_text().splitlines())
+        if _CLUSTER_RE.search(funcs) or "griddepcontrol" in funcs or \
+                (re.search(r"\batom\.|ld\.(volatile|acquire)", funcs) and re.search(r"\bbra", funcs)):
+            return "unsafe_call", "a called .func has clusters, PDL or a possible spin loop"
+    if blocks is None:
+        return "indirect_control", "brx.idx present"
+    sts = kernel.statements
+    in_loop = loop_blocks(blocks)
+    block_of = {st.index: bi for bi, b in enumerate(blocks) for st in b.statements}
+    atom_dst = {d for st in sts if is_atomic(st) and (d := _dest(st)) is not None}
+    poll_dst = {d for st in sts if _is_poll_load(st) and (d := _dest(st)) is not None}
+    poll_in_loop = any((is_atomic(st) or _is_poll_load(st)) and block_of.get(st.index) in in_loop for st in sts)
+    from_atom = _taint(sts, atom_dst)
+    from_poll = _taint(sts, poll_dst)
+    nctaid = {d for st in sts if "%nctaid" in st.operands and (d := _dest(st)) is not None}
+    from_nctaid = _taint(sts, nctaid)
+    for st in sts:
+        if not st.opcode.startswith("bra") or not st.guard:
+            continue
+        g = _guard_reg(st)
+        looped = block_of.get(st.index) in in_loop
+        if g in from_atom or g in from_poll:
+            if looped and poll_in_loop:
+                return "spin_wait", f"loop branch '{st.text}' depends on a polled/atomic value"
+            if g in from_atom:
+                return "atomic_control", f"branch '{st.text}' depends on an atomic's result"
+            return "cross_block_flag", f"branch '{st.text}' depends on a volatile/acquire load"
+        target = st.operands.strip()
+        tline = kernel.labels.get(target, kernel.body_close)
+        if g in from_nctaid and looped and tline <= st.index:
+            return "persistent_grid", f"loop back edge '{st.text}' depends on %nctaid"
+    return None
+
+
+def _dirty_before(blocks: list[BasicBlock]) -> set[int]:
+    """Statement line indexes reached after a possible global side effect on some path from entry."""
+    n = len(blocks)
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for bi, b in enumerate(blocks):
+        for s in b.succs:
+            preds[s].append(bi)
+    has_effect = [any(is_global_effect(st) for st in b.statements) for b in blocks]
+    dirty_in = [False] * n
+    changed = True
+    while changed:
+        changed = False
+        for bi in range(n):
+            new = any(dirty_in[p] or has_effect[p] for p in preds[bi])
+            if new and not dirty_in[bi]:
+                dirty_in[bi] = True
+                changed = True
+    dirty: set[int] = set()
+    for bi, b in enumerate(blocks):
+        d = dirty_in[bi]
+        for st in b.statements:
+            if d:
+                dirty.add(st.index)
+            if is_global_effect(st):
+                d = True
+    return dirty
+
+
+def _is_cta_barrier(st: Statement) -> bool:
+    return st.opcode in _BARRIER_OPS and st.operands.strip() == "0"
+
+
+@dataclass
+class _Plan:
+    report: KernelReport
+    barrier_lines: list[int] = field(default_factory=list)
+    exit_lines: list[int] = field(default_factory=list)
+    entry_line: int = -1
+
+
+def _plan(module: PtxModule, kernel: Kernel, opts: SafepointOptions,
+          launch_refusal: tuple[str, str] | None) -> _Plan:
+    blocks = build_cfg(kernel)
+    barriers = [st for st in kernel.statements if _is_cta_barrier(st)]
+    refusal = launch_refusal or _refusal(module, kernel, blocks)
+    if refusal is not None:
+        return _Plan(KernelReport(kernel.name, refused=refusal[0], detail=refusal[1], barriers=len(barriers)))
+    assert blocks is not None
+    entry_only: str | None = None
+    if not opts.barrier_probes:
+        entry_only = "barrier probes off"
+    elif any(is_atomic(st) for st in kernel.statements):
+        entry_only = "atomics: only entry-skip keeps them exactly-once"
+    elif any(_ASYNC_RE.match(st.opcode) for st in kernel.statements):
+        entry_only = "asynchronous copies/MMAs may be in flight at barriers"
+    safe: list[int] = []
+    if entry_only is None:
+        dirty = _dirty_before(blocks)
+        safe = [st.index for st in barriers if st.index not in dirty]
+    exits = [st.index for st in kernel.statements if st.op_parts[0] in ("ret", "exit")]
+    if entry_only is None and any(st.guard for st in kernel.statements if st.index in exits):
+        entry_only, safe = "a guarded ret may take the block leader out before a barrier", []
+    first = min([kernel.body_close] + [ln for ln in kernel.labels.values()] + [st.index for st in kernel.statements])
+    rep = KernelReport(kernel.name, entry_only=entry_only, entry_probes=1, exit_probes=len(exits),
+                       barrier_probes=len(safe), barriers=len(barriers),
+                       detail=f"{len(safe)} of {len(barriers)} barriers are restartable safe points")
+    return _Plan(rep, safe, exits, first)
+
+
+def plan_safepoints(ptx: str, *, options: SafepointOptions | None = None,
+                    launch_refusals: dict[str, tuple[str, str]] | None = None) -> tuple[KernelReport, ...]:
+    """What ``rewrite_ptx`` would do, per kernel, without rewriting."""
+    module = parse_module(ptx)
+    opts = options or SafepointOptions()
+    lr = launch_refusals or {}
+    return tuple(_plan(module, k, opts, lr.get(k.name)).report for k in module.kernels)
+
+
+# ---- rewriting -------------------------------------------------------------------------------------------
+
+def _negate(guard: str) -> str:
+    return guard[1:] if guard.startswith("!") else "!" + guard
+
+
+def _entry_probe(sym: str, lab: str) -> list[str]:
+    """Every thread: armed? The leader: paused, or done already (a resume launch)? Then the whole block
+    leaves, decided once by the leader and handed to all threads by one reducing barrier."""
+    return [
+        "\t// concordia-ft safe point: block entry (pause / resume check)",
+        "\tmov.u32 \t%cft_r16, 0;",  # the pause word as last read, for the barrier probes
+        f"\tld.global.u64 \t%cft_rd0, [{sym}];",
+        "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;",  # armed? uniform: a module global the host sets between launches
+        f"\t@!%cft_p1 bra \t{lab}_run;",
+        *_leader(),
+        "\tsetp.ne.u32 \t%cft_p2, %cft_r0, %cft_r0;",  # p2: leave (false)
+        f"\t@!%cft_p0 bra \t{lab}_vote;",
+        *_block_bit(),
+        f"\tld.volatile.global.u32 \t%cft_r12, [%cft_rd0+{CTL_PAUSE}];",
+        "\tld.volatile.global.u32 \t%cft_r14, [%cft_rd1];",
+        "\tand.b32 \t%cft_r14, %cft_r14, %cft_r10;",
+        "\tsetp.ne.u32 \t%cft_p2, %cft_r14, 0;",  # done already: this is a resume launch
+        "\tsetp.ne.or.u32 \t%cft_p2, %cft_r12, 0, %cft_p2;",  # or paused
+        f"{lab}_vote:",
+        "\tbarrier.red.or.pred \t%cft_p2, 0, %cft_p2;",
+        "\t@%cft_p2 ret;",
+        f"{lab}_run:",
+    ]
+
+
+def _leader() -> list[str]:
+    """``%cft_p0`` := this thread leads its block (thread 0,0,0); ``%cft_r0`` := tid.x | tid.y | tid.z."""
+    return [
+        "\tmov.u32 \t%cft_r0, %tid.x;", "\tmov.u32 \t%cft_r1, %tid.y;", "\tmov.u32 \t%cft_r2, %tid.z;",
+        "\tor.b32 \t%cft_r0, %cft_r0, %cft_r1;", "\tor.b32 \t%cft_r0, %cft_r0, %cft_r2;",
+        "\tsetp.eq.u32 \t%cft_p0, %cft_r0, 0;",
+    ]
+
+
+def _leader_and_ctl(sym: str, pred: str) -> list[str]:
+    """``pred`` := this thread leads its block and the kernel is armed; ``%cft_rd0`` := the control block.
+    Recomputed at each probe so that nothing of the probes but one word stays live across the kernel."""
+    return [
+        *_leader(),
+        f"\tld.global.u64 \t%cft_rd0, [{sym}];",
+        f"\tsetp.ne.and.u64 \t{pred}, %cft_rd0, 0, %cft_p0;",
+    ]
+
+
+def _exit_probe(guard: str, sym: str) -> list[str]:
+    """The leader marks its block done: the bit a resume launch skips on."""
+    out = ["\t// concordia-ft: block exit (the block ran to completion)", *_leader_and_ctl(sym, "%cft_p6")]
+    if guard.startswith("!"):
+        out += [f"\tnot.pred \t%cft_p7, {guard[1:]};", "\tand.pred \t%cft_p6, %cft_p6, %cft_p7;"]
+    elif guard:
+        out += [f"\tand.pred \t%cft_p6, %cft_p6, {guard};"]
+    out += ["\t@!%cft_p6 bra \t$__cft_x{n};", *_block_bit(), "\tred.global.or.b32 \t[%cft_rd1], %cft_r10;",
+            "$__cft_x{n}:"]
+    return out
+
+
+def _barrier_probe(st: Statement, lab: str, sym: str) -> list[str]:
+    """The barrier becomes a reducing barrier carrying the pause word the leader read at the previous safe
+    point; the next read is issued right after it, so its latency hides behind the kernel's own code."""
+    aligned = st.opcode.startswith("bar.") or st.opcode.endswith(".aligned")
+    red = "bar.red.or.pred" if aligned else "barrier.red.or.pred"
+    g = f"@{st.guard} " if st.guard else ""
+    out = [
+        "\t// concordia-ft safe point: barrier (no global effect yet: the block may leave and rerun)",
+        *_leader_and_ctl(sym, "%cft_p8"),
+        "\tsetp.ne.u32 \t%cft_p9, %cft_r0, %cft_r0;",
+        "\t@%cft_p8 setp.ne.u32 \t%cft_p9, %cft_r16, 0;",
+        f"\t{g}{red} \t%cft_p9, 0, %cft_p9;",
+    ]
+    if st.guard:  # a skipped barrier must not let the leader leave alone
+        out.append(f"\t@{_negate(st.guard)} setp.ne.u32 \t%cft_p9, %cft_r0, %cft_r0;")
+    out += [f"\t@%cft_p9 bra \t{lab}_bpause;",
+            f"\t@%cft_p8 ld.volatile.global.u32 \t%cft_r16, [%cft_rd0+{CTL_PAUSE}];"]
+    return out
+
+
+def _pause_tail(lab: str) -> list[str]:
+    return [f"{lab}_bpause:", "\tret;\t// concordia-ft: left at a barrier, not done: it reruns on resume"]
+
+
+def _block_bit() -> list[str]:
+    """``%cft_rd1`` := this block's bitmap word, ``%cft_r10`` := its bit (needs ``%cft_rd0``)."""
+    return [
+        "\tmov.u32 \t%cft_r3, %ctaid.x;", "\tmov.u32 \t%cft_r4, %ctaid.y;", "\tmov.u32 \t%cft_r5, %ctaid.z;",
+        "\tmov.u32 \t%cft_r6, %nctaid.x;", "\tmov.u32 \t%cft_r7, %nctaid.y;",
+        "\tmad.lo.u32 \t%cft_r8, %cft_r5, %cft_r7, %cft_r4;",
+        "\tmad.lo.u32 \t%cft_r8, %cft_r8, %cft_r6, %cft_r3;",  # r8: block index
+        "\tshr.u32 \t%cft_r9, %cft_r8, 5;", "\tand.b32 \t%cft_r11, %cft_r8, 31;",
+        "\tmov.u32 \t%cft_r10, 1;", "\tshl.b32 \t%cft_r10, %cft_r10, %cft_r11;",
+        "\tmul.wide.u32 \t%cft_rd1, %cft_r9, 4;", "\tadd.s64 \t%cft_rd1, %cft_rd1, %cft_rd0;",
+        f"\tadd.s64 \t%cft_rd1, %cft_rd1, {CTL_BITMAP};",
+    ]
+
+
+_DECLS = ["\t.reg .pred \t%cft_p<10>;", "\t.reg .b32 \t%cft_r<17>;", "\t.reg .b64 \t%cft_rd<2>;"]
+
+
+def _check_fresh(ptx: str) -> None:
+    for marker in ("%cft_", SYMBOL_PREFIX, "$__cft"):
+        if marker in ptx:
+            raise PtxParseError("<module>", 1, f"already instrumented (found {marker!r}); rewrite the original PTX")
+
+
+def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None = None, *,
+                launch_refusals: dict[str, tuple[str, str]] | None = None) -> RewriteResult:
+    """Add safe points to every kernel of ``ptx`` that can take them; refused kernels stay unchanged.
+
+    ``launch_refusals`` names kernels refused for reasons the PTX does not show (a cooperative launch, from the
+    compiler's metadata), as ``{kernel: (reason, detail)}``."""
+    opts = options if isinstance(options, SafepointOptions) else SafepointOptions(**(options or {}))  # type: ignore[arg-type]
+    _check_fresh(ptx)
+    module = parse_module(ptx)
+    lr = launch_refusals or {}
+    plans = [_plan(module, k, opts, lr.get(k.name)) for k in module.kernels]
+    for p in plans:
+        if p.report.refused is not None and opts.strict:
+            raise UnsafeKernelError(p.report.name, p.report.refused, p.report.detail)
+    before: dict[int, list[str]] = {}  # module line index -> lines to insert before it
+    replace: dict[int, list[str]] = {}
+    after: dict[int, list[str]] = {}
+    for ki, (k, p) in enumerate(zip(module.kernels, plans, strict=True)):
+        if p.report.refused is not None:
+            continue
+        lab = f"$__cft{ki}"
+        sym = SYMBOL_PREFIX + k.name
+        before.setdefault(k.header_start, []).extend(
+            [f"// concordia-ft control block pointer of {k.name} (0: disarmed)",
+             f".visible .global .align 8 .u64 {sym};", ""])
+        after.setdefault(k.body_open, []).extend(_DECLS)
+        before.setdefault(p.entry_line, []).extend(_entry_probe(sym, lab))
+        by_index = {st.index: st for st in k.statements}
+        for n, ln in enumerate(p.exit_lines):
+            lines = _exit_probe(by_index[ln].guard, sym)
+            before.setdefault(ln, []).extend(x.replace("{n}", f"{ki}_{n}") for x in lines)
+        for ln in p.barrier_lines:
+            replace[ln] = _barrier_probe(by_index[ln], lab, sym)
+        if p.barrier_lines:
+            before.setdefault(k.body_close, []).extend(_pause_tail(lab))
+    out: list[str] = []
+    for i, line in enumerate(module.lines):
+        out.extend(s + "\n" for s in before.get(i, []))
+        if i in replace:
+            out.extend(s + "\n" for s in replace[i])
+        else:
+            out.append(line)
+        out.extend(s + "\n" for s in after.get(i, []))
+    return RewriteResult("".join(out), tuple(p.report for p in plans))

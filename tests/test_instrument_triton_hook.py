@@ -1,0 +1,63 @@
+"""CPU CI: the Triton stages hook instruments kernels compiled after install(), in a cache of its own, so a
+cubin cached without probes is never reused for an instrumented compile (Triton 3.6's key ignores the hook)
+and an instrumented one never poisons uninstrumented runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="triton not installed")
+
+from concordia_ft.instrument import SafepointOptions, triton_hook  # noqa: E402
+from instrument_kernels import compile_for_sm90  # noqa: E402
+
+
+def test_hook_instruments_only_inside_its_own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton import knobs
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "plain"))
+    plain = compile_for_sm90("layernorm")  # cached in 'plain' without probes
+    assert "cft_ctl_" not in plain.asm["ptx"]
+    d = triton_hook.install(SafepointOptions(barrier_probes=True), cache_dir=tmp_path / "instrumented")
+    try:
+        assert knobs.cache.dir == str(d)
+        inst = compile_for_sm90("layernorm")  # same source, same Triton key: must not come from 'plain'
+        assert "cft_ctl_layernorm_kernel" in inst.asm["ptx"]
+        rep = triton_hook.report("layernorm_kernel")
+        assert rep is not None and rep.instrumented and rep.barrier_probes > 0
+        refused = compile_for_sm90("grid_barrier")
+        assert "cft_ctl_" not in refused.asm["ptx"]
+        assert triton_hook.report("grid_barrier_kernel").refused == "spin_wait"
+    finally:
+        triton_hook.uninstall()
+    assert knobs.cache.dir == str(tmp_path / "plain")
+    again = compile_for_sm90("layernorm")
+    assert "cft_ctl_" not in again.asm["ptx"]  # the instrumented cubin did not poison the plain cache
+
+
+def test_cache_dir_is_salted_by_options() -> None:
+    a = triton_hook.default_cache_dir(SafepointOptions())
+    b = triton_hook.default_cache_dir(SafepointOptions(barrier_probes=True))
+    assert a != b and a == triton_hook.default_cache_dir(SafepointOptions())
+
+
+def test_hook_refuses_pdl_from_compile_options(tmp_path: Path) -> None:
+    triton_hook.install(cache_dir=tmp_path / "i")
+    try:
+        k = compile_for_sm90("softmax", launch_pdl=True)
+        assert "cft_ctl_" not in k.asm["ptx"]
+        assert triton_hook.report("softmax_kernel").refused == "pdl"
+    finally:
+        triton_hook.uninstall()
+
+
+def test_suspended_compiles_the_plain_baseline_then_instruments_again(tmp_path: Path) -> None:
+    triton_hook.install(cache_dir=tmp_path / "i")
+    try:
+        with triton_hook.suspended():
+            assert "cft_ctl_" not in compile_for_sm90("softmax", num_warps=2).asm["ptx"]
+        assert "cft_ctl_" in compile_for_sm90("softmax", num_warps=2).asm["ptx"]
+    finally:
+        triton_hook.uninstall()
