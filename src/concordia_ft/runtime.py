@@ -474,15 +474,16 @@ class Runtime:
     def __init__(self, log_dir: str | Path, fsync: str = "always", *, backend: str = "file",
                  fsync_interval_ms: int = 100, page_bytes: int = 4096, segment_max_bytes: int = 1 << 30,
                  compact_after_bytes: int | None = 256 << 20, background_compaction: bool = True,
-                 device_handlers: str = "auto", recovery: RecoveryOptions | Mapping[str, Any] | None = None
-                 ) -> None:
+                 device_handlers: str = "auto", recovery: RecoveryOptions | Mapping[str, Any] | None = None,
+                 log_options: Mapping[str, Any] | None = None) -> None:
         self.page_bytes = check_page_bytes(page_bytes)
         if device_handlers not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"device_handlers must be 'auto', 'cuda' or 'cpu', got {device_handlers!r}")
         self.device_handlers = device_handlers
         self.recovery = RecoveryOptions.coerce(recovery)
         self.log = RecoveryLog.open(log_dir, LogOptions(fsync=fsync, fsync_interval_ms=fsync_interval_ms,
-                                                        backend=backend, segment_max_bytes=segment_max_bytes),
+                                                        backend=backend, segment_max_bytes=segment_max_bytes,
+                                                        **dict(log_options or {})),
                                     replay_options=self.recovery.replay_options())
         self.log_dir = Path(log_dir)
         self.table = RegionTable()

@@ -54,11 +54,21 @@ class EpochPlan:
     payload_bytes: int
     n_pages: int
     region_pages: dict[str, int] = field(default_factory=dict)
+    # per delta with pages (in ``deltas`` order): where its payload starts, relative to the epoch's start, and
+    # the index of its buffer in ``parts`` (a payload placed in the segment beforehand is not copied again)
+    payload_offsets: list[int] = field(default_factory=list)
+    payload_parts: list[int] = field(default_factory=list)
 
 
 def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: list[str],
-               deltas: list[RegionDelta], meta: Any = None, full: bool = False) -> EpochPlan:
-    """Lay out one epoch that will start at file offset ``start_offset``."""
+               deltas: list[RegionDelta], meta: Any = None, full: bool = False,
+               payload_crcs: list[int] | None = None) -> EpochPlan:
+    """Lay out one epoch that will start at file offset ``start_offset``.
+
+    ``payload_crcs`` (one per delta with pages, in order) are the payloads' CRC32C computed by the caller (e.g.
+    on several threads, over bytes already placed in a mapped segment); without them they are computed here.
+    The layout depends only on the payloads' sizes, so a caller may plan once to learn ``payload_offsets``,
+    place the bytes there, and plan again with the placed views and their CRCs."""
     records: list[tuple[int, bytes, bytes, int, memoryview | None, int]] = []
     for spec in defs:
         records.append((REC_REGION, spec.name.encode(), encode_json(spec.describe()), 0, None, 0))
@@ -96,12 +106,19 @@ def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: 
     pos = payload_area
     n_pages = 0
     region_pages: dict[str, int] = {}
+    payload_offsets: list[int] = []
+    payload_parts: list[int] = []
     for (rtype, name, var, count, payload, pages), off in zip(records, offsets, strict=True):
         if payload is not None:
-            pcrc = crc32c(payload)
+            k = len(payload_offsets)
+            if payload_crcs is not None and k >= len(payload_crcs):
+                raise ValueError(f"{len(payload_crcs)} payload CRCs for more payloads than that")
+            pcrc = crc32c(payload) if payload_crcs is None else int(payload_crcs[k])
             plen = payload.nbytes
             if off > pos:
                 parts_after.append(_ZEROS[: off - pos])
+            payload_offsets.append(off)
+            payload_parts.append(1 + len(parts_after))
             parts_after.append(payload)
             pos = off + plen
             n_pages += pages
@@ -117,7 +134,7 @@ def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: 
                          EPOCH_FLAG_FULL if full else 0, desc_crc).encode()
     head = header + bytes(desc) + _ZEROS[: payload_area - EPOCH_HEADER_BYTES - len(desc)]
     parts: list[memoryview | bytes] = [head, *parts_after, encode_commit(epoch, total, desc_crc)]
-    return EpochPlan(epoch, parts, total, payload_bytes, n_pages, region_pages)
+    return EpochPlan(epoch, parts, total, payload_bytes, n_pages, region_pages, payload_offsets, payload_parts)
 
 
 class TailKind(str, enum.Enum):
@@ -157,8 +174,13 @@ def decode_epoch(buf: memoryview, offset: int, *, verify_payloads: bool = True) 
     remaining = len(buf) - offset
     if remaining < EPOCH_HEADER_BYTES:
         raise EpochTail(TailKind.TORN, f"epoch header cut short ({remaining} of {EPOCH_HEADER_BYTES} bytes)")
+    head = buf[offset : offset + EPOCH_HEADER_BYTES]
+    if not any(bytes(head)):
+        # the header is written after the payloads when they are placed in a mapped segment first (DMA): an
+        # append that never got its header leaves payload bytes behind a zero header
+        raise EpochTail(TailKind.TORN, "epoch header never written (an append that never finished)")
     try:
-        h = EpochHeader.decode(buf[offset : offset + EPOCH_HEADER_BYTES])
+        h = EpochHeader.decode(head)
     except NewerFormatError:
         raise  # not damage: a checksummed header from a newer writer; never cut it as a tail
     except FormatError as e:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import ConfigError, LogCorruptError, LogLockedError
 from .epochs import plan_epoch
@@ -33,6 +33,7 @@ from .manifest import SEGMENT_RE, Manifest, fsync_dir, store_manifest
 from .options import coerce_options
 from .regions import RegionSpec
 from .replay import Outcome, ReplayOptions, ReplayResult, replay
+from .mapped import MappedSegment, Registrar, SparePreparer
 from .segment import DaxSegment, FileSegment, SegmentWriter, check_backend
 from .tracking import RegionDelta
 
@@ -49,8 +50,19 @@ class LogOptions:
     backend: str = "file"
     segment_max_bytes: int = 1 << 30
     dax_segment_bytes: int = 1 << 30
+    # dram backend: segments are preallocated tmpfs files mapped MAP_SHARED (core/mapped.py), so payloads can
+    # be placed (DMA'd) into the log's own pages; "auto" = on for dram. Capacity per segment (an epoch larger
+    # than that gets a segment of its own size).
+    mapped: str = "auto"
+    mapped_segment_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
+        if self.mapped not in ("auto", "on", "off"):
+            raise ConfigError(f"mapped={self.mapped!r}; use 'auto', 'on' or 'off'")
+        if self.mapped == "on" and self.backend != "dram":
+            raise ConfigError(f"mapped='on' needs backend 'dram' (tmpfs); the backend is {self.backend!r}")
+        if self.mapped_segment_bytes < 1 << 20:
+            raise ConfigError(f"mapped_segment_bytes must be at least 1 MiB, got {self.mapped_segment_bytes}")
         if self.fsync not in FSYNC_POLICIES:
             raise ConfigError(f"unknown fsync policy {self.fsync!r}; use one of {', '.join(FSYNC_POLICIES)}")
         if self.fsync_interval_ms <= 0:
@@ -61,6 +73,10 @@ class LogOptions:
     @classmethod
     def coerce(cls, value: LogOptions | Mapping[str, Any] | None) -> LogOptions:
         return coerce_options(cls, value, "log")
+
+    @property
+    def uses_mapped(self) -> bool:
+        return self.backend == "dram" and self.mapped != "off"
 
 
 @dataclass
@@ -111,17 +127,42 @@ class DirLock:
             self._fd = -1
 
 
-def _open_segment(path: Path, opts: LogOptions, *, header: bytes | None = None, end: int | None = None
-                  ) -> SegmentWriter:
+def _open_segment(path: Path, opts: LogOptions, *, header: bytes | None = None, end: int | None = None,
+                  capacity: int = 0, register: Registrar | None = None) -> SegmentWriter:
     if opts.backend == "dax":
         return DaxSegment(path, opts.dax_segment_bytes, create_with=header, end=end)
+    if opts.uses_mapped:
+        cap = max(capacity, min(opts.mapped_segment_bytes, opts.segment_max_bytes))
+        return MappedSegment(path, cap, create_with=header, end=end, register=register)
     return FileSegment(path, create_with=header)
 
 
-def _add_incr_segment(log_dir: Path, manifest: Manifest, opts: LogOptions) -> SegmentWriter:
+def _preallocated(seg: SegmentWriter) -> bool:
+    """The segment's file is longer than its epochs (zeros after): torn bytes are zeroed, not cut off."""
+    return isinstance(seg, (DaxSegment, MappedSegment))
+
+
+class PlacedPayload(Protocol):
+    """A payload that is not in host memory yet (a device buffer): ``place(address)`` starts copying its
+    ``nbytes`` bytes to that host address (a mapped segment's pages), ``wait()`` returns once they are there."""
+
+    nbytes: int
+
+    def place(self, address: int) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+def _add_incr_segment(log_dir: Path, manifest: Manifest, opts: LogOptions, *, capacity: int = 0,
+                      register: Registrar | None = None, spare: SparePreparer | None = None) -> SegmentWriter:
     """Create the next incremental segment (header synced), then name it in the manifest (atomically)."""
     name = manifest.new_segment_name("incr")
-    seg = _open_segment(log_dir / name, opts, header=segment_header(manifest, name))
+    header = segment_header(manifest, name)
+    seg: SegmentWriter | None = None
+    if spare is not None and opts.uses_mapped:
+        seg = spare.take(log_dir / name, header, capacity)
+    if seg is None:
+        seg = _open_segment(log_dir / name, opts, header=header, capacity=capacity, register=register)
     manifest.incr.append(name)
     store_manifest(log_dir, manifest)
     return seg
@@ -162,6 +203,9 @@ class RecoveryLog:
         self._segment_epochs = 0
         self._syncer: threading.Thread | None = None
         self._stop = threading.Event()
+        self._register: Registrar | None = None  # pins mapped segments with the driver (set by the CUDA layer)
+        self._spare: SparePreparer | None = None
+        self._crc_pool: Any = None
         if opts.fsync == "interval":
             self._syncer = threading.Thread(target=self._sync_loop, name="concordia-fsync", daemon=True)
             self._syncer.start()
@@ -217,9 +261,9 @@ class RecoveryLog:
         else:
             seg = _open_segment(path / last, opts, end=end)
             size = os.path.getsize(path / last)
-            if result.tail is not None or (opts.backend != "dax" and size > end):
+            if result.tail is not None or (not _preallocated(seg) and size > end):
                 reason = result.tail.reason if result.tail else "trailing zero bytes"
-                if isinstance(seg, DaxSegment):  # preallocated: clear the torn bytes, keep the space
+                if isinstance(seg, (DaxSegment, MappedSegment)):  # preallocated: clear the torn bytes
                     written_end = result.tail.written_end if result.tail else end
                     report.cut_bytes = written_end - end
                     seg.cut(end, written_end)
@@ -241,13 +285,20 @@ class RecoveryLog:
             number = (self.last_epoch or 0) + 1 if epoch is None else epoch
             if self.last_epoch is not None and number != self.last_epoch + 1:
                 raise ConfigError(f"epoch {number} does not follow the last committed epoch {self.last_epoch}")
-            plan = plan_epoch(number, self._segment.end, defs=list(defs), drops=list(drops), deltas=list(deltas),
-                              meta=meta)
-            if self._segment_epochs and self._segment.end + plan.total_bytes > self.options.segment_max_bytes:
-                self._roll()
+            placed = {i: d.payload for i, d in enumerate(deltas) if not isinstance(d.payload, memoryview)}
+            if placed:
+                plan, offset = self._placed_append(number, list(defs), list(drops), list(deltas),
+                                                   placed, meta)  # type: ignore[arg-type]
+            else:
                 plan = plan_epoch(number, self._segment.end, defs=list(defs), drops=list(drops),
                                   deltas=list(deltas), meta=meta)
-            offset = self._segment.append(plan.parts)
+                seg = self._segment
+                if self._segment_epochs and seg.end + plan.total_bytes > self.options.segment_max_bytes or (
+                        isinstance(seg, MappedSegment) and plan.total_bytes > seg.room()):
+                    self._roll(plan.total_bytes)
+                    plan = plan_epoch(number, self._segment.end, defs=list(defs), drops=list(drops),
+                                      deltas=list(deltas), meta=meta)
+                offset = self._segment.append(plan.parts)
             if self.options.fsync == "always":
                 self._segment.sync()
             else:
@@ -257,13 +308,88 @@ class RecoveryLog:
             return AppendResult(number, self._segment.path.name, offset, plan.total_bytes, plan.payload_bytes,
                                 plan.n_pages, plan.region_pages)
 
-    def _roll(self) -> None:
+    def _roll(self, need: int = 0) -> None:
         """Seal the active incremental segment and continue in a new one (manifest updated atomically)."""
         self._segment.sync()
-        seg = _add_incr_segment(self.dir, self.manifest, self.options)
+        from .format import SEGMENT_HEADER_BYTES
+
+        seg = _add_incr_segment(self.dir, self.manifest, self.options, capacity=need + SEGMENT_HEADER_BYTES,
+                                register=self._register, spare=self._spare)
         self._segment.close()
         self._segment = seg
         self._segment_epochs = 0
+        if self._spare is not None:
+            self._spare.start()
+
+    # ------------------------------------------------------------------------------- placed payloads
+    @property
+    def accepts_placed(self) -> bool:
+        """True when payloads can be DMA'd into the log's own pages (a mapped segment)."""
+        return isinstance(self._segment, MappedSegment)
+
+    def set_mapping_registrar(self, register: Registrar, *, prepare_spare: bool = True) -> None:
+        """Pin every mapped segment of this log with ``register(address, nbytes)`` (the CUDA layer's
+        cuMemHostRegister), the active one now and each later one before it is used; with ``prepare_spare`` the
+        next segment is created, faulted in and registered ahead, on a background thread."""
+        with self._mutex:
+            self._check_open()
+            if not isinstance(self._segment, MappedSegment):
+                return
+            self._register = register
+            self._segment.register(register)
+            if prepare_spare and self._spare is None:
+                cap = min(self.options.mapped_segment_bytes, self.options.segment_max_bytes)
+                self._spare = SparePreparer(self.dir, cap, register)
+                self._spare.start()
+
+    def _placed_append(self, number: int, defs: list[RegionSpec], drops: list[str], deltas: list[RegionDelta],
+                       placed: dict[int, PlacedPayload], meta: Any) -> tuple[Any, int]:
+        """One epoch whose payloads ``placed`` (index into ``deltas`` -> device payload) are DMA'd straight into
+        the mapped segment at their final offsets; CRCs from the placed bytes; header, then commit marker."""
+        from .checksums import crc32c_parallel
+
+        plan = plan_epoch(number, self._segment.end, defs=defs, drops=drops, deltas=deltas, meta=meta,
+                          payload_crcs=[0] * len(deltas))
+        seg = self._segment
+        if not isinstance(seg, MappedSegment) or plan.total_bytes > seg.room():
+            self._roll(plan.total_bytes)
+            seg = self._segment
+            if not isinstance(seg, MappedSegment):
+                raise ConfigError("placed payloads need a mapped segment (backend 'dram', mapped on)")
+            plan = plan_epoch(number, seg.end, defs=defs, drops=drops, deltas=deltas, meta=meta,
+                              payload_crcs=[0] * len(deltas))
+        start = seg.end
+        with_pages = [i for i, d in enumerate(deltas) if len(d.pages)]
+        views: list[RegionDelta] = list(deltas)
+        try:
+            for k, i in enumerate(with_pages):
+                p = placed.get(i)
+                if p is not None:
+                    p.place(seg.address + start + plan.payload_offsets[k])
+            for k, i in enumerate(with_pages):
+                p = placed.get(i)
+                if p is not None:
+                    p.wait()
+                    d = deltas[i]
+                    views[i] = RegionDelta(d.spec, d.pages, seg.view(start + plan.payload_offsets[k], p.nbytes),
+                                           d.scanned_bytes)
+            pool = self._crc_workers()
+            crcs = [crc32c_parallel(views[i].payload, pool) for i in with_pages]
+            plan = plan_epoch(number, start, defs=defs, drops=drops, deltas=views, meta=meta, payload_crcs=crcs)
+            in_place = [plan.payload_parts[k] for k, i in enumerate(with_pages) if i in placed]
+            seg.append_placed(plan.parts, in_place)
+        except BaseException:
+            seg.cut(start, start + plan.total_bytes)  # nothing of this epoch stays behind
+            raise
+        return plan, start
+
+    def _crc_workers(self) -> Any:
+        if self._crc_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._crc_pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                thread_name_prefix="concordia-crc")
+        return self._crc_pool
 
     def sync(self) -> None:
         with self._mutex:
@@ -321,6 +447,10 @@ class RecoveryLog:
                     self._segment.sync()
             finally:
                 self._segment.close()
+                if self._spare is not None:
+                    self._spare.close()
+                if self._crc_pool is not None:
+                    self._crc_pool.shutdown(wait=False)
                 self._closed = True
                 self._lock.release()
         if self._syncer is not None:
@@ -354,4 +484,4 @@ def segment_header(manifest: Manifest, name: str) -> bytes:
     return SegmentHeader(kind, bytes.fromhex(manifest.log_id), int(m.group(2)), time.time_ns()).encode()
 
 
-__all__ = ["AppendResult", "LogOptions", "OpenReport", "RecoveryLog"]
+__all__ = ["AppendResult", "LogOptions", "OpenReport", "PlacedPayload", "RecoveryLog"]
