@@ -313,7 +313,8 @@ class RecoveryLog:
         self._segment.sync()
         from .format import SEGMENT_HEADER_BYTES
 
-        seg = _add_incr_segment(self.dir, self.manifest, self.options, capacity=need + SEGMENT_HEADER_BYTES,
+        # the epoch is planned again at the new offset: its alignment padding can grow by up to a page
+        seg = _add_incr_segment(self.dir, self.manifest, self.options, capacity=need + 2 * SEGMENT_HEADER_BYTES,
                                 register=self._register, spare=self._spare)
         self._segment.close()
         self._segment = seg

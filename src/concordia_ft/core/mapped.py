@@ -220,9 +220,28 @@ class SparePreparer:
             self._discard(seg)
 
 
+class HostPayload:
+    """A host buffer as a placed payload: ``place`` copies it into the mapping at the log's offset (the CPU
+    counterpart of ``cuda.mapped.DevicePayload``; one memcpy instead of the append's)."""
+
+    def __init__(self, data: Buffer) -> None:
+        self._src = memoryview(data).cast("B")
+        self.nbytes = self._src.nbytes
+        self.placed_at = 0
+
+    def place(self, address: int) -> None:
+        if self.nbytes:
+            dst = (ctypes.c_char * self.nbytes).from_address(address)
+            memoryview(dst).cast("B")[:] = self._src
+        self.placed_at = address
+
+    def wait(self) -> None:
+        """The copy is done when ``place`` returns."""
+
+
 def placed_address(seg: Any) -> int | None:
     """Host address of byte 0 of ``seg`` when it accepts placed payloads, else None."""
     return int(seg.address) if isinstance(seg, MappedSegment) else None
 
 
-__all__ = ["MappedSegment", "Registrar", "Registration", "SparePreparer", "placed_address"]
+__all__ = ["HostPayload", "MappedSegment", "Registrar", "Registration", "SparePreparer", "placed_address"]
