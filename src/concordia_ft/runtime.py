@@ -578,7 +578,14 @@ class Runtime:
                 raise ConfigError(f"region {spec.name!r} is on {where.device} but device_handlers='cpu'")
             from .cuda.trackers import make_cuda_tracker
 
-            return make_cuda_tracker(spec, buf, dirty_blocks=dirty_blocks)  # type: ignore[no-any-return]
+            tracker = make_cuda_tracker(spec, buf, dirty_blocks=dirty_blocks)
+            if self.log.accepts_placed and spec.kind in (RegionKind.PAGED, RegionKind.DENSE):
+                # payloads DMA'd straight into the log's mapped pages (core/mapped.py, cuda/mapped.py)
+                from .cuda.mapped import register_host_range
+
+                self.log.set_mapping_registrar(register_host_range)
+                tracker.direct = True
+            return tracker  # type: ignore[no-any-return]
         try:
             # a paged tracker's bitmap is its state: it needs no full first epoch unless the runtime asks
             return CpuTracker(spec, host_bytes(buf), _bitmap(dirty_blocks), synced=spec.kind is RegionKind.PAGED)

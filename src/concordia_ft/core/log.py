@@ -30,10 +30,10 @@ from ..errors import ConfigError, LogCorruptError, LogLockedError
 from .epochs import plan_epoch
 from .format import SEGMENT_BASE, SEGMENT_INCR, SegmentHeader
 from .manifest import SEGMENT_RE, Manifest, fsync_dir, store_manifest
+from .mapped import MappedSegment, Registrar, SparePreparer
 from .options import coerce_options
 from .regions import RegionSpec
 from .replay import Outcome, ReplayOptions, ReplayResult, replay
-from .mapped import MappedSegment, Registrar, SparePreparer
 from .segment import DaxSegment, FileSegment, SegmentWriter, check_backend
 from .tracking import RegionDelta
 
@@ -285,7 +285,8 @@ class RecoveryLog:
             number = (self.last_epoch or 0) + 1 if epoch is None else epoch
             if self.last_epoch is not None and number != self.last_epoch + 1:
                 raise ConfigError(f"epoch {number} does not follow the last committed epoch {self.last_epoch}")
-            placed = {i: d.payload for i, d in enumerate(deltas) if not isinstance(d.payload, memoryview)}
+            # a payload that is still on a device (cuda.mapped.DevicePayload): DMA'd into the log's own pages
+            placed = {i: d.payload for i, d in enumerate(deltas) if hasattr(d.payload, "place")}
             if placed:
                 plan, offset = self._placed_append(number, list(defs), list(drops), list(deltas),
                                                    placed, meta)  # type: ignore[arg-type]
