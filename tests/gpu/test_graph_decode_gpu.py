@@ -171,3 +171,25 @@ def test_cuda_payloads_are_dmad_into_the_mapped_dram_log(shm: Path) -> None:
     assert r.outcome is Outcome.OK and r.epoch == 5 and r.meta == {"e": 5}
     assert np.array_equal(r.regions["kv"].data[: ref_kv.size], ref_kv)
     assert np.array_equal(r.regions["dense"].data[: ref_dense.size], ref_dense)
+
+
+def test_eos_overshoot_is_rolled_back_and_the_next_turn_matches_eager(shm: Path) -> None:
+    """The graph runs one step ahead of the host: the step queued after an EOS token is undone (lengths),
+    and a second generate() on the same session continues exactly like the eager session's."""
+    model = tiny_model("qwen3").cuda()
+    probe = Session(model, shm / "probe", max_cache_len=96, decode="eager")
+    free = probe.generate(prompt_ids(12), max_new_tokens=30, eos_token_ids=())
+    probe.close()
+    eos = free[9]
+    outs: dict[str, list[list[int]]] = {}
+    for mode in ("eager", "graph"):
+        s = Session(model, shm / mode, max_cache_len=96, decode=mode)
+        a = s.generate(prompt_ids(12), max_new_tokens=30, eos_token_ids=(eos,))
+        nxt = prompt_ids(12).tolist()[0] + a + [5, 7, 11]
+        b = s.generate(nxt, max_new_tokens=20, eos_token_ids=())
+        assert s.cache.lengths()[0] == s.n_tokens - 1
+        outs[mode] = [a, b]
+        s.close()
+    assert outs["graph"] == outs["eager"]
+    assert outs["eager"][0][-1] == eos and len(outs["eager"][0]) <= 10
+    assert np.array_equal(_log_images(shm / "graph")["kv"], _log_images(shm / "eager")["kv"])
