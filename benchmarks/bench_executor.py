@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from concordia_ft import benchreport
-from concordia_ft.core import ring as R
-from concordia_ft.cuda import guard
-from concordia_ft.cuda.executor import (
+from concordia_ft.executor import guard
+from concordia_ft.executor import ring as R
+from concordia_ft.executor.resident import (
     ArmedChannel,
     ExecutorImage,
     ExecutorOptions,
@@ -56,9 +56,9 @@ def stream_sync() -> None:
 
 
 def host_fast_paths(batches: int, batch: int = 4096) -> list[dict[str, Any]]:
-    """T7h: ResidentExecutor's submit/wait fast paths (core.ring.make_submit / make_wait, the same code) over
+    """T7h: ResidentExecutor's submit/wait fast paths (executor.ring.make_submit / make_wait, the same code) over
     ordinary memory with the state word RUNNING and no consumer; tail is advanced between timed batches. Both
-    producers: C (core/_ringfast.c) and pure Python, interleaved batch by batch.
+    producers: C (executor/_ringfast.c) and pure Python, interleaved batch by batch.
     Per-call ns = batch time / batch, loop included; p50 and min over ``batches`` batches."""
 
     def never(*_: Any) -> Any:

@@ -22,9 +22,9 @@ import torch
 from bench_executor import ev_ms  # the benchmarks directory is on sys.path when a script runs
 
 from concordia_ft import benchreport
-from concordia_ft.core import ring as R
-from concordia_ft.cuda import guard
-from concordia_ft.cuda.executor import ExecutorImage, ExecutorOptions, ResidentExecutor, compile_executor
+from concordia_ft.executor import guard
+from concordia_ft.executor import ring as R
+from concordia_ft.executor.resident import ExecutorImage, ExecutorOptions, ResidentExecutor, compile_executor
 
 SHAPES = ((8192, 8192, 8192), (4096, 4096, 4096), (8192, 2048, 8192), (2048, 4864, 896))
 

@@ -1,4 +1,4 @@
-"""CPU CI: the executor image renders from core/ring.py's constants and NVRTC-compiles for sm_90 (no GPU)."""
+"""CPU CI: the executor image renders from executor/ring.py's constants and NVRTC-compiles for sm_90 (no GPU)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import re
 
 import pytest
 
-from concordia_ft.core import ring as R
 from concordia_ft.core.regions import RegionKind
-from concordia_ft.cuda import executor as E
 from concordia_ft.errors import ConfigError
+from concordia_ft.executor import resident as E
+from concordia_ft.executor import ring as R
 
 
 def defines(src: str) -> dict[str, int]:

@@ -88,3 +88,30 @@ def test_no_file_under_core_imports_torch_or_cuda() -> None:
             if isinstance(node, ast.ImportFrom) and node.level >= 2 and node.module:
                 assert node.module.split(".")[0] not in ("cuda", "integrations", "cpu", "runtime", "session"), (
                     f"{f.name} imports ..{node.module}: core must not depend on upper layers")
+
+
+def test_public_runtime_names_still_import() -> None:
+    """The runtime is split into modules; every name users imported from concordia_ft.runtime still works."""
+    import concordia_ft
+    from concordia_ft import runtime
+
+    for name in runtime.__all__:
+        assert getattr(runtime, name) is not None, name
+    for name in ("Runtime", "recover", "Recovered", "PendingEpoch"):
+        assert getattr(concordia_ft, name) is getattr(runtime, name)
+
+
+def test_the_registry_dispatches_on_no_backend_type() -> None:
+    """One backend interface: runtime.py and the epoch pipeline never ask which tracker or device a region has
+    (the CPU/CUDA choice lives in backends.py)."""
+    offenders = []
+    for mod in ("runtime.py", "checkpoint.py", "recovery.py"):
+        tree = ast.parse((SRC / "concordia_ft" / mod).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id in ("CpuTracker", "CpuDenseBatch", "make_cuda_tracker"):
+                offenders.append(f"{mod}:{node.lineno} {node.id}")
+            if isinstance(node, ast.alias) and node.name in ("CpuTracker", "CpuDenseBatch", "make_cuda_tracker"):
+                offenders.append(f"{mod}: imports {node.name}")
+            if isinstance(node, ast.Attribute) and node.attr == "is_cuda":
+                offenders.append(f"{mod}:{node.lineno} .is_cuda")
+    assert not offenders, offenders

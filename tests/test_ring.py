@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from concordia_ft.core import ring as R
 from concordia_ft.errors import ConfigError, DescriptorError, ExecutorError
+from concordia_ft.executor import ring as R
 
 MATCH, STALE, BAD = R.WordState.MATCH, R.WordState.STALE, R.WordState.BAD
 PAYLOADS = st.integers(0, 2**48 - 1)
@@ -26,7 +26,7 @@ CAPACITIES = st.sampled_from([2**k for k in range(1, 15)])
 
 @pytest.fixture(scope="module", params=["c", "python"], autouse=True)
 def ring_impl(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test here runs against both producers: the C fast paths (core/_ringfast.c) and pure Python."""
+    """Every test here runs against both producers: the C fast paths (executor/_ringfast.c) and pure Python."""
     if request.param == "c" and R._ringfast is None:
         if os.environ.get("CI"):
             pytest.fail(f"CI must build the C ring fast path: {R.fast_path_status()}")

@@ -12,459 +12,50 @@ advance). One epoch at most is in flight: the next checkpoint first waits for it
 NOT durable when ``checkpoint_async`` returns, only when its ``PendingEpoch.wait()`` returns (or the next
 checkpoint / ``wait()`` / ``close()`` does): a crash loses at most that one in-flight epoch, never a committed
 one. A failure in the background is raised by the next checkpoint, ``wait()`` or ``close()``.
+
+The Runtime is split along its seams: ``buffers`` (numpy/torch buffer adapters), ``backends`` (one interface
+per kind of memory: CPU reference trackers, CUDA handlers), ``checkpoint`` (stats and the asynchronous epoch
+pipeline), ``recovery`` (``recover()``, ``Recovered``, restore planning). This module holds the registry.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import json
 import logging
-import queue
 import sys
 import threading
 import time
-import weakref
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
+from .backends import Backend, backend_for, check_device_handlers
+from .buffers import any_nonzero, describe_buffer, host_bytes
+from .checkpoint import CheckpointStats, EpochWriter, PendingEpoch, StagePlan, drain_at_exit, freeze_meta
 from .core.compaction import CompactionResult, compact_with_writer
-from .core.format import encode_json
 from .core.log import LogOptions, OpenReport, RecoveryLog
-from .core.options import coerce_options
-from .core.regions import DiffMode, MemoryRange, RegionKind, RegionSpec, RegionTable, check_page_bytes
-from .core.replay import Outcome, RegionImage, ReplayOptions, ReplayResult, ReplayTimings, TailInfo, replay
-from .core.tracking import DenseBatch, RegionDelta, StagedBatch, StagedDelta, Tracker
-from .cpu.trackers import CpuDenseBatch, CpuTracker
-from .errors import CheckpointError, ConcordiaError, ConfigError, RecoveryError, RegionError
+from .core.regions import DiffMode, RegionKind, RegionSpec, RegionTable, check_page_bytes
+from .core.replay import RegionImage, replay
+from .core.tracking import RegionDelta, StagedBatch, StagedDelta, Tracker
+from .errors import CheckpointError, ConfigError, RegionError
+from .recovery import (
+    Recovered,
+    RecoveryOptions,
+    check_epoch,
+    open_to_recover,
+    plan_restore,
+    recover,
+    recovered,
+)
+
+__all__ = [  # the public names of this module (some live in the modules it is split into)
+    "CheckpointStats", "PendingEpoch", "Recovered", "RecoveryOptions", "Runtime", "describe_buffer", "host_bytes",
+    "open_to_recover", "recover",
+]
 
 log = logging.getLogger("concordia_ft.runtime")
-
-
-# ----------------------------------------------------------------------------------------- buffers
-def _is_torch(obj: Any) -> bool:
-    return type(obj).__module__.startswith("torch") and hasattr(obj, "data_ptr")
-
-
-def describe_buffer(buf: Any) -> tuple[str, tuple[int, ...], MemoryRange]:
-    """dtype string, shape and memory range of a numpy array or torch tensor (contiguous)."""
-    if _is_torch(buf):
-        if not buf.is_contiguous():
-            raise RegionError("register a contiguous tensor (call .contiguous() and register that buffer)")
-        nbytes = buf.numel() * buf.element_size()
-        return str(buf.dtype), tuple(buf.shape), MemoryRange(str(buf.device), buf.data_ptr(), nbytes)
-    if isinstance(buf, np.ndarray):
-        if not buf.flags.c_contiguous:
-            raise RegionError("register a C-contiguous array (np.ascontiguousarray makes a copy you can register)")
-        if not buf.flags.writeable:
-            raise RegionError("the array is read-only; register a writable array so recovery can restore into it")
-        return str(buf.dtype), tuple(buf.shape), MemoryRange("cpu", buf.__array_interface__["data"][0], buf.nbytes)
-    raise RegionError(f"register a numpy array or a torch tensor, got {type(buf).__name__}")
-
-
-def host_bytes(buf: Any) -> npt.NDArray[np.uint8]:
-    """A writable 1-D uint8 view of a host buffer's bytes (no copy)."""
-    if _is_torch(buf):
-        import torch
-
-        t = buf.detach()
-        return t.reshape(-1).view(torch.uint8).numpy()  # type: ignore[no-any-return]
-    return buf.reshape(-1).view(np.uint8)  # type: ignore[no-any-return]
-
-
-def _any_nonzero(buf: Any) -> bool:
-    if _is_torch(buf):
-        import torch
-
-        return bool(buf.detach().reshape(-1).view(torch.uint8).any())
-    return bool(buf.reshape(-1).view(np.uint8).any())
-
-
-def _pinned_or_pageable(nbytes: int) -> Any:
-    """Page-locked host memory for a GPU region's image; pageable memory (slower DMA) when pinning fails."""
-    from .cuda.memory import pinned_host_array
-
-    try:
-        return pinned_host_array(nbytes)
-    except (RuntimeError, ConcordiaError) as e:
-        log.warning("could not pin %d bytes of host memory for recovery (%s); restoring from pageable memory, "
-                    "which copies to the GPU several times slower", nbytes, e)
-        return np.empty(nbytes, dtype=np.uint8)
-
-
-def _bitmap(buf: Any) -> Any:
-    if buf is None or not _is_torch(buf) or buf.is_cuda:
-        return buf
-    return buf.numpy()
-
-
-# ----------------------------------------------------------------------------------------- options
-@dataclass(frozen=True)
-class RecoveryOptions:
-    """How replay and restore use the machine. What is recovered, and every check on the way, is the same
-    under every option: these trade only time (benchmarks compare them in one run)."""
-
-    threads: int | None = None  # replay's checksum and copy threads (None: automatic, 1: the calling thread)
-    parallel_verify: bool = True  # False: payload checksums one after another on one thread
-    pinned: bool = True  # GPU regions: replay into page-locked host memory, restored with one DMA per region
-
-    @classmethod
-    def coerce(cls, value: RecoveryOptions | Mapping[str, Any] | None) -> RecoveryOptions:
-        return coerce_options(cls, value, "recovery")
-
-    def replay_options(self) -> ReplayOptions:
-        return ReplayOptions(threads=self.threads, parallel_verify=self.parallel_verify)
-
-
-# ----------------------------------------------------------------------------------------- results
-@dataclass
-class CheckpointStats:
-    epoch: int
-    pages: int
-    payload_bytes: int
-    total_bytes: int
-    full_bytes: int  # bytes of every recovered region: what a full copy would write
-    seconds: float  # from the call to the epoch committed and the trackers advanced
-    detect_seconds: float  # sync: collect; async: stage on the caller + waiting for the snapshot and its DtoH
-    append_seconds: float
-    region_pages: dict[str, int] = field(default_factory=dict)
-    mode: str = "sync"  # "sync" (checkpoint) or "async" (checkpoint_async)
-    call_seconds: float = 0.0  # time the calling thread spent in checkpoint() / checkpoint_async()
-    backpressure_seconds: float = 0.0  # part of call_seconds spent waiting for the previous async epoch
-    commit_latency_seconds: float = 0.0  # from the call to the epoch committed (durable per the fsync policy)
-    snapshot_device_bytes: int = 0  # device memory held for asynchronous snapshots, all regions
-
-    @property
-    def reduction(self) -> float:
-        return self.full_bytes / max(1, self.payload_bytes)
-
-
-@dataclass
-class Recovered:
-    """A verified state from the log: the last committed epoch, its regions' exact bytes and its metadata."""
-
-    epoch: int
-    outcome: Outcome
-    meta: Any
-    images: dict[str, RegionImage]
-    tail: TailInfo | None = None
-    seconds: float = 0.0
-    timings: ReplayTimings = field(default_factory=ReplayTimings)  # the replay's passes (verify may predate)
-    restore_s: float = 0.0  # recover_into: copying the images into the registered buffers
-
-    @property
-    def regions(self) -> dict[str, npt.NDArray[np.uint8]]:
-        return {n: img.data for n, img in self.images.items()}
-
-    @property
-    def specs(self) -> dict[str, RegionSpec]:
-        return {n: img.spec for n, img in self.images.items()}
-
-    def array(self, name: str) -> npt.NDArray[Any]:
-        """The region as a numpy array of its registered dtype and shape (numpy dtypes only)."""
-        spec = self.images[name].spec
-        if spec.dtype.startswith("torch."):
-            raise ConfigError(f"region {name!r} holds {spec.dtype}; use .tensor({name!r}) for torch dtypes")
-        return self.images[name].data.view(np.dtype(spec.dtype)).reshape(spec.shape)
-
-    def tensor(self, name: str, device: str | None = None) -> Any:
-        """The region as a torch tensor of its registered dtype and shape (a copy, on ``device``)."""
-        import torch
-
-        spec = self.images[name].spec
-        raw = torch.from_numpy(self.images[name].data.copy())
-        dtype = getattr(torch, spec.dtype.removeprefix("torch.")) if spec.dtype else torch.uint8
-        t = raw.view(dtype).reshape(spec.shape)
-        return t.to(device) if device else t
-
-
-def _recovered(res: ReplayResult, t0: float) -> Recovered:
-    _check_epoch(res)
-    assert res.epoch is not None
-    return Recovered(res.epoch, res.outcome, res.meta, res.regions, res.tail, time.perf_counter() - t0,
-                     res.timings)
-
-
-def _check_epoch(res: ReplayResult) -> None:
-    if res.epoch is None:
-        raise RecoveryError(f"nothing to recover: the log holds no committed epoch (outcome {res.outcome.value})")
-
-
-def recover(log_dir: str | Path, *, verify: bool = True,
-            options: RecoveryOptions | Mapping[str, Any] | None = None) -> Recovered:
-    """Replay ``log_dir`` (base + committed suffix, checksums verified) into host arrays."""
-    t0 = time.perf_counter()
-    path = Path(log_dir)
-    if not path.exists():
-        raise RecoveryError(f"no log at {path}: the directory does not exist")
-    opts = RecoveryOptions.coerce(options)
-    return _recovered(replay(path, verify_payloads=verify, options=opts.replay_options()), t0)
-
-
-def open_to_recover(log_dir: str | Path, key: str, what: str, *, fsync: str = "never", backend: str = "file",
-                    runtime_options: dict[str, Any] | None = None) -> tuple[Runtime, Any]:
-    """Open an existing log for a component that restores itself from it (a Session, a LoRA trainer).
-
-    Returns the Runtime (which has replayed and verified the log once) and the ``key`` section of the last
-    committed epoch's metadata. The caller registers its buffers and calls ``recover_into()``; it must close
-    the Runtime if it gives up."""
-    if not Path(log_dir).is_dir():
-        raise RecoveryError(f"no log at {log_dir}: the directory does not exist")
-    rt = Runtime(str(log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
-    section = (rt.opened_meta or {}).get(key) if isinstance(rt.opened_meta, dict) else None
-    if section is None:
-        epoch = rt.epoch
-        rt.close()
-        raise RecoveryError(f"the last epoch ({epoch}) in {log_dir} holds no {what} metadata; was this log "
-                            f"written by {what}?" if epoch is not None else f"{log_dir} holds no committed epoch")
-    return rt, section
-
-
-# -------------------------------------------------------------------------------------- async epochs
-class _StagePlan:
-    """How an asynchronous epoch stages the registry (built once per registry state): the dense regions of each
-    backend (and device) as one ``DenseBatch``, every other region by its own tracker; immutable regions only
-    until their full epoch has committed. Indices are registration order, the order of an epoch's regions."""
-
-    def __init__(self, trackers: dict[str, Tracker]) -> None:
-        host: list[CpuTracker] = []
-        device: list[Any] = []
-        self.singles: list[tuple[int, str, Tracker]] = []  # opaque and paged regions
-        self.immutables: list[tuple[int, str, Tracker]] = []
-        index: dict[str, int] = {}
-        for i, (name, t) in enumerate(trackers.items()):
-            index[name] = i
-            if t.spec.kind is RegionKind.DENSE:
-                (host if isinstance(t, CpuTracker) else device).append(t)
-            elif t.spec.kind is RegionKind.IMMUTABLE:
-                self.immutables.append((i, name, t))
-            else:
-                self.singles.append((i, name, t))
-        batches: list[DenseBatch] = [CpuDenseBatch(host)] if host else []
-        if device:
-            from .cuda.trackers import batch_dense
-
-            batches.extend(batch_dense(device))
-        self.batches = [(tuple(index[sp.name] for sp in b.specs), tuple(sp.name for sp in b.specs), b)
-                        for b in batches]
-        # what holds device memory for snapshots (dense members hold none: their batch does)
-        self.holders: list[Any] = [*batches, *(t for _, _, t in self.singles)]
-
-    def close(self) -> None:
-        for _, _, b in self.batches:
-            b.close()
-
-
-def _first(item: tuple[int, RegionDelta]) -> int:
-    return item[0]
-
-
-class PendingEpoch:
-    """An epoch handed to the background writer by ``Runtime.checkpoint_async``.
-
-    Not durable yet: ``wait()`` returns the epoch number once it is committed (per the fsync policy) or raises
-    ``CheckpointError``. ``epoch`` is the number it gets if it commits; ``stats`` is set once it has."""
-
-    def __init__(self, runtime: Runtime, log: RecoveryLog, epoch: int,
-                 batches: list[tuple[tuple[int, ...], tuple[str, ...], StagedBatch]],
-                 singles: list[tuple[int, str, StagedDelta]], *,
-                 plan: _StagePlan, defs: list[RegionSpec], drops: list[str], full: set[str], meta: Any,
-                 started: float, backpressure_seconds: float, full_bytes: int) -> None:
-        self.epoch = epoch
-        self.stats: CheckpointStats | None = None
-        self.error: CheckpointError | None = None
-        self.committed = False
-        self._runtime = runtime
-        self._log = log
-        self._batches = batches
-        self._singles = singles
-        self._plan = plan
-        self._defs, self._drops, self._full, self._meta = defs, drops, full, meta
-        self._started = started
-        self._backpressure = backpressure_seconds
-        self._call_seconds = 0.0
-        self._full_bytes = full_bytes
-        self._finished = False  # committed or failed; then the latch is released (a latch, not an Event:
-        self._latch = threading.Lock()  # this is built on the training thread once per step)
-        self._latch.acquire()
-        self._reaped = False
-
-    @property
-    def call_seconds(self) -> float:
-        """How long ``checkpoint_async`` held the calling thread (backpressure included)."""
-        return self._call_seconds
-
-    @property
-    def backpressure_seconds(self) -> float:
-        """How long ``checkpoint_async`` waited for the previous epoch to finish (0 when it had)."""
-        return self._backpressure
-
-    def _region_names(self) -> list[str]:
-        """The regions this epoch snapshotted."""
-        return [n for _, names, _ in self._batches for n in names] + [n for _, n, _ in self._singles]
-
-    def done(self) -> bool:
-        """True once the epoch has committed or failed (``wait()`` then returns or raises at once)."""
-        return self._finished
-
-    def wait(self, timeout_s: float | None = None) -> int:
-        """Block until the epoch is committed; return its number. Raises its ``CheckpointError`` if it failed
-        (the runtime then does not raise that failure again), ``TimeoutError`` if ``timeout_s`` passed first."""
-        if not self._await(timeout_s):
-            raise TimeoutError(f"epoch {self.epoch} is not committed after {timeout_s} s (still in flight)")
-        self._runtime._reap(self)
-        if self.error is not None:
-            self._runtime._forget_failure(self.error)
-            raise self.error
-        return self.epoch
-
-    def __repr__(self) -> str:
-        state = "failed" if self.error else "committed" if self.committed else "in flight"
-        return f"PendingEpoch({self.epoch}, {state})"
-
-    def _await(self, timeout_s: float | None = None) -> bool:
-        """Block until the epoch has finished (or ``timeout_s`` passed); True when it has."""
-        if self._finished:
-            return True
-        if self._latch.acquire(timeout=-1 if timeout_s is None else max(0.0, timeout_s)):
-            self._latch.release()  # the next waiter passes too
-        return self._finished
-
-    def _finish(self) -> None:
-        self._finished = True
-        self._latch.release()
-
-    # ---- the background writer's part ----
-    def _run(self) -> None:
-        t0 = time.perf_counter()
-        single_deltas: list[RegionDelta] = []
-        try:
-            ordered: list[tuple[int, RegionDelta]] = []
-            for idx, _, sb in self._batches:
-                ordered.extend(zip(idx, sb.results(), strict=True))
-            for i, _, s in self._singles:
-                d = s.result()
-                single_deltas.append(d)
-                ordered.append((i, d))
-            ordered.sort(key=_first)  # registration order, as a synchronous epoch lays the regions out
-            t1 = time.perf_counter()
-            res = self._log.append(defs=self._defs, drops=self._drops, deltas=[d for _, d in ordered],
-                                   meta=None if self._meta is None else self._meta.value)
-            t2 = time.perf_counter()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's next call, never lost
-            self._abandon()
-            self._fail(e, committed=False)
-            return
-        self.epoch = res.epoch
-        try:
-            for _, _, sb in self._batches:
-                sb.commit()
-            for (_, _, s), d in zip(self._singles, single_deltas, strict=True):
-                s.commit(d)
-        except BaseException as e:  # noqa: BLE001
-            self._fail(e, committed=True)
-            return
-        end = time.perf_counter()
-        self.stats = CheckpointStats(
-            res.epoch, res.n_pages, res.payload_bytes, res.total_bytes, self._full_bytes, end - self._started,
-            (t1 - t0) + (self._call_seconds - self._backpressure), t2 - t1, res.region_pages, mode="async",
-            call_seconds=self._call_seconds, backpressure_seconds=self._backpressure,
-            commit_latency_seconds=t2 - self._started,
-            snapshot_device_bytes=sum(h.snapshot_device_bytes for h in self._plan.holders))
-        self.committed = True
-        self._finish()
-
-    def _abandon(self) -> None:
-        for _, names, sb in self._batches:
-            try:
-                sb.abandon()
-            except BaseException as e2:  # noqa: BLE001 - the first failure is the one to report
-                log.error("giving back the snapshot of %s after epoch %d failed: %s", names, self.epoch, e2)
-        for _, name, s in self._singles:
-            try:
-                s.abandon()
-            except BaseException as e2:  # noqa: BLE001 - the first failure is the one to report
-                log.error("giving back the snapshot of %r after epoch %d failed: %s", name, self.epoch, e2)
-
-    def _fail(self, e: BaseException, *, committed: bool) -> None:
-        last = self.epoch if committed else self._log.last_epoch
-        err = CheckpointError(self.epoch, last, committed, f"{type(e).__name__}: {e}")
-        err.__cause__ = e
-        self.error, self.committed = err, committed
-        log.error("%s", err)
-        self._finish()
-
-
-class _EpochWriter:
-    """The one background thread that finishes a runtime's asynchronous epochs, in submission order."""
-
-    def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[PendingEpoch | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, job: PendingEpoch) -> None:
-        self._jobs.put(job)
-
-    def stop(self) -> None:
-        self._jobs.put(None)
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            job._run()
-            del job  # hold nothing between epochs
-
-
-_EXIT_DRAIN_S = 120.0
-_with_writers: weakref.WeakSet[Runtime] = weakref.WeakSet()
-
-
-@atexit.register
-def _drain_at_exit() -> None:
-    """An interpreter exiting without close(): let an in-flight epoch finish (the writer thread is a daemon)."""
-    for rt in list(_with_writers):
-        job = rt._inflight
-        if job is not None and not job._await(_EXIT_DRAIN_S):
-            log.error("exiting with epoch %d of %s still in flight after %.0f s: it is lost (not committed)",
-                      job.epoch, rt.log_dir, _EXIT_DRAIN_S)
-
-
-@dataclass(frozen=True)
-class _FrozenMeta:
-    """An epoch's metadata as JSON text, taken on the caller's thread (the caller may change its dict next);
-    the writer thread decodes it (``value``), off the training step's critical path."""
-
-    text: bytes
-
-    @property
-    def value(self) -> Any:
-        return json.loads(self.text)
-
-
-@dataclass(frozen=True)
-class _HandedMeta:
-    """An epoch's metadata handed over by a caller that never changes it again (``copy_meta=False``): no copy,
-    and the writer encodes it (once, in the log append)."""
-
-    value: Any
-
-
-def _frozen_meta(meta: Any, copy: bool = True) -> _FrozenMeta | _HandedMeta | None:
-    """A private copy of an epoch's metadata, checked JSON-able now (or, ``copy=False``, the object itself)."""
-    if meta is None:
-        return None
-    if not copy:
-        return _HandedMeta(meta)
-    try:
-        return _FrozenMeta(encode_json(meta))
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"checkpoint metadata must be JSON-able: {e}") from None
 
 
 # ------------------------------------------------------------------------------------------- runtime
@@ -477,9 +68,7 @@ class Runtime:
                  device_handlers: str = "auto", recovery: RecoveryOptions | Mapping[str, Any] | None = None,
                  log_options: Mapping[str, Any] | None = None) -> None:
         self.page_bytes = check_page_bytes(page_bytes)
-        if device_handlers not in ("auto", "cuda", "cpu"):
-            raise ConfigError(f"device_handlers must be 'auto', 'cuda' or 'cpu', got {device_handlers!r}")
-        self.device_handlers = device_handlers
+        self.device_handlers = check_device_handlers(device_handlers)
         self.recovery = RecoveryOptions.coerce(recovery)
         self.log = RecoveryLog.open(log_dir, LogOptions(fsync=fsync, fsync_interval_ms=fsync_interval_ms,
                                                         backend=backend, segment_max_bytes=segment_max_bytes,
@@ -488,6 +77,7 @@ class Runtime:
         self.log_dir = Path(log_dir)
         self.table = RegionTable()
         self._trackers: dict[str, Tracker] = {}
+        self._backends: dict[str, Backend] = {}  # the backend of each tracked region
         self._buffers: dict[str, Any] = {}
         self._pending_defs: dict[str, RegionSpec] = {}
         self._pending_drops: list[str] = []
@@ -500,13 +90,13 @@ class Runtime:
         self.last_compaction: CompactionResult | None = None
         self.compaction_error: BaseException | None = None
         self.last_stats: CheckpointStats | None = None
-        self._writer: _EpochWriter | None = None  # started by the first checkpoint_async
+        self._writer: EpochWriter | None = None  # started by the first checkpoint_async
         self._inflight: PendingEpoch | None = None  # submitted and not yet reaped
         self._unreported: CheckpointError | None = None  # a background failure no caller has seen yet
         self._closed = False
         self._mutable: list[tuple[str, Tracker]] | None = None  # trackers that are not immutable (cached)
         self._nbytes: int | None = None  # bytes of every tracked region (cached)
-        self._plan: _StagePlan | None = None  # how checkpoint_async stages the registry (cached)
+        self._plan: StagePlan | None = None  # how checkpoint_async stages the registry (cached)
         replayed = self.log.replayed
         self.opened_meta: Any = replayed.meta if replayed is not None else None  # the log's last metadata at open
 
@@ -556,41 +146,25 @@ class Runtime:
             if initially_zero:
                 if kind is not RegionKind.PAGED:
                     raise RegionError(f"initially_zero applies to paged regions only; {name!r} is {kind.value}")
-                if _any_nonzero(buf):
+                if any_nonzero(buf):
                     raise RegionError(f"region {name!r} was registered with initially_zero=True but holds nonzero "
                                       "bytes; register it before writing to it, or drop initially_zero")
-            tracker = None if kind is RegionKind.SCRATCH else self._make_tracker(spec, buf, dirty_blocks, where)
+            backend = backend_for(name, where, self.device_handlers)
+            tracker = None if kind is RegionKind.SCRATCH else backend.make_tracker(spec, buf, dirty_blocks)
+            if tracker is not None:
+                backend.attach_log(tracker, self.log)
             self.table.add(spec, where)
             self._buffers[name] = buf
             self._registry_changed()
             if tracker is not None:
                 self._trackers[name] = tracker
+                self._backends[name] = backend
                 self._pending_defs[name] = spec
                 if not initially_zero:
                     self._needs_full.add(name)
                 if name in self._pending_drops:
                     self._pending_drops.remove(name)
             return spec
-
-    def _make_tracker(self, spec: RegionSpec, buf: Any, dirty_blocks: Any, where: MemoryRange) -> Tracker:
-        if where.device.startswith("cuda"):
-            if self.device_handlers == "cpu":
-                raise ConfigError(f"region {spec.name!r} is on {where.device} but device_handlers='cpu'")
-            from .cuda.trackers import make_cuda_tracker
-
-            tracker = make_cuda_tracker(spec, buf, dirty_blocks=dirty_blocks)
-            if self.log.accepts_placed and spec.kind in (RegionKind.PAGED, RegionKind.DENSE):
-                # payloads DMA'd straight into the log's mapped pages (core/mapped.py, cuda/mapped.py)
-                from .cuda.mapped import register_host_range
-
-                self.log.set_mapping_registrar(register_host_range)
-                tracker.direct = True
-            return tracker  # type: ignore[no-any-return]
-        try:
-            # a paged tracker's bitmap is its state: it needs no full first epoch unless the runtime asks
-            return CpuTracker(spec, host_bytes(buf), _bitmap(dirty_blocks), synced=spec.kind is RegionKind.PAGED)
-        except ValueError as e:
-            raise RegionError(str(e)) from None
 
     def unregister(self, name: str) -> None:
         with self._mutex:
@@ -599,6 +173,7 @@ class Runtime:
             self.table.remove(name)
             self._buffers.pop(name, None)
             tracker = self._trackers.pop(name, None)
+            self._backends.pop(name, None)
             if tracker is not None:
                 tracker.close()
                 if self._pending_defs.pop(name, None) is None:
@@ -696,7 +271,7 @@ class Runtime:
             t0 = time.perf_counter()
             self._drain()
             t1 = time.perf_counter()
-            frozen = _frozen_meta(meta, copy_meta)
+            frozen = freeze_meta(meta, copy_meta)
             plan = self._plan if self._plan is not None else self._build_plan()
             needs_full = self._needs_full
             batches: list[tuple[tuple[int, ...], tuple[str, ...], StagedBatch]] = []
@@ -716,15 +291,14 @@ class Runtime:
                 for _, _, s in singles:
                     s.abandon()
                 raise
-            job = PendingEpoch(self, self.log, (self.log.last_epoch or 0) + 1, batches, singles, plan=plan,
-                               defs=list(self._pending_defs.values()), drops=list(self._pending_drops),
-                               full=set(needs_full), meta=frozen, started=t0, backpressure_seconds=t1 - t0,
-                               full_bytes=self._full_bytes())
+            job = PendingEpoch(self.log, (self.log.last_epoch or 0) + 1, batches, singles, plan=plan,
+                               defs=self._pending_defs.values(), drops=self._pending_drops, full=needs_full,
+                               meta=frozen, started=t0, backpressure_seconds=t1 - t0,
+                               full_bytes=self._full_bytes(), settle=self._settle)
             if self._writer is None:
-                self._writer = _EpochWriter(f"concordia-epochs-{self.log_dir.name}")
-                _with_writers.add(self)
+                self._writer = EpochWriter(f"concordia-epochs-{self.log_dir.name}")
+                drain_at_exit(self)
             self._inflight = job
-            job._call_seconds = time.perf_counter() - t0
             self._writer.submit(job)
             return job
 
@@ -744,19 +318,15 @@ class Runtime:
     def snapshot_device_bytes(self) -> int:
         """Device memory held for asynchronous snapshots (allocated by the first async epoch)."""
         held = sum(t.snapshot_device_bytes for t in self._trackers.values())
-        if self._plan is not None:
-            held += sum(b.snapshot_device_bytes for _, _, b in self._plan.batches)
-        return held
+        return held + (self._plan.snapshot_device_bytes if self._plan is not None else 0)
 
     def _snapshot_bytes(self, deltas: list[RegionDelta]) -> int:
         """snapshot_device_bytes, asking only the regions of an epoch (not hundreds of immutable weights)."""
         held = sum(self._trackers[d.spec.name].snapshot_device_bytes for d in deltas)
-        if self._plan is not None:
-            held += sum(b.snapshot_device_bytes for _, _, b in self._plan.batches)
-        return held
+        return held + (self._plan.snapshot_device_bytes if self._plan is not None else 0)
 
-    def _build_plan(self) -> _StagePlan:
-        self._plan = _StagePlan(self._trackers)
+    def _build_plan(self) -> StagePlan:
+        self._plan = StagePlan((n, t, self._backends[n]) for n, t in self._trackers.items())
         return self._plan
 
     def _epoch_trackers(self) -> list[tuple[str, Tracker]]:
@@ -778,37 +348,34 @@ class Runtime:
         """Wait for the in-flight asynchronous epoch and take its outcome (caller holds the mutex)."""
         job = self._inflight
         if job is not None:
-            job._await()
-            self._reap(job)
+            job.join()
+            self._settle(job)
         if raise_failure and self._unreported is not None:
             err, self._unreported = self._unreported, None
             raise err
 
-    def _reap(self, job: PendingEpoch) -> None:
-        """Apply a finished asynchronous epoch's outcome to the registry's bookkeeping, once."""
+    def _settle(self, job: PendingEpoch, *, raised_to_caller: bool = False) -> None:
+        """Apply a finished asynchronous epoch's outcome to the registry's bookkeeping, once. A failure is kept
+        for the next call to raise, unless it has been raised to the caller (``PendingEpoch.wait``)."""
         with self._mutex:
-            if job._reaped:
-                return
-            job._reaped = True
-            if self._inflight is job:
-                self._inflight = None
-            if job.committed:
-                for spec in job._defs:
-                    self._pending_defs.pop(spec.name, None)
-                self._pending_drops = [d for d in self._pending_drops if d not in job._drops]
-                self._needs_full -= job._full
-            if job.error is not None:
-                if job.error.committed:  # the trackers' baselines are unknown: log everything next time
-                    self._needs_full |= {n for n in job._region_names() if n in self._trackers}
-                self._unreported = job.error
-            if job.stats is not None:
-                self.last_stats = job.stats
-                self._appended_since_compact += job.stats.total_bytes
-                self._maybe_compact()
-
-    def _forget_failure(self, err: CheckpointError) -> None:
-        with self._mutex:
-            if self._unreported is err:
+            if job.claim():
+                if self._inflight is job:
+                    self._inflight = None
+                c = job.contents
+                if job.committed:
+                    for spec in c.defs:
+                        self._pending_defs.pop(spec.name, None)
+                    self._pending_drops = [d for d in self._pending_drops if d not in c.drops]
+                    self._needs_full -= c.full
+                if job.error is not None:
+                    if job.error.committed:  # the trackers' baselines are unknown: log everything next time
+                        self._needs_full |= {n for n in c.regions if n in self._trackers}
+                    self._unreported = job.error
+                if job.stats is not None:
+                    self.last_stats = job.stats
+                    self._appended_since_compact += job.stats.total_bytes
+                    self._maybe_compact()
+            if raised_to_caller and job.error is not None and self._unreported is job.error:
                 self._unreported = None
 
     # ---------------------------------------------------------------------------------------- restore
@@ -828,13 +395,13 @@ class Runtime:
                     res.close()
                 res = replay(self.log_dir, options=self.recovery.replay_options(), materialize=False)
             try:
-                _check_epoch(res)
-                names = self._restore_names(res.specs, targets)
+                check_epoch(res)
+                names = plan_restore(res.specs, {n: t.spec for n, t in self._trackers.items()}, targets)
                 direct = not keep_images
                 res.materialize({n: a for n in names if (a := self._image_alloc(n, direct)) is not None})
             finally:
                 res.close()
-            rec = _recovered(res, t0)
+            rec = recovered(res, t0)
             t1 = time.perf_counter()
             for name in names:
                 self._restore_one(name, rec.images[name], targets)
@@ -844,41 +411,12 @@ class Runtime:
             rec.seconds = time.perf_counter() - t0
             return rec
 
-    def _restore_names(self, specs: Mapping[str, RegionSpec], targets: Mapping[str, Any] | None) -> list[str]:
-        """The regions to restore, checked against the log before anything is copied."""
-        names = list(targets) if targets is not None else [n for n in self._trackers if n in specs]
-        for name in names:
-            if name not in specs:
-                raise RecoveryError(f"region {name!r} is not in the log (it has: {sorted(specs)})")
-            spec = specs[name]
-            if targets is not None and name not in self._trackers:
-                nbytes = host_bytes(targets[name]).nbytes
-                if nbytes != spec.nbytes:
-                    raise RecoveryError(f"region {name!r}: target has {nbytes} bytes, log has {spec.nbytes}")
-                continue
-            tracker = self._trackers[name]
-            if tracker.spec.nbytes != spec.nbytes or tracker.spec.page_bytes != spec.page_bytes:
-                raise RecoveryError(
-                    f"region {name!r}: registered as {tracker.spec.nbytes} bytes in {tracker.spec.page_bytes}-byte "
-                    f"pages, the log holds {spec.nbytes} bytes in {spec.page_bytes}-byte pages; "
-                    "register a buffer of the logged size")
-        return names
-
-    def _image_alloc(self, name: str, direct: bool) -> Callable[[int], Any] | None:
-        """Where the replay writes a region restored into a registered buffer: page-locked host memory for a
-        GPU buffer; with ``direct`` (no image is handed back), a host buffer's own bytes when the region is a
-        whole number of pages, so the replay writes them in place and the restore has nothing to copy.
+    def _image_alloc(self, name: str, direct: bool) -> Any:
+        """Where the replay writes a region restored into a registered buffer (the region's backend decides);
         None: zeroed numpy memory."""
         if name not in self._trackers:
             return None
-        buf = self._buffers.get(name)
-        if _is_torch(buf) and buf.is_cuda:
-            return _pinned_or_pageable if self.recovery.pinned else None
-        tracker = self._trackers[name]
-        if not direct or not isinstance(tracker, CpuTracker) or tracker.spec.nbytes % tracker.spec.page_bytes:
-            return None
-        target = tracker.buf
-        return lambda nbytes: target if nbytes == target.nbytes else np.empty(nbytes, dtype=np.uint8)
+        return self._backends[name].image_alloc(self._trackers[name], direct=direct, pinned=self.recovery.pinned)
 
     def _restore_one(self, name: str, img: RegionImage, targets: Mapping[str, Any] | None) -> None:
         if targets is not None and name not in self._trackers:
@@ -937,7 +475,7 @@ class Runtime:
         """Suspend every resident GPU executor around work that would block behind it (module loads,
         first launches, device-wide sync, cudaFree): ``with rt.quiesced(): model = torch.compile(...)``.
         Without an executor (or without CUDA) this is a no-op."""
-        guard = sys.modules.get("concordia_ft.cuda.guard")  # never imported: no executor can be resident
+        guard = sys.modules.get("concordia_ft.executor.guard")  # never imported: no executor can be resident
         if guard is None:
             yield
             return

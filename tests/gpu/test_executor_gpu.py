@@ -24,9 +24,10 @@ pytestmark = pytest.mark.gpu
 if __name__ != "__main__" and not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from concordia_ft.core import ring as R  # noqa: E402
-from concordia_ft.cuda import guard  # noqa: E402
-from concordia_ft.cuda.executor import (  # noqa: E402
+from concordia_ft.errors import ExecutorError  # noqa: E402
+from concordia_ft.executor import guard  # noqa: E402
+from concordia_ft.executor import ring as R  # noqa: E402
+from concordia_ft.executor.resident import (  # noqa: E402
     ArmedChannel,
     ExecutorOptions,
     LaunchExecutor,
@@ -35,7 +36,6 @@ from concordia_ft.cuda.executor import (  # noqa: E402
     cyclic_reached,
     run_task,
 )
-from concordia_ft.errors import ExecutorError  # noqa: E402
 
 ELEMENTWISE = {
     R.Opcode.ADD: lambda a, b, s: a + b,

@@ -28,8 +28,8 @@ def _version(name: str) -> str | None:
 def collect() -> dict[str, Any]:
     import crc32c
 
-    from ..core import ring
     from ..core.segment import is_tmpfs
+    from ..executor import ring
 
     shm = Path("/dev/shm")
     rep: dict[str, Any] = {

@@ -97,9 +97,7 @@ def compact_with_writer(writer: RecoveryLog, *, kill_hook: Callable[[str], None]
                         ) -> CompactionResult:
     """Compact while ``writer`` keeps appending (run it in a background thread)."""
     sealed = writer.seal_for_compaction()
-    with writer._mutex:
-        name = writer.manifest.new_segment_name("base")
-        header = segment_header(writer.manifest, name)
+    name, header = writer.reserve_base()
     return compact_sealed(writer.dir, sealed, new_name=name, header=header, install=writer.install_base,
                           kill_hook=kill_hook)
 

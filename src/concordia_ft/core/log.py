@@ -417,6 +417,12 @@ class RecoveryLog:
                 self._roll()
             return self.manifest.segments()[:-1]
 
+    def reserve_base(self) -> tuple[str, bytes]:
+        """The name and segment header of the next base segment a compactor writes."""
+        with self._mutex:
+            name = self.manifest.new_segment_name("base")
+            return name, segment_header(self.manifest, name)
+
     def install_base(self, base_name: str, replaced: Sequence[str]) -> None:
         """Swap ``replaced`` (a prefix of the manifest) for the new base, atomically; delete the old files."""
         with self._mutex:

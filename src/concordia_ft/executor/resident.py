@@ -1,7 +1,7 @@
 """Executors: one interface over three ways of running built-in device work.
 
 - :class:`ResidentExecutor`: one persistent block on a non-blocking stream consumes the ring of
-  ``core/ring.py`` in host-mapped memory. A task costs a host store, no launch. It exits by itself after an
+  ``executor/ring.py`` in host-mapped memory. A task costs a host store, no launch. It exits by itself after an
   idle timeout or a lease (so a hazard it misses is a bounded stall, never a hang) and is relaunched on the
   next submit; ``suspend()``/``resume()`` for the hazard guard; ``swap()`` hands the ring to a newly built
   image (the old one exits at a task boundary, the new one resumes from the ring's tail).
@@ -10,7 +10,7 @@
   (a ``TRIGGER`` task), so the GPU starts full-width work with no host launch.
 - :class:`LaunchExecutor`: a plain launch of the wide dispatcher per task.
 
-All three run the same opcodes (``core.ring.Opcode``) from one module built from ``executor.cuh``.
+All three run the same opcodes (``executor.ring.Opcode``) from one module built from ``resident.cuh``.
 :func:`choose_path` picks one per region kind and size from measurements (benchmarks/bench_executor.py).
 """
 
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any, NoReturn, Protocol
 
-from ..core import ring as R
 from ..core.regions import RegionKind
+from ..cuda import driver, nvrtc
+from ..cuda.memory import DeviceBuffer, PinnedBuffer
 from ..errors import ConfigError, ExecutorError, ExecutorTimeout, RingFullError
-from . import driver, nvrtc
-from .memory import DeviceBuffer, PinnedBuffer
+from . import ring as R
 
 BATCH = 4  # descriptors a warp fetches per poll (32 lanes x 8 bytes = 4 slots)
 HEARTBEAT_NS = 100_000
@@ -44,7 +44,7 @@ _U32 = 0xFFFFFFFF
 
 def render_executor_source(image_id: int = 1, threads: int = RESIDENT_THREADS,
                            max_regs: int = RESIDENT_MAX_REGS) -> str:
-    """executor.cuh with the ring layout, opcodes and states of core/ring.py rendered in front of it."""
+    """resident.cuh with the ring layout, opcodes and states of executor/ring.py rendered in front of it."""
     if not 32 <= threads <= 1024 or threads % 32:
         raise ConfigError(f"executor threads must be a multiple of 32 in [32, 1024], got {threads}")
     if not 0 < image_id < 1 << 31:
@@ -64,8 +64,8 @@ def render_executor_source(image_id: int = 1, threads: int = RESIDENT_THREADS,
     d.update({f"CCR_ERR_{e.name}": int(e) for e in R.ConsumerError})
     header = "\n".join(f"#define {k} {v}u" if k.startswith(("CCR_OFF", "CCR_MAGIC", "CCR_TAG")) else
                        f"#define {k} {v}" for k, v in d.items())
-    body = resources.files(__package__).joinpath("executor.cuh").read_text()
-    return f"// rendered by concordia_ft.cuda.executor (image {image_id})\n{header}\n\n{body}"
+    body = resources.files(__package__).joinpath("resident.cuh").read_text()
+    return f"// rendered by concordia_ft.executor.resident (image {image_id})\n{header}\n\n{body}"
 
 
 def compile_executor(image_id: int = 1, threads: int = RESIDENT_THREADS, arch: str = nvrtc.DEFAULT_ARCH,
@@ -173,15 +173,15 @@ class ExecutorOptions:
     lease_ms: float = 1000.0  # exit at a task boundary after this long resident, busy or not
     poll_sleep_ns: int = 0  # __nanosleep between polls (0: spin)
     image_id: int = 1
-    # the ring's host fast paths: None = C when built (core/_ringfast.c), True = require C, False = pure Python
+    # the ring's host fast paths: None = C when built (executor/_ringfast.c), True = require C, False = pure Python
     fast_ring: bool | None = None
 
 
 class ResidentExecutor:
     """One resident block consuming the ring. Thread-safe submit/wait.
 
-    ``submit`` and ``wait`` are the ring's host fast paths (:func:`core.ring.make_submit` / ``make_wait``: the C
-    extension ``core/_ringfast.c`` when built, else Python closures; ``ExecutorOptions.fast_ring`` picks): one
+    ``submit`` and ``wait`` are the ring's host fast paths (:func:`executor.ring.make_submit` / ``make_wait``: the C
+    extension ``executor/_ringfast.c`` when built, else Python closures; ``ExecutorOptions.fast_ring`` picks): one
     publish of the 8 tagged words, one word compare to see that the block runs; they fall back to
     :meth:`_submit_slow` / :meth:`_ensure_running` only when the ring is full or the block is not RUNNING.
     Producers in several threads: the C publish is one step under the GIL; the Python one serialises on a

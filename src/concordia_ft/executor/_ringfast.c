@@ -459,7 +459,7 @@ static PyMemberDef P_members[] = {
 
 static PyTypeObject ProducerType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "concordia_ft.core._ringfast._ProducerBase",
+    .tp_name = "concordia_ft.executor._ringfast._ProducerBase",
     .tp_basicsize = sizeof(Producer),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "The ring producer's state and fast paths in C (see ring.RingProducer).",

@@ -1,6 +1,6 @@
 // Concordia-FT executor: the resident ring consumer and the full-width dispatcher, one module.
 //
-// executor.py renders the CCR_* constants from concordia_ft/core/ring.py in front of this file (layout,
+// resident.py renders the CCR_* constants from concordia_ft/executor/ring.py in front of this file (layout,
 // opcodes, states), plus CCR_IMAGE_ID and CCR_THREADS. Nothing here calls into another module: a hot-swap
 // hands the ring (host-mapped memory) to a newly built image of this file.
 //

@@ -5,7 +5,7 @@ read of its slot.
 On a GPU the buffer is host-mapped pinned memory: the host (producer) writes descriptors, the resident executor
 (consumer) writes ``tail``, per-slot results, the heartbeat and its state. Here the protocol is plain Python
 over a memoryview, so CPU CI tests it over ordinary memory with a consumer thread standing in for the device
-(:class:`RingConsumer`). ``cuda/executor.cuh`` implements the same consumer on the device; its constants are
+(:class:`RingConsumer`). ``executor/resident.cuh`` implements the same consumer on the device; its constants are
 rendered from this module, so the two cannot drift.
 
 Layout (little-endian; every shared word has exactly one writer and its own 64-byte line)::
@@ -79,7 +79,7 @@ from typing import NoReturn, Protocol
 
 from ..errors import ConfigError, DescriptorError, ExecutorError, RingError, RingFullError
 
-try:  # the C fast paths (core/_ringfast.c), built by pip install; optional
+try:  # the C fast paths (executor/_ringfast.c), built by pip install; optional
     from . import _ringfast
     _FAST_WHY = ""
 except ImportError as _e:  # no compiler at install time, or a source tree used without building it
@@ -108,7 +108,7 @@ OPCODE_BITS = 16
 FLAGS_BITS = 16
 AUX_BITS = 32
 
-# Byte offsets of the shared words (rendered into executor.cuh as CCR_OFF_*).
+# Byte offsets of the shared words (rendered into resident.cuh as CCR_OFF_*).
 OFF_MAGIC = 0
 OFF_VERSION = 4
 OFF_CAPACITY = 8
@@ -445,7 +445,7 @@ class _PyState:
 class RingProducer:
     """The host side: publishes descriptors, never overruns a slot the consumer has not completed.
 
-    Two implementations of the same producer: the C extension ``core._ringfast`` (built by ``pip install``;
+    Two implementations of the same producer: the C extension ``executor._ringfast`` (built by ``pip install``;
     ~0.1 us per submit) and pure Python (~0.9 us), which this class falls back to when the extension is missing.
     ``fast`` picks: None takes C when it is built (unless ``CONCORDIA_RING_IMPL=python``), True requires it,
     False forces Python. Either way ``head`` (tasks published) lives in one place, ``self.st``, which the fast
@@ -471,7 +471,7 @@ class RingProducer:
         use_c = fast_path_available() if fast is None else fast
         if use_c and _ringfast is None:
             raise ConfigError(f"the C ring fast path is not built ({_FAST_WHY}): reinstall concordia-ft with a C "
-                              "compiler and the Python headers (pip install -e . builds core/_ringfast.c through setup.py), or "
+                              "compiler and the Python headers (pip install -e . builds executor/_ringfast.c through setup.py), or "
                               "pass fast=False")
         self._fast: _ringfast._ProducerBase | None = None
         self.st: _PyState | _ringfast._ProducerBase

@@ -1,0 +1,147 @@
+"""Recovery: what a replayed log hands back (``Recovered``), ``recover()`` in any process, and the checks a
+restore makes before it copies anything (``plan_restore``). ``Runtime.recover_into`` restores registered
+buffers with these; ``open_to_recover`` opens a log for a component that restores itself (Session, LoRA).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .buffers import host_bytes
+from .core.options import coerce_options
+from .core.regions import RegionSpec
+from .core.replay import Outcome, RegionImage, ReplayOptions, ReplayResult, ReplayTimings, TailInfo, replay
+from .errors import ConfigError, RecoveryError
+
+if TYPE_CHECKING:
+    from .runtime import Runtime
+
+
+@dataclass(frozen=True)
+class RecoveryOptions:
+    """How replay and restore use the machine. What is recovered, and every check on the way, is the same
+    under every option: these trade only time (benchmarks compare them in one run)."""
+
+    threads: int | None = None  # replay's checksum and copy threads (None: automatic, 1: the calling thread)
+    parallel_verify: bool = True  # False: payload checksums one after another on one thread
+    pinned: bool = True  # GPU regions: replay into page-locked host memory, restored with one DMA per region
+
+    @classmethod
+    def coerce(cls, value: RecoveryOptions | Mapping[str, Any] | None) -> RecoveryOptions:
+        return coerce_options(cls, value, "recovery")
+
+    def replay_options(self) -> ReplayOptions:
+        return ReplayOptions(threads=self.threads, parallel_verify=self.parallel_verify)
+
+
+@dataclass
+class Recovered:
+    """A verified state from the log: the last committed epoch, its regions' exact bytes and its metadata."""
+
+    epoch: int
+    outcome: Outcome
+    meta: Any
+    images: dict[str, RegionImage]
+    tail: TailInfo | None = None
+    seconds: float = 0.0
+    timings: ReplayTimings = field(default_factory=ReplayTimings)  # the replay's passes (verify may predate)
+    restore_s: float = 0.0  # recover_into: copying the images into the registered buffers
+
+    @property
+    def regions(self) -> dict[str, npt.NDArray[np.uint8]]:
+        return {n: img.data for n, img in self.images.items()}
+
+    @property
+    def specs(self) -> dict[str, RegionSpec]:
+        return {n: img.spec for n, img in self.images.items()}
+
+    def array(self, name: str) -> npt.NDArray[Any]:
+        """The region as a numpy array of its registered dtype and shape (numpy dtypes only)."""
+        spec = self.images[name].spec
+        if spec.dtype.startswith("torch."):
+            raise ConfigError(f"region {name!r} holds {spec.dtype}; use .tensor({name!r}) for torch dtypes")
+        return self.images[name].data.view(np.dtype(spec.dtype)).reshape(spec.shape)
+
+    def tensor(self, name: str, device: str | None = None) -> Any:
+        """The region as a torch tensor of its registered dtype and shape (a copy, on ``device``)."""
+        import torch
+
+        spec = self.images[name].spec
+        raw = torch.from_numpy(self.images[name].data.copy())
+        dtype = getattr(torch, spec.dtype.removeprefix("torch.")) if spec.dtype else torch.uint8
+        t = raw.view(dtype).reshape(spec.shape)
+        return t.to(device) if device else t
+
+
+def recovered(res: ReplayResult, t0: float) -> Recovered:
+    """The ``Recovered`` of a replay that found a committed epoch (``RecoveryError`` if it found none)."""
+    check_epoch(res)
+    assert res.epoch is not None
+    return Recovered(res.epoch, res.outcome, res.meta, res.regions, res.tail, time.perf_counter() - t0,
+                     res.timings)
+
+
+def check_epoch(res: ReplayResult) -> None:
+    if res.epoch is None:
+        raise RecoveryError(f"nothing to recover: the log holds no committed epoch (outcome {res.outcome.value})")
+
+
+def recover(log_dir: str | Path, *, verify: bool = True,
+            options: RecoveryOptions | Mapping[str, Any] | None = None) -> Recovered:
+    """Replay ``log_dir`` (base + committed suffix, checksums verified) into host arrays."""
+    t0 = time.perf_counter()
+    path = Path(log_dir)
+    if not path.exists():
+        raise RecoveryError(f"no log at {path}: the directory does not exist")
+    opts = RecoveryOptions.coerce(options)
+    return recovered(replay(path, verify_payloads=verify, options=opts.replay_options()), t0)
+
+
+def open_to_recover(log_dir: str | Path, key: str, what: str, *, fsync: str = "never", backend: str = "file",
+                    runtime_options: dict[str, Any] | None = None) -> tuple[Runtime, Any]:
+    """Open an existing log for a component that restores itself from it (a Session, a LoRA trainer).
+
+    Returns the Runtime (which has replayed and verified the log once) and the ``key`` section of the last
+    committed epoch's metadata. The caller registers its buffers and calls ``recover_into()``; it must close
+    the Runtime if it gives up."""
+    from .runtime import Runtime
+
+    if not Path(log_dir).is_dir():
+        raise RecoveryError(f"no log at {log_dir}: the directory does not exist")
+    rt = Runtime(str(log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
+    section = (rt.opened_meta or {}).get(key) if isinstance(rt.opened_meta, dict) else None
+    if section is None:
+        epoch = rt.epoch
+        rt.close()
+        raise RecoveryError(f"the last epoch ({epoch}) in {log_dir} holds no {what} metadata; was this log "
+                            f"written by {what}?" if epoch is not None else f"{log_dir} holds no committed epoch")
+    return rt, section
+
+
+def plan_restore(logged: Mapping[str, RegionSpec], registered: Mapping[str, RegionSpec],
+                 targets: Mapping[str, Any] | None) -> list[str]:
+    """The regions a restore copies (``targets``' names, else every registered region the log holds), each
+    checked against the log's geometry before anything is copied."""
+    names = list(targets) if targets is not None else [n for n in registered if n in logged]
+    for name in names:
+        if name not in logged:
+            raise RecoveryError(f"region {name!r} is not in the log (it has: {sorted(logged)})")
+        spec = logged[name]
+        if targets is not None and name not in registered:
+            nbytes = host_bytes(targets[name]).nbytes
+            if nbytes != spec.nbytes:
+                raise RecoveryError(f"region {name!r}: target has {nbytes} bytes, log has {spec.nbytes}")
+            continue
+        mine = registered[name]
+        if mine.nbytes != spec.nbytes or mine.page_bytes != spec.page_bytes:
+            raise RecoveryError(
+                f"region {name!r}: registered as {mine.nbytes} bytes in {mine.page_bytes}-byte pages, the log "
+                f"holds {spec.nbytes} bytes in {spec.page_bytes}-byte pages; register a buffer of the logged size")
+    return names
