@@ -186,13 +186,69 @@ def bench_epoch256(root: Path, rounds: int) -> tuple[list[dict[str, Any]], list[
     return n, b
 
 
+def plot(path: Path) -> Path:
+    """Four panels from a results JSON: tokens/s, decode-thread host ms per token, commit latency, GB/s."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = json.loads(path.read_text())
+    dec = [r for r in doc["rows"] + doc["baseline"] if r.get("table") == "decode"]
+    new = [r for r in doc["rows"] if str(r.get("table", "")).startswith("epoch256")]
+    old = [r for r in doc["baseline"] if str(r.get("table", "")).startswith("epoch256")]
+    fig, ax = plt.subplots(2, 2, figsize=(12, 7))
+    modes = [r["mode"] for r in dec]
+    ax[0, 0].barh(modes, [r["tokens_per_s"] for r in dec], color=["tab:gray" if m == "eager" else "tab:blue"
+                                                                  for m in modes])
+    ax[0, 0].set_title("decode tokens/s (checkpoint every token; graph_plain: none)", fontsize=9)
+    ax[0, 1].barh(modes, [r["host_ms_p50"] for r in dec], color="tab:orange", label="p50")
+    ax[0, 1].barh(modes, [r["host_ms_p90"] - r["host_ms_p50"] for r in dec], left=[r["host_ms_p50"] for r in dec],
+                  color="tab:red", alpha=0.4, label="p90")
+    ax[0, 1].axvline(0.05, color="k", ls="--", lw=0.8, label="target 0.05 ms")
+    ax[0, 1].set_xscale("log")
+    ax[0, 1].set_title("decode-thread host ms per token (eager: the checkpoint call)", fontsize=9)
+    ax[0, 1].legend(fontsize=7)
+    gm = [r for r in dec if "commit_ms_p50" in r]
+    ax[1, 0].barh([r["mode"] for r in gm], [r["commit_ms_p50"] for r in gm], color="tab:green", label="p50")
+    ax[1, 0].barh([r["mode"] for r in gm], [r["commit_ms_p90"] - r["commit_ms_p50"] for r in gm],
+                  left=[r["commit_ms_p50"] for r in gm], color="tab:green", alpha=0.4, label="p90")
+    ax[1, 0].set_title("commit latency ms (slot handed -> epoch committed)", fontsize=9)
+    ax[1, 0].legend(fontsize=7)
+    labels = [f"{r['table'].removeprefix('epoch256_')} {r['dirty']}" for r in new]
+    y = range(len(labels))
+    ax[1, 1].barh([i + 0.2 for i in y], [r["gb_per_s"] for r in new], height=0.4, label="new: DMA into the log")
+    ax[1, 1].barh([i - 0.2 for i in y], [r["gb_per_s"] for r in old], height=0.4, color="tab:gray", label="today")
+    ax[1, 1].set_yticks(list(y), labels)
+    ax[1, 1].axvline(20, color="k", ls="--", lw=0.8, label="target 20 GB/s")
+    ax[1, 1].set_xscale("log")
+    ax[1, 1].set_title("256 MiB region: one epoch into the DRAM log, GB/s", fontsize=9)
+    ax[1, 1].legend(fontsize=7)
+    for a in ax.flat:
+        a.tick_params(labelsize=7)
+    dev = doc.get("device", {})
+    fig.suptitle(f"graph_epochs on {dev.get('gpu', '?')} ({str(doc.get('date', ''))[:10]}, commit "
+                 f"{str(doc.get('git_commit', ''))[:10]})", fontsize=10)
+    fig.tight_layout()
+    out = path.with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default="decode,epoch256")
     ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--plot", default=None, help="only draw this results JSON as a PNG beside it")
     a = ap.parse_args()
+    if a.plot:
+        print("wrote", plot(Path(a.plot)))
+        return 0
     only = set(a.only.split(","))
     root = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="cft-bench-graph-"))
     rows: list[dict[str, Any]] = []
@@ -220,6 +276,10 @@ def main() -> int:
     path = write_results("graph_epochs", rows, baseline=baseline, out_dir=a.out_dir,
                          notes="issue 10: graph decode with in-graph token epochs; payloads DMA'd into the log")
     print("wrote", path)
+    try:
+        print("wrote", plot(path))
+    except ImportError:
+        print("no matplotlib: run with --plot", path, "where it is installed")
     return 0
 
 

@@ -44,28 +44,21 @@ def _log_images(d: Path) -> dict[str, np.ndarray]:
     return {n: img.data.copy() for n, img in r.regions.items()}
 
 
-def _uncaptured_step_tokens(model: object, root: Path, prompt: torch.Tensor, new: int) -> list[int]:
-    """The graph decoder's own step function run eagerly (not captured), one token per call."""
-    from concordia_ft.integrations.graph_decode import GraphDecoder
-
-    s = Session(model, root, max_cache_len=prompt.shape[1] + new + 8, backend="dram", decode="eager")
-    out = s.generate(prompt, max_new_tokens=1, eos_token_ids=())
-    dec = GraphDecoder(s, with_epoch=False)
-    with torch.inference_mode():
-        dec._set_state(out[0], s.n_tokens - 1)
-        for _ in range(new - 1):
-            dec._step()
-            out.append(int(dec.tok.item()))
-    dec.close()
-    s.close()
-    return out
-
-
 @pytest.mark.parametrize("size", ["qwen3-0.6b-bf16", "tiny-fp32"])
 def test_graph_decode_is_token_exact_and_logs_the_arena(shm: Path, size: str) -> None:
-    """tiny fp32: graph == the eager Session loop, token for token, and the logs are byte-equal. Qwen3-0.6B
-    dims bf16: graph == its own step run uncaptured (the eager Session loop diverges after a few tokens on
-    random weights: LLM.md says where and why); the log holds exactly the live arena's bytes either way."""
+    """graph == the eager Session loop, token for token, and the two logs are byte-equal; each log holds exactly
+    the live arena's bytes. Qwen3-0.6B dims bf16 runs with cuDNN SDPA off: torch's default pick for this shape on
+    the H200 is not run-to-run reproducible (two EAGER runs disagree from token ~15 on random weights:
+    benchmarks/probe_graph_exact.py), so no decode path can be token-exact against another with it on."""
+    prev = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(size == "tiny-fp32" and prev)
+    try:
+        _exact(shm, size)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(prev)
+
+
+def _exact(shm: Path, size: str) -> None:
     if size == "tiny-fp32":
         model, prompt, new = tiny_model("qwen3").cuda(), prompt_ids(12), 40
     else:
@@ -77,7 +70,7 @@ def test_graph_decode_is_token_exact_and_logs_the_arena(shm: Path, size: str) ->
         kw = {"decode": "eager"} if mode == "eager" else {"decode": "graph", "durability": mode}
         s = Session(model, shm / mode, max_cache_len=prompt.shape[1] + new + 8, backend="dram", **kw)
         runs[mode] = (s.generate(prompt, max_new_tokens=new, eos_token_ids=()), s)
-    want = runs["eager"][0] if size == "tiny-fp32" else _uncaptured_step_tokens(model, shm / "ref", prompt, new)
+    want = runs["eager"][0]
     assert len(want) == new
     for mode in ("durable", "pipelined"):
         toks, s = runs[mode]
@@ -97,9 +90,8 @@ def test_graph_decode_is_token_exact_and_logs_the_arena(shm: Path, size: str) ->
         assert not img["kv"][-(-used // 4096) * 4096:].any(), mode  # nothing past the last page written
         assert np.array_equal(img["tokens"].view(np.int64)[:n], tokens[:n]), mode
         images[mode] = img
-    if size == "tiny-fp32":
-        for mode in ("durable", "pipelined"):
-            assert np.array_equal(images[mode]["kv"], images["eager"]["kv"]), mode
+    for mode in ("durable", "pipelined"):
+        assert np.array_equal(images[mode]["kv"], images["eager"]["kv"]), mode
 
 
 def test_durable_shows_a_token_only_after_its_epoch_committed(shm: Path) -> None:
