@@ -183,3 +183,60 @@ def test_file_and_mapped_segments_read_each_other(shm: Path) -> None:
     assert bytes(r.regions["r"].data[PAGE:2 * PAGE]) == a.tobytes()
     assert bytes(r.regions["r"].data[2 * PAGE:3 * PAGE]) == b.tobytes()
     assert os.path.getsize(d / log.manifest.incr[-1]) == log._segment.end
+
+
+class PinLog:
+    """A registrar that records what it was asked to pin and checks each range is one live segment mapping
+    (the CUDA layer's is cuMemHostRegister; this one only keeps the books, so the log's side runs on a CPU)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.calls: list[tuple[int, int, str]] = []
+
+    def __call__(self, address: int, nbytes: int) -> PinLog.Handle:
+        import threading
+
+        assert address % 4096 == 0 and nbytes > 0 and address not in self.live
+        self.live[address] = nbytes
+        self.calls.append((address, nbytes, threading.current_thread().name))
+        return PinLog.Handle(self, address)
+
+    class Handle:
+        def __init__(self, owner: PinLog, address: int) -> None:
+            self.owner, self.address = owner, address
+
+        def close(self) -> None:
+            del self.owner.live[self.address]
+
+
+def test_segments_are_registered_and_the_next_one_is_prepared_off_the_append_path(shm: Path) -> None:
+    import time
+
+    rng = np.random.default_rng(5)
+    pins = PinLog()
+    log = RecoveryLog.open(shm / "log", _opts())
+    log.set_mapping_registrar(pins)
+    first = log._segment
+    assert first.registered and len(pins.live) >= 1
+    deadline = time.monotonic() + 20
+    while len(pins.live) < 2 and time.monotonic() < deadline:  # the spare, registered on its own thread
+        time.sleep(0.01)
+    assert len(pins.live) == 2 and any(name == "concordia-spare-segment" for *_, name in pins.calls)
+    assert [p.name for p in (shm / "log").iterdir() if p.name.endswith(".tmp")]  # the spare, not yet named
+    big = RegionSpec(name="big", kind=RegionKind.DENSE, nbytes=1536 << 10, page_bytes=PAGE)
+    datas = []
+    for e in range(3):  # 1.5 MiB epochs into 2 MiB segments: every epoch after the first rolls
+        data = rng.integers(0, 256, big.nbytes, dtype=np.uint8)
+        datas.append(data)
+        log.append(defs=[big] if e == 0 else [], deltas=[RegionDelta(
+            big, np.arange(big.n_pages, dtype=np.int64), HostPayload(memoryview(data)))])  # type: ignore[arg-type]
+        while len(pins.live) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert log._segment is not first and log._segment.registered
+    assert len(log.manifest.incr) >= 3
+    log.close()
+    assert not pins.live  # every mapping unregistered before it was unmapped, the spare's too
+    assert not [p.name for p in (shm / "log").iterdir() if p.name.endswith(".tmp")]
+    r = replay(shm / "log")
+    assert r.outcome is Outcome.OK and r.epoch == 3
+    assert np.array_equal(r.regions["big"].data, datas[-1])

@@ -384,8 +384,11 @@ class GraphDecoder:
             if writer is not None:  # an error on the decode thread: let the writer finish what it has
                 writer.stop()
             self.next_seq = base + issued
-            if overshoot:  # replays queued after the last token: their rows and lengths are not the session's
-                s.cache._full_lengths.sub_(overshoot)
+            # replays queued after the last token (or still queued when on_token raised): their rows and lengths
+            # are not the session's
+            undo = overshoot + len(inflight)
+            if undo:
+                s.cache._full_lengths.sub_(undo)
         lengths = s.cache.lengths()
         if not plain:
             s.cache.mark_clean(lengths)  # every row up to here is in the log (the flags were never set)
