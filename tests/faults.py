@@ -1,4 +1,12 @@
-"""Fault injection around a REAL recovery log (imported as ``faults``; llm_helpers' child processes use it too).
+"""Fault injection for a REAL recovery log (imported as ``faults``; llm_helpers' child processes use it too).
+
+``FaultyOS`` sits UNDER the log: it is the writer's table of OS calls (``concordia_ft.core.oscalls.OsCalls``),
+making every call for real except the ones it is told to fail, which raise ``OSError`` (EIO, ENOSPC...) the way
+the kernel would: a failing pwritev/write may first write part of its bytes, and a failing fdatasync/fsync may
+drop what was written since the file's last good sync (``drop_unsynced``: those bytes read back as zeros, as
+after the kernel gave up on dirty pages it could not write). Calls are counted from ``arm()`` on, so "the Nth
+OS call of a checkpoint" is exact; fallocate (made by the segment's background reserver, at times the scheduler
+picks) is not counted and fails only by ``fail_fallocate``.
 
 ``FaultyLog`` wraps a ``RecoveryLog`` and hands everything to it, except that ``append`` can be held up (a slow
 disk) or refused before a byte is written (what a full disk looks like after ``FileSegment`` cut its partial
@@ -9,13 +17,158 @@ asynchronous epochs against the real writer.
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from concordia_ft.core.oscalls import Buffer, OsCalls, StrPath
 from concordia_ft.errors import LogError
+
+COUNTED = ("open", "close", "pwritev", "write", "fdatasync", "fsync", "ftruncate", "replace", "unlink", "msync")
+
+
+class FaultyOS(OsCalls):
+    def __init__(self) -> None:
+        self.calls: list[str] = []  # every counted call since arm(), in order ("pwritev", "fdatasync", ...)
+        self.failed: list[tuple[int, str]] = []  # (index in calls, 1-based; op) of each call that failed
+        self.fail_fallocate = False
+        self.short_writes = False  # every pwritev writes at most half of what it is given (no error)
+        self._at: int | None = None
+        self._count = 0
+        self._errno = errno.EIO
+        self._ops: Collection[str] = COUNTED
+        self._partial = False
+        self._drop = False
+        self._unsynced: dict[int, list[tuple[int, int]]] = {}  # fd -> (offset, length) written since its last sync
+        self._lock = threading.RLock()
+
+    # ---------------------------------------------------------------------------------------- control
+    def arm(self, at: int | None = None, *, count: int = 1, err: int = errno.EIO, ops: Collection[str] = COUNTED,
+            partial: bool = False, drop_unsynced: bool = False) -> None:
+        """Restart the count; make calls ``at`` .. ``at + count - 1`` (1-based, of kinds ``ops``) fail with
+        ``err``. ``at=None``: count only."""
+        with self._lock:
+            self.calls, self.failed = [], []
+            self._at, self._count, self._errno, self._ops = at, count, err, ops
+            self._partial, self._drop = partial, drop_unsynced
+
+    def clear(self) -> None:
+        """The fault clears: every counted call succeeds from now on (the count goes on)."""
+        with self._lock:
+            self._at = None
+
+    def _fails(self, op: str) -> bool:
+        with self._lock:
+            self.calls.append(op)
+            n = len(self.calls)
+            if self._at is None or op not in self._ops or not self._at <= n < self._at + self._count:
+                return False
+            self.failed.append((n, op))
+            return True
+
+    def _error(self, op: str) -> OSError:
+        return OSError(self._errno, f"{os.strerror(self._errno)} (injected into {op})")
+
+    # -------------------------------------------------------------------------------------- the calls
+    def open(self, path: StrPath, flags: int, mode: int = 0o644) -> int:
+        if self._fails("open"):
+            raise self._error("open")
+        return super().open(path, flags, mode)
+
+    def close(self, fd: int) -> None:
+        fails = self._fails("close")
+        self._unsynced.pop(fd, None)
+        super().close(fd)  # Linux releases the descriptor even when close reports an error
+        if fails:
+            raise self._error("close")
+
+    def pwritev(self, fd: int, buffers: Sequence[Buffer], offset: int) -> int:
+        views = [memoryview(b).cast("B") for b in buffers]
+        if self._fails("pwritev"):
+            if self._partial:
+                self._write_part(fd, views, offset, sum(v.nbytes for v in views) // 2)
+            raise self._error("pwritev")
+        if self.short_writes:
+            total = sum(v.nbytes for v in views)
+            if total > 1:
+                return self._write_part(fd, views, offset, total // 2)
+        n = super().pwritev(fd, views, offset)
+        self._note(fd, offset, n)
+        return n
+
+    def _write_part(self, fd: int, views: list[memoryview], offset: int, nbytes: int) -> int:
+        part: list[memoryview] = []
+        left = nbytes
+        for v in views:
+            if left <= 0:
+                break
+            part.append(v[:left])
+            left -= min(left, v.nbytes)
+        n = super().pwritev(fd, part, offset) if part else 0
+        self._note(fd, offset, n)
+        return n
+
+    def write(self, fd: int, data: Buffer) -> int:
+        view = memoryview(data).cast("B")
+        pos = os.lseek(fd, 0, os.SEEK_CUR)
+        if self._fails("write"):
+            if self._partial and view.nbytes > 1:
+                self._note(fd, pos, super().write(fd, view[: view.nbytes // 2]))
+            raise self._error("write")
+        n = super().write(fd, view)
+        self._note(fd, pos, n)
+        return n
+
+    def _note(self, fd: int, offset: int, n: int) -> None:
+        with self._lock:
+            self._unsynced.setdefault(fd, []).append((offset, n))
+
+    def fdatasync(self, fd: int) -> None:
+        self._sync("fdatasync", fd, super().fdatasync)
+
+    def fsync(self, fd: int) -> None:
+        self._sync("fsync", fd, super().fsync)
+
+    def _sync(self, op: str, fd: int, real: Callable[[int], None]) -> None:
+        if self._fails(op):
+            if self._drop:  # the kernel could not write them and dropped them: they read back as zeros
+                size = os.fstat(fd).st_size
+                for off, n in self._unsynced.pop(fd, []):
+                    if off < size:
+                        os.pwrite(fd, bytes(min(n, size - off)), off)
+            raise self._error(op)
+        real(fd)
+        self._unsynced.pop(fd, None)
+
+    def ftruncate(self, fd: int, length: int) -> None:
+        if self._fails("ftruncate"):
+            raise self._error("ftruncate")
+        super().ftruncate(fd, length)
+        with self._lock:
+            self._unsynced[fd] = [(o, min(n, length - o)) for o, n in self._unsynced.get(fd, []) if o < length]
+
+    def fallocate(self, fd: int, mode: int, offset: int, length: int) -> None:
+        if self.fail_fallocate:
+            raise OSError(errno.EOPNOTSUPP, f"{os.strerror(errno.EOPNOTSUPP)} (injected into fallocate)")
+        super().fallocate(fd, mode, offset, length)
+
+    def replace(self, src: StrPath, dst: StrPath) -> None:
+        if self._fails("replace"):
+            raise self._error("replace")
+        super().replace(src, dst)
+
+    def unlink(self, path: StrPath) -> None:
+        if self._fails("unlink"):
+            raise self._error("unlink")
+        super().unlink(path)
+
+    def msync(self, mapping: mmap.mmap) -> None:
+        if self._fails("msync"):
+            raise self._error("msync")
+        super().msync(mapping)
 
 
 class FaultyLog:

@@ -137,6 +137,29 @@ def test_fields_that_do_not_fit_are_refused_before_anything_is_written(
         R.encode_words(1, 0, range(7))
 
 
+def test_retire_moves_the_producer_off_memory_that_is_about_to_be_freed(ring_impl: str) -> None:
+    """An executor's close() frees the ring's pinned memory: after ``retire`` nothing the producer (or, on the
+    C path, a submit function taken earlier) does touches the old buffer, and a submit reaches ``slow``."""
+    old = bytearray(R.ring_bytes(8))
+    lay = R.RingLayout(memoryview(old), 8)
+    lay.initialise()
+    prod = R.RingProducer(lay)
+    slow_calls: list[int] = []
+    submit = R.make_submit(prod, threading.Lock(), lambda seq, *a: slow_calls.append(seq) or seq)
+    lay.store32(R.OFF_STATE, R.ConsumerState.RUNNING)
+    assert submit(R.Opcode.MARK, 1) == 1 and not slow_calls
+    tomb = prod.retire()
+    assert tomb.buf.obj is not old and tomb.state == R.ConsumerState.EXITED_STOP
+    assert R.decode_words(tomb.slot_words(1), 1).args[0] == 1  # what was published is in the copy
+    old[:] = b"\xa5" * len(old)  # as if freed and reused
+    prod.set_releases([(0x1000, 7)])
+    assert prod.try_publish(R.Opcode.MARK, 2) == 2
+    if ring_impl == "c":  # the fast path taken before retire() now publishes into the copy
+        assert submit(R.Opcode.MARK, 3) == 3 and slow_calls == [3]
+    assert old == b"\xa5" * len(old)
+    assert prod.head == (3 if ring_impl == "c" else 2)
+
+
 # ---------------------------------------------------------------------------------------------- layout
 
 

@@ -282,9 +282,12 @@ class PendingEpoch:
                 log.error("giving back the snapshot of %r after epoch %d failed: %s", name, self.epoch, e2)
 
     def _fail(self, e: BaseException, *, committed: bool) -> None:
-        last = self.epoch if committed else self._log.last_epoch
-        err = CheckpointError(self.epoch, last, committed, f"{type(e).__name__}: {e}")
-        err.__cause__ = e
+        if isinstance(e, CheckpointError) and not committed:  # the log's own account of its failure
+            err = e
+        else:
+            last = self.epoch if committed else self._log.last_epoch
+            err = CheckpointError(self.epoch, last, committed, f"{type(e).__name__}: {e}")
+            err.__cause__ = e
         self.error, self.committed = err, committed
         log.error("%s", err)
         self._finish()

@@ -49,18 +49,25 @@ class RecoveryError(ConcordiaError):
 
 
 class CheckpointError(ConcordiaError):
-    """An asynchronous checkpoint (``Runtime.checkpoint_async``) failed on the background writer.
+    """A checkpoint (``Runtime.checkpoint``, ``checkpoint_async``, ``RecoveryLog.append``) failed.
 
     ``committed`` False: epoch ``epoch`` never committed; the log still ends at ``last_committed``, intact, and
     the changes it held are logged again by the next checkpoint. ``committed`` True: the epoch did commit but the
-    change trackers could not advance after it, so the next checkpoint logs every region in full."""
+    change trackers could not advance after it, so the next checkpoint logs every region in full.
 
-    def __init__(self, epoch: int, last_committed: int | None, committed: bool, cause: str) -> None:
-        super().__init__(epoch, last_committed, committed, cause)
+    ``log_failed`` True: a write or sync failed in a way that leaves what the disk holds unknown (core/DESIGN.md,
+    "When a write or a sync fails"), so the writer appends nothing more: every later checkpoint raises this
+    again. Close the Runtime (or RecoveryLog) and open the directory again; the new writer replays what the
+    disk holds (epochs up to ``last_committed`` at least) and goes on from its last whole epoch."""
+
+    def __init__(self, epoch: int, last_committed: int | None, committed: bool, cause: str,
+                 log_failed: bool = False) -> None:
+        super().__init__(epoch, last_committed, committed, cause, log_failed)
         self.epoch = epoch
         self.last_committed = last_committed
         self.committed = committed
         self.cause = cause
+        self.log_failed = log_failed
 
     def __str__(self) -> str:
         if self.committed:
@@ -68,7 +75,11 @@ class CheckpointError(ConcordiaError):
                     "the next checkpoint logs every region in full")
         upto = "no epoch is committed yet" if self.last_committed is None else \
             f"epochs up to {self.last_committed} are committed and intact"
-        return (f"asynchronous epoch {self.epoch} failed in the background and was not committed: {self.cause}; "
+        if self.log_failed:
+            return (f"epoch {self.epoch} was not committed: {self.cause}. The log is failed and appends nothing more "
+                    f"({upto}): close this Runtime and open the log directory again, which replays what the disk "
+                    "holds and goes on from its last whole epoch")
+        return (f"epoch {self.epoch} failed and was not committed: {self.cause}; "
                 f"{upto}, and the next checkpoint logs the changes again (fix the cause first)")
 
 
@@ -106,21 +117,24 @@ class CompileError(ConcordiaError):
 
 
 class DeviceError(ConcordiaError):
-    """A CUDA driver call failed. ``sticky`` errors poison the context: the process must restart."""
+    """A CUDA driver call failed. ``sticky`` errors poison the context: the process must restart.
+    ``explanation`` says what the code means (cuda/results.py)."""
 
-    def __init__(self, code: int, name: str, sticky: bool, what: str = "") -> None:
-        super().__init__(code, name, sticky, what)
+    def __init__(self, code: int, name: str, sticky: bool, what: str = "", explanation: str = "") -> None:
+        super().__init__(code, name, sticky, what, explanation)
         self.code = code
         self.name = name
         self.sticky = sticky
         self.what = what
+        self.explanation = explanation
 
     def __str__(self) -> str:
         todo = (
             "the CUDA context is poisoned: restart the process and recover from the log "
             "(concordia_ft.recover / Session.recover)"
             if self.sticky
-            else "the context is still usable"
+            else "not sticky: this process can go on using CUDA"
         )
         where = f" in {self.what}" if self.what else ""
-        return f"CUDA error {self.code} ({self.name}){where}; {todo}"
+        means = f": {self.explanation}" if self.explanation else ""
+        return f"CUDA error {self.code} ({self.name}){where}{means}; {todo}"

@@ -100,6 +100,9 @@ def recover(log_dir: str | Path, *, verify: bool = True,
     path = Path(log_dir)
     if not path.exists():
         raise RecoveryError(f"no log at {path}: the directory does not exist")
+    if not path.is_dir():
+        raise RecoveryError(f"no log at {path}: it is a file, not a log directory; pass the directory the "
+                            "Runtime wrote (it holds MANIFEST and *.cft segments)")
     opts = RecoveryOptions.coerce(options)
     return recovered(replay(path, verify_payloads=verify, options=opts.replay_options()), t0)
 

@@ -36,6 +36,7 @@ from .buffers import any_nonzero, describe_buffer, host_bytes
 from .checkpoint import CheckpointStats, EpochWriter, PendingEpoch, StagePlan, drain_at_exit, freeze_meta
 from .core.compaction import CompactionResult, compact_with_writer
 from .core.log import LogOptions, OpenReport, RecoveryLog
+from .core.oscalls import OsCalls
 from .core.regions import DiffMode, RegionKind, RegionSpec, RegionTable, check_page_bytes
 from .core.replay import RegionImage, replay
 from .core.tracking import RegionDelta, StagedBatch, StagedDelta, Tracker
@@ -59,21 +60,28 @@ log = logging.getLogger("concordia_ft.runtime")
 
 
 # ------------------------------------------------------------------------------------------- runtime
+# how each kind is logged, for the message that refuses a diff mode on it
+_KIND_LOGGING = {RegionKind.DENSE: "whole every epoch", RegionKind.PAGED: "by its dirty_blocks flags",
+                 RegionKind.IMMUTABLE: "once", RegionKind.SCRATCH: "never"}
+
+
 class Runtime:
-    """Registers regions, checkpoints them as committed epochs, and restores them."""
+    """Registers regions, checkpoints them as committed epochs, and restores them.
+
+    ``log_io``: the OS calls the log writer makes (core/oscalls.py); tests pass one that injects faults."""
 
     def __init__(self, log_dir: str | Path, fsync: str = "always", *, backend: str = "file",
                  fsync_interval_ms: int = 100, page_bytes: int = 4096, segment_max_bytes: int = 1 << 30,
                  compact_after_bytes: int | None = 256 << 20, background_compaction: bool = True,
                  device_handlers: str = "auto", recovery: RecoveryOptions | Mapping[str, Any] | None = None,
-                 log_options: Mapping[str, Any] | None = None) -> None:
+                 log_io: OsCalls | None = None, log_options: Mapping[str, Any] | None = None) -> None:
         self.page_bytes = check_page_bytes(page_bytes)
         self.device_handlers = check_device_handlers(device_handlers)
         self.recovery = RecoveryOptions.coerce(recovery)
         self.log = RecoveryLog.open(log_dir, LogOptions(fsync=fsync, fsync_interval_ms=fsync_interval_ms,
                                                         backend=backend, segment_max_bytes=segment_max_bytes,
                                                         **dict(log_options or {})),
-                                    replay_options=self.recovery.replay_options())
+                                    replay_options=self.recovery.replay_options(), io=log_io)
         self.log_dir = Path(log_dir)
         self.table = RegionTable()
         self._trackers: dict[str, Tracker] = {}
@@ -132,8 +140,15 @@ class Runtime:
         Checked here (one pass over the buffer), since a wrong promise would lose data.
         """
         with self._mutex:
+            if self._closed:
+                raise ConfigError(f"register({name!r}): the runtime of {self.log_dir} is closed; open a new "
+                                  "Runtime on the log to register regions")
             self._drain(raise_failure=False)  # an in-flight epoch names the registry as it was
             kind = RegionKind.parse(kind)
+            if diff is not None and kind is not RegionKind.OPAQUE:
+                raise RegionError(f"region {name!r}: diff={str(getattr(diff, 'value', diff))!r} applies to opaque "
+                                  f"regions only; a {kind.value} region is logged "
+                                  f"{_KIND_LOGGING.get(kind, 'without a diff')}: drop diff=")
             dtype, shape, where = describe_buffer(buf)
             if diff is None:
                 diff = DiffMode.HASH if where.device.startswith("cuda") else DiffMode.SHADOW
@@ -498,8 +513,8 @@ class Runtime:
                     self._plan.close()
                 for t in self._trackers.values():
                     t.close()
-                self.log.close()
                 self._closed = True
+                self.log.close()  # raises CheckpointError if its final sync fails
         err, self._unreported = self._unreported, None
         if err is not None:
             raise err

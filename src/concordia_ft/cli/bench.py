@@ -53,7 +53,13 @@ def run(args: argparse.Namespace) -> int:
         status = status or rc
     if args.plot:
         for path in sorted((root / "benchmarks" / "results").glob("*.json")):
-            out = plot_results(path)
+            try:
+                out = plot_results(path)
+            except (ValueError, KeyError, TypeError, AttributeError) as e:  # not a results document we know
+                c.print(f"[yellow]skipped[/] {path.relative_to(root)}: not a results file this version can plot "
+                        f"({type(e).__name__}: {e})", soft_wrap=True)
+                status = status or 1
+                continue
             if out:
                 c.print(f"plotted {out.relative_to(root)}")
     return status

@@ -165,23 +165,98 @@ def _events(proc: subprocess.Popen[str]):  # type: ignore[no-untyped-def]
                 continue
 
 
-def _fail(msg: str, proc: subprocess.Popen[str] | None = None) -> int:
+def _fail(msg: str, proc: subprocess.Popen[str] | None = None, *, debug: bool = False) -> int:
+    """One line saying why; the child's stderr (its traceback) only with ``concordia --debug demo``."""
+    from rich.markup import escape
+
     from .output import console
 
-    err = ""
-    if proc is not None and proc.stderr is not None:
-        err = proc.stderr.read()[-3000:]
-    console().print(f"[bold red]demo failed:[/] {msg}")
-    if err:
-        console().print(err, markup=False)
+    console().print(f"[bold red]demo failed:[/] {escape(msg)}", soft_wrap=True)
+    if debug and proc is not None and proc.stderr is not None:
+        console().print(proc.stderr.read()[-6000:], markup=False)
     return 1
+
+
+def _why_it_ended(role: str, proc: subprocess.Popen[str], error: dict[str, Any] | None, done: bool,
+                  progress: str) -> str:
+    """The real cause of a child ending early, in one line: its own error, a signal, or its exit."""
+    if error is not None:
+        return f"the {role} failed {progress}: {error['error_type']}: {error['message']}"
+    if done:
+        return f"the {role} finished {progress}"
+    rc = proc.returncode
+    if rc is not None and rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        return f"the {role} was killed by {name} {progress} (out of memory? see dmesg)"
+    last = ""
+    if proc.stderr is not None:
+        tail = [ln for ln in proc.stderr.read().splitlines() if ln.strip()]
+        last = f"; its last words: {tail[-1].strip()[:300]}" if tail else ""
+    return f"the {role} exited with code {rc} {progress} without reporting a result{last}"
+
+
+def _child(body: Any, args: argparse.Namespace) -> int:
+    """Run a child's body; anything it raises becomes one ``error`` event (type and first line) for the parent
+    to show, the traceback going to stderr (which the parent prints only with --debug)."""
+    import traceback
+
+    try:
+        return int(body(args))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides what the user sees
+        msg = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+        _emit("error", error_type=type(e).__name__, message=msg[0] if msg else "(no message)")
+        traceback.print_exc()
+        return 2
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the demo's arguments or environment, in one line (None: nothing). Checked in this
+    process before any child starts, so a bad flag costs no model load."""
+    import importlib.util
+    import re
+
+    for mod, extra in (("torch", "llm"), ("transformers", "llm")):
+        if importlib.util.find_spec(mod) is None:
+            return f"the demo needs {mod}, which is not installed: pip install 'concordia-ft[{extra}]'"
+    if args.max_new_tokens < 1 or args.checkpoint_every < 1:
+        return "--max-new-tokens and --checkpoint-every must be at least 1"
+    if not 1 <= args.kill_after < args.max_new_tokens:
+        return (f"--kill-after {args.kill_after} must be between 1 and --max-new-tokens - 1 "
+                f"({args.max_new_tokens - 1}), so the kill lands inside the answer")
+    if args.model is not None and not (Path(args.model).expanduser() / "config.json").is_file():
+        return (f"--model {args.model!r} is not a local model directory (no config.json there); pass a directory "
+                "written by save_pretrained, or leave --model out for the bundled SmolLM2")
+    m = re.fullmatch(r"cpu|cuda(?::(\d+))?", args.device)
+    if m is None:
+        return f"--device {args.device!r} is not a device; use cpu, cuda or cuda:N"
+    if args.device != "cpu":
+        import torch
+
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(m.group(1) or 0)
+        if index >= n:
+            return (f"--device {args.device}: this machine has {n} CUDA device(s) visible to torch "
+                    f"{torch.__version__}; use --device cpu" + (f" or cuda:0..{n - 1}" if n else ""))
+    if args.log_dir is not None:
+        from ..core.segment import is_tmpfs
+
+        probe = Path(args.log_dir).expanduser().resolve()
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        if not is_tmpfs(probe):
+            return f"--log-dir {args.log_dir}: the demo logs to DRAM and needs a directory on tmpfs (e.g. /dev/shm)"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "child", None) == "writer":
-        return _child_writer(args)
+        return _child(_child_writer, args)
     if getattr(args, "child", None) == "recoverer":
-        return _child_recoverer(args)
+        return _child(_child_recoverer, args)
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
@@ -190,6 +265,11 @@ def run(args: argparse.Namespace) -> int:
     from .output import console, human_bytes
 
     con = console()
+    debug = bool(getattr(args, "debug", False))
+    problem = check_arguments(args)
+    if problem is not None:
+        con.print(f"[bold red]concordia demo:[/] {escape(problem)}", soft_wrap=True)
+        return 2
     if args.model is None:
         try:
             find_smollm2_gguf()
@@ -215,8 +295,12 @@ def run(args: argparse.Namespace) -> int:
             writer = _spawn(args, "writer")
             bars: dict[int, Any] = {}
             killed_at = None
+            werr: dict[str, Any] | None = None
+            wdone = False
             for ev in _events(writer):
-                if ev["ev"] == "loaded":
+                if ev["ev"] == "error":
+                    werr = ev
+                elif ev["ev"] == "loaded":
                     tl.append(("load", ev["t"] - t0, f"writer loaded the model in {ev['seconds']:.1f} s"))
                 elif ev["ev"] == "turn":
                     bars[ev["turn"]] = prog.add_task(f"writer  answer {ev['turn'] + 1}", total=args.max_new_tokens)
@@ -237,11 +321,17 @@ def run(args: argparse.Namespace) -> int:
                                    f"tokens of answer {turn + 1}"))
                         break
                 elif ev["ev"] == "done":
+                    wdone = True
                     break
             writer.wait(timeout=60)
             if killed_at is None:
-                return _fail(f"the writer finished before the kill point (answer {last + 1} had "
-                             f"{len(seen.get(last, []))} tokens); use a smaller --kill-after", writer)
+                got = len(seen.get(last, []))
+                why = _why_it_ended("writer", writer, werr, wdone,
+                                    f"before the kill point (answer {last + 1} had {got} of the "
+                                    f"{args.kill_after} tokens to kill after)")
+                if wdone and werr is None:
+                    why += "; the answer ended early (end of sequence): use a smaller --kill-after"
+                return _fail(why, writer, debug=debug)
             detected = time.time()
             tl.append(("detect", detected - t0, f"writer gone (exit {writer.returncode}) "
                        f"{(detected - killed_at) * 1e3:.1f} ms after the kill"))
@@ -252,8 +342,11 @@ def run(args: argparse.Namespace) -> int:
             result = None
             rbar = None
             last_tok_t = 0.0
+            rerr: dict[str, Any] | None = None
             for ev in _events(rec):
-                if ev["ev"] == "loaded":
+                if ev["ev"] == "error":
+                    rerr = ev
+                elif ev["ev"] == "loaded":
                     tl.append(("load", ev["t"] - t0, f"recoverer loaded the model in {ev['seconds']:.1f} s"))
                 elif ev["ev"] == "restored":
                     tl.append(("restore", ev["t"] - t0,
@@ -275,7 +368,8 @@ def run(args: argparse.Namespace) -> int:
                     result = ev
             rec.wait(timeout=120)
             if result is None:
-                return _fail(f"the recovery process ended without a result (exit {rec.returncode})", rec)
+                return _fail(_why_it_ended("recovery process", rec, rerr, False, "before its result"), rec,
+                             debug=debug)
         # -- 3. verdict --------------------------------------------------------------------------------------
         got, ref = result["recovered"], result["reference"]
         ok = got == ref and all(seen[t] == ref[t][: len(seen[t])] for t in seen)
@@ -311,9 +405,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .main import guarded
+
     p = argparse.ArgumentParser(prog="concordia demo")
     add_arguments(p)
-    return run(p.parse_args(argv))
+    p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:  # a child reports its own errors to the parent (see _child)
+        return run(args)
+    return guarded(lambda: run(args), "demo", args.debug)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ..errors import ConfigError
 from .format import (
     ALIGN,
     COMMIT_BYTES,
@@ -86,7 +87,13 @@ def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: 
             var = d.pages.astype("<i8").tobytes()
             records.append((REC_PAGES, d.spec.name.encode(), var, len(d.pages), d.payload, len(d.pages)))
     if meta is not None:
-        records.append((REC_META, b"", encode_json(meta), 0, None, 0))
+        try:
+            meta_json = encode_json(meta)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"epoch {epoch} not written: its metadata must be JSON-able (dicts with string keys, "
+                              f"lists, strings, numbers, booleans, None): {e}; convert it (e.g. sets to lists, "
+                              "arrays with .tolist()) and checkpoint again") from None
+        records.append((REC_META, b"", meta_json, 0, None, 0))
 
     desc_bytes = sum(entry_size(len(r[1]), len(r[2])) for r in records)
     cursor = align_up(start_offset + EPOCH_HEADER_BYTES + desc_bytes) - start_offset

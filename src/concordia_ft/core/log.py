@@ -11,10 +11,16 @@ loses nothing that ``append`` returned under any policy, since the bytes are in 
 - ``always``: fdatasync before ``append`` returns: nothing that returned is lost.
 - ``interval``: a background thread syncs every ``fsync_interval_ms``: at most that many ms of epochs.
 - ``never``: the kernel's writeback decides (dirty_expire_centisecs, 30 s by default).
+
+When an OS call fails (every one goes through ``oscalls.OsCalls``), ``append`` raises ``CheckpointError``: the
+failed epoch's bytes are cut back and its number stays free, or, where what the disk holds is no longer known
+(a failed sync of returned epochs, a failed cut, a failed directory fsync), the log is failed and appends
+nothing more until it is reopened. DESIGN.md, "When a write or a sync fails", has the rule for each call.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
@@ -26,12 +32,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import ConfigError, LogCorruptError, LogLockedError
+from ..errors import CheckpointError, ConfigError, LogCorruptError, LogError, LogLockedError
 from .epochs import plan_epoch
-from .format import SEGMENT_BASE, SEGMENT_INCR, SegmentHeader
-from .manifest import SEGMENT_RE, Manifest, fsync_dir, store_manifest
+from .format import SEGMENT_BASE, SEGMENT_HEADER_BYTES, SEGMENT_INCR, SegmentHeader
+from .manifest import SEGMENT_RE, DirSyncError, Manifest, fsync_dir, store_manifest
 from .mapped import MappedSegment, Registrar, SparePreparer
 from .options import coerce_options
+from .oscalls import REAL_OS, OsCalls
 from .regions import RegionSpec
 from .replay import Outcome, ReplayOptions, ReplayResult, replay
 from .segment import DaxSegment, FileSegment, SegmentWriter, check_backend
@@ -108,7 +115,14 @@ class DirLock:
 
     def __init__(self, log_dir: Path, what: str) -> None:
         self.path = log_dir / LOCK_NAME
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise LogError(
+                f"cannot write to the log directory {log_dir} ({e.strerror}): a {what} needs a directory it can "
+                "write; fix its permissions or mount, or pick another directory. To read a log on read-only "
+                "media, use concordia_ft.recover(DIR) or `concordia log inspect DIR`"
+            ) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -127,14 +141,14 @@ class DirLock:
             self._fd = -1
 
 
-def _open_segment(path: Path, opts: LogOptions, *, header: bytes | None = None, end: int | None = None,
-                  capacity: int = 0, register: Registrar | None = None) -> SegmentWriter:
+def _open_segment(path: Path, opts: LogOptions, io: OsCalls, *, header: bytes | None = None,
+                  end: int | None = None, capacity: int = 0, register: Registrar | None = None) -> SegmentWriter:
     if opts.backend == "dax":
-        return DaxSegment(path, opts.dax_segment_bytes, create_with=header, end=end)
+        return DaxSegment(path, opts.dax_segment_bytes, create_with=header, end=end, io=io)
     if opts.uses_mapped:
         cap = max(capacity, min(opts.mapped_segment_bytes, opts.segment_max_bytes))
-        return MappedSegment(path, cap, create_with=header, end=end, register=register)
-    return FileSegment(path, create_with=header)
+        return MappedSegment(path, cap, create_with=header, end=end, register=register, io=io)
+    return FileSegment(path, create_with=header, io=io)
 
 
 def _preallocated(seg: SegmentWriter) -> bool:
@@ -153,19 +167,53 @@ class PlacedPayload(Protocol):
     def wait(self) -> None: ...
 
 
-def _add_incr_segment(log_dir: Path, manifest: Manifest, opts: LogOptions, *, capacity: int = 0,
+def _add_incr_segment(log_dir: Path, manifest: Manifest, opts: LogOptions, io: OsCalls, *, capacity: int = 0,
                       register: Registrar | None = None, spare: SparePreparer | None = None) -> SegmentWriter:
-    """Create the next incremental segment (header synced), then name it in the manifest (atomically)."""
-    name = manifest.new_segment_name("incr")
-    header = segment_header(manifest, name)
+    """Create the next incremental segment (header synced), then name it in the manifest (atomically).
+
+    On a failure before the manifest's rename, ``manifest`` names the same segments as before and the new file
+    is removed (or left as an orphan the next open deletes). ``DirSyncError``: the manifest on disk names the
+    new segment, so ``manifest`` does too and the segment is not removed; its durability is unknown."""
+    new = manifest.copy()
+    name = new.new_segment_name("incr")
+    manifest.next_generation = new.next_generation  # a name is handed out once, even when this fails
+    header = segment_header(new, name)
     seg: SegmentWriter | None = None
-    if spare is not None and opts.uses_mapped:
+    if spare is not None and opts.uses_mapped:  # created, faulted in and registered ahead, off this path
         seg = spare.take(log_dir / name, header, capacity)
     if seg is None:
-        seg = _open_segment(log_dir / name, opts, header=header, capacity=capacity, register=register)
-    manifest.incr.append(name)
-    store_manifest(log_dir, manifest)
+        seg = _open_segment(log_dir / name, opts, io, header=header, capacity=capacity, register=register)
+    new.incr.append(name)
+    try:
+        store_manifest(log_dir, new, io=io)
+    except DirSyncError:
+        manifest.incr = new.incr
+        seg.close(quietly=True)
+        raise
+    except BaseException:
+        seg.close(quietly=True)
+        io.unlink_quietly(seg.path)
+        raise
+    manifest.incr = new.incr
     return seg
+
+
+def _describe(e: BaseException) -> str:
+    """An OS error as a message says it (errno name, text, the file), with a hint when the disk is full."""
+    if isinstance(e, OSError) and e.errno is not None:
+        name = errno.errorcode.get(e.errno, str(e.errno))
+        where = f" ({Path(e.filename).name})" if e.filename else ""
+        hint = "; the disk is full: free space or move the log" if e.errno == errno.ENOSPC else ""
+        return f"[{name}] {e.strerror or os.strerror(e.errno)}{where}{hint}"
+    return f"{type(e).__name__}: {e}"
+
+
+class _WriteFailed(Exception):
+    """Internal: a step of an append failed; ``text`` says what and what it means (the log may be failed)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
 
 
 def remove_orphans(log_dir: Path, manifest: Manifest) -> list[str]:
@@ -181,13 +229,51 @@ def remove_orphans(log_dir: Path, manifest: Manifest) -> list[str]:
     return removed
 
 
+def make_log_dir(path: Path) -> Path | None:
+    """Create the log directory (and missing parents); return the topmost directory this call created (None:
+    it existed). Raises ConfigError when ``path`` (or a parent) is a file, LogError when it cannot be created."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a log directory; pass a directory (it is created if missing)")
+    top = None
+    p = path
+    while not p.exists() and p != p.parent:
+        top, p = p, p.parent
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"cannot create the log directory {path}: {p} is a file, not a directory") from None
+    except OSError as e:
+        raise LogError(f"cannot create the log directory {path} ({e.strerror}); pick a directory you can write, "
+                       "or fix the permissions or mount of its parent") from None
+    return top
+
+
+def remove_created_dir(path: Path, top: Path | None) -> None:
+    """Undo :func:`make_log_dir` after a refused open: remove the directories it created, if they hold
+    nothing but the lock file this open made (never anything else)."""
+    if top is None:
+        return
+    try:
+        if {p.name for p in path.iterdir()} <= {LOCK_NAME}:
+            (path / LOCK_NAME).unlink(missing_ok=True)
+        p = path
+        while True:
+            p.rmdir()
+            if p == top:
+                break
+            p = p.parent
+    except OSError:
+        pass  # not empty (something else was written meanwhile) or already gone: leave it
+
+
 class RecoveryLog:
     """The single writer of a log directory. Thread-safe: the compactor runs beside the appender."""
 
     def __init__(self, log_dir: Path, opts: LogOptions, lock: DirLock, manifest: Manifest,
                  segment: SegmentWriter, last_epoch: int | None, report: OpenReport,
-                 replayed: ReplayResult | None) -> None:
+                 replayed: ReplayResult | None, io: OsCalls = REAL_OS) -> None:
         self.dir = log_dir
+        self._io = io
         self.options = opts
         self._lock = lock
         self.manifest = manifest
@@ -201,6 +287,13 @@ class RecoveryLog:
         self._dirty = False
         self._closed = False
         self._segment_epochs = 0
+        # durability bookkeeping (DESIGN.md, "When a write or a sync fails"): the active segment's bytes before
+        # _synced_end are on stable storage, and so is every epoch up to _durable_epoch
+        self._synced_end = segment.end
+        self._durable_epoch = last_epoch
+        self._failure: str | None = None  # set once: why this writer appends nothing more
+        self._failure_epoch = 0  # the first epoch whose fate the failure leaves unknown
+        self._failure_reported = False
         self._syncer: threading.Thread | None = None
         self._stop = threading.Event()
         self._register: Registrar | None = None  # pins mapped segments with the driver (set by the CUDA layer)
@@ -213,31 +306,39 @@ class RecoveryLog:
     # ------------------------------------------------------------------------------------------ opening
     @classmethod
     def open(cls, log_dir: str | os.PathLike[str], options: LogOptions | dict[str, Any] | None = None, *,
-             replay_options: ReplayOptions | dict[str, Any] | None = None) -> RecoveryLog:
+             replay_options: ReplayOptions | dict[str, Any] | None = None, io: OsCalls | None = None
+             ) -> RecoveryLog:
         """Open (or create) the log for appending. The replay this takes verifies every epoch; its copy
-        pass is deferred to whoever restores (``self.replayed``)."""
+        pass is deferred to whoever restores (``self.replayed``). ``io``: the OS calls the writer makes (tests
+        pass a fault-injecting table; default the real ones)."""
         opts = LogOptions.coerce(options)
         path = Path(log_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        check_backend(opts.backend, path)
-        lock = DirLock(path, "writer")
+        check_backend(opts.backend, path)  # refused before anything is created
+        created = make_log_dir(path)
+        try:
+            lock = DirLock(path, "writer")
+        except BaseException:
+            remove_created_dir(path, created)
+            raise
         result: ReplayResult | None = None
         try:
             result = replay(path, options=replay_options, materialize=False)
-            return cls._open_locked(path, opts, lock, result)
+            return cls._open_locked(path, opts, lock, result, io or REAL_OS)
         except BaseException:
             if result is not None:
                 result.close()
             lock.release()
+            remove_created_dir(path, created)
             raise
 
     @classmethod
-    def _open_locked(cls, path: Path, opts: LogOptions, lock: DirLock, result: ReplayResult) -> RecoveryLog:
+    def _open_locked(cls, path: Path, opts: LogOptions, lock: DirLock, result: ReplayResult, io: OsCalls
+                     ) -> RecoveryLog:
         if result.manifest is None:
             manifest = Manifest(log_id=secrets.token_bytes(16).hex())
-            seg = _add_incr_segment(path, manifest, opts)
+            seg = _add_incr_segment(path, manifest, opts, io)
             report = OpenReport(True, Outcome.EMPTY, None, durable=seg.durable)
-            return cls(path, opts, lock, manifest, seg, None, report, result)
+            return cls(path, opts, lock, manifest, seg, None, report, result, io)
         manifest = result.manifest
         report = OpenReport(False, result.outcome, result.epoch)
         if result.outcome is Outcome.DAMAGED_TAIL:
@@ -250,16 +351,16 @@ class RecoveryLog:
             )
         report.removed_orphans = remove_orphans(path, manifest)
         if not manifest.incr:  # only a base (after an offline compaction): appends go to a new segment
-            seg = _add_incr_segment(path, manifest, opts)
+            seg = _add_incr_segment(path, manifest, opts, io)
             report.durable = seg.durable
-            return cls(path, opts, lock, manifest, seg, result.epoch, report, result)
+            return cls(path, opts, lock, manifest, seg, result.epoch, report, result, io)
         last = manifest.segments()[-1]
         end = result.end_offset if result.end_segment == last else None
         if end is None:  # the tail segment never got its header: start it again
             (path / last).unlink(missing_ok=True)
-            seg = _open_segment(path / last, opts, header=segment_header(manifest, last))
+            seg = _open_segment(path / last, opts, io, header=segment_header(manifest, last))
         else:
-            seg = _open_segment(path / last, opts, end=end)
+            seg = _open_segment(path / last, opts, io, end=end)
             size = os.path.getsize(path / last)
             if result.tail is not None or (not _preallocated(seg) and size > end):
                 reason = result.tail.reason if result.tail else "trailing zero bytes"
@@ -273,55 +374,119 @@ class RecoveryLog:
                 report.cut_reason = reason
                 log.warning("cut %d bytes of torn tail from %s at offset %d (%s): that epoch never committed",
                             report.cut_bytes, last, end, reason)
+            elif opts.fsync != "never":  # what an earlier writer left is made durable before anything follows it
+                try:
+                    seg.sync()
+                except OSError as e:
+                    seg.close(quietly=True)
+                    raise LogError(f"syncing {path / last} before appending to it failed: {_describe(e)}; the "
+                                   "device is failing or full: fix that, then open the log again") from e
         report.durable = seg.durable
-        return cls(path, opts, lock, manifest, seg, result.epoch, report, result)
+        return cls(path, opts, lock, manifest, seg, result.epoch, report, result, io)
 
     # ------------------------------------------------------------------------------------------ writing
     def append(self, *, defs: Sequence[RegionSpec] = (), drops: Sequence[str] = (),
                deltas: Sequence[RegionDelta] = (), meta: Any = None, epoch: int | None = None) -> AppendResult:
-        """Write one epoch and commit it per the fsync policy. Returns once committed."""
+        """Write one epoch and commit it per the fsync policy. Returns once committed.
+
+        Raises ``CheckpointError`` when an OS call under it fails (DESIGN.md, "When a write or a sync fails"):
+        ``log_failed`` False: the epoch's bytes were taken back, its number is free and the log goes on (call
+        again once the cause is fixed); True: this writer appends nothing more, reopen the log."""
         with self._mutex:
             self._check_open()
             number = (self.last_epoch or 0) + 1 if epoch is None else epoch
             if self.last_epoch is not None and number != self.last_epoch + 1:
                 raise ConfigError(f"epoch {number} does not follow the last committed epoch {self.last_epoch}")
+            self._check_not_failed(number)
             # a payload that is still on a device (cuda.mapped.DevicePayload): DMA'd into the log's own pages
             placed = {i: d.payload for i, d in enumerate(deltas) if hasattr(d.payload, "place")}
-            if placed:
-                plan, offset = self._placed_append(number, list(defs), list(drops), list(deltas),
-                                                   placed, meta)  # type: ignore[arg-type]
-            else:
-                plan = plan_epoch(number, self._segment.end, defs=list(defs), drops=list(drops),
-                                  deltas=list(deltas), meta=meta)
-                seg = self._segment
-                if self._segment_epochs and seg.end + plan.total_bytes > self.options.segment_max_bytes or (
-                        isinstance(seg, MappedSegment) and plan.total_bytes > seg.room()):
-                    self._roll(plan.total_bytes)
+            try:
+                if placed:
+                    plan, offset = self._placed_append(number, list(defs), list(drops), list(deltas),
+                                                       placed, meta)  # type: ignore[arg-type]
+                else:
                     plan = plan_epoch(number, self._segment.end, defs=list(defs), drops=list(drops),
                                       deltas=list(deltas), meta=meta)
-                offset = self._segment.append(plan.parts)
-            if self.options.fsync == "always":
-                self._segment.sync()
-            else:
-                self._dirty = True
+                    seg = self._segment
+                    if (self._segment_epochs and seg.end + plan.total_bytes > self.options.segment_max_bytes) or (
+                            isinstance(seg, MappedSegment) and plan.total_bytes > seg.room()):
+                        self._roll(plan.total_bytes)
+                        plan = plan_epoch(number, self._segment.end, defs=list(defs), drops=list(drops),
+                                          deltas=list(deltas), meta=meta)
+                    offset = self._write_epoch(number, plan.parts)
+            except _WriteFailed as f:
+                raise self._error(number, f.text) from f.__cause__
             self.last_epoch = number
             self._segment_epochs += 1
             return AppendResult(number, self._segment.path.name, offset, plan.total_bytes, plan.payload_bytes,
                                 plan.n_pages, plan.region_pages)
 
-    def _roll(self, need: int = 0) -> None:
-        """Seal the active incremental segment and continue in a new one (manifest updated atomically)."""
-        self._segment.sync()
-        from .format import SEGMENT_HEADER_BYTES
+    def _write_epoch(self, number: int, parts: Sequence[Any], placed: Sequence[int] = ()) -> int:
+        """One vectored write (+ fdatasync under ``always``). On a failure the epoch's bytes are cut back (and
+        the cut synced) so the number stays free; if the cut fails too, the log is failed."""
+        seg = self._segment
+        start = seg.end
+        step = f"writing epoch {number} to {seg.path.name} at offset {start}"
+        try:
+            if placed:  # the payloads at these indices are in the mapping already (core/mapped.py)
+                assert isinstance(seg, MappedSegment)
+                seg.append_placed(parts, placed)
+            else:
+                seg.append(parts)
+            if self.options.fsync == "always":
+                step = f"{'msync' if isinstance(seg, DaxSegment) else 'fdatasync'} of epoch {number} in {seg.path.name}"
+                seg.sync()
+        except LogError as e:  # it does not fit (DAX): nothing was stored
+            raise _WriteFailed(f"{step} failed: {e}") from e
+        except OSError as e:
+            cause = f"{step} failed: {_describe(e)}"
+            try:
+                if isinstance(seg, MappedSegment):  # zero what was placed or stored past the end
+                    seg.cut(start, start + sum(memoryview(p).nbytes for p in parts))
+                else:
+                    seg.cut(start)
+            except OSError as e2:
+                raise _WriteFailed(self._mark_failed(
+                    number, f"{cause}, and cutting its bytes back to offset {start} failed too ({_describe(e2)}); "
+                    f"whether epoch {number} reached the disk is unknown")) from e
+            self._synced_end = start  # the cut's fsync made everything before it durable
+            self._durable_epoch = self.last_epoch
+            raise _WriteFailed(f"{cause}; its bytes were cut back to offset {start}") from e
+        if self.options.fsync == "always":
+            self._synced_end = seg.end
+            self._durable_epoch = number
+        else:
+            self._dirty = True
+        return start
 
-        # the epoch is planned again at the new offset: its alignment padding can grow by up to a page
-        seg = _add_incr_segment(self.dir, self.manifest, self.options, capacity=need + 2 * SEGMENT_HEADER_BYTES,
-                                register=self._register, spare=self._spare)
-        self._segment.close()
+    def _roll(self, need: int = 0) -> None:
+        """Seal the active incremental segment and continue in a new one (manifest updated atomically).
+
+        A failure before the manifest's rename leaves the log on the old segment, healthy; a failed fdatasync
+        of the old segment or of the directory after the rename fails the log."""
+        old = self._segment
+        self._sync_active(f"fdatasync of {old.path.name} before sealing it")
+        try:
+            # an epoch is planned again at the new offset: its alignment padding can grow by up to a page
+            seg = _add_incr_segment(self.dir, self.manifest, self.options, self._io,
+                                    capacity=need + 2 * SEGMENT_HEADER_BYTES, register=self._register,
+                                    spare=self._spare)
+        except DirSyncError as e:
+            raise _WriteFailed(self._mark_failed((self.last_epoch or 0) + 1, (
+                f"starting segment {self.manifest.incr[-1]}: the manifest naming it is in place, but fsyncing the "
+                f"directory after it failed ({_describe(e)}), so whether it survives a crash is unknown"))) from e
+        except OSError as e:
+            raise _WriteFailed(f"starting a new segment after {old.path.name} failed: {_describe(e)}; the log goes "
+                               f"on in {old.path.name}, unchanged") from e
         self._segment = seg
         self._segment_epochs = 0
+        self._synced_end = seg.end
         if self._spare is not None:
             self._spare.start()
+        try:
+            old.close()
+        except OSError as e:  # synced already: nothing of it is at stake
+            log.warning("closing sealed segment %s failed: %s", old.path, _describe(e))
 
     # ------------------------------------------------------------------------------- placed payloads
     @property
@@ -335,13 +500,13 @@ class RecoveryLog:
         next segment is created, faulted in and registered ahead, on a background thread."""
         with self._mutex:
             self._check_open()
-            if not isinstance(self._segment, MappedSegment):
+            if not isinstance(self._segment, MappedSegment) or self._register is not None:
                 return
             self._register = register
             self._segment.register(register)
-            if prepare_spare and self._spare is None:
+            if prepare_spare:
                 cap = min(self.options.mapped_segment_bytes, self.options.segment_max_bytes)
-                self._spare = SparePreparer(self.dir, cap, register)
+                self._spare = SparePreparer(self.dir, cap, register, io=self._io)
                 self._spare.start()
 
     def _placed_append(self, number: int, defs: list[RegionSpec], drops: list[str], deltas: list[RegionDelta],
@@ -378,12 +543,11 @@ class RecoveryLog:
             pool = self._crc_workers()
             crcs = [crc32c_parallel(views[i].payload, pool) for i in with_pages]
             plan = plan_epoch(number, start, defs=defs, drops=drops, deltas=views, meta=meta, payload_crcs=crcs)
-            in_place = [plan.payload_parts[k] for k, i in enumerate(with_pages) if i in placed]
-            seg.append_placed(plan.parts, in_place)
         except BaseException:
             seg.cut(start, start + plan.total_bytes)  # nothing of this epoch stays behind
             raise
-        return plan, start
+        in_place = [plan.payload_parts[k] for k, i in enumerate(with_pages) if i in placed]
+        return plan, self._write_epoch(number, plan.parts, in_place)
 
     def _crc_workers(self) -> Any:
         if self._crc_pool is None:
@@ -393,28 +557,85 @@ class RecoveryLog:
                                                 thread_name_prefix="concordia-crc")
         return self._crc_pool
 
+    def _sync_active(self, step: str) -> None:
+        """fdatasync the active segment if it holds bytes not known durable (caller holds the mutex). A failure
+        fails the log: after a failed fsync the page cache no longer says what the disk holds."""
+        seg = self._segment
+        end = seg.end
+        if self._synced_end >= end:
+            self._dirty = False
+            return
+        try:
+            seg.sync()
+        except OSError as e:
+            first = (self._durable_epoch or 0) + 1
+            raise _WriteFailed(self._mark_failed(first, (
+                f"{step} failed: {_describe(e)}; epochs {first} to {self.last_epoch} were written but may not "
+                "be on disk"))) from e
+        self._synced_end = end
+        self._durable_epoch = self.last_epoch
+        self._dirty = False
+
+    def _mark_failed(self, first_unknown: int, text: str) -> str:
+        """Fail the log (once): this writer appends nothing more; a reopen replays what the disk holds."""
+        if self._failure is None:
+            self._failure, self._failure_epoch = text, first_unknown
+            log.error("the recovery log %s is failed: %s; reopen it to go on", self.dir, text)
+        return self._failure
+
+    def _error(self, number: int, text: str) -> CheckpointError:
+        failed = self._failure is not None
+        if failed:
+            self._failure_reported = True
+        last = self._durable_epoch if failed else self.last_epoch
+        return CheckpointError(number if not failed else min(number, self._failure_epoch), last, False, text,
+                               failed)
+
+    def _check_not_failed(self, number: int) -> None:
+        if self._failure is not None:
+            raise self._error(number, self._failure)
+
+    @property
+    def failed(self) -> str | None:
+        """Why this writer appends nothing more (None while it is healthy)."""
+        return self._failure
+
     def sync(self) -> None:
+        """Make every appended epoch durable. Raises ``CheckpointError`` (``log_failed``) if that fails."""
         with self._mutex:
-            if not self._closed:
-                self._segment.sync()
-                self._dirty = False
+            if self._closed:
+                return
+            self._check_not_failed((self.last_epoch or 0) + 1)
+            try:
+                self._sync_active(f"fdatasync of {self._segment.path.name}")
+            except _WriteFailed as f:
+                raise self._error((self.last_epoch or 0) + 1, f.text) from f.__cause__
 
     def _sync_loop(self) -> None:
         period = self.options.fsync_interval_ms / 1000
         while not self._stop.wait(period):
-            if self._dirty:
+            with self._mutex:
+                if self._closed or self._failure is not None:
+                    return
+                if not self._dirty:
+                    continue
                 try:
-                    self.sync()
-                except OSError as e:  # keep trying; the next append reports a real failure
-                    log.error("background fsync of %s failed: %s", self.dir, e)
+                    self._sync_active(f"background fdatasync of {self._segment.path.name}")
+                except _WriteFailed:  # failed now: the next append, sync or close raises it
+                    return
 
     # ------------------------------------------------------------------------------------ compaction
     def seal_for_compaction(self) -> list[str]:
         """Start a new incremental segment; return the sealed segments a compactor may rewrite."""
         with self._mutex:
             self._check_open()
+            if self._failure is not None:
+                raise LogError(f"the log {self.dir} is failed ({self._failure}); compaction waits for a reopen")
             if self._segment_epochs:
-                self._roll()
+                try:
+                    self._roll()
+                except _WriteFailed as f:
+                    raise LogError(f"sealing the active segment for compaction failed: {f.text}") from f.__cause__
             return self.manifest.segments()[:-1]
 
     def reserve_base(self) -> tuple[str, bytes]:
@@ -427,7 +648,15 @@ class RecoveryLog:
         """Swap ``replaced`` (a prefix of the manifest) for the new base, atomically; delete the old files."""
         with self._mutex:
             self._check_open()
-            install_base(self.dir, self.manifest, base_name, replaced)
+            if self._failure is not None:
+                raise LogError(f"the log {self.dir} is failed ({self._failure}); the compacted base is not installed")
+            try:
+                install_base(self.dir, self.manifest, base_name, replaced, io=self._io)
+            except DirSyncError as e:
+                self._mark_failed((self._durable_epoch or 0) + 1, (
+                    f"installing base {base_name}: the manifest naming it is in place, but fsyncing the directory "
+                    f"after it failed ({_describe(e)})"))
+                raise
 
     def bytes_since_base(self) -> int:
         with self._mutex:
@@ -443,6 +672,9 @@ class RecoveryLog:
             raise ConfigError(f"the log {self.dir} is closed")
 
     def close(self) -> None:
+        """Sync (unless ``fsync="never"``), close, release the lock. Raises ``CheckpointError`` when the final
+        sync fails, or when the log failed in the background and no call has raised that yet."""
+        err: CheckpointError | None = None
         with self._mutex:
             if self._closed:
                 return
@@ -451,18 +683,24 @@ class RecoveryLog:
                 self.replayed = None
             self._stop.set()
             try:
-                if self.options.fsync != "never":
-                    self._segment.sync()
+                if self.options.fsync != "never" and self._failure is None:
+                    self._sync_active(f"fdatasync of {self._segment.path.name} at close")
+            except _WriteFailed:
+                pass  # the log is failed: reported below
             finally:
-                self._segment.close()
+                self._segment.close(quietly=True)
                 if self._spare is not None:
                     self._spare.close()
                 if self._crc_pool is not None:
                     self._crc_pool.shutdown(wait=False)
                 self._closed = True
                 self._lock.release()
+            if self._failure is not None and not self._failure_reported:
+                err = self._error((self.last_epoch or 0) + 1, self._failure)
         if self._syncer is not None:
             self._syncer.join(timeout=5)
+        if err is not None:
+            raise err
 
     def __enter__(self) -> RecoveryLog:
         return self
@@ -471,17 +709,29 @@ class RecoveryLog:
         self.close()
 
 
-def install_base(log_dir: Path, manifest: Manifest, base_name: str, replaced: Sequence[str]) -> None:
+def install_base(log_dir: Path, manifest: Manifest, base_name: str, replaced: Sequence[str], *,
+                 io: OsCalls = REAL_OS) -> None:
+    """Swap ``replaced`` (a prefix of the manifest) for ``base_name``, atomically; delete the replaced files.
+    ``manifest`` changes only once the new one is in place (also when only the directory fsync then fails)."""
     current = manifest.segments()
     if list(replaced) != current[: len(replaced)]:
         raise ConfigError(f"segments {list(replaced)} are not a prefix of the manifest {current}")
-    manifest.base = base_name
-    manifest.incr = [n for n in current[len(replaced) :] if n != base_name]
-    store_manifest(log_dir, manifest)
+    new = manifest.copy()
+    new.base = base_name
+    new.incr = [n for n in current[len(replaced) :] if n != base_name]
+    try:
+        store_manifest(log_dir, new, io=io)
+    except DirSyncError:  # the new manifest is in place (its durability unknown): say what it names
+        manifest.base, manifest.incr = new.base, new.incr
+        raise
+    manifest.base, manifest.incr = new.base, new.incr
     for name in replaced:
         if name != base_name:
-            (log_dir / name).unlink(missing_ok=True)
-    fsync_dir(log_dir)
+            io.unlink_quietly(log_dir / name)  # what stays is an orphan: the next open deletes it
+    try:
+        io.fsync_dir(log_dir)
+    except OSError as e:  # the manifest no longer names them: reappearing after a crash, they are orphans
+        log.warning("fsync of %s after deleting compacted segments failed: %s", log_dir, _describe(e))
 
 
 def segment_header(manifest: Manifest, name: str) -> bytes:

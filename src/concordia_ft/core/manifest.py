@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..errors import LogCorruptError, LogError
 from .format import FORMAT_VERSION, crc32c
+from .oscalls import REAL_OS, OsCalls
 
 MANIFEST_NAME = "MANIFEST"
 MAX_MANIFEST_BYTES = 1 << 20
@@ -29,6 +30,9 @@ class Manifest:
     next_generation: int = 1
     base: str | None = None
     incr: list[str] = field(default_factory=list)
+
+    def copy(self) -> Manifest:
+        return Manifest(self.log_id, self.next_generation, self.base, list(self.incr))
 
     def segments(self) -> list[str]:
         return ([self.base] if self.base else []) + list(self.incr)
@@ -89,31 +93,44 @@ def load_manifest(log_dir: Path) -> Manifest | None:
     return decode_manifest(data, str(path))
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class DirSyncError(OSError):
+    """The rename of an atomic replace happened, but fsyncing the directory after it failed: the new file is
+    in place for this machine, and whether the rename survives a crash is unknown."""
 
 
-def write_atomically(path: Path, data: bytes, *, sync: bool = True) -> None:
-    """temp file, fsync, rename over ``path``, fsync the directory."""
+def fsync_dir(path: Path, *, io: OsCalls = REAL_OS) -> None:
+    io.fsync_dir(path)
+
+
+def write_atomically(path: Path, data: bytes, *, sync: bool = True, io: OsCalls = REAL_OS) -> None:
+    """temp file, fsync, rename over ``path``, fsync the directory.
+
+    A failure before the rename leaves ``path`` as it was (the temp file is removed when it can be) and
+    raises the ``OSError``; a failed directory fsync after it raises ``DirSyncError``."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        if sync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        fd = io.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = io.write(fd, view)
+                view = view[n:]
+            if sync:
+                io.fsync(fd)
+        except BaseException:
+            io.close_quietly(fd)
+            raise
+        io.close(fd)  # on some filesystems (NFS) close reports a failed write
+        io.replace(tmp, path)
+    except BaseException:
+        io.unlink_quietly(tmp)
+        raise
     if sync:
-        fsync_dir(path.parent)
+        try:
+            io.fsync_dir(path.parent)
+        except OSError as e:
+            raise DirSyncError(e.errno, e.strerror, str(path.parent)) from e
 
 
-def store_manifest(log_dir: Path, manifest: Manifest, *, sync: bool = True) -> None:
-    write_atomically(log_dir / MANIFEST_NAME, manifest.encode(), sync=sync)
+def store_manifest(log_dir: Path, manifest: Manifest, *, sync: bool = True, io: OsCalls = REAL_OS) -> None:
+    write_atomically(log_dir / MANIFEST_NAME, manifest.encode(), sync=sync, io=io)

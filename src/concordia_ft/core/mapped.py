@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import LogError
-from .segment import Buffer, _fallocate_keep_size
+from .oscalls import FALLOC_FL_KEEP_SIZE, REAL_OS, Buffer, OsCalls
 
-_FALLOC_FL_PUNCH_HOLE = 2
-_FALLOC_FL_KEEP_SIZE = 1
+FALLOC_FL_PUNCH_HOLE = 2
 
 
 class Registration(Protocol):
@@ -44,15 +43,14 @@ class Registration(Protocol):
 Registrar = Callable[[int, int], Registration]
 
 
-def _punch_hole(fd: int, offset: int, length: int) -> bool:
+def _punch_hole(io: OsCalls, fd: int, offset: int, length: int) -> bool:
     """Deallocate [offset, offset + length) of a tmpfs file (reads as zeros after): cheaper than writing zeros."""
     if length <= 0:
         return True
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-        return bool(int(libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length)) == 0)
-    except (OSError, AttributeError):
+        io.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length)
+        return True
+    except OSError:
         return False
 
 
@@ -62,25 +60,31 @@ class MappedSegment:
     tmpfs (the stores are in the page cache, like a pwrite: a killed process loses nothing that returned)."""
 
     def __init__(self, path: Path, capacity: int, *, create_with: bytes | None = None, end: int | None = None,
-                 register: Registrar | None = None) -> None:
+                 register: Registrar | None = None, io: OsCalls = REAL_OS) -> None:
         self.path = path
         self.durable = True  # as durable as a file segment on the same tmpfs
+        self._io = io
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create_with is not None else 0)
-        self._fd = os.open(path, flags, 0o644)
+        self._fd = io.open(path, flags, 0o644)
         try:
             size = os.fstat(self._fd).st_size
             self.end = 0 if create_with is not None else (end if end is not None else size)
             if size > self.end:  # torn or preallocated bytes past the last commit: zeros from here on
-                if not _punch_hole(self._fd, self.end, size - self.end):
-                    os.pwrite(self._fd, bytes(size - self.end), self.end)
-            self.capacity = max(capacity, -(-self.end // mmap.PAGESIZE) * mmap.PAGESIZE)
-            if size < self.capacity:
-                os.ftruncate(self._fd, self.capacity)
-            _fallocate_keep_size(self._fd, 0, self.capacity)  # allocate the tmpfs pages now, not on first store
+                if not _punch_hole(io, self._fd, self.end, size - self.end):
+                    io.ftruncate(self._fd, self.end)
+            page = mmap.PAGESIZE
+            self.capacity = -(-max(capacity, self.end) // page) * page
+            if os.fstat(self._fd).st_size < self.capacity:
+                io.ftruncate(self._fd, self.capacity)
+            # allocate the tmpfs pages now: no page fault on the first store, and a full tmpfs is an ENOSPC here
+            # instead of a SIGBUS on a store into a page that cannot be allocated
+            io.fallocate(self._fd, FALLOC_FL_KEEP_SIZE, 0, self.capacity)
             self._map = mmap.mmap(self._fd, self.capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            os.close(self._fd)
+            io.close_quietly(self._fd)
+            if create_with is not None:
+                io.unlink_quietly(path)
             raise
         self._view = memoryview(self._map)
         self._anchor = ctypes.c_char.from_buffer(self._map)
@@ -143,28 +147,33 @@ class MappedSegment:
             self._view[offset:stop] = bytes(stop - offset)
         self.end = offset
 
-    def close(self) -> None:
+    def close(self, *, quietly: bool = False) -> None:
         if self._fd < 0:
             return
         reg, self._registration = self._registration, None
-        if reg is not None:
-            reg.close()
-        del self._anchor
-        self._view.release()
-        self._map.close()
-        # what was never written past the end is given back to tmpfs (the file reads as zeros there)
-        _punch_hole(self._fd, -(-self.end // mmap.PAGESIZE) * mmap.PAGESIZE,
-                    self.capacity - -(-self.end // mmap.PAGESIZE) * mmap.PAGESIZE)
-        os.close(self._fd)
-        self._fd = -1
+        try:
+            if reg is not None:
+                reg.close()
+        finally:
+            del self._anchor
+            self._view.release()
+            self._map.close()
+            # what was never written past the end is given back to tmpfs (the file reads as zeros there)
+            used = -(-self.end // mmap.PAGESIZE) * mmap.PAGESIZE
+            _punch_hole(self._io, self._fd, used, self.capacity - used)
+            fd, self._fd = self._fd, -1
+            if quietly:
+                self._io.close_quietly(fd)
+            else:
+                self._io.close(fd)
 
 
 class SparePreparer:
     """Prepares the next segment file (created, preallocated, faulted in, registered) on a background thread,
     under a ``.tmp`` name that ``remove_orphans`` deletes if the process dies first; ``take`` renames it."""
 
-    def __init__(self, directory: Path, capacity: int, register: Registrar | None) -> None:
-        self._dir, self._capacity, self._register = directory, capacity, register
+    def __init__(self, directory: Path, capacity: int, register: Registrar | None, *, io: OsCalls = REAL_OS) -> None:
+        self._dir, self._capacity, self._register, self._io = directory, capacity, register, io
         self._lock = threading.Lock()
         self._spare: MappedSegment | None = None
         self._thread: threading.Thread | None = None
@@ -181,7 +190,7 @@ class SparePreparer:
         path = self._dir / f"spare.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             path.unlink(missing_ok=True)
-            seg = MappedSegment(path, self._capacity, create_with=b"", register=self._register)
+            seg = MappedSegment(path, self._capacity, create_with=b"", register=self._register, io=self._io)
         except BaseException as e:  # noqa: BLE001 - the roll then creates its segment itself
             self.error = e
             with self._lock:
@@ -200,15 +209,15 @@ class SparePreparer:
         if seg.capacity < capacity:
             self._discard(seg)
             return None
-        os.rename(seg.path, path)
+        self._io.replace(seg.path, path)
         seg.path = path
         seg.append([header])
         return seg
 
     def _discard(self, seg: MappedSegment) -> None:
         p = seg.path
-        seg.close()
-        p.unlink(missing_ok=True)
+        seg.close(quietly=True)
+        self._io.unlink_quietly(p)
 
     def close(self) -> None:
         t = self._thread

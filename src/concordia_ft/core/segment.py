@@ -12,7 +12,6 @@ Backends:
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
 import threading
@@ -21,27 +20,14 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import ConfigError, LogError
+from .oscalls import FALLOC_FL_KEEP_SIZE, REAL_OS, Buffer, OsCalls
 
 IOV_MAX = 1024
 PREALLOC_BYTES = 64 << 20
 MAX_PREALLOC_BYTES = 512 << 20
-_FALLOC_FL_KEEP_SIZE = 1
 _MAP_SHARED_VALIDATE = 0x03
 _MAP_SYNC = 0x80000
 TMPFS_MAGIC = 0x01021994
-
-_libc: ctypes.CDLL | None = None
-
-
-def _fallocate_keep_size(fd: int, offset: int, length: int) -> bool:
-    global _libc
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-        return bool(int(_libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, offset, length)) == 0)
-    except (OSError, AttributeError):
-        return False
 
 
 def is_tmpfs(path: Path) -> bool:
@@ -60,10 +46,11 @@ def is_tmpfs(path: Path) -> bool:
         return False
 
 
-Buffer = bytes | bytearray | memoryview
-
-
 class SegmentWriter(Protocol):
+    """What the log writer needs of a segment. Every method raises ``OSError`` when the OS call under it
+    fails (or ``LogError`` when an epoch cannot fit), and ``end`` then still names the last whole append:
+    what the failure means for the epoch and the log is the writer's decision (log.py, DESIGN.md)."""
+
     path: Path
     end: int
     durable: bool
@@ -74,26 +61,34 @@ class SegmentWriter(Protocol):
 
     def cut(self, offset: int) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, *, quietly: bool = False) -> None: ...
 
 
 class FileSegment:
-    """Appends with pwritev at the tracked end; a failed append is cut back so the file stays clean."""
+    """Appends with pwritev at the tracked end; ``cut`` takes back what a failed append left past it."""
 
-    def __init__(self, path: Path, *, create_with: bytes | None = None, prealloc: bool = True) -> None:
+    def __init__(self, path: Path, *, create_with: bytes | None = None, prealloc: bool = True,
+                 io: OsCalls = REAL_OS) -> None:
         self.path = path
         self.durable = True
+        self._io = io
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create_with is not None else 0)
-        self._fd = os.open(path, flags, 0o644)
+        self._fd = io.open(path, flags, 0o644)
         self._prealloc = prealloc
         self._reserved = 0
         self._want = 0
         self._wake = threading.Condition()
         self._reserver: threading.Thread | None = None
-        self.end = os.fstat(self._fd).st_size
-        if create_with is not None:
-            self.append([create_with])
-            self.sync()
+        try:
+            self.end = os.fstat(self._fd).st_size
+            if create_with is not None:
+                self.append([create_with])
+                self.sync()
+        except BaseException:  # a segment that never got its header synced is not created: remove it
+            self.close(quietly=True)
+            if create_with is not None:
+                io.unlink_quietly(path)
+            raise
 
     def _reserve(self, upto: int, epoch_bytes: int = 0) -> None:
         """Keep space reserved past the end (two epochs' worth, 64 MiB to 512 MiB), from a background thread:
@@ -117,7 +112,12 @@ class FileSegment:
                 if self._fd < 0:
                     return
                 start, want, fd = max(self._reserved, self.end), self._want, self._fd
-            ok = _fallocate_keep_size(fd, start, want - start) if want > start else True
+            try:  # a reservation only saves page faults: when it fails (ENOSPC, EOPNOTSUPP), appends go on without
+                if want > start:
+                    self._io.fallocate(fd, FALLOC_FL_KEEP_SIZE, start, want - start)
+                ok = True
+            except OSError:
+                ok = False
             with self._wake:
                 if not ok:
                     self._prealloc = False
@@ -126,49 +126,40 @@ class FileSegment:
                 self._reserved = max(self._reserved, want)
 
     def append(self, parts: Sequence[Buffer]) -> int:
+        """Write ``parts`` at ``end``; return where they start. On ``OSError`` ``end`` is unchanged and bytes
+        past it may have been written (``cut(end)`` removes them)."""
         start = self.end
         views = [memoryview(p).cast("B") for p in parts if len(p)]
         total = sum(v.nbytes for v in views)
         self._reserve(start + total, total)
         offset = start
-        try:
-            i = 0
-            while i < len(views):
-                batch = views[i : i + IOV_MAX]
-                n = os.pwritev(self._fd, batch, offset)
-                offset += n
-                # a short write: drop what was written from the batch and go on
-                while batch and n >= batch[0].nbytes:
-                    n -= batch[0].nbytes
-                    batch = batch[1:]
-                    i += 1
-                if batch and n:
-                    views[i] = batch[0][n:]
-        except OSError as e:
-            self._cut_quietly(start)
-            hint = " (the disk is full: free space or move the log)" if e.errno == errno.ENOSPC else ""
-            raise LogError(f"appending {total} bytes to {self.path} at offset {start} failed: {e}{hint}; "
-                           "nothing of this epoch was committed, earlier epochs are intact") from e
+        i = 0
+        while i < len(views):
+            batch = views[i : i + IOV_MAX]
+            n = self._io.pwritev(self._fd, batch, offset)
+            offset += n
+            # a short write: drop what was written from the batch and go on
+            while batch and n >= batch[0].nbytes:
+                n -= batch[0].nbytes
+                batch = batch[1:]
+                i += 1
+            if batch and n:
+                views[i] = batch[0][n:]
         self.end = offset
         return start
 
-    def _cut_quietly(self, offset: int) -> None:
-        try:
-            os.ftruncate(self._fd, offset)
-        except OSError:
-            pass
-
     def sync(self) -> None:
-        os.fdatasync(self._fd)
+        self._io.fdatasync(self._fd)
 
     def cut(self, offset: int) -> None:
-        os.ftruncate(self._fd, offset)
-        os.fdatasync(self._fd)
+        """Truncate to ``offset`` and make the truncation durable (fsync: the size is metadata)."""
+        self._io.ftruncate(self._fd, offset)
+        self._io.fsync(self._fd)
         self.end = offset
         with self._wake:
             self._reserved = min(self._reserved, offset)
 
-    def close(self) -> None:
+    def close(self, *, quietly: bool = False) -> None:
         with self._wake:
             fd, self._fd = self._fd, -1
             self._wake.notify()
@@ -176,33 +167,46 @@ class FileSegment:
         if reserver is not None and reserver is not threading.current_thread():
             reserver.join(timeout=10)
         if fd >= 0:
-            os.close(fd)
+            if quietly:
+                self._io.close_quietly(fd)
+            else:
+                self._io.close(fd)
 
 
 class DaxSegment:
     """A fixed-capacity mapped segment. Appends are stores into the mapping; sync is msync."""
 
-    def __init__(self, path: Path, capacity: int, *, create_with: bytes | None = None, end: int | None = None) -> None:
+    def __init__(self, path: Path, capacity: int, *, create_with: bytes | None = None, end: int | None = None,
+                 io: OsCalls = REAL_OS) -> None:
         self.path = path
+        self._io = io
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create_with is not None else 0)
-        self._fd = os.open(path, flags, 0o644)
-        size = os.fstat(self._fd).st_size
-        if size < capacity:
-            os.ftruncate(self._fd, capacity)
-        self.capacity = max(size, capacity)
+        self._fd = io.open(path, flags, 0o644)
+        self._map: mmap.mmap | None = None
+        self._written = 0  # just past the last byte stored (>= end after a failed sync)
         try:
-            self._map = mmap.mmap(self._fd, self.capacity, flags=_MAP_SHARED_VALIDATE | _MAP_SYNC,
-                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            self.durable = True
-        except OSError:
-            self._map = mmap.mmap(self._fd, self.capacity, flags=mmap.MAP_SHARED,
-                                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
-            self.durable = False
-        self._view = memoryview(self._map)
-        self.end = 0 if create_with is not None else (end if end is not None else size)
-        if create_with is not None:
-            self.append([create_with])
-            self.sync()
+            size = os.fstat(self._fd).st_size
+            if size < capacity:
+                io.ftruncate(self._fd, capacity)
+            self.capacity = max(size, capacity)
+            try:
+                self._map = mmap.mmap(self._fd, self.capacity, flags=_MAP_SHARED_VALIDATE | _MAP_SYNC,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                self.durable = True
+            except OSError:
+                self._map = mmap.mmap(self._fd, self.capacity, flags=mmap.MAP_SHARED,
+                                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                self.durable = False
+            self._view = memoryview(self._map)
+            self.end = 0 if create_with is not None else (end if end is not None else size)
+            if create_with is not None:
+                self.append([create_with])
+                self.sync()
+        except BaseException:
+            self.close(quietly=True)
+            if create_with is not None:
+                io.unlink_quietly(path)
+            raise
 
     def append(self, parts: Sequence[Buffer]) -> int:
         start = self.end
@@ -215,31 +219,43 @@ class DaxSegment:
             v = memoryview(p).cast("B")
             self._view[off : off + v.nbytes] = v
             off += v.nbytes
+            self._written = max(self._written, off)
         self.end = off
         return start
 
     def sync(self) -> None:
-        self._map.flush()
+        assert self._map is not None
+        self._io.msync(self._map)
 
     def cut(self, offset: int, written_end: int | None = None) -> None:
-        """Zero [offset, written_end) (default: to the current end) so no torn bytes outlive the cut."""
-        stop = max(self.end, written_end or 0)
+        """Zero [offset, written_end) (default: to what was last stored) so no torn bytes outlive the cut."""
+        assert self._map is not None
+        stop = max(self.end, self._written, written_end or 0)
         self._view[offset:stop] = bytes(stop - offset)
-        self._map.flush()
+        self._io.msync(self._map)
         self.end = offset
+        self._written = offset
 
-    def close(self) -> None:
+    def close(self, *, quietly: bool = False) -> None:
         if self._fd >= 0:
-            self._view.release()
-            self._map.close()
-            os.close(self._fd)
-            self._fd = -1
+            if self._map is not None:
+                self._view.release()
+                self._map.close()
+                self._map = None
+            fd, self._fd = self._fd, -1
+            if quietly:
+                self._io.close_quietly(fd)
+            else:
+                self._io.close(fd)
 
 
 def check_backend(backend: str, log_dir: Path) -> None:
     if backend not in ("file", "dram", "dax"):
         raise ConfigError(f"unknown log backend {backend!r}; use 'file', 'dram' or 'dax'")
-    if backend == "dram" and not is_tmpfs(log_dir):
+    probe = log_dir  # the directory may not exist yet: it is refused before anything is created
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if backend == "dram" and not is_tmpfs(probe):
         raise ConfigError(f"backend 'dram' needs a directory on tmpfs (e.g. /dev/shm/NAME); {log_dir} is not on tmpfs")
 
 

@@ -6,8 +6,9 @@ device's *primary* context current in the calling thread, the same context PyTor
 and modules are shared with torch (when torch is loaded, its current device is the default).
 
 Every driver result goes through :func:`check`, which turns a failure into
-``DeviceError(code, name, sticky, what)``. ``sticky`` errors (illegal address, launch failure, ECC...) poison
-the context: nothing more can run in this process, the restart-and-recover path must take over.
+``DeviceError(code, name, sticky, what, explanation)`` from the table in ``results.py``. ``sticky`` errors
+(illegal address, device-side assert, launch failure, ECC...) poison the context: nothing more can run in this
+process, the restart-and-recover path must take over.
 """
 
 from __future__ import annotations
@@ -20,32 +21,16 @@ from typing import Any
 
 from ..errors import DeviceError
 
-# CUresult codes after which "the process must be terminated and relaunched" (CUDA driver API docs; the same
-# table cuda.core uses). Anything else leaves the context usable.
-STICKY_CODES: dict[int, str] = {
-    214: "CUDA_ERROR_ECC_UNCORRECTABLE",
-    226: "CUDA_ERROR_CONTAINED",
-    700: "CUDA_ERROR_ILLEGAL_ADDRESS",
-    702: "CUDA_ERROR_LAUNCH_TIMEOUT",
-    714: "CUDA_ERROR_HARDWARE_STACK_ERROR",
-    715: "CUDA_ERROR_ILLEGAL_INSTRUCTION",
-    716: "CUDA_ERROR_MISALIGNED_ADDRESS",
-    717: "CUDA_ERROR_INVALID_ADDRESS_SPACE",
-    718: "CUDA_ERROR_INVALID_PC",
-    719: "CUDA_ERROR_LAUNCH_FAILED",
-    721: "CUDA_ERROR_TENSOR_MEMORY_LEAK",
-    810: "CUDA_ERROR_MPS_CLIENT_TERMINATED",
-    911: "CUDA_ERROR_EXTERNAL_DEVICE",
-}
+# the table lives in results.py; these names stay importable from here
+from .results import STICKY_CODES as STICKY_CODES
+from .results import explain as explain
+from .results import is_sticky as is_sticky
+from .results import result_name
 
 _lock = threading.Lock()
 _initialised = False
 _primary: dict[int, Any] = {}  # device ordinal -> retained primary CUcontext
 _tls = threading.local()
-
-
-def is_sticky(code: int) -> bool:
-    return int(code) in STICKY_CODES
 
 
 def bindings() -> Any:
@@ -60,12 +45,7 @@ def bindings() -> Any:
 
 
 def error_name(code: int) -> str:
-    if code in STICKY_CODES:
-        return STICKY_CODES[code]
-    try:
-        return str(bindings().CUresult(code).name)
-    except (ValueError, DeviceError):
-        return f"CUDA_ERROR_{code}"
+    return result_name(code)
 
 
 def check(result: Any, what: str) -> Any:
@@ -76,7 +56,7 @@ def check(result: Any, what: str) -> Any:
         err, rest = result, ()
     code = int(err)
     if code != 0:
-        raise DeviceError(code, error_name(code), is_sticky(code), what)
+        raise DeviceError(code, error_name(code), is_sticky(code), what, explain(code))
     if not rest:
         return None
     return rest[0] if len(rest) == 1 else rest
@@ -125,18 +105,49 @@ def _torch_device() -> int | None:
     return None
 
 
+def _torch_current() -> int | None:
+    """torch's current device in this thread when torch has initialised CUDA (it follows
+    ``torch.cuda.set_device`` and the thread's current context), else None. Never initialises anything."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if not torch.cuda.is_initialized():
+            return None
+        return int(torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - torch's CUDA state is optional here
+        return None
+
+
+def plan_context(cached: int | None, requested: int | None, torch_current: int | None) -> int | None:
+    """The device whose primary context must be made current, or None when the thread's cached one stands.
+
+    ``cached``: the device this thread last made current here; ``requested``: the caller's device (None: the
+    current one); ``torch_current``: torch's current device (None: torch has no CUDA state). The cache stands
+    only when it is what was asked for AND torch has not moved the thread elsewhere since (a later
+    ``torch.cuda.set_device`` or a torch device guard changes the thread's current context under us). -1 means
+    "the default": torch's current device if torch has one, else device 0 (resolved by the caller)."""
+    want = requested if requested is not None else torch_current
+    if cached is not None and (want is None or want == cached) and (torch_current is None or torch_current == cached):
+        return None
+    return want if want is not None else -1
+
+
 def ensure_context(device: int | None = None) -> int:
     """Make ``device``'s primary context current in this thread (torch's current device by default); return
-    the ordinal. Cheap after the first call in a thread for the same device."""
+    the ordinal. Cheap after the first call in a thread for the same device; a later
+    ``torch.cuda.set_device`` is followed (see :func:`plan_context`)."""
     cached = getattr(_tls, "device", None)
-    if cached is not None and (device is None or device == cached):
+    planned = plan_context(cached, device, _torch_current())
+    if planned is None and cached is not None:
         return int(cached)
     _init()
     drv = bindings()
-    if device is None:
-        device = _torch_device()
-    if device is None:
-        device = 0
+    if planned is None or planned < 0:
+        planned = _torch_device()
+        if planned is None:
+            planned = 0
+    device = planned
     n = device_count()
     if not 0 <= device < n:
         raise DeviceError(101, "CUDA_ERROR_INVALID_DEVICE", False,

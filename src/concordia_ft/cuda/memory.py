@@ -36,14 +36,20 @@ class PinnedBuffer:
                                                "cuMemHostGetDevicePointer"))
         self._raw = (ctypes.c_char * max(1, self.nbytes)).from_address(self.host_ptr)
 
+    def _live(self) -> Any:
+        if not self.host_ptr:
+            raise ValueError(f"the {self.nbytes}-byte pinned buffer was closed (its memory is freed)")
+        return self._raw
+
     def view(self, nbytes: int | None = None, offset: int = 0) -> memoryview:
+        raw = self._live()
         n = self.nbytes - offset if nbytes is None else nbytes
         if offset < 0 or n < 0 or offset + n > self.nbytes:
             raise ValueError(f"view [{offset}, +{n}) is outside the {self.nbytes}-byte pinned buffer")
-        return memoryview(self._raw).cast("B")[offset:offset + n]
+        return memoryview(raw).cast("B")[offset:offset + n]
 
     def numpy(self, dtype: npt.DTypeLike = np.uint8, count: int = -1, offset: int = 0) -> npt.NDArray[Any]:
-        out: npt.NDArray[Any] = np.frombuffer(memoryview(self._raw).cast("B"), dtype=dtype, count=count,
+        out: npt.NDArray[Any] = np.frombuffer(memoryview(self._live()).cast("B"), dtype=dtype, count=count,
                                               offset=offset)
         return out
 

@@ -7,7 +7,9 @@ the CUDA major version (PTX from a newer NVRTC would not JIT on an older driver)
 Cache: ``<cache_dir>/cubin/<sha256>.cubin`` where the key hashes the source, the NVRTC version, the arch and
 every option (include directories included). ``cache_dir`` is ``$CONCORDIA_CACHE_DIR`` or
 ``~/.cache/concordia-ft``, never inside the package. Writes go to a temp file then ``os.replace``: readers see
-a whole cubin or none, and concurrent writers of the same key are harmless.
+a whole cubin or none, and concurrent writers of the same key are harmless. Within a process, compiles are
+single-flight per key: threads asking for the same key while it compiles wait for that one compile and read
+its result (``stats["compiles"]`` counts NVRTC runs); different keys compile in parallel.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,10 @@ from . import driver
 
 DEFAULT_ARCH = "sm_90"
 _CUBIN_MAGIC = b"\x7fELF"
+
+stats = {"compiles": 0}  # NVRTC runs in this process (cache misses that compiled)
+_key_locks: dict[str, threading.Lock] = {}  # one per key while someone compiles it
+_key_locks_guard = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,18 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def _read_output(get_size: Any, get: Any, prog: Any, what: str) -> bytes:
+    """One of NVRTC's outputs (log, cubin) as a new ``bytes``. NVRTC writes into the buffer it is handed, so
+    that buffer is a fresh ``bytearray``: never an immutable ``bytes``, which could be an object the
+    interpreter shares (``b" " * 1`` IS the cached one-byte ``b" "``: writing NUL into it once turned every
+    ``bytes([32])`` and ``print``'s separator into ``b"\\0"`` for the rest of the process)."""
+    size = int(_nv_check(get_size(prog), f"{what} size"))
+    buf = bytearray(size)
+    if size:
+        _nv_check(get(prog, buf), what)
+    return bytes(buf)
+
+
 def _compile(source: str, name: str, flags: list[str]) -> tuple[bytes, str]:
     nvrtc = _nvrtc()
     prog = _nv_check(nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []),
@@ -172,43 +191,65 @@ def _compile(source: str, name: str, flags: list[str]) -> tuple[bytes, str]:
     try:
         opts = [f.encode() for f in flags]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        size = _nv_check(nvrtc.nvrtcGetProgramLogSize(prog), f"{name}: log size")
-        buf = b" " * int(size)
-        _nv_check(nvrtc.nvrtcGetProgramLog(prog, buf), f"{name}: log")
-        log = buf.rstrip(b"\0 ").decode(errors="replace")
+        raw_log = _read_output(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog, f"{name}: log")
+        log = raw_log.rstrip(b"\0 ").decode(errors="replace")
         if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(name, f"options: {' '.join(flags)}\n{log}")
-        n = _nv_check(nvrtc.nvrtcGetCUBINSize(prog), f"{name}: cubin size")
-        cubin = b" " * int(n)
-        _nv_check(nvrtc.nvrtcGetCUBIN(prog, cubin), f"{name}: cubin")
-        return bytes(cubin), log
+        cubin = _read_output(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog, f"{name}: cubin")
+        return cubin, log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
 def compile_cubin(source: str, name: str, options: CompileOptions | None = None, *,
                   use_cache: bool = True) -> CompiledModule:
-    """Compile ``source`` to a cubin (from the cache when the same key was compiled before)."""
+    """Compile ``source`` to a cubin (from the cache when the same key was compiled before). Thread-safe:
+    concurrent calls for one key run NVRTC once (the others wait and read the cached cubin)."""
     options = options or CompileOptions()
     flags = options.flags()
     key = cache_key(source, options)
     path = cache_dir() / "cubin" / f"{key}.cubin"
-    if use_cache:
-        try:
-            data = path.read_bytes()
-            if data.startswith(_CUBIN_MAGIC):
-                return CompiledModule(name, data, key, True, "", path, flags)
-        except OSError:
-            pass
+    if not use_cache:
+        return _compile_checked(source, name, options, key, flags, None)
+    hit = _read_cached(path, name, key, flags)
+    if hit is not None:
+        return hit
+    with _key_lock(key):
+        hit = _read_cached(path, name, key, flags)  # compiled by the thread we waited for
+        if hit is not None:
+            return hit
+        return _compile_checked(source, name, options, key, flags, path)
+
+
+def _key_lock(key: str) -> threading.Lock:
+    with _key_locks_guard:
+        lock = _key_locks.get(key)
+        if lock is None:
+            lock = _key_locks[key] = threading.Lock()
+        return lock
+
+
+def _read_cached(path: Path, name: str, key: str, flags: list[str]) -> CompiledModule | None:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return CompiledModule(name, data, key, True, "", path, flags) if data.startswith(_CUBIN_MAGIC) else None
+
+
+def _compile_checked(source: str, name: str, options: CompileOptions, key: str, flags: list[str],
+                     path: Path | None) -> CompiledModule:
+    """Run NVRTC, check the output is a cubin, write it to ``path`` (None: no cache)."""
     cubin, log = _compile(source, name, flags)
+    stats["compiles"] += 1
     if not cubin.startswith(_CUBIN_MAGIC):
         raise CompileError(name, f"NVRTC returned {len(cubin)} bytes that are not an ELF cubin (arch {options.arch})")
-    if use_cache:
+    if path is not None:
         try:
             _write_atomic(path, cubin)
         except OSError:
-            path = None  # type: ignore[assignment]  # a read-only cache must not fail compilation
-    return CompiledModule(name, cubin, key, False, log, path if use_cache else None, flags)
+            path = None  # a read-only cache must not fail compilation
+    return CompiledModule(name, cubin, key, False, log, path, flags)
 
 
 class Module:

@@ -39,6 +39,7 @@ DtoH into that member's own pinned staging buffer (the one its sync ``collect`` 
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any
 
 import numpy as np
@@ -52,6 +53,7 @@ from .handlers import HandlerModule, reference_page_hash
 from .memory import DeviceBuffer, PinnedBuffer
 
 _modules: dict[tuple[Any, int], HandlerModule] = {}
+_modules_lock = threading.Lock()  # held while a module loads: one load per (geometry, device), ever
 _LIST_OFFSET = 64  # the mapped list buffer: count word at 0, int64 page list from byte 64
 
 # what an asynchronous stage left for the background writer
@@ -67,9 +69,13 @@ def handler_module(spec: RegionSpec, device: int) -> HandlerModule:
 
     key = (Geometry.of(spec), device)
     m = _modules.get(key)
-    if m is None:
-        m = _modules[key] = HandlerModule(spec, device)
-    return m
+    if m is not None:
+        return m
+    with _modules_lock:  # trackers made in several threads at once load each module once
+        m = _modules.get(key)
+        if m is None:
+            m = _modules[key] = HandlerModule(spec, device)
+        return m
 
 
 # below this a payload is staged as before (DtoH into pinned memory, then the append's memcpy): the placed path's

@@ -13,6 +13,13 @@ suspends all of it around such calls:
 
 Hooks resume lazily (the executor relaunches on its next submit), so the kernel that was just loaded gets its
 first launch in before anything is resident again; ``quiesced()`` resumes eagerly unless told otherwise.
+
+Exception safety: the depth always returns to what it was. ``enter`` that fails half-way resumes what it had
+suspended; ``leave`` resumes every target even if one raises. Triton calls its start hook, loads, then its end
+hook, with no ``finally``: a load that raises in between (out of resources, a driver error) never calls the end
+hook. Each thread therefore remembers the load it opened; ``CompiledKernel._init_handles`` is wrapped so the
+load is closed when that call ends either way, and (for Triton versions without that method) the next start
+hook in the same thread closes a load left open before opening its own.
 """
 
 from __future__ import annotations
@@ -61,16 +68,28 @@ def targets() -> list[Suspendable]:
     return sorted(live, key=lambda t: 0 if t.kind == "resident" else 1)
 
 
+def depth() -> int:
+    """How many quiesced regions are open (0: everything registered may run)."""
+    return _depth
+
+
 def enter() -> None:
-    """Suspend everything registered (first entry only; nested entries count)."""
+    """Suspend everything registered (first entry only; nested entries count). If a suspend raises, what was
+    suspended is resumed and the depth is back where it was before the error propagates."""
     global _depth
     with _lock:
         _depth += 1
-        if _depth == 1:
-            stats["suspends"] += 1
+        if _depth != 1:
+            return
+        stats["suspends"] += 1
+        try:
             for t in targets():
                 t.suspend()
                 _suspended.append(t)
+        except BaseException:
+            _depth -= 1
+            _resume_all(eager=True)
+            raise
 
 
 def leave(eager: bool = True) -> None:
@@ -80,10 +99,21 @@ def leave(eager: bool = True) -> None:
             raise RuntimeError("guard.leave() without enter()")
         _depth -= 1
         if _depth == 0:
-            todo = list(reversed(_suspended))
-            _suspended.clear()
-            for t in todo:
-                t.resume(eager)
+            _resume_all(eager)
+
+
+def _resume_all(eager: bool) -> None:
+    """Resume every suspended target, newest first; the first error is raised after all were tried."""
+    todo = list(reversed(_suspended))
+    _suspended.clear()
+    first: BaseException | None = None
+    for t in todo:
+        try:
+            t.resume(eager)
+        except BaseException as e:  # noqa: BLE001 - re-raised below, after the others were resumed
+            first = first or e
+    if first is not None:
+        raise first
 
 
 @contextmanager
@@ -116,13 +146,45 @@ def _patch(key: str, owner: Any, name: str) -> None:
     setattr(owner, name, _guarded(orig))
 
 
+_tls = threading.local()  # .open_load: this thread's Triton load is between its start and end hooks
+
+
+def _open_load() -> bool:
+    return bool(getattr(_tls, "open_load", False))
+
+
+def _close_open_load() -> None:
+    """Close this thread's Triton load if it is still open (its end hook never ran: the load raised)."""
+    if _open_load():
+        _tls.open_load = False
+        leave(eager=False)
+
+
 def _on_load_start(*args: Any, **kwargs: Any) -> None:
     stats["hook_calls"] += 1
+    _close_open_load()  # loads do not nest in a thread: one still open here raised between its hooks
     enter()
+    _tls.open_load = True
 
 
 def _on_load_end(*args: Any, **kwargs: Any) -> None:
-    leave(eager=False)
+    _close_open_load()  # nothing open (hooks installed mid-load): nothing to leave
+
+
+def _closing_open_load(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``CompiledKernel._init_handles``: whatever it raises, the load its start hook opened is closed."""
+
+    @functools.wraps(fn)
+    def init_handles(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self, "module", None) is not None:  # every launch calls it; loaded already: nothing to guard
+            return fn(self, *args, **kwargs)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            _close_open_load()
+
+    init_handles.__concordia_guarded__ = fn  # type: ignore[attr-defined]
+    return init_handles
 
 
 def install(*, torch_hooks: bool = True, triton_hooks: bool = True) -> list[str]:
@@ -153,7 +215,20 @@ def install(*, torch_hooks: bool = True, triton_hooks: bool = True) -> list[str]
                         setattr(rt, attr, _chained(prev, hook))
                 _installed["triton"] = (rt, "", None)
                 done.append("triton.knobs.runtime.kernel_load_start/end_hook")
+                ck = _compiled_kernel_class()
+                if ck is not None and getattr(ck._init_handles, "__concordia_guarded__", None) is None:
+                    _installed["triton.CompiledKernel._init_handles"] = (ck, "_init_handles", ck._init_handles)
+                    ck._init_handles = _closing_open_load(ck._init_handles)
+                    done.append("triton.compiler.CompiledKernel._init_handles")
     return done
+
+
+def _compiled_kernel_class() -> Any:
+    try:
+        from triton.compiler.compiler import CompiledKernel
+    except ImportError:
+        return None
+    return CompiledKernel if callable(getattr(CompiledKernel, "_init_handles", None)) else None
 
 
 def _chained(prev: Any, hook: Callable[..., None]) -> Callable[..., None]:

@@ -205,6 +205,7 @@ class ResidentExecutor:
         self._launched = False
         self._suspended = False
         self._closed = False
+        self._owns_image = image is None  # close() unloads only what this executor loaded
         self.launches = 0
         self._releases: dict[int, tuple[int, int]] = {}
         with guard.quiesced():  # loading a module blocks behind anything resident
@@ -322,11 +323,50 @@ class ResidentExecutor:
                 self._ensure_running()
 
     def close(self) -> None:
+        """Stop the block and release what this executor holds: its stream, the ring's and the scratch pinned
+        memory, and the image when this executor loaded it. Idempotent. Afterwards ``submit`` and ``wait``
+        raise ExecutorError; a C fast-path ``submit`` taken before close() publishes into a private copy of the
+        ring (``RingProducer.retire``) and raises the same. If stopping the block fails (a poisoned context),
+        nothing it might still use is freed and the error propagates."""
         from . import guard
 
+        if self._closed:
+            return
         guard.unregister(self)
-        self.suspend()
-        self._closed = True
+        with guard.quiesced(eager=False):  # module unload and cuMemFreeHost block behind resident kernels
+            with self._lock:
+                if self._closed:
+                    return
+                try:
+                    self.suspend()
+                except ExecutorError:
+                    pass  # the block stopped on a protocol error: it has exited, so releasing is safe
+                finally:
+                    self._closed = True
+                    self.submit = self._submit_closed
+                    self.wait = self._wait_closed
+                self._release()
+
+    def _release(self) -> None:
+        tomb = self.producer.retire()  # state words stay readable (state, tail, heartbeat) after the free
+        self.layout, self._q, self._u32 = tomb, tomb.q, tomb.u32
+        self.stream.close()
+        self._scratch.close()
+        self.mem.close()
+        if self._owns_image:
+            self.image.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _submit_closed(self, opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0,
+                       a5: int = 0, aux: int = 0) -> int:
+        raise ExecutorError(f"submit on a closed executor (opcode {opcode}): make a new one")
+
+    def _wait_closed(self, ticket: int, timeout_s: float = 10.0) -> int:
+        raise ExecutorError(f"wait for task {ticket} on a closed executor: its ring was released; make a new "
+                            "executor and submit the task again")
 
     def swap(self, image_id: int | None = None, compiled: nvrtc.CompiledModule | None = None) -> ExecutorImage:
         """Hand the ring to a new image: compile it (no GPU; pass ``compiled`` to do that ahead), let this one
@@ -334,6 +374,8 @@ class ResidentExecutor:
         meanwhile wait in the ring. Returns the new image; the old module is unloaded."""
         from . import guard
 
+        if self._closed:
+            raise ExecutorError("swap on a closed executor: make a new one")
         new_id = image_id if image_id is not None else self.image.image_id + 1
         if compiled is None:
             compiled = compile_executor(new_id, self.image.threads, driver.arch_of(self.device))
@@ -341,7 +383,9 @@ class ResidentExecutor:
             new = ExecutorImage(new_id, self.image.threads, self.device, compiled)
             self.warm_up(new)
             old, self.image = self.image, new
-            old.close()
+            if self._owns_image:
+                old.close()
+            self._owns_image = True  # the new image was loaded here
         return new
 
     # -- tasks (``submit`` and ``wait`` are set in __init__: the ring's fast paths)
@@ -437,6 +481,7 @@ class ArmedChannel:
         self.armed = 0
         self.fired = 0
         self._suspended = False
+        self._closed = False
         self._lock = threading.RLock()
         self._key = id(self)
         self._arm_up_to_depth()
@@ -478,6 +523,8 @@ class ArmedChannel:
 
     def _fire(self, task: _Task) -> int:
         with self._lock:
+            if self._closed:
+                raise ExecutorError(f"fire on a closed ArmedChannel (opcode {task.opcode}): make a new one")
             self._suspended = False
             if self.fired_by is not None and self.armed != self.fired and cyclic_reached(int(self.u32[0]), self.fired + 1):
                 self.fired = self.armed  # the executor exited and released the pending instances (as NOPs)
@@ -500,7 +547,7 @@ class ArmedChannel:
     def rearm(self) -> None:
         """Top the pending instances back up to ``depth`` (after fires; costs 3 driver calls each)."""
         with self._lock:
-            if not self._suspended:
+            if not self._suspended and not self._closed:
                 self._arm_up_to_depth()
 
     def _wait_done(self, k: int, timeout_s: float) -> None:
@@ -548,16 +595,26 @@ class ArmedChannel:
     def resume(self, eager: bool = True) -> None:
         with self._lock:
             self._suspended = False
-            if eager:
+            if eager and not self._closed:
                 self._arm_up_to_depth()
 
     def close(self) -> None:
+        """Release every pending instance, then the stream, the device descriptors and the pinned flag
+        memory. Idempotent; ``fire`` afterwards raises ExecutorError."""
         from . import guard
 
+        if self._closed:
+            return
         guard.unregister(self)
-        self.suspend()
-        with guard.quiesced():  # cuMemFree blocks behind resident kernels
+        self.suspend()  # nothing waits on the flag any more: the stream is idle
+        with self._lock:
+            self._closed = True
+        with guard.quiesced(eager=False):  # cuMemFree / cuMemFreeHost block behind resident kernels
             self.dev_desc.close()
+            self.stream.close()
+            tomb = memoryview(bytearray(self._view))  # the done word and ran words wait() reads
+            self._view, self.u32, self.q = tomb, tomb.cast("I"), tomb.cast("Q")
+            self.mem.close()
 
 
 # ---------------------------------------------------------------------------------------------- plain launch
@@ -575,9 +632,12 @@ class LaunchExecutor:
         self.stream = driver.Stream.create(non_blocking=True, device=image.device)
         self._args = driver.KernelArgs([(ctypes.c_uint64, 0)] * 8)
         self.tickets = 0
+        self._closed = False
 
     def submit(self, opcode: int, a0: int = 0, a1: int = 0, a2: int = 0, a3: int = 0, a4: int = 0,
                a5: int = 0, aux: int = 0) -> int:
+        if self._closed:  # its stream handle is gone: 0 would be the legacy default stream
+            raise ExecutorError(f"submit on a closed LaunchExecutor (opcode {opcode}): make a new one")
         words = R.encode_words(self.tickets + 1, opcode, (a0, a1, a2, a3, a4, a5), 0, aux)  # validates
         self.tickets += 1
         for i, w in enumerate(words):
@@ -587,17 +647,25 @@ class LaunchExecutor:
         return self.tickets
 
     def wait(self, ticket: int, timeout_s: float = 10.0) -> int:
+        if self._closed:
+            raise ExecutorError(f"wait for task {ticket} on a closed LaunchExecutor")
         self.stream.synchronize()
         return 0
 
     def suspend(self) -> None:
-        self.stream.synchronize()
+        if not self._closed:
+            self.stream.synchronize()
 
     def resume(self, eager: bool = True) -> None:
         pass
 
     def close(self) -> None:
+        """Wait for the launched work, destroy the stream. Idempotent."""
+        if self._closed:
+            return
         self.stream.synchronize()
+        self._closed = True
+        self.stream.close()
 
 
 # ---------------------------------------------------------------------------------------------- policy

@@ -571,6 +571,23 @@ class RingProducer:
         vs = int(self._q[i - 1])
         return Result(seq, vs & 0xFFFFFFFF, vs >> 32)
 
+    def retire(self) -> RingLayout:
+        """Move this producer off the ring's memory so that memory can be freed (an executor's close()).
+
+        The ring is copied into private memory (a ``bytearray``) and the producer, with the C fast paths
+        made from it, is bound to the copy; the copy's consumer state is set to ``EXITED_STOP``, so a later
+        submit through the C path publishes into the copy, sees no running consumer and goes to ``slow``.
+        Python-path closures from :func:`make_submit` / :func:`make_wait` keep the old views: their owner must
+        drop them (the executor replaces its ``submit`` / ``wait``). Returns the copy's layout."""
+        tomb = RingLayout(memoryview(bytearray(self.layout.buf)), self.capacity)
+        tomb.store32(OFF_STATE, ConsumerState.EXITED_STOP)
+        self.layout = tomb
+        self._q = tomb.q
+        self._buf = tomb.buf
+        if self._fast is not None:
+            self._fast._bind(tomb.buf, self.capacity, tomb.slots_off, tomb.results_off)
+        return tomb
+
     def request_stop(self) -> None:
         self.layout.store32(OFF_STOP, 1)
 
