@@ -240,3 +240,27 @@ def test_segments_are_registered_and_the_next_one_is_prepared_off_the_append_pat
     r = replay(shm / "log")
     assert r.outcome is Outcome.OK and r.epoch == 3
     assert np.array_equal(r.regions["big"].data, datas[-1])
+
+
+@pytest.mark.parametrize("mapped", ["off", "on"])
+def test_a_first_open_killed_before_its_manifest_leaves_an_empty_log(shm: Path, mapped: str) -> None:
+    """The first segment is created (header synced; a mapped one preallocated) before the manifest names it:
+    a kill in between leaves a segment and no MANIFEST. Nothing was committed (the manifest comes before the
+    first epoch), so replay says empty and the next open starts the log over."""
+    from concordia_ft.core.log import _open_segment, segment_header
+    from concordia_ft.core.manifest import Manifest
+    from concordia_ft.core.oscalls import REAL_OS
+
+    d = shm / "log"
+    d.mkdir()
+    m = Manifest(log_id="ab" * 16)
+    name = m.new_segment_name("incr")
+    _open_segment(d / name, _opts(mapped=mapped), REAL_OS, header=segment_header(m, name)).close()
+    assert (d / name).exists() and not (d / "MANIFEST").exists()
+    assert replay(d).outcome is Outcome.EMPTY
+    log = RecoveryLog.open(d, _opts(mapped=mapped))
+    assert log.report.created and log.last_epoch is None
+    log.append(meta="first")
+    log.close()
+    r = replay(d)
+    assert r.outcome is Outcome.OK and r.epoch == 1 and r.meta == "first"

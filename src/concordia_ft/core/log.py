@@ -335,6 +335,10 @@ class RecoveryLog:
     def _open_locked(cls, path: Path, opts: LogOptions, lock: DirLock, result: ReplayResult, io: OsCalls
                      ) -> RecoveryLog:
         if result.manifest is None:
+            # a first open killed before its manifest was stored leaves a segment with no epoch (replay checked
+            # that every one here is such): remove them, the new log starts at generation 1 again
+            for p in sorted(path.glob("*.cft")):
+                io.unlink_quietly(p)
             manifest = Manifest(log_id=secrets.token_bytes(16).hex())
             seg = _add_incr_segment(path, manifest, opts, io)
             report = OpenReport(True, Outcome.EMPTY, None, durable=seg.durable)
