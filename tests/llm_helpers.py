@@ -61,14 +61,75 @@ def prompt_ids(n: int = 12, *, seed: int = 1) -> torch.Tensor:
 LAYOUT1_LORA = {"r": 2, "dropout": 0.1, "targets": ("q_proj", "v_proj")}
 LAYOUT1_SEED, LAYOUT1_STEPS, LAYOUT1_LR = 7, 3, 1e-2
 
+def byte_tokenizer():
+    """A byte-level tokenizer whose token id is the byte value (vocab 256, no merges), for stop_strings."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(VOCAB):  # GPT-2's byte -> visible character map
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b], extra = chr(256 + extra), extra + 1
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(VOCAB)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+# tests/data/h200/ and tests/data/session-v1/: logs written by tests/data/make_device_logs.py (a session
+# interrupted after DEVLOG_KILL_AFTER of DEVLOG_NEW tokens, greedy and sampled; a LoRA run of DEVLOG_LORA_STEPS
+# steps); expected.json beside them holds the writer's uninterrupted tokens and losses
+DEVLOG_FAMILY, DEVLOG_PROMPT, DEVLOG_NEW, DEVLOG_KILL_AFTER, DEVLOG_CACHE = "llama", 12, 24, 10, 48
+DEVLOG_LORA = {"r": 2, "dropout": 0.0, "targets": ("q_proj", "v_proj")}
+DEVLOG_LORA_STEPS, DEVLOG_LORA_TOTAL, DEVLOG_LORA_LR = 3, 5, 1e-2
+
 GEN_KW = {
     "greedy": dict(do_sample=False),
     "sampled": dict(do_sample=True, temperature=0.9, top_k=40, top_p=0.95, seed=1234),
 }
 
 
+class Stop(Exception):
+    """Raised by on_token: the process stops there (what it committed stays, as after a kill)."""
+
+
+def write_session(log, device: str, mode: str, kill_after: int | None) -> list[int]:
+    """The device-log session: returns the tokens shown before it stopped after ``kill_after`` (None: all)."""
+    from concordia_ft.session import Session
+
+    model = tiny_model(DEVLOG_FAMILY).to(device)
+    seen: list[int] = []
+
+    def on_token(tok: int) -> None:
+        seen.append(tok)
+        if kill_after is not None and len(seen) >= kill_after:
+            raise Stop
+
+    with Session(model, log, max_cache_len=DEVLOG_CACHE) as s:
+        try:
+            s.generate(prompt_ids(DEVLOG_PROMPT), max_new_tokens=DEVLOG_NEW, eos_token_ids=(),
+                       on_token=on_token, **GEN_KW[mode])
+        except Stop:
+            pass
+    return seen
+
+
+def write_lora(log, device: str, steps: int) -> list[float]:
+    """The device-log LoRA run: ``steps`` sync epochs; returns the losses."""
+    from concordia_ft.integrations.peft import LoraTrainer, default_lora_config, synthetic_batch
+
+    t = LoraTrainer(tiny_model("qwen3").to(device), log, lora_config=default_lora_config(**DEVLOG_LORA),
+                    lr=DEVLOG_LORA_LR, async_checkpoint=False)
+    losses = [r.loss for r in t.train(lambda k: synthetic_batch(k, vocab=VOCAB, device=device), steps)]
+    t.close()
+    return losses
+
+
 def run_writer(log_dir: str, family: str, window: int | None, mode: str, max_new: int, every: int,
-               delay_s: float, async_checkpoint: bool = False) -> None:
+               delay_s: float, async_checkpoint: bool = False, settings: dict | None = None) -> None:
     """Child process: generate with a checkpoint every ``every`` tokens, print each token as it is produced.
 
     ``delay_s`` makes the consumer slow (like a terminal or a network client) so the parent can kill it
@@ -80,14 +141,18 @@ def run_writer(log_dir: str, family: str, window: int | None, mode: str, max_new
     from concordia_ft.session import Session
 
     model = tiny_model(family, sliding_window=window)
-    s = Session(model, log_dir, checkpoint_every=every, max_cache_len=96, async_checkpoint=async_checkpoint)
+    tok = byte_tokenizer() if settings and "stop_strings" in settings else None
+    s = Session(model, log_dir, tok, checkpoint_every=every, max_cache_len=96, async_checkpoint=async_checkpoint)
 
     def on_token(tok: int) -> None:
         print(f"TOKEN {tok}", flush=True)
         time.sleep(delay_s)
 
     print("READY", flush=True)
-    s.generate(prompt_ids(12), max_new_tokens=max_new, eos_token_ids=(), on_token=on_token, **GEN_KW[mode])
+    kw = {**GEN_KW[mode], **(settings or {})}
+    if "eos_token_id" not in kw:
+        kw["eos_token_ids"] = ()
+    s.generate(prompt_ids(12), max_new_tokens=max_new, on_token=on_token, **kw)
     print("DONE", flush=True)
     sys.stdout.flush()
 
@@ -118,6 +183,7 @@ def run_lora_writer(log_dir: str, family: str, steps: int, delay_s: float, mode:
 
 
 if __name__ == "__main__":
+    import json
     import sys
 
     if sys.argv[1] == "lora":
@@ -127,4 +193,5 @@ if __name__ == "__main__":
         raise SystemExit(0)
     _, log_dir, family, window, mode, max_new, every, delay, *rest = sys.argv
     run_writer(log_dir, family, None if window == "none" else int(window), mode, int(max_new), int(every),
-               float(delay), async_checkpoint=rest[:1] == ["async"])
+               float(delay), async_checkpoint=rest[:1] == ["async"],
+               settings=json.loads(rest[1]) if len(rest) > 1 else None)

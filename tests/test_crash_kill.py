@@ -47,18 +47,25 @@ def _digest_replayed(log_dir: Path) -> tuple[int | None, dict[str, str], object,
 
 
 def _run_and_kill(args: list[str], delay_s: float) -> tuple[list[str], int]:
-    """Start a child, SIGKILL it after ``delay_s`` (unless it ended first); return its stdout lines and rc."""
+    """Start a child, SIGKILL it ``delay_s`` after it has opened the log (unless it ended first); return its
+    stdout lines and rc. The delay counts from the child's OPEN line, not from its start, so a loaded machine
+    (slow interpreter start-up) still kills writers mid-run rather than before their first epoch."""
     p = subprocess.Popen([PYTHON, HELPER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env=subprocess_env())
     lines: list[str] = []
+    opened = threading.Event()
 
     def pump() -> None:
         assert p.stdout is not None
         for line in p.stdout:
             lines.append(line.strip())
+            if line.startswith("OPEN "):
+                opened.set()
+        opened.set()  # the child ended without opening: nothing to wait for
 
     t = threading.Thread(target=pump, daemon=True)
     t.start()
+    opened.wait(timeout=120)
     try:
         p.wait(timeout=delay_s)
     except subprocess.TimeoutExpired:

@@ -83,6 +83,21 @@ class CheckpointError(ConcordiaError):
                 f"{upto}, and the next checkpoint logs the changes again (fix the cause first)")
 
 
+class CompactionError(LogError):
+    """A compaction (background or ``Runtime.compact()``) failed. The log is intact: the segments it would have
+    replaced stay in the manifest, every committed epoch is kept, and appending goes on."""
+
+    def __init__(self, log_dir: str, cause: str) -> None:
+        super().__init__(log_dir, cause)
+        self.log_dir = log_dir
+        self.cause = cause
+
+    def __str__(self) -> str:
+        return (f"compaction of {self.log_dir} failed: {self.cause}; the log is intact (the old segments stay, no "
+                "committed epoch is lost); fix the cause, then call Runtime.compact() (or let the next threshold "
+                "retry it)")
+
+
 class RingError(ConcordiaError):
     """The task ring cannot be used as asked (full, bad layout, consumer error, result overwritten)."""
 

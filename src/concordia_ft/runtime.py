@@ -40,7 +40,7 @@ from .core.oscalls import OsCalls
 from .core.regions import DiffMode, RegionKind, RegionSpec, RegionTable, check_page_bytes
 from .core.replay import RegionImage, replay
 from .core.tracking import RegionDelta, StagedBatch, StagedDelta, Tracker
-from .errors import CheckpointError, ConfigError, RegionError
+from .errors import CheckpointError, CompactionError, ConfigError, RegionError
 from .recovery import (
     Recovered,
     RecoveryOptions,
@@ -93,10 +93,12 @@ class Runtime:
         self._mutex = threading.RLock()
         self._compact_after = compact_after_bytes
         self._background = background_compaction
-        self._appended_since_compact = 0
+        # the suffix since the base ON DISK (earlier processes' epochs included), so that restarts add up
+        self._appended_since_compact = self.log.replayed.suffix_bytes if self.log.replayed is not None else 0
         self._compactor: threading.Thread | None = None
         self.last_compaction: CompactionResult | None = None
-        self.compaction_error: BaseException | None = None
+        self.compaction_error: CompactionError | None = None  # the last compaction failure (kept)
+        self._compaction_unreported: CompactionError | None = None  # raised by the next checkpoint, once
         self.last_stats: CheckpointStats | None = None
         self._writer: EpochWriter | None = None  # started by the first checkpoint_async
         self._inflight: PendingEpoch | None = None  # submitted and not yet reaped
@@ -224,6 +226,7 @@ class Runtime:
                 raise ConfigError(f"the runtime of {self.log_dir} is closed")
             t0 = time.perf_counter()
             self._drain()
+            self._raise_compaction_failure()
             tb = time.perf_counter()
             deltas: list[RegionDelta] = []
             for name, tracker in self._epoch_trackers():
@@ -285,6 +288,7 @@ class Runtime:
                 raise ConfigError(f"the runtime of {self.log_dir} is closed")
             t0 = time.perf_counter()
             self._drain()
+            self._raise_compaction_failure()
             t1 = time.perf_counter()
             frozen = freeze_meta(meta, copy_meta)
             plan = self._plan if self._plan is not None else self._build_plan()
@@ -449,12 +453,27 @@ class Runtime:
         """Rewrite base + sealed suffix into a new base. ``wait=False`` runs it in a background thread."""
         if wait:
             self._join_compactor()
-            result = compact_with_writer(self.log)
+            self._compaction_unreported = None  # this call reports for itself
+            try:
+                result = compact_with_writer(self.log)
+            except Exception as e:
+                raise self._compaction_failed(e) from e
             self.last_compaction = result
             self._appended_since_compact = 0
             return result
         self._start_compactor()
         return None
+
+    def _compaction_failed(self, e: BaseException) -> CompactionError:
+        err = e if isinstance(e, CompactionError) else CompactionError(str(self.log_dir), f"{type(e).__name__}: {e}")
+        self.compaction_error = err
+        return err
+
+    def _raise_compaction_failure(self) -> None:
+        """Raise a compaction failure that no call has reported yet (once; nothing was written)."""
+        err, self._compaction_unreported = self._compaction_unreported, None
+        if err is not None:
+            raise err
 
     def _maybe_compact(self) -> None:
         if self._compact_after is None or self._appended_since_compact < self._compact_after:
@@ -462,7 +481,10 @@ class Runtime:
         if self._background:
             self._start_compactor()
         else:
-            self.compact()
+            try:
+                self.compact()
+            except CompactionError as e:  # this epoch committed: the next checkpoint reports the failure
+                self._compaction_unreported = e
 
     def _start_compactor(self) -> None:
         if self._compactor is not None and self._compactor.is_alive():
@@ -473,7 +495,7 @@ class Runtime:
             try:
                 self.last_compaction = compact_with_writer(self.log)
             except BaseException as e:  # noqa: BLE001 - reported, never lost: the old segments stay valid
-                self.compaction_error = e
+                self._compaction_unreported = self._compaction_failed(e)
                 log.error("background compaction of %s failed: %s (the log is unchanged)", self.log_dir, e)
 
         self._compactor = threading.Thread(target=run, name="concordia-compactor", daemon=True)
@@ -518,6 +540,7 @@ class Runtime:
         err, self._unreported = self._unreported, None
         if err is not None:
             raise err
+        self._raise_compaction_failure()
 
     def __enter__(self) -> Runtime:
         return self

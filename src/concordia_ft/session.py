@@ -4,8 +4,10 @@ One epoch commits, atomically:
 
 - ``kv``      (paged)  the ArenaKVCache arena: only the blocks appended since the last epoch;
 - ``tokens``  (paged)  every token id of the conversation (int64, 64 per 512-byte block);
-- ``rng``     (paged)  the sampler's torch.Generator state (5056 bytes on CPU, 16 on CUDA), logged when it drew;
-- ``meta``             token count, cache lengths per layer, the generation settings, where the current
+- ``sampler`` (paged)  the sampler's torch.Generator state as a device-independent record of 5120 bytes
+                       (integrations/generation.py), logged when it drew;
+- ``meta``             token count, cache lengths per layer, the generation settings (a resolved
+                       GenerationConfig), where the current
                        generate() started and whether it finished, chat turns, arena parameters, a model
                        fingerprint.
 
@@ -14,8 +16,8 @@ bytes into the base snapshot would only slow the first epoch and the recovery; r
 of the model instead. ``log_weights=True`` registers every parameter as an immutable region (base snapshot
 once, never diffed) for models that cannot be reloaded. See integrations/LLM.md.
 
-The decode loop is our own (greedy or sampled, transformers' logits processors, ``torch.multinomial`` with a
-private generator): it reproduces ``model.generate()`` token for token, and a recovered session continues with
+The decode loop is our own (greedy or sampled, the logits processors and stopping criteria transformers'
+generate() builds, integrations/generation.py; ``torch.multinomial`` with a private generator): it reproduces ``model.generate()`` token for token, and a recovered session continues with
 exactly the tokens the killed one would have produced, because the epoch is cut right after a token is sampled
 and that token's KV is computed on the next step in both runs.
 """
@@ -26,7 +28,7 @@ import hashlib
 import inspect
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,57 +36,28 @@ import numpy as np
 import torch
 
 from .errors import ConfigError, RecoveryError
+from .integrations.generation import (
+    SAMPLER_BYTES,
+    GenerationSettings,
+    decode_sampler_state,
+    encode_sampler_state,
+    needs_ids,
+    pick_token,
+    plan_rules,
+    resolve_settings,
+    restore_sampler_state,
+    should_stop,
+)
 from .integrations.transformers import ArenaKVCache, dtype_name, parse_dtype, plan_arena
 
 META_KEY = "concordia.session"
-META_VERSION = 1
+# 2: the sampler is the device-independent ``sampler`` region (integrations/generation.py), the settings are a
+# resolved GenerationConfig. 1: the raw generator state in ``rng`` (its size that of the writer's device), the
+# Session's own settings fields. recover() reads both; a version-1 log continues in version 2.
+META_VERSION = 2
+READS_VERSIONS = (1, 2)
 TOKEN_BLOCK_BYTES = 512  # 64 int64 token ids per block
 DEFAULT_MAX_CACHE_LEN = 2048
-
-
-@dataclass(frozen=True)
-class GenerationSettings:
-    """Everything the sampler needs, recorded in every epoch so resume() uses the same settings."""
-
-    max_new_tokens: int = 64
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 50
-    top_p: float = 1.0
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    def processors(self) -> Any:
-        from transformers.generation.logits_process import (
-            LogitsProcessorList,
-            MinPLogitsWarper,
-            RepetitionPenaltyLogitsProcessor,
-            TemperatureLogitsWarper,
-            TopKLogitsWarper,
-            TopPLogitsWarper,
-        )
-
-        procs = LogitsProcessorList()
-        if self.repetition_penalty != 1.0:
-            procs.append(RepetitionPenaltyLogitsProcessor(penalty=self.repetition_penalty))
-        if self.do_sample:  # same order as GenerationMixin._get_logits_processor
-            if self.temperature != 1.0:
-                procs.append(TemperatureLogitsWarper(self.temperature))
-            if self.top_k:
-                procs.append(TopKLogitsWarper(top_k=self.top_k, min_tokens_to_keep=1))
-            if self.top_p < 1.0:
-                procs.append(TopPLogitsWarper(top_p=self.top_p, min_tokens_to_keep=1))
-            if self.min_p is not None:
-                procs.append(MinPLogitsWarper(min_p=self.min_p, min_tokens_to_keep=1))
-        return procs
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GenerationSettings:
-        d = dict(d)
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        return cls(**d)
 
 
 @dataclass
@@ -127,13 +100,12 @@ def model_fingerprint(model: Any) -> str:
     return h.hexdigest()[:32]
 
 
-def _default_eos(model: Any, tokenizer: Any) -> tuple[int, ...]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+def _tokenizer_eos(model: Any, tokenizer: Any) -> list[int] | None:
+    """The tokenizer's eos id when the model's generation_config names none (chat templates end with it)."""
+    if getattr(model.generation_config, "eos_token_id", None) is not None or tokenizer is None:
+        return None
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return None if eos is None else [int(eos)]
 
 
 class Session:
@@ -197,12 +169,15 @@ class Session:
         self.generator = torch.Generator(device=self.device)
         if _recovering is None:
             self.generator.seed()  # unseeded sampling is random; its state is logged, so resume is exact
-        rng_bytes = self.generator.get_state().numel()
-        self.rng = np.zeros(-(-rng_bytes // 512) * 512, np.uint8)  # whole 512-byte blocks
-        self.rng_bytes = rng_bytes
+        self.rng = np.zeros(SAMPLER_BYTES, np.uint8)  # the sampler record: the same size on every device
+        self.rng_bytes = SAMPLER_BYTES
+        self.rng_exact = True  # False after recovering a log whose sampler ran on another device type
+        self._sampler_blocks = -(-(64 + int(self.generator.get_state().numel())) // 512)
+        self._rules: tuple[GenerationSettings, Any] | None = None
         self.rng_dirty = np.zeros(len(self.rng) // 512, np.uint8)  # set when the sampler drew (greedy: never)
         self.gen: GenerationState | None = None
         self._settings_cache: tuple[GenerationSettings, dict[str, Any]] | None = None
+        self._rules = None
         self.turns: list[dict[str, Any]] = []
         if system_prompt is not None:
             self.turns.append({"role": "system", "content": system_prompt})
@@ -229,7 +204,7 @@ class Session:
                     dirty_blocks=self.cache.dirty_blocks, initially_zero=fresh)
         rt.register("tokens", self.tokens, kind="paged", page_bytes=TOKEN_BLOCK_BYTES,
                     block_bytes=TOKEN_BLOCK_BYTES, dirty_blocks=self.tokens_dirty, initially_zero=fresh)
-        rt.register("rng", self.rng, kind="paged", page_bytes=512, block_bytes=512, dirty_blocks=self.rng_dirty,
+        rt.register("sampler", self.rng, kind="paged", page_bytes=512, block_bytes=512, dirty_blocks=self.rng_dirty,
                     initially_zero=fresh)
         if self.log_weights:
             for name, prm in self.model.named_parameters():
@@ -275,10 +250,10 @@ class Session:
         }}
 
     def _settings_dict(self, settings: GenerationSettings) -> dict[str, Any]:
-        """``asdict(settings)``, computed once per generate() (the settings are frozen; asdict deep-copies)."""
+        """``settings.to_dict()``, computed once per generate() (the settings are frozen)."""
         cached = self._settings_cache
         if cached is None or cached[0] is not settings:
-            cached = self._settings_cache = (settings, asdict(settings))
+            cached = self._settings_cache = (settings, settings.to_dict())
         return cached[1]
 
     def _mark(self) -> list[int]:
@@ -290,7 +265,7 @@ class Session:
         if hi > lo:
             self.tokens_dirty[lo // bb: -(-hi // bb)] = 1
         if self.rng_dirty.any():
-            self.rng[: self.rng_bytes] = self.generator.get_state().numpy()
+            encode_sampler_state(self.generator, self.rng)
         return lengths
 
     def _marked_clean(self, lengths: list[int]) -> None:
@@ -337,26 +312,35 @@ class Session:
         self._pending = (pending, time.perf_counter() - t0)  # stats recorded once it has committed
         return pending
 
-    def settings(self, max_new_tokens: int = 64, do_sample: bool = False, **kw: Any) -> GenerationSettings:
-        eos = kw.pop("eos_token_ids", None)
-        if eos is None:
-            eos = _default_eos(self.model, self.tokenizer)
-        elif isinstance(eos, int):
-            eos = (eos,)
-        try:
-            return GenerationSettings(max_new_tokens=int(max_new_tokens), do_sample=bool(do_sample),
-                                      eos_token_ids=tuple(int(e) for e in eos), **kw)
-        except TypeError as e:
-            raise ConfigError(f"unknown generation setting: {e}") from None
+    def settings(self, max_new_tokens: int | None = None, do_sample: bool | None = None, *,
+                 generation_config: Any = None, prompt_len: int | None = None, **kw: Any) -> GenerationSettings:
+        """What ``model.generate(ids, generation_config, max_new_tokens=..., **kw)`` would run with for a prompt
+        of ``prompt_len`` ids (default: the session's); a setting Session cannot reproduce raises ConfigError."""
+        if max_new_tokens is not None:
+            kw["max_new_tokens"] = max_new_tokens
+        if do_sample is not None:
+            kw["do_sample"] = do_sample
+        if "eos_token_id" not in kw and "eos_token_ids" not in kw and generation_config is None:
+            eos = _tokenizer_eos(self.model, self.tokenizer)
+            if eos is not None:
+                kw["eos_token_id"] = eos
+        n = self.n_tokens if prompt_len is None else int(prompt_len)
+        return resolve_settings(self.model, n, generation_config, **kw)
 
-    def generate(self, input_ids: Any, max_new_tokens: int = 64, do_sample: bool = False,
-                 on_token: Callable[[int], Any] | None = None, **settings: Any) -> list[int]:
-        """Generate up to ``max_new_tokens`` after ``input_ids`` (the whole sequence: when the session already
-        holds a prefix of it, that prefix's KV is reused). Returns the new token ids."""
+    def generate(self, input_ids: Any, max_new_tokens: int | None = None, do_sample: bool | None = None,
+                 on_token: Callable[[int], Any] | None = None, *, generation_config: Any = None,
+                 **settings: Any) -> list[int]:
+        """Generate after ``input_ids`` (the whole sequence: when the session already holds a prefix of it, that
+        prefix's KV is reused) with what ``model.generate()`` takes: a ``GenerationConfig`` and/or its keyword
+        arguments (integrations/LLM.md lists them), merged with the model's ``generation_config`` as generate()
+        merges them; without a generation_config, 64 new tokens, greedy. ``seed`` seeds the sampler. Returns the
+        new token ids."""
         ids = _as_id_list(input_ids)
         if not ids:
             raise ConfigError("input_ids is empty: generate() needs at least one prompt token")
-        s = self.settings(max_new_tokens, do_sample, **settings)
+        s = self.settings(max_new_tokens, do_sample, generation_config=generation_config, prompt_len=len(ids),
+                          **settings)
+        self._rules_for(s, ids)  # a setting transformers refuses is refused before anything is logged
         self._start(ids, s)
         return self._run(on_token)
 
@@ -379,14 +363,13 @@ class Session:
         g = self.gen
         if g is None:
             raise RecoveryError("no generate() to run: this session has never generated")
-        s = g.settings
-        procs = s.processors()
-        eos = set(s.eos_token_ids)
+        rules = self._rules_for(g.settings)
+        with_ids = needs_ids(rules)
         with torch.inference_mode():
             while not g.done:
                 t0 = time.perf_counter()
                 cached = int(self.cache.get_seq_length())
-                if self.n_tokens - cached == 1 and self._graph_decoder(s) is not None:
+                if self.n_tokens - cached == 1 and self._graph_decoder(rules) is not None:
                     n = self._graph.run(on_token)  # to the end of the generate(), or until the arena is full
                     if n:
                         self.stats.step_s.extend(self._graph.stats.token_s[-n:])
@@ -398,20 +381,13 @@ class Session:
                 kw[self._cache_kw] = self.cache
                 out = self.model(input_ids=feed, use_cache=True, **kw)
                 logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
-                if procs:
-                    seq = torch.as_tensor(self.tokens[: self.n_tokens], device=self.device).unsqueeze(0)
-                    scores = procs(seq, logits)
-                else:
-                    scores = logits
-                if s.do_sample:
-                    probs = torch.nn.functional.softmax(scores, dim=-1)
-                    tok = int(torch.multinomial(probs, num_samples=1, generator=self.generator).item())
-                    self.rng_dirty[:] = 1
-                else:
-                    tok = int(torch.argmax(scores, dim=-1).item())
+                seq = self._ids_tensor() if with_ids else None
+                tok, scores = pick_token(rules, seq, logits, self.generator)
+                if rules.do_sample:  # the blocks of the record that hold the state (a CUDA generator's: one)
+                    self.rng_dirty[: self._sampler_blocks] = 1
                 self._append([tok])
                 g.n_new += 1
-                g.done = tok in eos or g.n_new >= s.max_new_tokens
+                g.done = should_stop(rules, tok, g.n_new, self._ids_tensor() if with_ids else None, scores)
                 if feed.shape[1] > 1:
                     self.stats.prefill_s = time.perf_counter() - t0
                 else:
@@ -425,13 +401,13 @@ class Session:
                     on_token(tok)
         return self.tokens[g.start: g.start + g.n_new].tolist()
 
-    def _graph_decoder(self, s: GenerationSettings) -> Any:
+    def _graph_decoder(self, rules: Any) -> Any:
         """The session's graph decoder when this generate() decodes in graph mode (captured at first use)."""
         if self.decode == "eager" or self._graph_failed is not None:
             return None
         from .integrations.graph_decode import GraphDecoder, graph_ineligible
 
-        why = graph_ineligible(self, s)
+        why = graph_ineligible(self, rules)
         if why is not None:
             if self.decode == "graph":
                 raise ConfigError(f"decode='graph' is not possible here: {why}; use decode='auto' or 'eager'")
@@ -466,6 +442,26 @@ class Session:
             self._graph = None
         return None
 
+    def _ids_tensor(self) -> torch.Tensor:
+        return torch.as_tensor(self.tokens[: self.n_tokens], device=self.device).unsqueeze(0)
+
+    def _rules_for(self, settings: GenerationSettings, prompt: Sequence[int] | None = None) -> Any:
+        """transformers' processors and stopping criteria for ``settings`` (built once per generate() call, and
+        again after a recovery from the logged settings: they keep no per-token state). ``prompt``: the ids
+        the call starts from (default: the first ``prompt_len`` ids the session holds)."""
+        cached = self._rules
+        if cached is None or cached[0] is not settings:
+            src = self.tokens[: settings.prompt_len] if prompt is None else np.asarray(prompt, dtype=np.int64)
+            ids = torch.as_tensor(src, device=self.device).unsqueeze(0)
+            try:
+                rules = plan_rules(self.model, settings, ids, self.tokenizer, device=self.device)
+            except ValueError as e:
+                if isinstance(e, ConfigError):
+                    raise
+                raise ConfigError(f"generation settings refused by transformers: {e}") from None
+            cached = self._rules = (settings, rules)
+        return cached[1]
+
     def resume(self, on_token: Callable[[int], Any] | None = None) -> list[int]:
         """Finish the interrupted generate() (or return the last one's tokens); returns ALL its new tokens."""
         if self.gen is None:
@@ -476,14 +472,15 @@ class Session:
         return out
 
     # -- chat ------------------------------------------------------------------------------------------------
-    def chat(self, text: str, *, max_new_tokens: int = 64, do_sample: bool = False,
+    def chat(self, text: str, *, max_new_tokens: int | None = None, do_sample: bool | None = None,
              on_token: Callable[[int], Any] | None = None, **settings: Any) -> str:
         """One user turn through the tokenizer's chat template; returns the assistant's reply text."""
         if self.tokenizer is None:
             raise ConfigError("chat() needs a tokenizer: create the Session with tokenizer=...")
         self.turns.append({"role": "user", "content": text})
         ids = self._render_turns()
-        s = self.settings(max_new_tokens, do_sample, **settings)
+        s = self.settings(max_new_tokens, do_sample, prompt_len=len(ids), **settings)
+        self._rules_for(s, ids)
         self.turns.append({"role": "assistant", "start": len(ids), "end": -1})  # end -1: being generated
         self._start(ids, s, turn=len(self.turns) - 1)
         self._run(on_token)
@@ -531,8 +528,10 @@ class Session:
         rt, m = open_to_recover(log_dir, META_KEY, "concordia_ft.Session", fsync=fsync, backend=backend,
                                 runtime_options=runtime_options)
         try:
-            if m["version"] != META_VERSION:
-                raise RecoveryError(f"session metadata version {m['version']}; this code reads {META_VERSION}")
+            if m.get("version") not in READS_VERSIONS:
+                raise RecoveryError(f"session metadata version {m.get('version')}; this version of concordia_ft "
+                                    f"reads versions {READS_VERSIONS}: recover with the version that wrote it, or a "
+                                    "newer one")
             fp = model_fingerprint(model)
             if fp != m["fingerprint"] and not m.get("log_weights"):
                 raise RecoveryError(
@@ -548,6 +547,8 @@ class Session:
                     async_checkpoint=async_checkpoint, decode=decode, durability=durability,
                     pipeline_depth=pipeline_depth, _recovering=m, _runtime=rt)
             s._load(m)
+            if s.gen is not None and not s.gen.done:
+                s._rules_for(s.gen.settings)  # e.g. stop_strings without the tokenizer: refused here, log closed
         except BaseException:
             rt.close()
             raise
@@ -556,16 +557,33 @@ class Session:
     def _load(self, m: dict[str, Any]) -> None:
         t0 = time.perf_counter()
         # the restored bytes live in the arena and the host buffers now: keep no second (pinned) host copy
-        self.recovered = self.runtime.recover_into(keep_images=False)
+        version = int(m["version"])
+        if version == 1:
+            # the raw state of the writer's generator in ``rng`` (its device's size): restored into a host buffer,
+            # then dropped from the log; ``sampler`` is registered, not restored, so the next epoch logs it in full
+            kind = str(m.get("rng_device", "cpu"))
+            n = 16 if kind == "cuda" else int(torch.Generator().get_state().numel())
+            old = np.zeros(-(-n // 512) * 512, np.uint8)
+            self.recovered = self.runtime.recover_into(
+                {"kv": self.cache.arena, "tokens": self.tokens, "rng": old}, keep_images=False)
+            self.runtime.forget("rng")
+            state: tuple[str, bytes] | None = (kind, bytes(old[:n]))
+        else:
+            self.recovered = self.runtime.recover_into(keep_images=False)
+            state = decode_sampler_state(self.rng)
         self.n_tokens = self._tokens_marked = int(m["n_tokens"])
         self.cache.set_lengths(list(m["cache_lengths"]))
         self.cache.mark_clean()
-        self.generator.set_state(torch.from_numpy(self.rng[: self.rng_bytes].copy()))
+        if state is not None:
+            self.rng_exact = restore_sampler_state(self.generator, *state)
+            if not self.rng_exact or version == 1:
+                self.rng_dirty[:] = 1  # the next epoch logs this device's sampler
         self.turns = list(m["turns"])
         gd = m["gen"]
         if gd is not None:
             gd = dict(gd)
-            self.gen = GenerationState(settings=GenerationSettings.from_dict(gd.pop("settings")), **gd)
+            settings = GenerationSettings.from_dict(gd.pop("settings"), prompt_len=int(gd["start"]))
+            self.gen = GenerationState(settings=settings, **gd)
         self.fingerprint = str(m["fingerprint"])
         self.restore_s = time.perf_counter() - t0
 

@@ -3,7 +3,8 @@
 Crash safety, step by step (a crash anywhere leaves a log that replays to the same state):
 1. the writer seals its active segment (new appends go to a fresh one, named in the manifest first);
 2. the sealed segments are replayed (verified) to their last epoch E;
-3. the new base is written to ``base.N.cft.tmp``, fsynced, renamed to ``base.N.cft``, and the directory
+3. the new base is written to ``base.N.cft.tmp`` (streamed from the mapped segments, zero pages left out:
+   snapshot.py), fsynced, renamed to ``base.N.cft``, and the directory
    fsynced: until the manifest names it, it is an orphan that the next open deletes;
 4. the manifest is replaced atomically with [new base] + the segments after the sealed ones;
 5. the replaced files are deleted (leftovers are orphans, deleted at the next open).
@@ -11,21 +12,21 @@ Crash safety, step by step (a crash anywhere leaves a log that replays to the sa
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
+from typing import Any
 
 from ..errors import LogCorruptError
-from .epochs import plan_epoch
 from .log import DirLock, RecoveryLog, install_base, remove_orphans, segment_header
-from .manifest import fsync_dir, load_manifest
-from .replay import Outcome, RegionImage, replay
-from .segment import FileSegment
-from .tracking import RegionDelta
+from .manifest import MANIFEST_NAME, REBUILD_HINT, SEGMENT_RE, load_manifest, write_atomically
+from .oscalls import REAL_OS, OsCalls
+from .replay import Outcome, replay
+from .snapshot import write_base
 
 
 @dataclass
@@ -40,55 +41,57 @@ class CompactionResult:
     reason: str = ""
 
 
-def _full_delta(img: RegionImage) -> RegionDelta:
-    pages = np.arange(img.spec.n_pages, dtype=np.int64)
-    return RegionDelta(img.spec, pages, img.padded.data.cast("B"))
+FAILURE_NAME = "COMPACTION_FAILED"  # the last compaction failure of this log, until one succeeds
 
 
-def write_base(log_dir: Path, name: str, header: bytes, epoch: int, regions: dict[str, RegionImage],
-               meta: object, *, kill_hook: Callable[[str], None] | None = None) -> int:
-    """Write ``name`` (via a temp file) holding one full epoch of ``regions``. Returns its size."""
-    tmp = log_dir / (name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    seg = FileSegment(tmp, create_with=header)
+def record_failure(log_dir: Path, error: BaseException, *, io: OsCalls = REAL_OS) -> None:
+    """Leave the failure in ``DIR/COMPACTION_FAILED`` (JSON) for `concordia log inspect`; best effort (the
+    disk that made the compaction fail may refuse this too)."""
+    doc = {"time_ns": time.time_ns(), "pid": os.getpid(), "error": type(error).__name__, "message": str(error)}
+    with contextlib.suppress(OSError):
+        write_atomically(log_dir / FAILURE_NAME, json.dumps(doc, sort_keys=True).encode(), io=io)
+
+
+def last_failure(log_dir: Path) -> dict[str, Any] | None:
+    """The recorded failure of the last compaction, if the last one failed (None otherwise or unreadable)."""
     try:
-        specs = [img.spec for img in regions.values()]
-        plan = plan_epoch(epoch, seg.end, defs=specs, drops=[], deltas=[_full_delta(r) for r in regions.values()],
-                          meta=meta, full=True)
-        if kill_hook:
-            kill_hook("base-writing")
-        seg.append(plan.parts)
-        seg.sync()
-        size = seg.end
-    finally:
-        seg.close()
-    if kill_hook:
-        kill_hook("base-written")
-    os.replace(tmp, log_dir / name)
-    fsync_dir(log_dir)
-    return size
+        doc = json.loads((log_dir / FAILURE_NAME).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def clear_failure(log_dir: Path, *, io: OsCalls = REAL_OS) -> None:
+    io.unlink_quietly(log_dir / FAILURE_NAME)
 
 
 def compact_sealed(log_dir: Path, manifest_segments: list[str], *, new_name: str, header: bytes,
                    install: Callable[[str, list[str]], None],
-                   kill_hook: Callable[[str], None] | None = None) -> CompactionResult:
+                   kill_hook: Callable[[str], None] | None = None, io: OsCalls = REAL_OS) -> CompactionResult:
+    """Replay (verify) the sealed ``manifest_segments``, write their state as base ``new_name`` (streamed from
+    the mapped segments, sparse), and ``install`` it in their place."""
     t0 = time.perf_counter()
     if not manifest_segments or (len(manifest_segments) == 1 and manifest_segments[0].startswith("base.")):
         return CompactionResult(False, reason="nothing to compact: no sealed incremental segments")
-    before = sum(os.path.getsize(log_dir / n) for n in manifest_segments)
-    res = replay(log_dir, segments=manifest_segments)
-    if res.outcome is Outcome.DAMAGED_TAIL:
-        assert res.tail is not None
-        raise LogCorruptError(str(log_dir / res.tail.segment), res.tail.offset, res.tail.reason,
-                              "compaction refuses to drop a damaged epoch; run `concordia log check DIR --fix`")
-    if res.epoch is None:
-        return CompactionResult(False, reason="the sealed segments hold no committed epoch")
-    size = write_base(log_dir, new_name, header, res.epoch, res.regions, res.meta, kill_hook=kill_hook)
+    res = replay(log_dir, segments=manifest_segments, materialize=False)
+    try:
+        if res.outcome is Outcome.DAMAGED_TAIL:
+            assert res.tail is not None
+            raise LogCorruptError(str(log_dir / res.tail.segment), res.tail.offset, res.tail.reason,
+                                  "compaction refuses to drop a damaged epoch; run `concordia log check DIR --fix`")
+        if res.epoch is None or res.pending is None:
+            return CompactionResult(False, reason="the sealed segments hold no committed epoch")
+        before = sum(os.path.getsize(log_dir / n) for n in manifest_segments)
+        size = write_base(log_dir, new_name, header, res.epoch, res.pending.region_pages(), res.meta,
+                          kill_hook=kill_hook, io=io)
+    finally:
+        res.close()
     if kill_hook:
         kill_hook("before-manifest")
     install(new_name, manifest_segments)
     if kill_hook:
         kill_hook("after-manifest")
+    clear_failure(log_dir, io=io)
     return CompactionResult(True, res.epoch, new_name, tuple(manifest_segments), before, size,
                             time.perf_counter() - t0)
 
@@ -96,20 +99,27 @@ def compact_sealed(log_dir: Path, manifest_segments: list[str], *, new_name: str
 def compact_with_writer(writer: RecoveryLog, *, kill_hook: Callable[[str], None] | None = None
                         ) -> CompactionResult:
     """Compact while ``writer`` keeps appending (run it in a background thread)."""
-    sealed = writer.seal_for_compaction()
-    name, header = writer.reserve_base()
-    return compact_sealed(writer.dir, sealed, new_name=name, header=header, install=writer.install_base,
-                          kill_hook=kill_hook)
+    try:
+        sealed = writer.seal_for_compaction()
+        name, header = writer.reserve_base()
+        return compact_sealed(writer.dir, sealed, new_name=name, header=header, install=writer.install_base,
+                              kill_hook=kill_hook, io=writer.io)
+    except Exception as e:
+        record_failure(writer.dir, e, io=writer.io)
+        raise
 
 
-def compact_offline(log_dir: str | os.PathLike[str], *, kill_hook: Callable[[str], None] | None = None
-                    ) -> CompactionResult:
+def compact_offline(log_dir: str | os.PathLike[str], *, kill_hook: Callable[[str], None] | None = None,
+                    io: OsCalls = REAL_OS) -> CompactionResult:
     """Compact a log no process is writing (`concordia log compact DIR`). Takes the directory lock."""
     path = Path(log_dir)
     lock = DirLock(path, "compactor")
     try:
         manifest = load_manifest(path)
         if manifest is None:
+            if any(SEGMENT_RE.match(p.name) for p in path.iterdir()):
+                raise LogCorruptError(str(path / MANIFEST_NAME), 0, "the MANIFEST is missing (segment files are "
+                                      "there)", REBUILD_HINT)
             return CompactionResult(False, reason=f"{path} holds no log (no MANIFEST)")
         remove_orphans(path, manifest)
         segments = manifest.segments()
@@ -117,8 +127,9 @@ def compact_offline(log_dir: str | os.PathLike[str], *, kill_hook: Callable[[str
         header = segment_header(manifest, name)
 
         def install(base: str, replaced: list[str]) -> None:
-            install_base(path, manifest, base, replaced)
+            install_base(path, manifest, base, replaced, io=io)
 
-        return compact_sealed(path, segments, new_name=name, header=header, install=install, kill_hook=kill_hook)
+        return compact_sealed(path, segments, new_name=name, header=header, install=install, kill_hook=kill_hook,
+                              io=io)
     finally:
         lock.release()

@@ -61,31 +61,30 @@ class EpochPlan:
     payload_parts: list[int] = field(default_factory=list)
 
 
-def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: list[str],
-               deltas: list[RegionDelta], meta: Any = None, full: bool = False,
-               payload_crcs: list[int] | None = None) -> EpochPlan:
-    """Lay out one epoch that will start at file offset ``start_offset``.
+# one record before its payload is known: (type, name, body, count, payload bytes or -1 for none, pages)
+_Record = tuple[int, bytes, bytes, int, int, int]
 
-    ``payload_crcs`` (one per delta with pages, in order) are the payloads' CRC32C computed by the caller (e.g.
-    on several threads, over bytes already placed in a mapped segment); without them they are computed here.
-    The layout depends only on the payloads' sizes, so a caller may plan once to learn ``payload_offsets``,
-    place the bytes there, and plan again with the placed views and their CRCs."""
-    records: list[tuple[int, bytes, bytes, int, memoryview | None, int]] = []
+
+def _records(epoch: int, defs: list[RegionSpec], drops: list[str],
+             pages_of: list[tuple[RegionSpec, npt.NDArray[np.int64]]], meta: Any) -> list[_Record]:
+    """The epoch's records in file order; a region's pages go in a RUNS record when they form at most half
+    as many runs as pages, a PAGES record otherwise."""
+    records: list[_Record] = []
     for spec in defs:
-        records.append((REC_REGION, spec.name.encode(), encode_json(spec.describe()), 0, None, 0))
+        records.append((REC_REGION, spec.name.encode(), encode_json(spec.describe()), 0, -1, 0))
     for dropped in drops:
-        records.append((REC_DROP, dropped.encode(), b"", 0, None, 0))
-    for d in deltas:
-        if not len(d.pages):
+        records.append((REC_DROP, dropped.encode(), b"", 0, -1, 0))
+    for spec, pages in pages_of:
+        n = len(pages)
+        if not n:
             continue
-        n = len(d.pages)
-        n_runs = 1 if n == 1 else 1 + int(np.count_nonzero(np.diff(d.pages) != 1))
+        nbytes = n * spec.page_bytes
+        n_runs = 1 if n == 1 else 1 + int(np.count_nonzero(np.diff(pages) != 1))
         if n > 1 and n_runs * 2 <= n:
-            var = pages_to_runs(d.pages).astype("<i8").tobytes()
-            records.append((REC_RUNS, d.spec.name.encode(), var, n_runs, d.payload, n))
+            records.append((REC_RUNS, spec.name.encode(), pages_to_runs(pages).astype("<i8").tobytes(), n_runs,
+                            nbytes, n))
         else:
-            var = d.pages.astype("<i8").tobytes()
-            records.append((REC_PAGES, d.spec.name.encode(), var, len(d.pages), d.payload, len(d.pages)))
+            records.append((REC_PAGES, spec.name.encode(), pages.astype("<i8").tobytes(), n, nbytes, n))
     if meta is not None:
         try:
             meta_json = encode_json(meta)
@@ -93,55 +92,101 @@ def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: 
             raise ConfigError(f"epoch {epoch} not written: its metadata must be JSON-able (dicts with string keys, "
                               f"lists, strings, numbers, booleans, None): {e}; convert it (e.g. sets to lists, "
                               "arrays with .tolist()) and checkpoint again") from None
-        records.append((REC_META, b"", meta_json, 0, None, 0))
+        records.append((REC_META, b"", meta_json, 0, -1, 0))
+    return records
 
+
+@dataclass
+class EpochLayout:
+    """Where everything of one epoch goes, before any payload byte is read: ``payload_offsets[i]`` is the
+    offset (relative to the epoch start) of the i-th payload-carrying record's payload."""
+
+    epoch: int
+    full: bool
+    records: list[_Record]
+    offsets: list[int]  # per record, 0 when it has no payload
+    payload_area: int
+    total_bytes: int
+
+    @property
+    def payload_offsets(self) -> list[int]:
+        return [off for r, off in zip(self.records, self.offsets, strict=True) if r[4] >= 0]
+
+    @property
+    def payload_bytes(self) -> int:
+        ends = [off + r[4] for r, off in zip(self.records, self.offsets, strict=True) if r[4] >= 0]
+        return (ends[-1] - self.payload_area) if ends else 0
+
+    def head(self, crcs: list[int]) -> tuple[bytes, int]:
+        """Header + descriptor area + zero pad (the epoch's first ``payload_area`` bytes) and the descriptor
+        CRC, given the payloads' CRCs in record order."""
+        desc = bytearray()
+        it = iter(crcs)
+        for (rtype, name, var, count, nbytes, _), off in zip(self.records, self.offsets, strict=True):
+            pcrc, plen = (next(it), nbytes) if nbytes >= 0 else (0, 0)
+            if rtype in (REC_REGION, REC_META):
+                count = len(var)
+            desc += encode_entry(rtype, name, var, count, off, plen, pcrc)
+        desc_crc = crc32c(desc)
+        header = EpochHeader(self.epoch, len(self.records), len(desc), self.total_bytes, self.payload_bytes,
+                             EPOCH_FLAG_FULL if self.full else 0, desc_crc).encode()
+        return header + bytes(desc) + _ZEROS[: self.payload_area - EPOCH_HEADER_BYTES - len(desc)], desc_crc
+
+    def commit(self, desc_crc: int) -> bytes:
+        return encode_commit(self.epoch, self.total_bytes, desc_crc)
+
+
+def layout_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: list[str],
+                 pages_of: list[tuple[RegionSpec, npt.NDArray[np.int64]]], meta: Any = None,
+                 full: bool = False) -> EpochLayout:
+    """Lay out one epoch that will start at file offset ``start_offset`` from the pages each region writes
+    (payloads 4 KiB-aligned in the file). A writer that streams its payloads (a compaction's base) fills them
+    in later and asks for the head with their CRCs."""
+    records = _records(epoch, defs, drops, pages_of, meta)
     desc_bytes = sum(entry_size(len(r[1]), len(r[2])) for r in records)
     cursor = align_up(start_offset + EPOCH_HEADER_BYTES + desc_bytes) - start_offset
     payload_area = cursor
     offsets: list[int] = []
-    for *_, payload, _ in records:
-        if payload is not None:
+    for r in records:
+        if r[4] >= 0:
             cursor = align_up(start_offset + cursor) - start_offset
             offsets.append(cursor)
-            cursor += payload.nbytes
+            cursor += r[4]
         else:
             offsets.append(0)
-    total = cursor + COMMIT_BYTES
+    return EpochLayout(epoch, full, records, offsets, payload_area, cursor + COMMIT_BYTES)
 
-    desc = bytearray()
-    parts_after: list[memoryview | bytes] = []
-    pos = payload_area
-    n_pages = 0
-    region_pages: dict[str, int] = {}
-    payload_offsets: list[int] = []
+
+def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: list[str],
+               deltas: list[RegionDelta], meta: Any = None, full: bool = False,
+               payload_crcs: list[int] | None = None) -> EpochPlan:
+    """Lay out one epoch that will start at file offset ``start_offset``: the buffers of one vectored write.
+
+    ``payload_crcs`` (one per delta with pages, in order) are the payloads' CRC32C computed by the caller (e.g.
+    on several threads, over bytes already placed in a mapped segment); without them they are computed here.
+    The layout depends only on the payloads' sizes, so a caller may plan once to learn ``payload_offsets``,
+    place the bytes there, and plan again with the placed views and their CRCs (core/mapped.py)."""
+    deltas = [d for d in deltas if len(d.pages)]
+    lay = layout_epoch(epoch, start_offset, defs=defs, drops=drops, pages_of=[(d.spec, d.pages) for d in deltas],
+                       meta=meta, full=full)
+    payloads = [d.payload for d in deltas]
+    if payload_crcs is not None and len(payload_crcs) < len(payloads):
+        raise ValueError(f"{len(payload_crcs)} payload CRCs for {len(payloads)} payloads")
+    crcs = [crc32c(p) for p in payloads] if payload_crcs is None else [int(c) for c in payload_crcs[:len(payloads)]]
+    head, desc_crc = lay.head(crcs)
+    parts: list[memoryview | bytes] = [head]
+    pos = lay.payload_area
     payload_parts: list[int] = []
-    for (rtype, name, var, count, payload, pages), off in zip(records, offsets, strict=True):
-        if payload is not None:
-            k = len(payload_offsets)
-            if payload_crcs is not None and k >= len(payload_crcs):
-                raise ValueError(f"{len(payload_crcs)} payload CRCs for more payloads than that")
-            pcrc = crc32c(payload) if payload_crcs is None else int(payload_crcs[k])
-            plen = payload.nbytes
-            if off > pos:
-                parts_after.append(_ZEROS[: off - pos])
-            payload_offsets.append(off)
-            payload_parts.append(1 + len(parts_after))
-            parts_after.append(payload)
-            pos = off + plen
-            n_pages += pages
-            region_pages[name.decode()] = pages
-        else:
-            pcrc, plen = 0, 0
-        if rtype in (REC_REGION, REC_META):
-            count = len(var)
-        desc += encode_entry(rtype, name, var, count, off, plen, pcrc)
-    desc_crc = crc32c(desc)
-    payload_bytes = pos - payload_area
-    header = EpochHeader(epoch, len(records), len(desc), total, payload_bytes,
-                         EPOCH_FLAG_FULL if full else 0, desc_crc).encode()
-    head = header + bytes(desc) + _ZEROS[: payload_area - EPOCH_HEADER_BYTES - len(desc)]
-    parts: list[memoryview | bytes] = [head, *parts_after, encode_commit(epoch, total, desc_crc)]
-    return EpochPlan(epoch, parts, total, payload_bytes, n_pages, region_pages, payload_offsets, payload_parts)
+    for p, off in zip(payloads, lay.payload_offsets, strict=True):
+        if off > pos:
+            parts.append(_ZEROS[: off - pos])
+        payload_parts.append(len(parts))
+        parts.append(p)
+        pos = off + p.nbytes
+    parts.append(lay.commit(desc_crc))
+    region_pages = {d.spec.name: len(d.pages) for d in deltas}
+    return EpochPlan(epoch, parts, lay.total_bytes, lay.payload_bytes, sum(region_pages.values()), region_pages,
+                     list(lay.payload_offsets), payload_parts)
 
 
 class TailKind(str, enum.Enum):

@@ -642,6 +642,11 @@ class RecoveryLog:
                     raise LogError(f"sealing the active segment for compaction failed: {f.text}") from f.__cause__
             return self.manifest.segments()[:-1]
 
+    @property
+    def io(self) -> OsCalls:
+        """The OS boundary this writer's calls go through (a compactor writing beside it uses it too)."""
+        return self._io
+
     def reserve_base(self) -> tuple[str, bytes]:
         """The name and segment header of the next base segment a compactor writes."""
         with self._mutex:

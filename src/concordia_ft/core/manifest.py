@@ -21,6 +21,8 @@ from .oscalls import REAL_OS, OsCalls
 
 MANIFEST_NAME = "MANIFEST"
 MAX_MANIFEST_BYTES = 1 << 20
+REBUILD_HINT = ("the manifest is damaged (the segments may be intact): run `concordia log check DIR --fix` to "
+                "rebuild it from the segments that verify")
 SEGMENT_RE = re.compile(r"^(base|incr)\.(\d{6,12})\.cft$")
 
 
@@ -55,14 +57,18 @@ def decode_manifest(data: bytes, path: str) -> Manifest:
     body, sep, tail = data.rpartition(b"\ncrc32c ")
     if not sep:
         raise LogCorruptError(path, 0, "manifest has no checksum line",
-                              "the manifest is damaged; run `concordia log check DIR` to see which segments exist")
+                              "the manifest is damaged (the segments may be intact): run `concordia log check DIR --fix` "
+                              "to rebuild it from the segments that verify")
     try:
         want = int(tail.strip(), 16)
     except ValueError:
-        raise LogCorruptError(path, len(body), "manifest checksum line is unreadable") from None
+        raise LogCorruptError(path, len(body), "manifest checksum line is unreadable",
+                              "run `concordia log check DIR --fix` to rebuild it from the segments that verify"
+                              ) from None
     if crc32c(body) != want:
         raise LogCorruptError(path, 0, "manifest checksum mismatch",
-                              "the manifest is damaged; the segments are intact: run `concordia log check DIR`")
+                              "the manifest is damaged (the segments may be intact): run `concordia log check DIR --fix` "
+                              "to rebuild it from the segments that verify")
     try:
         doc = json.loads(body)
         version = int(doc["format"])
@@ -74,10 +80,11 @@ def decode_manifest(data: bytes, path: str) -> Manifest:
     except (KeyError, TypeError, ValueError) as e:
         if isinstance(e, LogError):
             raise
-        raise LogCorruptError(path, 0, f"manifest fields are malformed ({e})") from None
+        raise LogCorruptError(path, 0, f"manifest fields are malformed ({e})", REBUILD_HINT) from None
     for name in m.segments():
         if not isinstance(name, str) or not SEGMENT_RE.match(name):
-            raise LogCorruptError(path, 0, f"manifest names a segment {name!r} that is not a segment file name")
+            raise LogCorruptError(path, 0, f"manifest names a segment {name!r} that is not a segment file name",
+                                  REBUILD_HINT)
     return m
 
 
@@ -89,7 +96,7 @@ def load_manifest(log_dir: Path) -> Manifest | None:
     except FileNotFoundError:
         return None
     if len(data) > MAX_MANIFEST_BYTES:
-        raise LogCorruptError(str(path), MAX_MANIFEST_BYTES, "manifest is larger than 1 MiB")
+        raise LogCorruptError(str(path), MAX_MANIFEST_BYTES, "manifest is larger than 1 MiB", REBUILD_HINT)
     return decode_manifest(data, str(path))
 
 

@@ -61,6 +61,7 @@ from .manifest import Manifest, load_manifest
 from .options import coerce_options
 from .regions import RegionSpec
 from .segment import map_segment
+from .snapshot import RegionPages, region_pages
 
 __all__ = ["EpochSummary", "Outcome", "PendingImages", "RegionImage", "ReplayOptions", "ReplayResult",
            "ReplayTimings", "TailInfo", "replay"]
@@ -145,6 +146,7 @@ class ReplayResult:
     trailing_zero_bytes: int = 0
     epochs: list[EpochSummary] = field(default_factory=list)
     bytes_read: int = 0
+    suffix_bytes: int = 0  # bytes of the committed epochs in incremental segments (what compaction would fold)
     pending: PendingImages | None = None  # pass 2 not run yet (replay(..., materialize=False))
     timings: ReplayTimings = field(default_factory=ReplayTimings)
     released: bool = False  # close() dropped a deferred copy pass: these images will never exist
@@ -261,6 +263,13 @@ class PendingImages:
     @property
     def specs(self) -> Mapping[str, RegionSpec]:
         return self._state.specs
+
+    def region_pages(self) -> list[RegionPages]:
+        """Each region's newest committed page versions, read in place from the mapped segments (valid
+        until ``close``): what a streamed base is written from, without building an image."""
+        if self._mappings is None:
+            raise LogError("this replay's segments were already released; replay the log again")
+        return region_pages(self._state.specs, self._state.born, self._state.writes)
 
     def materialize(self, allocs: Mapping[str, ImageAlloc] | None, timings: ReplayTimings,
                     pool: Executor | None = None) -> dict[str, RegionImage]:
@@ -499,6 +508,8 @@ def _replay_segment(st: _State, result: ReplayResult, seg: _Segment, manifest: M
             raise LogCorruptError(path, pos, f"base epoch {ep.epoch} does not advance past epoch {st.epoch}")
         pages = st.add(ep, path)
         result.bytes_read += ep.total_bytes
+        if header.kind != SEGMENT_BASE:
+            result.suffix_bytes += ep.total_bytes
         result.end_offset = pos + ep.total_bytes
         if summaries or on_epoch is not None:
             s = EpochSummary(ep.epoch, seg.name, ep.offset, ep.total_bytes, ep.payload_bytes, ep.full, pages,

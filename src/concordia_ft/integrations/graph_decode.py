@@ -69,14 +69,17 @@ class GraphStats:
     backpressure_s: float = 0.0
 
 
-def graph_ineligible(session: Any, settings: Any) -> str | None:
-    """Why this session/generation cannot decode in graph mode (None: it can)."""
+def graph_ineligible(session: Any, rules: Any) -> str | None:
+    """Why this session/generation (``rules``: integrations/generation.py's GenerationRules) cannot decode in
+    graph mode (None: it can)."""
     if session.device.type != "cuda":
         return "the model is not on a CUDA device"
-    if settings.do_sample:
+    if rules.do_sample:
         return "sampling (do_sample=True) decodes eagerly: the sampler draws from a host-seeded generator"
-    if settings.repetition_penalty != 1.0:
-        return "a repetition penalty reads the whole token sequence (a growing shape)"
+    if len(rules.processors):
+        return "logits processors (repetition penalty, ...) read the whole token sequence (a growing shape)"
+    if len(rules.criteria):
+        return "stopping criteria beyond eos and max_new_tokens (stop strings) run on the host per token"
     if any(sl.kind != "full" for sl in session.cache.geometry.slots):
         return "sliding-window layers roll their window in place (every row moves each token)"
     if not session._logits_to_keep:
@@ -284,15 +287,15 @@ class GraphDecoder:
         ``plain``: no epochs and no writer (the benchmark's graph decode without checkpoints)."""
         s = self.session
         g = s.gen
-        st = s.gen.settings
-        eos = set(st.eos_token_ids)
+        rules = s._rules_for(g.settings)
+        eos, max_new = set(rules.eos), int(rules.max_new_tokens)
         lengths = s.cache.lengths()
         length = lengths[0]
         if length != s.n_tokens - 1:
             raise ConfigError(f"graph decode needs the cache to hold every token but the newest ({length} rows "
                               f"for {s.n_tokens} tokens)")
         # the rows the steps write stay inside the arena; the eager loop reports what does not fit
-        budget = min(st.max_new_tokens - g.n_new, s.max_cache_len - s.n_tokens)
+        budget = min(max_new - g.n_new, s.max_cache_len - s.n_tokens)
         if budget <= 0 or g.done:
             return 0
         if self.graph is None:
@@ -348,7 +351,7 @@ class GraphDecoder:
                     tok = int(rec.token)
                     s._append([tok])
                     g.n_new += 1
-                    g.done = tok in eos or g.n_new >= st.max_new_tokens
+                    g.done = tok in eos or g.n_new >= max_new  # generation.should_stop without criteria
                     if writer is not None:
                         writer.submit(_Item(seq, s.n_tokens, g.n_new, g.done, perf()))
                     unshown.append(tok)
