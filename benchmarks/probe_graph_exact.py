@@ -40,12 +40,12 @@ def main() -> int:
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
         sfx = f"-cudnn{int(cudnn)}"
         ref = session("A" + sfx, "eager")
-        A = ref.generate(prompt, max_new_tokens=n, eos_token_ids=())
+        A = ref.generate(prompt, max_new_tokens=n)
         ref.close()
         out = {"A_eager_session": A}
         # B: the eager loop by hand, cache_position passed (the graph's call), default stream
         s = session("B" + sfx, "eager")
-        s.generate(prompt, max_new_tokens=1, eos_token_ids=())
+        s.generate(prompt, max_new_tokens=1)
         kw = {"use_cache": True, "logits_to_keep": 1, s._cache_kw: s.cache}
         toks = [int(s.tokens[s.n_tokens - 1])]
         with torch.inference_mode():
@@ -61,7 +61,7 @@ def main() -> int:
         # C: the decoder's own step function, run eagerly; D: captured
         for tag, captured in (("C_step_uncaptured", False), ("D_graph", True)):
             s = session(tag + sfx, "eager")
-            s.generate(prompt, max_new_tokens=1, eos_token_ids=())
+            s.generate(prompt, max_new_tokens=1)
             dec = GraphDecoder(s, with_epoch=False)
             L = s.n_tokens - 1
             toks = [int(s.tokens[L])]
