@@ -1,0 +1,518 @@
+"""The coordinator: a process outside the ranks that holds the store, the commit log and the standbys.
+
+``python -m concordia_ft.distributed.coordinator --job-dir D [--resume]`` (``launch.run_job`` starts it).
+It owns (DESIGN.md §2):
+
+- the ``TCPStore`` server every rank and standby connects to (never in a rank: the store survives any rank);
+- the commit log (``epochs.CommitLog``): a cut is committed when every member's prepare is in the store;
+- every process of the job, as its children: a pidfd per child makes a death an event (no polling latency),
+  ``PR_SET_PDEATHSIG`` makes the children die with the coordinator (a restarted coordinator resumes the job
+  from its commit log with fresh ranks);
+- detection and classification (``health``), and the repair: a new generation whose members are the
+  survivors plus a standby (hot, warm or cold), everyone resuming from the committed cut.
+
+Events (kills, detections, plans, commits) go to ``events.jsonl``; ``result.json`` is written at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import random
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any
+
+import torch.distributed as dist
+
+from . import protocol as P
+from .epochs import CommitLog
+from .health import Beat, FailureKind, Timeouts, Verdict, classify_report, classify_silence, plan_timeouts
+from .options import DistOptions
+from .workloads import total_steps
+
+WORKER = "concordia_ft.distributed.worker"
+
+
+def _pdeathsig() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    wid: str
+    role: str  # rank | hot | warm
+    popen: subprocess.Popen[bytes]
+    pidfd: int
+    log: IO[bytes]
+    ready: bool = False  # warm: printed "ready"; hot: wrote standby/<wid>
+    spawned_ns: int = field(default_factory=time.monotonic_ns)
+
+
+class JobFailed(Exception):
+    pass
+
+
+class Coordinator:
+    def __init__(self, job_dir: Path, opts: DistOptions, *, resume: bool) -> None:
+        self.job_dir, self.opts = job_dir, opts
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=30))
+        self.port = self.store.port
+        (job_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.events = open(job_dir / "events.jsonl", "a", buffering=1)
+        self.commits = CommitLog(job_dir / "coord", fsync=opts.fsync)
+        self.final_cut = total_steps(opts.workload, opts.steps, dict(opts.workload_args))
+        self.sel = selectors.DefaultSelector()
+        self.children: dict[str, Child] = {}
+        self.hot: list[str] = []
+        self.warm: list[str] = []
+        self.members: list[str] = []
+        self.gen = self.commits.gen + 1
+        self.incarnation = sum(1 for _ in (job_dir / "coord").glob("incarnation.*"))
+        (job_dir / "coord" / f"incarnation.{self.incarnation}").touch()
+        self.n_spawned = 0
+        self.errors_seen = 0
+        self.pending: list[tuple[dict[str, str], int]] = []
+        self.beats: dict[str, tuple[bytes, int, Beat | None]] = {}
+        self.slowest_ms: list[float] = []
+        self.repairs: list[dict[str, Any]] = []
+        self.repairs_since_commit = 0
+        self.kills_done = 0
+        self.dead_in_gen: list[int] = []
+        self.gen_committed = False
+        rng_seed = int(opts.chaos.get("seed", 0)) + 7919 * self.incarnation
+        self.rng = random.Random(rng_seed)
+        self.next_chaos_ns = self._chaos_delay() if opts.chaos else None
+        self.kill_queue = list(opts.kills)
+        self.resume = resume
+
+    # --------------------------------------------------------------------------------------- helpers
+    def event(self, what: str, **kw: Any) -> None:
+        self.events.write(json.dumps({"event": what, "t_ns": time.monotonic_ns(), "gen": self.gen,
+                                      "inc": self.incarnation, **kw}) + "\n")
+
+    def _new_wid(self) -> str:
+        self.n_spawned += 1
+        return f"i{self.incarnation}w{self.n_spawned}"
+
+    def spawn(self, role: str, wid: str | None = None, plan: P.Plan | None = None) -> str:
+        wid = wid or self._new_wid()
+        env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        if self.opts.backend == "nccl":
+            env.update(NCCL_HOSTID=f"concordia-{wid}", NCCL_SOCKET_IFNAME="lo", NCCL_NVLS_ENABLE="0",
+                       TORCH_NCCL_ASYNC_ERROR_HANDLING="0")
+        cmd = [sys.executable, "-m", WORKER, "--job-dir", str(self.job_dir), "--port", str(self.port),
+               "--wid", wid, "--role", role]
+        if plan is not None:
+            cmd += ["--plan", plan.encode()]
+        log = open(self.job_dir / "logs" / f"{wid}.log", "ab")
+        popen = subprocess.Popen(cmd, stdin=subprocess.PIPE if role == "warm" else subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE if role == "warm" else log, stderr=log, env=env,
+                                 preexec_fn=_pdeathsig)
+        pidfd = os.pidfd_open(popen.pid)
+        child = Child(wid, role, popen, pidfd, log)
+        self.children[wid] = child
+        self.sel.register(pidfd, selectors.EVENT_READ, ("exit", wid))
+        if role == "warm":
+            assert popen.stdout is not None
+            self.sel.register(popen.stdout, selectors.EVENT_READ, ("warm", wid))
+            self.warm.append(wid)
+        elif role == "hot":
+            self.hot.append(wid)
+        self._write_pids()
+        return wid
+
+    def _write_pids(self) -> None:
+        pids = {c.wid: c.popen.pid for c in self.children.values() if c.popen.returncode is None}
+        tmp = self.job_dir / "coord" / "pids.json.tmp"
+        tmp.write_text(json.dumps(pids))
+        os.replace(tmp, self.job_dir / "coord" / "pids.json")
+
+    def _kill_leftovers(self) -> None:
+        """Children of a killed coordinator die with it (PDEATHSIG); wait until they have (bounded)."""
+        path = self.job_dir / "coord" / "pids.json"
+        if not path.exists():
+            return
+        for wid, pid in json.loads(path.read_text()).items():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if WORKER.encode() in cmdline and wid.encode() in cmdline:
+                os.kill(pid, signal.SIGKILL)
+                deadline = time.monotonic() + 5
+                while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                    time.sleep(0.002)
+
+    def _sigkill(self, wid: str) -> int:
+        c = self.children.get(wid)
+        t = time.monotonic_ns()
+        if c is not None and c.popen.returncode is None:
+            try:
+                os.kill(c.popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return t
+
+    def publish(self, plan: P.Plan) -> None:
+        self.store.set(P.plan_key(plan.gen), plan.encode())
+        self.store.set(P.GEN, str(plan.gen))
+
+    # ------------------------------------------------------------------------------------------- run
+    def run(self) -> int:
+        self._kill_leftovers()
+        cut = self.commits.cut
+        if cut >= 0:
+            self.store.set(P.commit_key(cut), "1")
+        self.event("start", cut=cut, resume=self.resume, final_cut=self.final_cut, port=self.port)
+        if cut >= self.final_cut:
+            self.event("already-done", cut=cut)
+        for _ in range(self.opts.standby.hot):
+            self.spawn("hot")
+        for _ in range(self.opts.standby.warm):
+            self.spawn("warm")
+        self.members = [self._new_wid() for _ in range(self.opts.world)]
+        plan = P.Plan(self.gen, cut, tuple(self.members), "start" if not self.resume else "coordinator-restart")
+        self.publish(plan)
+        for wid in self.members:
+            self.spawn("rank", wid, plan)
+        deadline = time.monotonic() + self.opts.job_timeout_s
+        last_hb = 0
+        try:
+            while True:
+                if time.monotonic() > deadline:
+                    raise JobFailed(f"the job did not finish within job_timeout_s={self.opts.job_timeout_s}")
+                for key, _ in self.sel.select(self.opts.poll_ms / 1e3):
+                    what, wid = key.data
+                    if what == "exit":
+                        self._on_exit(wid)
+                    else:
+                        self._on_warm_line(wid)
+                self._check_commit()
+                if self.commits.cut >= self.final_cut and self._members_exited():
+                    break
+                self._check_reports()
+                now = time.monotonic_ns()
+                if (now - last_hb) / 1e6 >= self.opts.heartbeat_ms:
+                    last_hb = now
+                    self._check_beats(now)
+                self._scheduled_kills(now)
+        except JobFailed as e:
+            self.event("failed", reason=str(e))
+            self._write_result("failed", str(e))
+            return 2
+        self.event("done", cut=self.commits.cut)
+        self._write_result("done", "")
+        return 0
+
+    def shutdown(self) -> None:
+        for c in self.children.values():
+            if c.popen.returncode is None:
+                try:
+                    os.kill(c.popen.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for c in self.children.values():
+            try:
+                c.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._write_pids()
+        self.commits.close()
+
+    # ------------------------------------------------------------------------------------- observing
+    def _members_exited(self) -> bool:
+        return all(self.children[w].popen.poll() is not None for w in self.members)
+
+    def _on_exit(self, wid: str) -> None:
+        c = self.children[wid]
+        self.sel.unregister(c.pidfd)
+        os.close(c.pidfd)
+        rc = c.popen.wait()
+        t = time.monotonic_ns()
+        self._write_pids()
+        if c.role == "warm" and c.popen.stdout is not None:
+            try:
+                self.sel.unregister(c.popen.stdout)
+            except (KeyError, ValueError):
+                pass
+        pooled = wid in self.hot or wid in self.warm
+        if wid in self.hot:
+            self.hot.remove(wid)
+        if wid in self.warm:
+            self.warm.remove(wid)
+        if wid not in self.members:
+            self.event("exit", wid=wid, rc=rc, member=False, standby=pooled)
+            if pooled and self.opts.standby.refill and self.commits.cut < self.final_cut:
+                self.spawn(c.role)
+            return
+        rank = self.members.index(wid)
+        if rc == 0 and self.commits.cut >= self.final_cut:
+            self.event("exit", wid=wid, rc=rc, rank=rank, member=True)
+            return
+        self.event("detect", wid=wid, rank=rank, rc=rc, kind=FailureKind.PROCESS_DEATH.value, t_detect_ns=t)
+        self.dead_in_gen.append(rank)
+        self._replace([rank], Verdict(FailureKind.PROCESS_DEATH, rank, ACTION_REPLACE,
+                                      f"rank {rank} ({wid}) exited with {rc}"), t)
+
+    def _on_warm_line(self, wid: str) -> None:
+        c = self.children[wid]
+        assert c.popen.stdout is not None
+        line = c.popen.stdout.readline()
+        self.sel.unregister(c.popen.stdout)
+        if line.strip() == b"ready":
+            c.ready = True
+
+    def _check_commit(self) -> None:
+        nxt = self.commits.cut + 1
+        if nxt > self.final_cut:
+            return
+        keys = [P.prep_key(self.gen, nxt, r) for r in range(self.opts.world)]
+        if not self.store.check(keys):
+            return
+        ms = self.commits.commit(nxt, self.gen)
+        self.store.set(P.commit_key(nxt), "1")
+        self.repairs_since_commit = 0
+        if not self.gen_committed:
+            self.gen_committed = True
+            self.event("first-commit", cut=nxt, commit_ms=ms)
+        self.event("commit", cut=nxt, commit_ms=ms)
+
+    def _check_reports(self) -> None:
+        n = self.store.add(P.ERRORS, 0)
+        while self.errors_seen < n and self.store.check([P.err_key(self.errors_seen + 1)]):
+            self.errors_seen += 1
+            rep = json.loads(self.store.get(P.err_key(self.errors_seen)))
+            self.event("report", **rep)
+            if int(rep.get("gen", -1)) == self.gen or rep.get("kind") == "cuda":
+                self.pending.append((rep, time.monotonic_ns()))
+        now = time.monotonic_ns()
+        keep = []
+        for rep, since in self.pending:
+            if int(rep.get("gen", -1)) != self.gen and rep.get("kind") != "cuda":
+                continue
+            rank = int(rep.get("rank", -1))
+            v = classify_report(rank, rep, since, now, self.opts, self.dead_in_gen)
+            if v is None:
+                if (now - since) / 1e6 < 10 * self.opts.collective_grace_ms and not self.dead_in_gen:
+                    keep.append((rep, since))
+                continue
+            self.event("detect", rank=rank, kind=v.kind.value, detail=v.detail, t_detect_ns=now)
+            if v.action is ACTION_REBUILD:
+                self._rebuild(v, now)
+            else:
+                self._replace([rank], v, now, kill=True)
+            keep = []
+            break
+        self.pending = keep
+
+    def _timeouts(self) -> Timeouts:
+        return plan_timeouts(self.slowest_ms[-64:], self.opts)
+
+    def _check_beats(self, now: int) -> None:
+        for rank, wid in enumerate(self.members):
+            key = P.hb_key(wid)
+            if not self.store.check([key]):
+                continue
+            raw = self.store.get(key)
+            old = self.beats.get(wid)
+            if old is None or old[0] != raw:
+                beat = Beat.decode(raw)
+                self.beats[wid] = (raw, now, beat)
+                if beat.slowest_step_ms > 0:
+                    self.slowest_ms.append(beat.slowest_step_ms)
+                continue
+            _, seen, beat = old
+            v = classify_silence(rank, beat, seen, now, self._timeouts())
+            if v is not None:
+                self.event("detect", rank=rank, wid=wid, kind=v.kind.value, detail=v.detail, t_detect_ns=now)
+                self._replace([rank], v, now, kill=True)
+                return
+
+    # ---------------------------------------------------------------------------------------- acting
+    def _take_standby(self) -> tuple[str, str]:
+        for kind in self.opts.standby.order:
+            if kind == "hot":
+                for wid in list(self.hot):
+                    if self.store.check([P.standby_key(wid)]):
+                        self.hot.remove(wid)
+                        return wid, "hot"
+            elif kind == "warm":
+                for wid in list(self.warm):
+                    if self.children[wid].ready:
+                        self.warm.remove(wid)
+                        return wid, "warm"
+            else:
+                return self._new_wid(), "cold"
+        return self._new_wid(), "cold"
+
+    def _bump(self) -> None:
+        self.repairs_since_commit += 1
+        if self.repairs_since_commit > self.opts.max_rebuilds:
+            raise JobFailed(f"{self.repairs_since_commit} repairs without a commit in between (max_rebuilds="
+                            f"{self.opts.max_rebuilds}): the failure repeats; look at {self.job_dir}/logs")
+        self.gen += 1
+        self.dead_in_gen = []
+        self.gen_committed = False
+        self.pending = []
+
+    def _replace(self, ranks: list[int], v: Verdict, t_detect: int, *, kill: bool = False,
+                 t_kill: int | None = None) -> None:
+        if kill:
+            for r in ranks:
+                self._sigkill(self.members[r])
+        if self.opts.on_failure == "restart":
+            self._restart_all(v, t_detect)
+            return
+        self._bump()
+        kinds = {}
+        for r in ranks:
+            wid, kind = self._take_standby()
+            self.members[r] = wid
+            kinds[r] = (wid, kind)
+        plan = P.Plan(self.gen, self.commits.cut, tuple(self.members), v.kind.value,
+                      {"failed": ranks, "detail": v.detail})
+        self.publish(plan)
+        t_plan = time.monotonic_ns()
+        for wid, kind in kinds.values():
+            if kind == "hot":
+                self.store.set(P.assign_key(wid), plan.encode())
+            elif kind == "warm":
+                c = self.children[wid]
+                assert c.popen.stdin is not None
+                c.popen.stdin.write(plan.encode().encode() + b"\n")
+                c.popen.stdin.flush()
+            else:
+                self.spawn("rank", wid, plan)
+            if kind in ("hot", "warm") and self.opts.standby.refill:
+                self.spawn(kind)
+        rec = {"gen": self.gen, "cut": plan.cut, "kind": v.kind.value, "action": v.action.value,
+               "ranks": ranks, "standby": {str(r): k for r, (_, k) in kinds.items()},
+               "replacement": {str(r): w for r, (w, _) in kinds.items()}, "t_detect_ns": t_detect,
+               "t_plan_ns": t_plan, "members": list(self.members), "mode": "repair"}
+        self.repairs.append(rec)
+        self.event("plan", **rec)
+
+    def _rebuild(self, v: Verdict, t_detect: int) -> None:
+        self._bump()
+        plan = P.Plan(self.gen, self.commits.cut, tuple(self.members), v.kind.value, {"detail": v.detail})
+        self.publish(plan)
+        rec = {"gen": self.gen, "cut": plan.cut, "kind": v.kind.value, "action": v.action.value, "ranks": [],
+               "t_detect_ns": t_detect, "t_plan_ns": time.monotonic_ns(), "members": list(self.members),
+               "mode": "rebuild"}
+        self.repairs.append(rec)
+        self.event("plan", **rec)
+
+    def _restart_all(self, v: Verdict, t_detect: int) -> None:
+        """The baseline a user runs today: kill every rank, start new processes, restore, init the group."""
+        for wid in self.members:
+            self._sigkill(wid)
+        for wid in self.members:
+            c = self.children[wid]
+            try:
+                c.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        t_killed = time.monotonic_ns()
+        self._bump()
+        self.members = [self._new_wid() for _ in range(self.opts.world)]
+        plan = P.Plan(self.gen, self.commits.cut, tuple(self.members), v.kind.value, {"restart": True})
+        self.publish(plan)
+        t_plan = time.monotonic_ns()
+        for wid in self.members:
+            self.spawn("rank", wid, plan)
+        rec = {"gen": self.gen, "cut": plan.cut, "kind": v.kind.value, "action": "restart-all",
+               "ranks": [v.rank], "standby": {}, "t_detect_ns": t_detect, "t_abort_end_ns": t_killed,
+               "t_plan_ns": t_plan, "members": list(self.members), "mode": "restart"}
+        self.repairs.append(rec)
+        self.event("plan", **rec)
+
+    def _chaos_delay(self) -> int:
+        lo = float(self.opts.chaos.get("min_delay_ms", 20))
+        hi = float(self.opts.chaos.get("max_delay_ms", 400))
+        return time.monotonic_ns() + int(self.rng.uniform(lo, hi) * 1e6)
+
+    def _scheduled_kills(self, now: int) -> None:
+        if self.next_chaos_ns is not None and now >= self.next_chaos_ns:
+            if self.kills_done < int(self.opts.chaos.get("kills", 0)) and self.commits.cut < self.final_cut:
+                rank = self.rng.randrange(self.opts.world)
+                self._kill_member(rank, "chaos")
+                self.next_chaos_ns = self._chaos_delay()
+            else:
+                self.next_chaos_ns = None
+        if self.kill_queue and self.commits.cut >= int(self.kill_queue[0]["after_cut"]) and self._settled():
+            k = self.kill_queue.pop(0)
+            self._kill_member(int(k["rank"]), "scheduled")
+
+    def _settled(self) -> bool:
+        """The last repair is over (a commit in this generation) and the preferred standby is ready."""
+        if not self.gen_committed:
+            return False
+        first = self.opts.standby.order[0]
+        if first == "hot" and self.opts.standby.hot:
+            return any(self.store.check([P.standby_key(w)]) for w in self.hot)
+        if first == "warm" and self.opts.standby.warm:
+            return any(self.children[w].ready for w in self.warm)
+        return True
+
+    def _kill_member(self, rank: int, why: str) -> None:
+        wid = self.members[rank]
+        t = self._sigkill(wid)
+        self.kills_done += 1
+        self.gen_committed = False  # not settled until the repair this kill causes has committed a cut
+        self.event("kill", rank=rank, wid=wid, why=why, t_kill_ns=t, cut=self.commits.cut)
+
+    # ---------------------------------------------------------------------------------------- result
+    def _write_result(self, status: str, reason: str) -> None:
+        results = {}
+        for r in range(self.opts.world):
+            if self.store.check([P.done_key(r)]):
+                results[str(r)] = json.loads(self.store.get(P.done_key(r)))
+        timings: dict[str, list[dict[str, Any]]] = {}
+        for rec in self.repairs + [{"gen": self.repairs[0]["gen"] - 1 if self.repairs else self.gen,
+                                    "members": self.members}]:
+            g = int(rec["gen"])
+            for wid in set(rec["members"]) | set(self.children):
+                key = P.timing_key(g, wid)
+                if self.store.check([key]):
+                    timings.setdefault(str(g), []).append(json.loads(self.store.get(key)))
+        doc = {"status": status, "reason": reason, "final_cut": self.final_cut, "committed": self.commits.cut,
+               "incarnation": self.incarnation, "results": results, "repairs": self.repairs, "timings": timings,
+               "kills": self.kills_done, "commit_history": self.commits.history}
+        tmp = self.job_dir / f"result.{self.incarnation}.json.tmp"
+        tmp.write_text(json.dumps(doc, indent=1))
+        os.replace(tmp, self.job_dir / f"result.{self.incarnation}.json")
+
+
+from .health import Action  # noqa: E402
+
+ACTION_REPLACE = Action.REPLACE
+ACTION_REBUILD = Action.REBUILD
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="concordia_ft.distributed.coordinator")
+    ap.add_argument("--job-dir", required=True)
+    ap.add_argument("--resume", action="store_true")
+    a = ap.parse_args(argv)
+    job_dir = Path(a.job_dir)
+    opts = DistOptions.from_json((job_dir / "options.json").read_text())
+    coord = Coordinator(job_dir, opts, resume=a.resume)
+    signal.signal(signal.SIGTERM, lambda *_: (coord.shutdown(), os._exit(143)))
+    try:
+        return coord.run()
+    finally:
+        coord.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

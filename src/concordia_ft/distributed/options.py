@@ -1,0 +1,109 @@
+"""The distributed job's knobs, in one typed place (units in every name).
+
+``DistOptions`` is accepted as an object or a dict (``DistOptions.coerce``); it travels to every rank and
+standby as JSON, so every process of a job reads the same values. How each timeout is derived from measured
+step times is in DESIGN.md §4 (``plan_timeouts`` in ``health.py`` is the one place that does it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.options import coerce_options
+from ..errors import ConfigError
+
+BACKENDS = ("gloo", "nccl")
+POOL_KINDS = ("hot", "warm", "cold")
+ON_FAILURE = ("repair", "restart")
+
+
+@dataclass(frozen=True)
+class StandbyOptions:
+    """The standby pool: ``hot`` processes are up, model built, connected to the store and waiting for an
+    assignment; ``warm`` ones are up with the model built but not connected (told through a pipe); ``cold``
+    means a new process is started when needed. ``order`` is the preference when a rank must be replaced;
+    ``refill`` starts a new standby of the kind just used, in the background, after each repair."""
+
+    hot: int = 1
+    warm: int = 0
+    order: tuple[str, ...] = ("hot", "warm", "cold")
+    refill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.hot < 0 or self.warm < 0:
+            raise ConfigError(f"standby counts must be >= 0, got hot={self.hot} warm={self.warm}")
+        bad = [k for k in self.order if k not in POOL_KINDS]
+        if bad or not self.order:
+            raise ConfigError(f"standby order {self.order!r}: use a non-empty sequence of {', '.join(POOL_KINDS)}")
+        object.__setattr__(self, "order", tuple(self.order))
+
+
+@dataclass(frozen=True)
+class DistOptions:
+    """One distributed job: its workload, its world, its detection and recovery knobs."""
+
+    workload: str = "dp_lora"  # dp_lora | tp_decode (workloads.py)
+    world: int = 4
+    steps: int = 40  # training steps / tokens to decode
+    seed: int = 1234
+    backend: str = "gloo"
+    device: str = "cpu"  # "cpu" or "cuda:0" (every rank of a one-GPU NCCL test shares cuda:0)
+    fsync: str = "always"  # the ranks' and the coordinator's log policy (core/log.py)
+    on_failure: str = "repair"  # repair: replace the rank in place; restart: kill all, start all (baseline)
+    standby: StandbyOptions = field(default_factory=StandbyOptions)
+    heartbeat_ms: int = 50  # each process's heartbeat period (a thread with its own store connection)
+    heartbeat_misses: int = 20  # heartbeats missed before a live pid is declared hung (unresponsive)
+    poll_ms: float = 2.0  # the coordinator's store poll period (process death is event-driven: pidfd)
+    wait_poll_ms: float = 5.0  # a rank's wait slice: how often a blocked wait looks at the generation
+    hang_factor: float = 50.0  # progress timeout = hang_factor x the slowest recent step (DESIGN.md §4)
+    min_progress_timeout_ms: int = 2000  # floor of that timeout (the first steps have no measurement yet)
+    collective_timeout_ms: int = 30000  # the torch group's own timeout: frees an abandoned collective's threads; also
+    # bounds a rendezvous nobody abandons (fresh processes starting 9 s apart on a loaded 2-core host: 5 s was
+    # too short there and cost a needless rebuild in bench_distributed)
+    collective_grace_ms: int = 200  # after a collective error, how long to wait for a death to explain it
+    abort_bound_ms: int = 50  # a survivor leaves a broken communicator within this bound (asserted in tests)
+    max_rebuilds: int = 8  # repairs of one step before the job gives up (a failure that repeats)
+    job_timeout_s: float = 600.0
+    workload_args: dict[str, Any] = field(default_factory=dict)
+    # fault injection (tests, benchmarks): faults a rank injects into itself (group.FaultInjector), kills the
+    # coordinator sends at chosen cuts (``kills``: {"after_cut", "rank"}) or at random times (``chaos``:
+    # {"kills", "seed", "min_delay_ms", "max_delay_ms"})
+    faults: tuple[dict[str, Any], ...] = ()
+    kills: tuple[dict[str, Any], ...] = ()
+    chaos: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
+        if self.on_failure not in ON_FAILURE:
+            raise ConfigError(f"on_failure {self.on_failure!r}: use one of {', '.join(ON_FAILURE)}")
+        if self.world < 1:
+            raise ConfigError(f"world must be >= 1, got {self.world}")
+        if self.steps < 1:
+            raise ConfigError(f"steps must be >= 1, got {self.steps}")
+        for name in ("heartbeat_ms", "heartbeat_misses", "collective_timeout_ms", "min_progress_timeout_ms"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.backend == "nccl" and not self.device.startswith("cuda"):
+            raise ConfigError("backend 'nccl' needs device='cuda:N'")
+        object.__setattr__(self, "faults", tuple(self.faults))
+        object.__setattr__(self, "kills", tuple(self.kills))
+        if isinstance(self.standby, Mapping):
+            object.__setattr__(self, "standby", coerce_options(StandbyOptions, self.standby, "standby"))
+
+    @classmethod
+    def coerce(cls, value: DistOptions | Mapping[str, Any] | None) -> DistOptions:
+        return coerce_options(cls, value, "distributed")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> DistOptions:
+        d = json.loads(text)
+        d["standby"] = StandbyOptions(**{**d["standby"], "order": tuple(d["standby"]["order"])})
+        return cls(**d)

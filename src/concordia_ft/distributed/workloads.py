@@ -1,0 +1,228 @@
+"""The jobs the distributed runtime is tested and measured on: small real torch models, deterministic.
+
+- ``dp_lora``: data-parallel LoRA-style training. A frozen 3-layer MLP (weights from the seed) with rank-r
+  adapters A, B on each layer; every rank draws its own batch from (seed, rank, step); the adapter gradients
+  and the loss travel in ONE flat buffer allreduced per step (one collective: the boundary); Adam on the flat
+  adapter vector. State: adapter, Adam moments, the loss of every step (float64).
+- ``tp_decode``: tensor-parallel greedy decode over ``world`` ranks. A small decoder (embedding, ``layers``
+  blocks of replicated causal attention + an MLP split by columns of W1 / rows of W2, one allreduce per block,
+  replicated LM head). State: the KV cache (positions are idempotent writes), the token ids.
+
+A step's local work before its first collective must be a function of the state (or an idempotent write into
+it): a cut is taken at that collective and a recovered rank replays the step from the top (DESIGN.md §3).
+Threads: one per process (``torch.set_num_threads(1)`` in the worker), so a replacement computes the same bits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import ConfigError
+
+
+class Group(Protocol):
+    def allreduce(self, t: torch.Tensor) -> None: ...
+
+
+class Workload(Protocol):
+    collectives_per_step: int
+    steps: int
+
+    def bind(self, rank: int) -> None: ...
+    def state(self) -> dict[str, torch.Tensor]: ...
+    def initial_state(self) -> dict[str, torch.Tensor]: ...
+    def step(self, step: int, group: Group) -> None: ...
+    def result(self) -> dict[str, Any]: ...
+
+
+def _gen(*key: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(int.from_bytes(hashlib.sha256(repr(key).encode()).digest()[:7], "little"))
+    return g
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(state):
+        h.update(name.encode())
+        h.update(state[name].detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class DpLora:
+    """Data-parallel LoRA-style training (see the module docstring)."""
+
+    def __init__(self, *, seed: int, world: int, steps: int, device: str = "cpu", dim: int = 64,
+                 hidden: int = 128, lora_rank: int = 8, batch: int = 16, lr: float = 1e-2) -> None:
+        self.rank, self.world, self.steps, self.device = -1, world, steps, device
+        self.collectives_per_step = 1
+        self.seed, self.batch, self.lr = seed, batch, lr
+        g = _gen(seed, 0)
+        dims = [(dim, hidden), (hidden, hidden), (hidden, dim)]
+        self.base = [(torch.randn(o, i, generator=g) / i ** 0.5).to(device) for i, o in dims]  # frozen
+        self.teacher = [torch.randn(o, i, generator=g) / i ** 0.5 for i, o in dims]
+        self.shapes: list[tuple[int, int]] = []
+        for i, o in dims:
+            self.shapes += [(lora_rank, i), (o, lora_rank)]
+        self.n = sum(a * b for a, b in self.shapes)
+        self._init = self._initial(g)
+        self._state = {k: v.clone() for k, v in self._init.items()}
+
+    def _initial(self, g: torch.Generator) -> dict[str, torch.Tensor]:
+        parts = []
+        for k, (a, b) in enumerate(self.shapes):
+            parts.append((torch.randn(a * b, generator=g) * 0.05) if k % 2 == 0 else torch.zeros(a * b))
+        return {"adapter": torch.cat(parts), "adam_m": torch.zeros(self.n), "adam_v": torch.zeros(self.n),
+                "losses": torch.zeros(self.steps, dtype=torch.float64)}
+
+    def bind(self, rank: int) -> None:
+        self.rank = rank
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        return self._init
+
+    def _batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = _gen(self.seed, 1, self.rank, step)
+        x = torch.randn(self.batch, self.shapes[0][1], generator=g)
+        y = x
+        for w in self.teacher:
+            y = torch.tanh(y @ w.T)
+        return x.to(self.device), y.to(self.device)
+
+    def _forward(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        views, off = [], 0
+        for a, b in self.shapes:
+            views.append(flat[off:off + a * b].view(a, b))
+            off += a * b
+        h = x
+        for k, w in enumerate(self.base):
+            la, lb = views[2 * k], views[2 * k + 1]
+            h = torch.tanh(h @ w.T + (h @ la.T) @ lb.T)
+        return h
+
+    def step(self, step: int, group: Group) -> None:
+        st = self._state
+        flat = st["adapter"].to(self.device).clone().requires_grad_(True)
+        x, y = self._batch(step)
+        loss = torch.mean((self._forward(flat, x) - y) ** 2)
+        loss.backward()
+        assert flat.grad is not None
+        buf = torch.cat([flat.grad.detach(), loss.detach().reshape(1)])
+        group.allreduce(buf)
+        buf /= self.world
+        grad, gloss = buf[:-1].cpu(), buf[-1].cpu()
+        b1, b2, t = 0.9, 0.999, step + 1
+        st["adam_m"].mul_(b1).add_(grad, alpha=1 - b1)
+        st["adam_v"].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        mhat = st["adam_m"] / (1 - b1 ** t)
+        vhat = st["adam_v"] / (1 - b2 ** t)
+        st["adapter"].sub_(self.lr * mhat / (vhat.sqrt() + 1e-8))
+        st["losses"][step] = float(gloss)
+
+    def result(self) -> dict[str, Any]:
+        return {"losses": [float(v) for v in self._state["losses"]], "digest": state_digest(self._state)}
+
+
+class TpDecode:
+    """Tensor-parallel greedy decode (see the module docstring). ``steps`` = new tokens."""
+
+    def __init__(self, *, seed: int, world: int, steps: int, device: str = "cpu", vocab: int = 96,
+                 dim: int = 64, heads: int = 4, layers: int = 2, ffn: int = 256, prompt_len: int = 8) -> None:
+        if ffn % world:
+            raise ConfigError(f"tp_decode: ffn={ffn} does not split over {world} ranks")
+        self.rank, self.world, self.device = -1, world, device
+        self.new_tokens = steps
+        self.prompt_len = prompt_len
+        self.steps = prompt_len - 1 + steps  # one step per position fed
+        self.collectives_per_step = layers
+        self.heads, self.layers, self.dim = heads, layers, dim
+        g = _gen(seed, 7)
+        s = dim ** -0.5
+        self.emb = (torch.randn(vocab, dim, generator=g) * 0.5).to(device)
+        self.full: list[tuple[torch.Tensor, ...]] = []  # every rank's weights: a standby binds any rank
+        self.blocks: list[tuple[torch.Tensor, ...]] = []
+        self.ffn = ffn
+        for _ in range(layers):
+            qkv = torch.randn(3 * dim, dim, generator=g) * s
+            wo = torch.randn(dim, dim, generator=g) * s
+            w1 = torch.randn(ffn, dim, generator=g) * s
+            w2 = torch.randn(dim, ffn, generator=g) * ffn ** -0.5
+            self.full.append((qkv, wo, w1, w2))
+        self.head = (torch.randn(vocab, dim, generator=g) * s).to(device)
+        total = prompt_len + steps
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=_gen(seed, 8))
+        tokens = torch.full((total,), -1, dtype=torch.int64)
+        tokens[:prompt_len] = prompt
+        self._init = {"kv": torch.zeros(layers, 2, total, dim), "tokens": tokens}
+        self._state = {k: v.clone() for k, v in self._init.items()}
+
+    def bind(self, rank: int) -> None:
+        """Take rank ``rank``'s columns of W1 and rows of W2 (the rest of the MLP lives on the other ranks)."""
+        self.rank = rank
+        part = self.ffn // self.world
+        sl = slice(rank * part, (rank + 1) * part)
+        self.blocks = [tuple(t.to(self.device) for t in (qkv, wo, w1[sl].contiguous(), w2[:, sl].contiguous()))
+                       for qkv, wo, w1, w2 in self.full]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        return self._init
+
+    def step(self, step: int, group: Group) -> None:
+        kv, tokens = self._state["kv"], self._state["tokens"]
+        pos = step
+        h = self.emb[int(tokens[pos])].reshape(1, -1)
+        hd = self.dim // self.heads
+        for li, (qkv, wo, w1, w2) in enumerate(self.blocks):
+            x = _rms(h)
+            q, k, v = (x @ qkv.T).split(self.dim, dim=-1)
+            kv[li, 0, pos] = k[0].cpu()
+            kv[li, 1, pos] = v[0].cpu()
+            keys = kv[li, 0, :pos + 1].to(self.device).view(pos + 1, self.heads, hd).transpose(0, 1)
+            vals = kv[li, 1, :pos + 1].to(self.device).view(pos + 1, self.heads, hd).transpose(0, 1)
+            att = torch.softmax((q.view(self.heads, 1, hd) @ keys.transpose(1, 2)) / hd ** 0.5, dim=-1)
+            h = h + (att @ vals).transpose(0, 1).reshape(1, self.dim) @ wo.T
+            part = torch.nn.functional.gelu(_rms(h) @ w1.T) @ w2.T  # this rank's share of the MLP
+            group.allreduce(part)
+            h = h + part
+        logits = _rms(h) @ self.head.T
+        if pos + 1 >= self.prompt_len:
+            tokens[pos + 1] = int(torch.argmax(logits[0]))
+
+    def result(self) -> dict[str, Any]:
+        return {"tokens": [int(t) for t in self._state["tokens"]], "digest": state_digest(self._state)}
+
+
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-6)
+
+
+def total_steps(name: str, steps: int, args: dict[str, Any]) -> int:
+    """Steps of the job (= its final cut) without building the model (the coordinator's view)."""
+    if name == "tp_decode":
+        return int(args.get("prompt_len", 8)) - 1 + steps
+    return steps
+
+
+WORKLOADS = {"dp_lora": DpLora, "tp_decode": TpDecode}
+
+
+def make_workload(name: str, *, seed: int, world: int, steps: int, device: str,
+                  args: dict[str, Any]) -> Workload:
+    """Build the model (the standby's "model load"); ``bind(rank)`` later picks the rank's share."""
+    try:
+        cls = WORKLOADS[name]
+    except KeyError:
+        raise ConfigError(f"unknown workload {name!r}; use one of {', '.join(WORKLOADS)}") from None
+    try:
+        return cls(seed=seed, world=world, steps=steps, device=device, **args)  # type: ignore[no-any-return]
+    except TypeError as e:
+        raise ConfigError(f"workload {name}: bad argument ({e})") from None

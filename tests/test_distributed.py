@@ -1,0 +1,247 @@
+"""concordia_ft.distributed on real processes and real gloo: ranks SIGKILLed (by themselves, at named points,
+or by the coordinator at random times), stopped, given collective and sticky CUDA errors; the coordinator
+killed too. Every faulty run must give bitwise the result of an uninterrupted run, every member of a
+generation must resume from the same committed cut, and no committed cut may be lost.
+
+The pure parts (timeouts, classification, the two-slot prepare log, the commit log) are tested directly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from concordia_ft.distributed import DistOptions, JobResult, run_job
+from concordia_ft.distributed.epochs import CommitLog, RankEpochs
+from concordia_ft.distributed.health import (
+    Action,
+    Beat,
+    FailureKind,
+    classify_exception,
+    classify_report,
+    classify_silence,
+    plan_timeouts,
+)
+from concordia_ft.distributed.timeline import recovery_phases
+from concordia_ft.errors import ConfigError, DeviceError, RecoveryError
+
+
+def _scratch() -> Path:
+    root = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path("/tmp")
+    p = root / f"cft-dist-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    p.mkdir()
+    return p
+
+
+@pytest.fixture(scope="module")
+def scratch() -> Iterator[Path]:
+    p = _scratch()
+    yield p
+    shutil.rmtree(p, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------- pure
+def test_timeouts_come_from_measured_steps() -> None:
+    opts = DistOptions(heartbeat_ms=50, heartbeat_misses=20, hang_factor=50, min_progress_timeout_ms=2000)
+    t = plan_timeouts([], opts)
+    assert (t.heartbeat_timeout_ms, t.progress_timeout_ms) == (1000, 2000)
+    t = plan_timeouts([12.0, 80.0, 30.0], opts)
+    assert t.progress_timeout_ms == 50 * 80.0 and t.slowest_step_ms == 80.0
+
+
+def test_silence_is_a_hang_after_its_timeout() -> None:
+    opts = DistOptions()
+    t = plan_timeouts([10.0], opts)
+    beat = Beat(at_ns=0, step=3, in_step=False, step_started_ns=0)
+    assert classify_silence(2, beat, 0, int(999e6), t) is None
+    v = classify_silence(2, beat, 0, int(1001e6), t)
+    assert v is not None and v.kind is FailureKind.HANG and v.action is Action.KILL_REPLACE and "1001 ms" in v.detail
+    busy = Beat(at_ns=int(2.5e9), step=3, in_step=True, step_started_ns=0)
+    v = classify_silence(1, busy, int(2.5e9), int(2.5e9), t)
+    assert v is not None and "in step 3 for 2500 ms" in v.detail
+    assert Beat.decode(busy.encode()) == busy
+
+
+def test_collective_error_waits_for_a_death_to_explain_it() -> None:
+    opts = DistOptions(collective_grace_ms=200)
+    rep = {"kind": "collective", "message": "Connection closed by peer"}
+    assert classify_report(0, rep, 0, int(100e6), opts, dead=[]) is None  # within the grace
+    assert classify_report(0, rep, 0, int(300e6), opts, dead=[3]) is None  # explained by rank 3's death
+    v = classify_report(0, rep, 0, int(300e6), opts, dead=[])
+    assert v is not None and v.kind is FailureKind.COLLECTIVE_ERROR and v.action is Action.REBUILD
+    sticky = classify_report(1, {"kind": "cuda", "sticky": "1", "message": "x"}, 0, 0, opts, dead=[])
+    assert sticky is not None and sticky.kind is FailureKind.STICKY_CUDA and sticky.action is Action.KILL_REPLACE
+
+
+def test_exceptions_are_classified_from_the_driver_table() -> None:
+    assert classify_exception(RuntimeError("CUDA error: an illegal memory access was encountered"))[:2] == ("cuda", True)
+    assert classify_exception(RuntimeError("CUDA error: out of memory"))[:2] == ("cuda", False)
+    assert classify_exception(DeviceError(719, "CUDA_ERROR_LAUNCH_FAILED", True))[:2] == ("cuda", True)
+    assert classify_exception(ValueError("bad"))[:2] == ("error", False)
+
+
+def test_bad_options_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="backend"):
+        DistOptions(backend="mpi")
+    with pytest.raises(ConfigError, match="nccl"):
+        DistOptions(backend="nccl", device="cpu")
+    with pytest.raises(ConfigError, match="standby order"):
+        DistOptions.coerce({"standby": {"order": ["lukewarm"]}})
+    o = DistOptions.coerce({"world": 3, "standby": {"hot": 2}, "faults": [{"rank": 1, "point": "prepare"}]})
+    assert DistOptions.from_json(o.to_json()) == o
+
+
+def test_prepare_log_rolls_back_an_uncommitted_cut(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(3000, generator=g), "n": torch.zeros(4, dtype=torch.int64)}
+    seen = {}
+    ep = RankEpochs(tmp_path / "r0", state, fsync="always")
+    for cut in range(4):
+        state["w"].add_(torch.randn(3000, generator=g))
+        state["n"] += cut
+        ep.prepare(cut)
+        seen[cut] = {k: v.clone() for k, v in state.items()}
+    ep.close()
+    state2 = {k: torch.zeros_like(v) for k, v in state.items()}
+    ep2 = RankEpochs(tmp_path / "r0", state2, fsync="always")
+    assert ep2.restore() == [2, 3]
+    for cut in (3, 2):  # 3: the newest (committed); 2: 3 was prepared but never committed: rolled back
+        ep2.rewind(cut)
+        assert all(torch.equal(state2[k], seen[cut][k]) for k in state)
+    with pytest.raises(RecoveryError, match="no slot holds cut 1"):
+        ep2.rewind(1)
+    ep2.close()
+
+
+def test_commit_log_survives_reopen_and_refuses_gaps(tmp_path: Path) -> None:
+    log = CommitLog(tmp_path / "c")
+    assert log.cut == -1
+    for c in range(3):
+        log.commit(c, gen=c // 2)
+    with pytest.raises(AssertionError, match="one after another"):
+        log.commit(5, gen=1)
+    log.close()
+    again = CommitLog(tmp_path / "c")
+    assert (again.cut, again.gen, again.history) == (2, 1, [0, 1, 2])
+    again.close()
+
+
+# ------------------------------------------------------------------------------------------ processes
+def _check_consistent(r: JobResult, world: int) -> None:
+    """Every member of every generation resumed from that generation's planned cut with the same state;
+    commits never went backwards and never skipped."""
+    plans = {int(e["gen"]): e for e in r.events if e["event"] == "plan"}
+    for g, members in r.timings.items():
+        cuts = {m["resumed_cut"] for m in members}
+        assert len(cuts) == 1, f"generation {g}: members resumed from different cuts {cuts}"
+        if g in plans:
+            assert cuts == {plans[g]["cut"]}
+        digests = {m["resume_digest"] for m in members}
+        assert len(digests) == 1, f"generation {g}: members resumed with different states"
+    committed = -1
+    for e in r.events:
+        if e["event"] == "start":
+            assert e["cut"] >= committed, f"a restarted coordinator lost committed cut {committed}"
+            committed = e["cut"]
+        if e["event"] == "commit":
+            assert e["cut"] == committed + 1, f"cut {e['cut']} committed after {committed}"
+            committed = e["cut"]
+        if e["event"] == "plan":
+            assert e["cut"] == committed, f"generation {e['gen']} resumes from {e['cut']}, committed {committed}"
+    assert len(r.results) == world
+
+
+DP = {"workload": "dp_lora", "world": 4, "steps": 16, "standby": {"hot": 0}}
+
+
+@pytest.fixture(scope="module")
+def dp_reference(scratch: Path) -> dict:
+    r = run_job(scratch / "dp-ref", DP, timeout_s=240)
+    assert r.repairs == []
+    return r.same_on_every_rank()
+
+
+def test_rank_killed_at_every_point_gives_the_uninterrupted_result(scratch: Path, dp_reference: dict) -> None:
+    faults = [{"rank": 1, "cut": 2, "point": "collective"},  # inside a collective
+              {"rank": 2, "cut": 4, "point": "prepare"},  # during its prepare (nothing durable yet)
+              {"rank": 3, "cut": 6, "point": "prepared"},  # prepared, not yet published
+              {"rank": 0, "cut": 8, "point": "uncommitted"},  # between prepare and commit
+              {"rank": 2, "point": "rebuild", "min_gen": 4},  # a survivor, during the rebuild
+              {"rank": 1, "cut": 11, "point": "collective", "action": "error"},  # a link error, no death
+              {"rank": 3, "cut": 13, "point": "step", "action": "stop"},  # a hang (SIGSTOP)
+              {"rank": 0, "cut": 15, "point": "step", "action": "cuda"}]  # a sticky CUDA error (700)
+    opts = {**DP, "standby": {"hot": 1}, "faults": faults, "min_progress_timeout_ms": 3000}
+    r = run_job(scratch / "dp-faults", opts, timeout_s=300)
+    assert r.same_on_every_rank() == dp_reference  # bitwise: losses and the state digest
+    kinds = [rep["kind"] for rep in r.repairs]
+    assert kinds.count("process-death") >= 5, kinds
+    assert {"collective-error", "hang", "sticky-cuda"} <= set(kinds), kinds
+    _check_consistent(r, 4)
+    bound = DistOptions().abort_bound_ms
+    aborts = [m["abort_ms"] for ms in r.timings.values() for m in ms if m["role"] == "survivor"]
+    assert aborts and max(aborts) <= bound, f"an abort blocked {max(aborts):.1f} ms > {bound} ms"
+    phases = recovery_phases(r.repairs, r.timings, r.events)
+    assert any(p["standby"] == "hot" for p in phases)
+
+
+def test_coordinator_killed_mid_job_resumes_from_its_commit_log(scratch: Path, dp_reference: dict) -> None:
+    opts = {**DP, "faults": [{"rank": 2, "cut": 3, "point": "uncommitted"}]}
+    r = run_job(scratch / "dp-coord", opts, kill_coordinator_after_cut=[6], timeout_s=300)
+    assert r.coordinator_kills == 1
+    starts = [e for e in r.events if e["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["cut"] >= 6
+    assert r.same_on_every_rank() == dp_reference
+    _check_consistent(r, 4)
+
+
+def test_tensor_parallel_decode_survives_a_kill(scratch: Path) -> None:
+    base = {"workload": "tp_decode", "world": 2, "steps": 10, "standby": {"hot": 0, "warm": 0}}
+    ref = run_job(scratch / "tp-ref", base, timeout_s=240).same_on_every_rank()
+    faults = [{"rank": 1, "cut": 9, "point": "collective"}, {"rank": 0, "cut": 13, "point": "uncommitted"}]
+    r = run_job(scratch / "tp-faults", {**base, "faults": faults, "standby": {"hot": 0, "warm": 1}}, timeout_s=240)
+    assert r.same_on_every_rank()["tokens"] == ref["tokens"]
+    assert r.same_on_every_rank() == ref
+    assert ref["tokens"][8:] != [ref["tokens"][8]] * 10  # the decode is not degenerate
+    _check_consistent(r, 2)
+    assert {s for rep in r.repairs for s in rep["standby"].values()} >= {"warm"}
+
+
+@pytest.mark.slow
+def test_hundred_random_kills(scratch: Path) -> None:
+    """>= 100 SIGKILLs of ranks at random times (any phase: steps, collectives, prepares, rebuilds, restores),
+    plus one coordinator kill per job; every job bitwise equal to the uninterrupted run (run with -s to see
+    the counts)."""
+    opts = {**DP, "steps": 300, "standby": {"hot": 2, "warm": 1}, "max_rebuilds": 64}
+    ref = run_job(scratch / "chaos-ref", opts, timeout_s=600).same_on_every_rank()
+    total, jobs = 0, 0
+    while total < 100 and jobs < 12:
+        chaos = {"kills": 25, "seed": jobs, "min_delay_ms": 30, "max_delay_ms": 900}
+        r = run_job(scratch / f"chaos-{jobs}", {**opts, "chaos": chaos},
+                    kill_coordinator_after_cut=[60 + 30 * (jobs % 5)], timeout_s=900)
+        assert r.same_on_every_rank() == ref, f"job {jobs}: the result differs from the uninterrupted run"
+        _check_consistent(r, 4)
+        kills = len({e["wid"] for e in r.events if e["event"] == "kill"})  # distinct processes killed
+        total += kills
+        jobs += 1
+        plans = sum(1 for e in r.events if e["event"] == "plan")
+        print(f"chaos job {jobs}: {kills} rank processes killed, {r.coordinator_kills} coordinator kill, "
+              f"{plans} repairs, {r.wall_s:.0f} s", flush=True)
+    print(f"chaos total: {total} rank kills in {jobs} jobs, each with a coordinator kill", flush=True)
+    assert total >= 100
+
+
+def test_cli_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from concordia_ft.cli.main import main
+
+    assert main(["dist", "run", "--kill", "x", "--job-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "use RANK@CUT" in err and "Traceback" not in err
+    assert main(["dist", "run", "--world", "2", "--kill", "5@3", "--job-dir", str(tmp_path)]) == 2
+    assert "ranks 0..1" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing was started
