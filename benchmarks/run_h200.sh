@@ -2,7 +2,7 @@
 # The GPU half of the project on one lent H200: GPU tests and the benchmarks, results stamped and written to
 # ${OUT:-benchmarks/results}. The machine's image has torch/triton/cuda-bindings/transformers/peft but not
 # crc32c: a crc32c wheel in .whl/ (ignored by git) is installed first when present.
-#   bash benchmarks/run_h200.sh tests executor sm_share delta llm[:decode,recovery,lora] serve[:throughput,recovery] lora_probe dist dist_bench instrument interposer
+#   bash benchmarks/run_h200.sh tests executor sm_share delta llm[:decode,recovery,lora] serve[:throughput,recovery] lora_probe dist dist_bench instrument interposer graph_epochs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
@@ -23,6 +23,7 @@ for part in "$@"; do
     delta) python3 benchmarks/bench_delta_gpu.py --out-dir "$out" 2>&1 | tail -40 ;;
     llm|llm:*) only="${part#llm}"; only="${only#:}"
        python3 benchmarks/bench_llm.py --out "$out" ${only:+--only "$only"} 2>&1 | tail -60 ;;
+    graph_epochs) python3 benchmarks/bench_graph_epochs.py --out-dir "$out" ${GRAPH_EPOCHS_ARGS:-} 2>&1 | grep -v -i warn | tail -60 ;;
     dist) python3 -m pytest tests/gpu/test_distributed_nccl.py -q -p no:cacheprovider 2>&1 | tail -20 ;;
     dist_bench) python3 benchmarks/bench_distributed.py --backend nccl --world 2 --rounds 1 --kills 2 \
          --out-dir "$out" 2>&1 | tail -30 ;;

@@ -61,12 +61,15 @@ def model_states(seed: int) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
         yield e, state
 
 
-def write(log_dir: str, seed: int, epochs: int | None, compact_after: int | None, fsync: str) -> None:
+def write(log_dir: str, seed: int, epochs: int | None, compact_after: int | None, fsync: str,
+          backend: str = "file") -> None:
     import concordia_ft as cft
 
     state = initial_state(seed)
     bitmap = np.zeros(SIZES["kv"] // KV_BLOCK, dtype=np.uint8)
-    rt = cft.Runtime(log_dir, fsync=fsync, compact_after_bytes=compact_after, background_compaction=True)
+    # dram: mapped segments (stores into a preallocated MAP_SHARED file), small so that they roll often
+    rt = cft.Runtime(log_dir, fsync=fsync, compact_after_bytes=compact_after, background_compaction=True,
+                     backend=backend, log_options={"mapped_segment_bytes": 4 << 20} if backend == "dram" else None)
     rt.register("opq", state["opq"], "opaque")
     rt.register("hsh", state["hsh"], "opaque", diff="hash")
     rt.register("kv", state["kv"], "paged", block_bytes=KV_BLOCK, dirty_blocks=bitmap)
@@ -108,12 +111,13 @@ def main(argv: list[str]) -> None:
     w.add_argument("--epochs", type=int, default=None)
     w.add_argument("--compact-after", type=int, default=None)
     w.add_argument("--fsync", default="always")
+    w.add_argument("--backend", default="file")
     c = sub.add_parser("compact")
     c.add_argument("log_dir")
     c.add_argument("--kill-at", default=None)
     a = p.parse_args(argv)
     if a.cmd == "write":
-        write(a.log_dir, a.seed, a.epochs, a.compact_after, a.fsync)
+        write(a.log_dir, a.seed, a.epochs, a.compact_after, a.fsync, a.backend)
     else:
         compact(a.log_dir, a.kill_at)
 

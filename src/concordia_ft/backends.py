@@ -16,6 +16,7 @@ import numpy as np
 
 from .buffers import host_bitmap, host_bytes
 from .core.images import ImageAlloc
+from .core.log import RecoveryLog
 from .core.regions import MemoryRange, RegionKind, RegionSpec
 from .core.tracking import DenseBatch, Tracker
 from .errors import ConcordiaError, ConfigError, RegionError
@@ -37,6 +38,10 @@ class Backend(Protocol):
 
     def batch_dense(self, trackers: Sequence[Tracker]) -> list[DenseBatch]:
         """The dense regions of this backend, staged together by asynchronous epochs."""
+        ...
+
+    def attach_log(self, tracker: Tracker, log: RecoveryLog) -> None:
+        """``tracker`` will be logged into ``log``: a chance to use what the log offers (placed payloads)."""
         ...
 
     def image_alloc(self, tracker: Tracker, *, direct: bool, pinned: bool) -> ImageAlloc | None:
@@ -62,6 +67,9 @@ class CpuBackend:
 
         return [CpuDenseBatch(list(trackers))]  # type: ignore[arg-type]
 
+    def attach_log(self, tracker: Tracker, log: RecoveryLog) -> None:
+        """Host payloads are copied by the append itself: nothing to place."""
+
     def image_alloc(self, tracker: Tracker, *, direct: bool, pinned: bool) -> ImageAlloc | None:
         """With ``direct``, a region that is a whole number of pages is replayed into its own buffer, so the
         restore has nothing to copy."""
@@ -84,6 +92,16 @@ class CudaBackend:
         from .cuda.trackers import batch_dense
 
         return list(batch_dense(list(trackers)))  # type: ignore[arg-type]
+
+    def attach_log(self, tracker: Tracker, log: RecoveryLog) -> None:
+        """Into mapped segments (the dram backend), paged and dense regions hand the log device payloads that
+        it DMAs straight into its own pages (core/mapped.py, cuda/mapped.py); the mappings are pinned with the
+        driver once, and each later segment ahead of its use."""
+        if log.accepts_placed and tracker.spec.kind in (RegionKind.PAGED, RegionKind.DENSE):
+            from .cuda.mapped import register_host_range
+
+            log.set_mapping_registrar(register_host_range)
+            tracker.direct = True  # type: ignore[attr-defined]  # a CUDA tracker (this backend's)
 
     def image_alloc(self, tracker: Tracker, *, direct: bool, pinned: bool) -> ImageAlloc | None:
         """Page-locked host memory, so each region goes to the device in one DMA."""

@@ -74,12 +74,13 @@ class Runtime:
                  fsync_interval_ms: int = 100, page_bytes: int = 4096, segment_max_bytes: int = 1 << 30,
                  compact_after_bytes: int | None = 256 << 20, background_compaction: bool = True,
                  device_handlers: str = "auto", recovery: RecoveryOptions | Mapping[str, Any] | None = None,
-                 log_io: OsCalls | None = None) -> None:
+                 log_io: OsCalls | None = None, log_options: Mapping[str, Any] | None = None) -> None:
         self.page_bytes = check_page_bytes(page_bytes)
         self.device_handlers = check_device_handlers(device_handlers)
         self.recovery = RecoveryOptions.coerce(recovery)
         self.log = RecoveryLog.open(log_dir, LogOptions(fsync=fsync, fsync_interval_ms=fsync_interval_ms,
-                                                        backend=backend, segment_max_bytes=segment_max_bytes),
+                                                        backend=backend, segment_max_bytes=segment_max_bytes,
+                                                        **dict(log_options or {})),
                                     replay_options=self.recovery.replay_options(), io=log_io)
         self.log_dir = Path(log_dir)
         self.table = RegionTable()
@@ -167,6 +168,8 @@ class Runtime:
                                       "bytes; register it before writing to it, or drop initially_zero")
             backend = backend_for(name, where, self.device_handlers)
             tracker = None if kind is RegionKind.SCRATCH else backend.make_tracker(spec, buf, dirty_blocks)
+            if tracker is not None:
+                backend.attach_log(tracker, self.log)
             self.table.add(spec, where)
             self._buffers[name] = buf
             self._registry_changed()

@@ -119,8 +119,10 @@ class Session:
                  max_cache_len: int = DEFAULT_MAX_CACHE_LEN, fsync: str = "never", backend: str = "file",
                  log_weights: bool = False, block_bytes: int = 4096, system_prompt: str | None = None,
                  runtime_options: dict[str, Any] | None = None, async_checkpoint: bool = False,
+                 decode: str = "auto", durability: str = "durable", pipeline_depth: int = 2,
                  _recovering: dict[str, Any] | None = None, _runtime: Any = None) -> None:
         from . import runtime as _rt
+        from .integrations.graph_decode import DURABILITY
 
         if _recovering is None and Path(log_dir).is_dir() and any(Path(log_dir).iterdir()):
             raise ConfigError(
@@ -129,6 +131,18 @@ class Session:
             )
         if checkpoint_every < 1:
             raise ConfigError(f"checkpoint_every={checkpoint_every} must be >= 1 (tokens per epoch)")
+        if decode not in ("auto", "graph", "eager"):
+            raise ConfigError(f"decode={decode!r}; use 'auto' (a CUDA graph where eligible), 'graph' or 'eager'")
+        if durability not in DURABILITY:
+            raise ConfigError(f"durability={durability!r}; use 'durable' (on_token after the token's epoch "
+                              "committed) or 'pipelined' (commits lag at most pipeline_depth tokens)")
+        if pipeline_depth < 1:
+            raise ConfigError(f"pipeline_depth={pipeline_depth} must be >= 1")
+        # graph decode (integrations/graph_decode.py): on CUDA the decode step is a captured CUDA graph whose
+        # token epochs are gathered by the GPU and committed by a writer thread; eager decode otherwise
+        self.decode, self.durability, self.pipeline_depth = decode, durability, int(pipeline_depth)
+        self._graph: Any = None
+        self._graph_failed: str | None = None
         self.model, self.tokenizer = model, tokenizer
         self.log_dir = Path(log_dir)
         self.checkpoint_every = int(checkpoint_every)
@@ -136,7 +150,7 @@ class Session:
         # the next token is computed; on_token then runs before its epoch commits (it commits during the next
         # step; a kill loses at most the tokens since, which recovery regenerates identically). The prompt's
         # epoch and the last token's of every generate() stay synchronous: generate() returns durable.
-        self.async_checkpoint = bool(async_checkpoint)
+        self.async_checkpoint = bool(async_checkpoint) or durability == "pipelined"
         self._pending: tuple[Any, float] | None = None  # (PendingEpoch, call seconds): stats not recorded yet
         self.log_weights = log_weights
         p = next(model.parameters())
@@ -173,6 +187,7 @@ class Session:
         fwd = inspect.signature(model.forward).parameters
         self._logits_to_keep = "logits_to_keep" in fwd
         self._cache_kw = "cache" if "cache" in fwd else "past_key_values"  # transformers renamed it in 5.x
+        self._cache_position_kw = "cache_position" in fwd
         self.runtime = _runtime if _runtime is not None else _rt.Runtime(
             str(self.log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
         self._register(fresh=_recovering is None)
@@ -210,11 +225,17 @@ class Session:
         self.tokens[self.n_tokens: self.n_tokens + n] = np.asarray(new, dtype=np.int64)
         self.n_tokens += n
 
-    def _meta(self, lengths: list[int]) -> dict[str, Any]:
+    def _meta(self, lengths: list[int], *, n_tokens: int | None = None, n_new: int | None = None,
+              done: bool | None = None) -> dict[str, Any]:
+        """The epoch's metadata. The graph decoder's writer passes the token count and the generate() progress
+        of the token it commits (the decode thread is ahead of it by then)."""
         g = self.gen
+        gen = None if g is None else {"settings": self._settings_dict(g.settings), "start": g.start,
+                                      "n_new": g.n_new if n_new is None else n_new,
+                                      "done": g.done if done is None else done, "turn": g.turn}
         return {META_KEY: {
             "version": META_VERSION,
-            "n_tokens": self.n_tokens,
+            "n_tokens": self.n_tokens if n_tokens is None else n_tokens,
             "cache_lengths": lengths,
             "max_cache_len": self.max_cache_len,
             "block_bytes": self.cache.geometry.block_bytes,
@@ -223,8 +244,7 @@ class Session:
             "fingerprint": self.fingerprint,
             "log_weights": self.log_weights,
             "rng_device": str(self.device.type),
-            "gen": None if g is None else {"settings": self._settings_dict(g.settings), "start": g.start,
-                                           "n_new": g.n_new, "done": g.done, "turn": g.turn},
+            "gen": gen,
             "turns": self.turns,
             "time": time.time(),
         }}
@@ -349,6 +369,13 @@ class Session:
             while not g.done:
                 t0 = time.perf_counter()
                 cached = int(self.cache.get_seq_length())
+                if self.n_tokens - cached == 1 and self._graph_decoder(rules) is not None:
+                    n = self._graph.run(on_token)  # to the end of the generate(), or until the arena is full
+                    if n:
+                        self.stats.step_s.extend(self._graph.stats.token_s[-n:])
+                    if g.done:
+                        break
+                    cached = int(self.cache.get_seq_length())  # the arena is full: the eager step reports it
                 feed = torch.as_tensor(self.tokens[cached: self.n_tokens], device=self.device).unsqueeze(0)
                 kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
                 kw[self._cache_kw] = self.cache
@@ -373,6 +400,47 @@ class Session:
                 if on_token is not None:
                     on_token(tok)
         return self.tokens[g.start: g.start + g.n_new].tolist()
+
+    def _graph_decoder(self, rules: Any) -> Any:
+        """The session's graph decoder when this generate() decodes in graph mode (captured at first use)."""
+        if self.decode == "eager" or self._graph_failed is not None:
+            return None
+        from .integrations.graph_decode import GraphDecoder, graph_ineligible
+
+        why = graph_ineligible(self, rules)
+        if why is not None:
+            if self.decode == "graph":
+                raise ConfigError(f"decode='graph' is not possible here: {why}; use decode='auto' or 'eager'")
+            return None
+        if self._graph is None:
+            self.runtime.wait()  # an asynchronous epoch of the eager path commits before the writer appends
+            try:
+                self._graph = GraphDecoder(self, durability=self.durability, pipeline_depth=self.pipeline_depth)
+            except Exception as e:  # noqa: BLE001 - no kernel / no capture: eager decode still works
+                return self._graph_unusable(e)
+        else:
+            self.runtime.wait()
+        if self._graph.graph is None:
+            try:
+                n = self.n_tokens
+                self._graph.capture(int(self.tokens[n - 1]), n - 1)
+            except Exception as e:  # noqa: BLE001
+                return self._graph_unusable(e)
+        return self._graph
+
+    def _graph_unusable(self, e: BaseException) -> None:
+        if self.decode == "graph":
+            raise ConfigError(f"decode='graph': the decode step could not be captured: {type(e).__name__}: {e}"
+                              ) from e
+        self._graph_failed = f"{type(e).__name__}: {e}"
+        import logging
+
+        logging.getLogger("concordia_ft.session").warning(
+            "graph decode is off for this session (decoding eagerly): %s", self._graph_failed)
+        if self._graph is not None:
+            self._graph.close()
+            self._graph = None
+        return None
 
     def _ids_tensor(self) -> torch.Tensor:
         return torch.as_tensor(self.tokens[: self.n_tokens], device=self.device).unsqueeze(0)
@@ -452,7 +520,8 @@ class Session:
     @classmethod
     def recover(cls, log_dir: str | Path, model: Any, tokenizer: Any = None, *, fsync: str = "never",
                 backend: str = "file", checkpoint_every: int = 1,
-                runtime_options: dict[str, Any] | None = None, async_checkpoint: bool = False) -> Session:
+                runtime_options: dict[str, Any] | None = None, async_checkpoint: bool = False,
+                decode: str = "auto", durability: str = "durable", pipeline_depth: int = 2) -> Session:
         """Rebuild the session from the last committed epoch (in a fresh process); then call resume()."""
         from .runtime import open_to_recover
 
@@ -475,7 +544,8 @@ class Session:
                 raise RecoveryError(f"the model's KV arena would be {geo.nbytes} bytes; the log's is "
                                     f"{m['arena_nbytes']}: recover with the same model configuration")
             s = cls(model, log_dir, tokenizer, checkpoint_every, log_weights=bool(m.get("log_weights")),
-                    async_checkpoint=async_checkpoint, _recovering=m, _runtime=rt)
+                    async_checkpoint=async_checkpoint, decode=decode, durability=durability,
+                    pipeline_depth=pipeline_depth, _recovering=m, _runtime=rt)
             s._load(m)
             if s.gen is not None and not s.gen.done:
                 s._rules_for(s.gen.settings)  # e.g. stop_strings without the tokenizer: refused here, log closed
@@ -518,6 +588,9 @@ class Session:
         self.restore_s = time.perf_counter() - t0
 
     def close(self) -> None:
+        if self._graph is not None:
+            self._graph.close()
+            self._graph = None
         self.runtime.close()  # an async epoch in flight is finished first
 
     def __enter__(self) -> Session:

@@ -137,3 +137,21 @@ def first_mismatch(items: Sequence[ChecksumItem], *, pool: Executor | None = Non
 
 def _checksum_pieces(share: list[tuple[int, int, memoryview]]) -> dict[tuple[int, int], int]:
     return {(i, j): crc32c(data, release_gil=True) for i, j, data in share}
+
+
+def crc32c_parallel(data: memoryview, pool: Executor | None, *, chunk_bytes: int = 8 << 20,
+                    workers: int = 8) -> int:
+    """CRC32C of one large buffer, its ``chunk_bytes`` pieces checksummed on ``pool`` and combined exactly.
+    Small buffers (or no pool) are checksummed on this thread."""
+    n = data.nbytes
+    if pool is None or n < 2 * chunk_bytes:
+        return crc32c(data, release_gil=n >= 32 << 10)
+    per = max(chunk_bytes, -(-n // workers))
+    per = -(-per // 4096) * 4096
+    pieces = [data[i: i + per] for i in range(0, n, per)]
+    crcs = list(pool.map(lambda v: crc32c(v, release_gil=True), pieces))
+    crc = crcs[0]
+    shift = crc32c_shift(per)
+    for piece, c in zip(pieces[1:], crcs[1:], strict=True):
+        crc = crc32c_combine(crc, c, piece.nbytes, shift if piece.nbytes == per else None)
+    return crc

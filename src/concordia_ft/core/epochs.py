@@ -55,6 +55,10 @@ class EpochPlan:
     payload_bytes: int
     n_pages: int
     region_pages: dict[str, int] = field(default_factory=dict)
+    # per delta with pages (in ``deltas`` order): where its payload starts, relative to the epoch's start, and
+    # the index of its buffer in ``parts`` (a payload placed in the segment beforehand is not copied again)
+    payload_offsets: list[int] = field(default_factory=list)
+    payload_parts: list[int] = field(default_factory=list)
 
 
 # one record before its payload is known: (type, name, body, count, payload bytes or -1 for none, pages)
@@ -154,23 +158,35 @@ def layout_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops
 
 
 def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: list[str],
-               deltas: list[RegionDelta], meta: Any = None, full: bool = False) -> EpochPlan:
-    """Lay out one epoch that will start at file offset ``start_offset``: the buffers of one vectored write."""
+               deltas: list[RegionDelta], meta: Any = None, full: bool = False,
+               payload_crcs: list[int] | None = None) -> EpochPlan:
+    """Lay out one epoch that will start at file offset ``start_offset``: the buffers of one vectored write.
+
+    ``payload_crcs`` (one per delta with pages, in order) are the payloads' CRC32C computed by the caller (e.g.
+    on several threads, over bytes already placed in a mapped segment); without them they are computed here.
+    The layout depends only on the payloads' sizes, so a caller may plan once to learn ``payload_offsets``,
+    place the bytes there, and plan again with the placed views and their CRCs (core/mapped.py)."""
     deltas = [d for d in deltas if len(d.pages)]
     lay = layout_epoch(epoch, start_offset, defs=defs, drops=drops, pages_of=[(d.spec, d.pages) for d in deltas],
                        meta=meta, full=full)
     payloads = [d.payload for d in deltas]
-    head, desc_crc = lay.head([crc32c(p) for p in payloads])
+    if payload_crcs is not None and len(payload_crcs) < len(payloads):
+        raise ValueError(f"{len(payload_crcs)} payload CRCs for {len(payloads)} payloads")
+    crcs = [crc32c(p) for p in payloads] if payload_crcs is None else [int(c) for c in payload_crcs[:len(payloads)]]
+    head, desc_crc = lay.head(crcs)
     parts: list[memoryview | bytes] = [head]
     pos = lay.payload_area
+    payload_parts: list[int] = []
     for p, off in zip(payloads, lay.payload_offsets, strict=True):
         if off > pos:
             parts.append(_ZEROS[: off - pos])
+        payload_parts.append(len(parts))
         parts.append(p)
         pos = off + p.nbytes
     parts.append(lay.commit(desc_crc))
     region_pages = {d.spec.name: len(d.pages) for d in deltas}
-    return EpochPlan(epoch, parts, lay.total_bytes, lay.payload_bytes, sum(region_pages.values()), region_pages)
+    return EpochPlan(epoch, parts, lay.total_bytes, lay.payload_bytes, sum(region_pages.values()), region_pages,
+                     list(lay.payload_offsets), payload_parts)
 
 
 class TailKind(str, enum.Enum):
@@ -210,8 +226,13 @@ def decode_epoch(buf: memoryview, offset: int, *, verify_payloads: bool = True) 
     remaining = len(buf) - offset
     if remaining < EPOCH_HEADER_BYTES:
         raise EpochTail(TailKind.TORN, f"epoch header cut short ({remaining} of {EPOCH_HEADER_BYTES} bytes)")
+    head = buf[offset : offset + EPOCH_HEADER_BYTES]
+    if not any(bytes(head)):
+        # the header is written after the payloads when they are placed in a mapped segment first (DMA): an
+        # append that never got its header leaves payload bytes behind a zero header
+        raise EpochTail(TailKind.TORN, "epoch header never written (an append that never finished)")
     try:
-        h = EpochHeader.decode(buf[offset : offset + EPOCH_HEADER_BYTES])
+        h = EpochHeader.decode(head)
     except NewerFormatError:
         raise  # not damage: a checksummed header from a newer writer; never cut it as a tail
     except FormatError as e:

@@ -30,12 +30,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import CheckpointError, ConfigError, LogCorruptError, LogError, LogLockedError
 from .epochs import plan_epoch
-from .format import SEGMENT_BASE, SEGMENT_INCR, SegmentHeader
+from .format import SEGMENT_BASE, SEGMENT_HEADER_BYTES, SEGMENT_INCR, SegmentHeader
 from .manifest import SEGMENT_RE, DirSyncError, Manifest, fsync_dir, store_manifest
+from .mapped import MappedSegment, Registrar, SparePreparer
 from .options import coerce_options
 from .oscalls import REAL_OS, OsCalls
 from .regions import RegionSpec
@@ -56,8 +57,19 @@ class LogOptions:
     backend: str = "file"
     segment_max_bytes: int = 1 << 30
     dax_segment_bytes: int = 1 << 30
+    # dram backend: segments are preallocated tmpfs files mapped MAP_SHARED (core/mapped.py), so payloads can
+    # be placed (DMA'd) into the log's own pages; "auto" = on for dram. Capacity per segment (an epoch larger
+    # than that gets a segment of its own size).
+    mapped: str = "auto"
+    mapped_segment_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
+        if self.mapped not in ("auto", "on", "off"):
+            raise ConfigError(f"mapped={self.mapped!r}; use 'auto', 'on' or 'off'")
+        if self.mapped == "on" and self.backend != "dram":
+            raise ConfigError(f"mapped='on' needs backend 'dram' (tmpfs); the backend is {self.backend!r}")
+        if self.mapped_segment_bytes < 1 << 20:
+            raise ConfigError(f"mapped_segment_bytes must be at least 1 MiB, got {self.mapped_segment_bytes}")
         if self.fsync not in FSYNC_POLICIES:
             raise ConfigError(f"unknown fsync policy {self.fsync!r}; use one of {', '.join(FSYNC_POLICIES)}")
         if self.fsync_interval_ms <= 0:
@@ -68,6 +80,10 @@ class LogOptions:
     @classmethod
     def coerce(cls, value: LogOptions | Mapping[str, Any] | None) -> LogOptions:
         return coerce_options(cls, value, "log")
+
+    @property
+    def uses_mapped(self) -> bool:
+        return self.backend == "dram" and self.mapped != "off"
 
 
 @dataclass
@@ -126,13 +142,33 @@ class DirLock:
 
 
 def _open_segment(path: Path, opts: LogOptions, io: OsCalls, *, header: bytes | None = None,
-                  end: int | None = None) -> SegmentWriter:
+                  end: int | None = None, capacity: int = 0, register: Registrar | None = None) -> SegmentWriter:
     if opts.backend == "dax":
         return DaxSegment(path, opts.dax_segment_bytes, create_with=header, end=end, io=io)
+    if opts.uses_mapped:
+        cap = max(capacity, min(opts.mapped_segment_bytes, opts.segment_max_bytes))
+        return MappedSegment(path, cap, create_with=header, end=end, register=register, io=io)
     return FileSegment(path, create_with=header, io=io)
 
 
-def _add_incr_segment(log_dir: Path, manifest: Manifest, opts: LogOptions, io: OsCalls) -> SegmentWriter:
+def _preallocated(seg: SegmentWriter) -> bool:
+    """The segment's file is longer than its epochs (zeros after): torn bytes are zeroed, not cut off."""
+    return isinstance(seg, (DaxSegment, MappedSegment))
+
+
+class PlacedPayload(Protocol):
+    """A payload that is not in host memory yet (a device buffer): ``place(address)`` starts copying its
+    ``nbytes`` bytes to that host address (a mapped segment's pages), ``wait()`` returns once they are there."""
+
+    nbytes: int
+
+    def place(self, address: int) -> None: ...
+
+    def wait(self) -> None: ...
+
+
+def _add_incr_segment(log_dir: Path, manifest: Manifest, opts: LogOptions, io: OsCalls, *, capacity: int = 0,
+                      register: Registrar | None = None, spare: SparePreparer | None = None) -> SegmentWriter:
     """Create the next incremental segment (header synced), then name it in the manifest (atomically).
 
     On a failure before the manifest's rename, ``manifest`` names the same segments as before and the new file
@@ -141,7 +177,12 @@ def _add_incr_segment(log_dir: Path, manifest: Manifest, opts: LogOptions, io: O
     new = manifest.copy()
     name = new.new_segment_name("incr")
     manifest.next_generation = new.next_generation  # a name is handed out once, even when this fails
-    seg = _open_segment(log_dir / name, opts, io, header=segment_header(new, name))
+    header = segment_header(new, name)
+    seg: SegmentWriter | None = None
+    if spare is not None and opts.uses_mapped:  # created, faulted in and registered ahead, off this path
+        seg = spare.take(log_dir / name, header, capacity)
+    if seg is None:
+        seg = _open_segment(log_dir / name, opts, io, header=header, capacity=capacity, register=register)
     new.incr.append(name)
     try:
         store_manifest(log_dir, new, io=io)
@@ -255,6 +296,9 @@ class RecoveryLog:
         self._failure_reported = False
         self._syncer: threading.Thread | None = None
         self._stop = threading.Event()
+        self._register: Registrar | None = None  # pins mapped segments with the driver (set by the CUDA layer)
+        self._spare: SparePreparer | None = None
+        self._crc_pool: Any = None
         if opts.fsync == "interval":
             self._syncer = threading.Thread(target=self._sync_loop, name="concordia-fsync", daemon=True)
             self._syncer.start()
@@ -291,6 +335,10 @@ class RecoveryLog:
     def _open_locked(cls, path: Path, opts: LogOptions, lock: DirLock, result: ReplayResult, io: OsCalls
                      ) -> RecoveryLog:
         if result.manifest is None:
+            # a first open killed before its manifest was stored leaves a segment with no epoch (replay checked
+            # that every one here is such): remove them, the new log starts at generation 1 again
+            for p in sorted(path.glob("*.cft")):
+                io.unlink_quietly(p)
             manifest = Manifest(log_id=secrets.token_bytes(16).hex())
             seg = _add_incr_segment(path, manifest, opts, io)
             report = OpenReport(True, Outcome.EMPTY, None, durable=seg.durable)
@@ -318,9 +366,9 @@ class RecoveryLog:
         else:
             seg = _open_segment(path / last, opts, io, end=end)
             size = os.path.getsize(path / last)
-            if result.tail is not None or (opts.backend != "dax" and size > end):
+            if result.tail is not None or (not _preallocated(seg) and size > end):
                 reason = result.tail.reason if result.tail else "trailing zero bytes"
-                if isinstance(seg, DaxSegment):  # preallocated: clear the torn bytes, keep the space
+                if isinstance(seg, (DaxSegment, MappedSegment)):  # preallocated: clear the torn bytes
                     written_end = result.tail.written_end if result.tail else end
                     report.cut_bytes = written_end - end
                     seg.cut(end, written_end)
@@ -354,14 +402,22 @@ class RecoveryLog:
             if self.last_epoch is not None and number != self.last_epoch + 1:
                 raise ConfigError(f"epoch {number} does not follow the last committed epoch {self.last_epoch}")
             self._check_not_failed(number)
-            plan = plan_epoch(number, self._segment.end, defs=list(defs), drops=list(drops), deltas=list(deltas),
-                              meta=meta)
+            # a payload that is still on a device (cuda.mapped.DevicePayload): DMA'd into the log's own pages
+            placed = {i: d.payload for i, d in enumerate(deltas) if hasattr(d.payload, "place")}
             try:
-                if self._segment_epochs and self._segment.end + plan.total_bytes > self.options.segment_max_bytes:
-                    self._roll()
+                if placed:
+                    plan, offset = self._placed_append(number, list(defs), list(drops), list(deltas),
+                                                       placed, meta)  # type: ignore[arg-type]
+                else:
                     plan = plan_epoch(number, self._segment.end, defs=list(defs), drops=list(drops),
                                       deltas=list(deltas), meta=meta)
-                offset = self._write_epoch(number, plan.parts)
+                    seg = self._segment
+                    if (self._segment_epochs and seg.end + plan.total_bytes > self.options.segment_max_bytes) or (
+                            isinstance(seg, MappedSegment) and plan.total_bytes > seg.room()):
+                        self._roll(plan.total_bytes)
+                        plan = plan_epoch(number, self._segment.end, defs=list(defs), drops=list(drops),
+                                          deltas=list(deltas), meta=meta)
+                    offset = self._write_epoch(number, plan.parts)
             except _WriteFailed as f:
                 raise self._error(number, f.text) from f.__cause__
             self.last_epoch = number
@@ -369,14 +425,18 @@ class RecoveryLog:
             return AppendResult(number, self._segment.path.name, offset, plan.total_bytes, plan.payload_bytes,
                                 plan.n_pages, plan.region_pages)
 
-    def _write_epoch(self, number: int, parts: Sequence[Any]) -> int:
+    def _write_epoch(self, number: int, parts: Sequence[Any], placed: Sequence[int] = ()) -> int:
         """One vectored write (+ fdatasync under ``always``). On a failure the epoch's bytes are cut back (and
         the cut synced) so the number stays free; if the cut fails too, the log is failed."""
         seg = self._segment
         start = seg.end
         step = f"writing epoch {number} to {seg.path.name} at offset {start}"
         try:
-            seg.append(parts)
+            if placed:  # the payloads at these indices are in the mapping already (core/mapped.py)
+                assert isinstance(seg, MappedSegment)
+                seg.append_placed(parts, placed)
+            else:
+                seg.append(parts)
             if self.options.fsync == "always":
                 step = f"{'msync' if isinstance(seg, DaxSegment) else 'fdatasync'} of epoch {number} in {seg.path.name}"
                 seg.sync()
@@ -385,7 +445,10 @@ class RecoveryLog:
         except OSError as e:
             cause = f"{step} failed: {_describe(e)}"
             try:
-                seg.cut(start)
+                if isinstance(seg, MappedSegment):  # zero what was placed or stored past the end
+                    seg.cut(start, start + sum(memoryview(p).nbytes for p in parts))
+                else:
+                    seg.cut(start)
             except OSError as e2:
                 raise _WriteFailed(self._mark_failed(
                     number, f"{cause}, and cutting its bytes back to offset {start} failed too ({_describe(e2)}); "
@@ -400,7 +463,7 @@ class RecoveryLog:
             self._dirty = True
         return start
 
-    def _roll(self) -> None:
+    def _roll(self, need: int = 0) -> None:
         """Seal the active incremental segment and continue in a new one (manifest updated atomically).
 
         A failure before the manifest's rename leaves the log on the old segment, healthy; a failed fdatasync
@@ -408,7 +471,10 @@ class RecoveryLog:
         old = self._segment
         self._sync_active(f"fdatasync of {old.path.name} before sealing it")
         try:
-            seg = _add_incr_segment(self.dir, self.manifest, self.options, self._io)
+            # an epoch is planned again at the new offset: its alignment padding can grow by up to a page
+            seg = _add_incr_segment(self.dir, self.manifest, self.options, self._io,
+                                    capacity=need + 2 * SEGMENT_HEADER_BYTES, register=self._register,
+                                    spare=self._spare)
         except DirSyncError as e:
             raise _WriteFailed(self._mark_failed((self.last_epoch or 0) + 1, (
                 f"starting segment {self.manifest.incr[-1]}: the manifest naming it is in place, but fsyncing the "
@@ -419,10 +485,81 @@ class RecoveryLog:
         self._segment = seg
         self._segment_epochs = 0
         self._synced_end = seg.end
+        if self._spare is not None:
+            self._spare.start()
         try:
             old.close()
         except OSError as e:  # synced already: nothing of it is at stake
             log.warning("closing sealed segment %s failed: %s", old.path, _describe(e))
+
+    # ------------------------------------------------------------------------------- placed payloads
+    @property
+    def accepts_placed(self) -> bool:
+        """True when payloads can be DMA'd into the log's own pages (a mapped segment)."""
+        return isinstance(self._segment, MappedSegment)
+
+    def set_mapping_registrar(self, register: Registrar, *, prepare_spare: bool = True) -> None:
+        """Pin every mapped segment of this log with ``register(address, nbytes)`` (the CUDA layer's
+        cuMemHostRegister), the active one now and each later one before it is used; with ``prepare_spare`` the
+        next segment is created, faulted in and registered ahead, on a background thread."""
+        with self._mutex:
+            self._check_open()
+            if not isinstance(self._segment, MappedSegment) or self._register is not None:
+                return
+            self._register = register
+            self._segment.register(register)
+            if prepare_spare:
+                cap = min(self.options.mapped_segment_bytes, self.options.segment_max_bytes)
+                self._spare = SparePreparer(self.dir, cap, register, io=self._io)
+                self._spare.start()
+
+    def _placed_append(self, number: int, defs: list[RegionSpec], drops: list[str], deltas: list[RegionDelta],
+                       placed: dict[int, PlacedPayload], meta: Any) -> tuple[Any, int]:
+        """One epoch whose payloads ``placed`` (index into ``deltas`` -> device payload) are DMA'd straight into
+        the mapped segment at their final offsets; CRCs from the placed bytes; header, then commit marker."""
+        from .checksums import crc32c_parallel
+
+        plan = plan_epoch(number, self._segment.end, defs=defs, drops=drops, deltas=deltas, meta=meta,
+                          payload_crcs=[0] * len(deltas))
+        seg = self._segment
+        if not isinstance(seg, MappedSegment) or plan.total_bytes > seg.room():
+            self._roll(plan.total_bytes)
+            seg = self._segment
+            if not isinstance(seg, MappedSegment):
+                raise ConfigError("placed payloads need a mapped segment (backend 'dram', mapped on)")
+            plan = plan_epoch(number, seg.end, defs=defs, drops=drops, deltas=deltas, meta=meta,
+                              payload_crcs=[0] * len(deltas))
+        start = seg.end
+        with_pages = [i for i, d in enumerate(deltas) if len(d.pages)]
+        views: list[RegionDelta] = list(deltas)
+        try:
+            for k, i in enumerate(with_pages):
+                p = placed.get(i)
+                if p is not None:
+                    p.place(seg.address + start + plan.payload_offsets[k])
+            for k, i in enumerate(with_pages):
+                p = placed.get(i)
+                if p is not None:
+                    p.wait()
+                    d = deltas[i]
+                    views[i] = RegionDelta(d.spec, d.pages, seg.view(start + plan.payload_offsets[k], p.nbytes),
+                                           d.scanned_bytes)
+            pool = self._crc_workers()
+            crcs = [crc32c_parallel(views[i].payload, pool) for i in with_pages]
+            plan = plan_epoch(number, start, defs=defs, drops=drops, deltas=views, meta=meta, payload_crcs=crcs)
+        except BaseException:
+            seg.cut(start, start + plan.total_bytes)  # nothing of this epoch stays behind
+            raise
+        in_place = [plan.payload_parts[k] for k, i in enumerate(with_pages) if i in placed]
+        return plan, self._write_epoch(number, plan.parts, in_place)
+
+    def _crc_workers(self) -> Any:
+        if self._crc_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._crc_pool = ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                thread_name_prefix="concordia-crc")
+        return self._crc_pool
 
     def _sync_active(self, step: str) -> None:
         """fdatasync the active segment if it holds bytes not known durable (caller holds the mutex). A failure
@@ -561,6 +698,10 @@ class RecoveryLog:
                 pass  # the log is failed: reported below
             finally:
                 self._segment.close(quietly=True)
+                if self._spare is not None:
+                    self._spare.close()
+                if self._crc_pool is not None:
+                    self._crc_pool.shutdown(wait=False)
                 self._closed = True
                 self._lock.release()
             if self._failure is not None and not self._failure_reported:
@@ -610,4 +751,4 @@ def segment_header(manifest: Manifest, name: str) -> bytes:
     return SegmentHeader(kind, bytes.fromhex(manifest.log_id), int(m.group(2)), time.time_ns()).encode()
 
 
-__all__ = ["AppendResult", "LogOptions", "OpenReport", "RecoveryLog"]
+__all__ = ["AppendResult", "LogOptions", "OpenReport", "PlacedPayload", "RecoveryLog"]

@@ -374,6 +374,22 @@ def _open_segments(log_dir: Path, manifest: Manifest, names: list[str] | None
                    "looping? Try again once it is done")
 
 
+def unborn_segment(path: Path) -> bool:
+    """A segment file that holds nothing past its header (or less than a header): what a writer killed while
+    creating its first segment, before the manifest named it, leaves behind (a preallocated one: zeros)."""
+    from .format import SEGMENT_HEADER_BYTES
+
+    try:
+        with open(path, "rb") as f:
+            f.seek(SEGMENT_HEADER_BYTES)
+            while chunk := f.read(1 << 20):
+                if chunk.strip(b"\x00"):
+                    return False
+    except OSError:
+        return False
+    return True
+
+
 def _all_zero(buf: memoryview, start: int) -> bool:
     rest = np.frombuffer(buf[start:], dtype=np.uint8)
     return not rest.any()
@@ -393,9 +409,11 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
     if manifest is None:
         manifest = load_manifest(log_dir)
     if manifest is None:
-        if log_dir.is_dir() and any(log_dir.glob("*.cft")):
+        if log_dir.is_dir() and not all(unborn_segment(p) for p in log_dir.glob("*.cft")):
             raise LogError(f"{log_dir} holds segment files but no MANIFEST; it was not written by a complete "
                            "`Runtime` start. Run `concordia log check DIR` to see what is there")
+        # no segment, or only the first segment of a first open killed before its manifest was stored: it holds
+        # no epoch (the manifest is stored before the first epoch is written), so nothing was ever committed
         return ReplayResult(Outcome.EMPTY, None, {}, None, None)
     t0 = time.perf_counter()
     names, fds, manifest = _open_segments(log_dir, manifest, list(segments) if segments is not None else None)

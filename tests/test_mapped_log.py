@@ -1,0 +1,266 @@
+"""The dram backend's mapped segments: payloads placed into the log's own pages before the epoch's header and
+commit marker (the path GPU payloads take, DMA'd by the driver), and what a crash at each point leaves."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from concordia_ft.core.log import LogOptions, RecoveryLog
+from concordia_ft.core.mapped import HostPayload, MappedSegment
+from concordia_ft.core.regions import RegionKind, RegionSpec
+from concordia_ft.core.replay import Outcome, replay
+from concordia_ft.core.tracking import RegionDelta
+from support import PYTHON, subprocess_env
+
+pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a tmpfs at /dev/shm")
+PAGE = 4096
+SPEC = RegionSpec(name="r", kind=RegionKind.PAGED, nbytes=64 * PAGE, page_bytes=PAGE, block_bytes=PAGE)
+
+
+@pytest.fixture()
+def shm() -> Iterator[Path]:
+    d = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="cft-mapped-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _opts(**kw: object) -> LogOptions:
+    return LogOptions(fsync="never", backend="dram", mapped_segment_bytes=2 << 20, **kw)  # type: ignore[arg-type]
+
+
+class Recording(HostPayload):
+    """A host payload that also reads the segment FILE at the placed offset when the log waits for it: the
+    bytes must be in the log's pages before the header exists (placed, not staged and copied later)."""
+
+    def __init__(self, data: np.ndarray, path_of: object) -> None:
+        super().__init__(memoryview(data))
+        self.data = data
+        self.seen_in_file: bytes | None = None
+        self.path_of = path_of
+
+    def wait(self) -> None:
+        log = self.path_of
+        seg = log._segment  # type: ignore[attr-defined]
+        off = self.placed_at - seg.address
+        with open(seg.path, "rb") as f:
+            f.seek(off)
+            self.seen_in_file = f.read(self.nbytes)
+
+
+def _delta(pages: list[int], payload: object) -> RegionDelta:
+    return RegionDelta(SPEC, np.asarray(pages, dtype=np.int64), payload)  # type: ignore[arg-type]
+
+
+def test_placed_payload_lands_in_the_segment_pages_and_replays(shm: Path) -> None:
+    rng = np.random.default_rng(1)
+    log = RecoveryLog.open(shm / "log", _opts())
+    assert log.accepts_placed
+    expect = np.zeros(SPEC.nbytes, np.uint8)
+    for e in range(1, 6):
+        pages = sorted(rng.choice(64, size=int(rng.integers(1, 9)), replace=False).tolist())
+        data = rng.integers(0, 256, len(pages) * PAGE, dtype=np.uint8)
+        p = Recording(data, log)
+        res = log.append(defs=[SPEC] if e == 1 else [], deltas=[_delta(pages, p)], meta={"e": e})
+        assert res.epoch == e
+        assert p.seen_in_file == data.tobytes()  # in the file at its final offset before the header was written
+        for k, pg in enumerate(pages):
+            expect[pg * PAGE:(pg + 1) * PAGE] = data[k * PAGE:(k + 1) * PAGE]
+    log.close()
+    r = replay(shm / "log")
+    assert r.outcome is Outcome.OK and r.epoch == 5 and r.meta == {"e": 5}
+    assert np.array_equal(r.regions["r"].data, expect)
+
+
+def test_large_placed_payload_rolls_to_a_segment_of_its_size_and_checksums_in_pieces(shm: Path) -> None:
+    rng = np.random.default_rng(2)
+    big = RegionSpec(name="big", kind=RegionKind.DENSE, nbytes=40 << 20, page_bytes=PAGE)
+    data = rng.integers(0, 256, big.nbytes, dtype=np.uint8)
+    log = RecoveryLog.open(shm / "log", _opts())
+    log.append(defs=[big], deltas=[RegionDelta(big, np.arange(big.n_pages, dtype=np.int64),
+                                               HostPayload(memoryview(data)))])  # type: ignore[arg-type]
+    data2 = data.copy()
+    data2[::4096] ^= 0xFF
+    log.append(deltas=[RegionDelta(big, np.arange(big.n_pages, dtype=np.int64),
+                                   HostPayload(memoryview(data2)))])  # type: ignore[arg-type]
+    log.close()
+    r = replay(shm / "log")  # every payload CRC verified against the (combined, threaded) one written
+    assert r.outcome is Outcome.OK and r.epoch == 2
+    assert np.array_equal(r.regions["big"].data, data2)
+
+
+class Failing(HostPayload):
+    def wait(self) -> None:
+        raise OSError("DMA failed (test)")
+
+
+def test_a_failed_placement_leaves_nothing_behind(shm: Path) -> None:
+    rng = np.random.default_rng(3)
+    log = RecoveryLog.open(shm / "log", _opts())
+    good = rng.integers(0, 256, 2 * PAGE, dtype=np.uint8)
+    log.append(defs=[SPEC], deltas=[_delta([3, 4], HostPayload(memoryview(good)))], meta=1)
+    end = log._segment.end
+    with pytest.raises(OSError):
+        log.append(deltas=[_delta([5], Failing(memoryview(rng.integers(1, 256, PAGE, dtype=np.uint8))))], meta=2)
+    seg = log._segment
+    assert seg.end == end and not np.frombuffer(seg._view[end:end + 3 * PAGE], np.uint8).any()
+    later = rng.integers(0, 256, PAGE, dtype=np.uint8)
+    log.append(deltas=[_delta([9], HostPayload(memoryview(later)))], meta=2)
+    log.close()
+    r = replay(shm / "log")
+    assert r.outcome is Outcome.OK and r.epoch == 2 and r.meta == 2
+    assert bytes(r.regions["r"].data[9 * PAGE:10 * PAGE]) == later.tobytes()
+
+
+_CHILD = r'''
+import os, signal, sys
+import numpy as np
+from concordia_ft.core.log import LogOptions, RecoveryLog
+from concordia_ft.core.mapped import HostPayload
+from concordia_ft.core.regions import RegionKind, RegionSpec
+from concordia_ft.core.tracking import RegionDelta
+PAGE = 4096
+spec = RegionSpec(name="r", kind=RegionKind.PAGED, nbytes=64 * PAGE, page_bytes=PAGE, block_bytes=PAGE)
+class KillAfterPlacing(HostPayload):
+    def wait(self):
+        os.kill(os.getpid(), signal.SIGKILL)  # the bytes are in the mapping; header and marker never come
+log = RecoveryLog.open(sys.argv[1], LogOptions(fsync="never", backend="dram", mapped_segment_bytes=2 << 20))
+first = log.last_epoch is None
+rng = np.random.default_rng(int(sys.argv[2]))
+data = rng.integers(1, 256, 4 * PAGE, dtype=np.uint8)
+if first:
+    log.append(defs=[spec], deltas=[RegionDelta(spec, np.arange(4, dtype=np.int64), HostPayload(memoryview(data)))], meta="one")
+    print("E", log.last_epoch, flush=True)
+log.append(deltas=[RegionDelta(spec, np.arange(8, 12, dtype=np.int64), KillAfterPlacing(memoryview(data)))], meta="never")
+'''
+
+
+def test_sigkill_after_the_dma_before_the_header_is_a_torn_tail(shm: Path) -> None:
+    d = shm / "log"
+    for round_ in range(2):
+        p = subprocess.run([PYTHON, "-c", _CHILD, str(d), str(round_)], capture_output=True, text=True,
+                           env=subprocess_env(), timeout=120)
+        assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+        r = replay(d)
+        # nonzero payload bytes behind a zero epoch header: torn, not damage
+        assert r.outcome is Outcome.TORN_TAIL and r.epoch == 1 and r.meta == "one", (r.outcome, r.tail)
+        assert not r.regions["r"].data[8 * PAGE:].any()
+    log = RecoveryLog.open(d, _opts())  # cuts (zeroes) the torn bytes, appends after epoch 1
+    assert log.report.cut_bytes > 0 and log.last_epoch == 1
+    log.append(meta="two")
+    log.close()
+    r = replay(d)
+    assert r.outcome is Outcome.OK and r.epoch == 2 and r.meta == "two"
+    assert not r.regions["r"].data[8 * PAGE:].any()
+
+
+def test_file_and_mapped_segments_read_each_other(shm: Path) -> None:
+    rng = np.random.default_rng(4)
+    d = shm / "log"
+    a = rng.integers(0, 256, PAGE, dtype=np.uint8)
+    b = rng.integers(0, 256, PAGE, dtype=np.uint8)
+    log = RecoveryLog.open(d, _opts(mapped="off"))
+    assert not log.accepts_placed
+    log.append(defs=[SPEC], deltas=[_delta([1], memoryview(a))])
+    log.close()
+    log = RecoveryLog.open(d, _opts())  # continue the plain file segment as a mapped one
+    assert isinstance(log._segment, MappedSegment)
+    log.append(deltas=[_delta([2], HostPayload(memoryview(b)))])
+    log.close()
+    log = RecoveryLog.open(d, _opts(mapped="off"))  # and back: the preallocated zeros are cut off
+    assert log.report.cut_reason in ("", "trailing zero bytes")
+    log.close()
+    r = replay(d)
+    assert r.outcome is Outcome.OK and r.epoch == 2
+    assert bytes(r.regions["r"].data[PAGE:2 * PAGE]) == a.tobytes()
+    assert bytes(r.regions["r"].data[2 * PAGE:3 * PAGE]) == b.tobytes()
+    assert os.path.getsize(d / log.manifest.incr[-1]) == log._segment.end
+
+
+class PinLog:
+    """A registrar that records what it was asked to pin and checks each range is one live segment mapping
+    (the CUDA layer's is cuMemHostRegister; this one only keeps the books, so the log's side runs on a CPU)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.calls: list[tuple[int, int, str]] = []
+
+    def __call__(self, address: int, nbytes: int) -> PinLog.Handle:
+        import threading
+
+        assert address % 4096 == 0 and nbytes > 0 and address not in self.live
+        self.live[address] = nbytes
+        self.calls.append((address, nbytes, threading.current_thread().name))
+        return PinLog.Handle(self, address)
+
+    class Handle:
+        def __init__(self, owner: PinLog, address: int) -> None:
+            self.owner, self.address = owner, address
+
+        def close(self) -> None:
+            del self.owner.live[self.address]
+
+
+def test_segments_are_registered_and_the_next_one_is_prepared_off_the_append_path(shm: Path) -> None:
+    import time
+
+    rng = np.random.default_rng(5)
+    pins = PinLog()
+    log = RecoveryLog.open(shm / "log", _opts())
+    log.set_mapping_registrar(pins)
+    first = log._segment
+    assert first.registered and len(pins.live) >= 1
+    deadline = time.monotonic() + 20
+    while len(pins.live) < 2 and time.monotonic() < deadline:  # the spare, registered on its own thread
+        time.sleep(0.01)
+    assert len(pins.live) == 2 and any(name == "concordia-spare-segment" for *_, name in pins.calls)
+    assert [p.name for p in (shm / "log").iterdir() if p.name.endswith(".tmp")]  # the spare, not yet named
+    big = RegionSpec(name="big", kind=RegionKind.DENSE, nbytes=1536 << 10, page_bytes=PAGE)
+    datas = []
+    for e in range(3):  # 1.5 MiB epochs into 2 MiB segments: every epoch after the first rolls
+        data = rng.integers(0, 256, big.nbytes, dtype=np.uint8)
+        datas.append(data)
+        log.append(defs=[big] if e == 0 else [], deltas=[RegionDelta(
+            big, np.arange(big.n_pages, dtype=np.int64), HostPayload(memoryview(data)))])  # type: ignore[arg-type]
+        while len(pins.live) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert log._segment is not first and log._segment.registered
+    assert len(log.manifest.incr) >= 3
+    log.close()
+    assert not pins.live  # every mapping unregistered before it was unmapped, the spare's too
+    assert not [p.name for p in (shm / "log").iterdir() if p.name.endswith(".tmp")]
+    r = replay(shm / "log")
+    assert r.outcome is Outcome.OK and r.epoch == 3
+    assert np.array_equal(r.regions["big"].data, datas[-1])
+
+
+@pytest.mark.parametrize("mapped", ["off", "on"])
+def test_a_first_open_killed_before_its_manifest_leaves_an_empty_log(shm: Path, mapped: str) -> None:
+    """The first segment is created (header synced; a mapped one preallocated) before the manifest names it:
+    a kill in between leaves a segment and no MANIFEST. Nothing was committed (the manifest comes before the
+    first epoch), so replay says empty and the next open starts the log over."""
+    from concordia_ft.core.log import _open_segment, segment_header
+    from concordia_ft.core.manifest import Manifest
+    from concordia_ft.core.oscalls import REAL_OS
+
+    d = shm / "log"
+    d.mkdir()
+    m = Manifest(log_id="ab" * 16)
+    name = m.new_segment_name("incr")
+    _open_segment(d / name, _opts(mapped=mapped), REAL_OS, header=segment_header(m, name)).close()
+    assert (d / name).exists() and not (d / "MANIFEST").exists()
+    assert replay(d).outcome is Outcome.EMPTY
+    log = RecoveryLog.open(d, _opts(mapped=mapped))
+    assert log.report.created and log.last_epoch is None
+    log.append(meta="first")
+    log.close()
+    r = replay(d)
+    assert r.outcome is Outcome.OK and r.epoch == 1 and r.meta == "first"
