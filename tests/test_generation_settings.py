@@ -140,6 +140,20 @@ def test_defaults_come_from_the_models_generation_config(tmp_path):
     assert greedy == model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=None)[0, 12:].tolist()
 
 
+def test_no_eos_on_a_model_without_eos_or_pad_token(tmp_path):
+    """eos_token_ids=() (the Session's spelling of "never stop early") on a model whose config names neither an
+    eos nor a pad token: the full max_new_tokens, equal to generate() with no eos (it was an IndexError from
+    transformers' special-token setup)."""
+    model = tiny_model("qwen3")
+    for cfg in (model.config, model.generation_config):
+        cfg.eos_token_id = cfg.pad_token_id = None
+    ids = prompt_ids(12)
+    ref = model.generate(ids, max_new_tokens=N_NEW, do_sample=False)[0, 12:].tolist()
+    with Session(model, tmp_path / "log") as s:
+        assert s.generate(ids, max_new_tokens=N_NEW, eos_token_ids=()) == ref
+    assert len(ref) == N_NEW
+
+
 @pytest.mark.parametrize(("kw", "named"), [
     (dict(foo_bar=3), "'foo_bar'"),
     (dict(num_beams=2), "num_beams=2"),

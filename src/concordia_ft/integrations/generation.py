@@ -240,6 +240,8 @@ def plan_rules(model: Any, settings: GenerationSettings, prompt: torch.Tensor, t
         raise ConfigError(f"stop_strings={gc.stop_strings!r} needs the model's tokenizer: create the Session (or "
                           "call Session.recover) with tokenizer=...")
     device = prompt.device if device is None else device
+    if gc.eos_token_id is not None and not isinstance(gc.eos_token_id, int) and len(gc.eos_token_id) == 0:
+        gc.eos_token_id = None  # "no end-of-sequence token" (eos_token_ids=()): transformers indexes an empty list
     model._prepare_special_tokens(gc, False, device=device, batch_size=1)
     procs = model._get_logits_processor(
         generation_config=gc, input_ids_seq_length=settings.prompt_len, encoder_input_ids=prompt,
