@@ -44,3 +44,65 @@ def recovery_phases(repairs: list[dict[str, Any]], timings: dict[int, list[dict[
             row["abort_ms"] = (rec["t_abort_end_ns"] - t_det) / 1e6
         rows.append(row)
     return rows
+
+
+def load_stamps(job_dir: Any) -> dict[str, dict[str, Any]]:
+    """Every finished process's token stamps (``stamps/<wid>.json``, written by a replicated workload)."""
+    import json
+    from pathlib import Path
+
+    d = Path(job_dir) / "stamps"
+    return {f.stem: json.loads(f.read_text()) for f in sorted(d.glob("*.json"))} if d.is_dir() else {}
+
+
+def _new_tokens(stamps: dict[str, dict[str, Any]]) -> dict[int, list[int]]:
+    """Per rank, the sorted times at which each of its tokens was first produced (by any of its processes):
+    a token replayed after a rewind was already served once, so it is not served again."""
+    first: dict[tuple[int, int, int], int] = {}
+    for doc in stamps.values():
+        for t, req, pos in doc["stamps"]:
+            key = (int(doc["rank"]), int(req), int(pos))
+            if key not in first or t < first[key]:
+                first[key] = int(t)
+    out: dict[int, list[int]] = {}
+    for (rank, _, _), t in first.items():
+        out.setdefault(rank, []).append(t)
+    return {r: sorted(ts) for r, ts in out.items()}
+
+
+def service_during_repairs(repairs: list[dict[str, Any]], events: list[dict[str, Any]],
+                           stamps: dict[str, dict[str, Any]], before_ms: float = 1000.0) -> list[dict[str, Any]]:
+    """Partial service per repair of a replicated job (DESIGN.md §5b). The repair window runs from the kill
+    to the replacement's first token (``serve_again_ms``). Survivors' throughput counts new tokens (first
+    productions) in that window, against the ``before_ms`` before the kill; the longest survivor stall is the
+    longest gap between a survivor's consecutive new tokens that overlaps the window (a survivor whose stream
+    ended inside the window is not stalled after its last token)."""
+    kills = sorted(e["t_kill_ns"] for e in events if e["event"] == "kill")
+    new = _new_tokens(stamps)
+    first_of = {w: min((int(s[0]) for s in d["stamps"]), default=None) for w, d in stamps.items()}
+    rows = []
+    for rec in repairs:
+        if rec.get("mode") != "repair" or not rec.get("replacement"):
+            continue
+        before = [k for k in kills if k <= rec["t_detect_ns"]]
+        starts = [first_of.get(w) for w in rec["replacement"].values()]
+        if not before or None in starts:
+            continue  # not a kill we sent, or the replacement died before it served (a later repair covers it)
+        t_kill, t_back = before[-1], max(s for s in starts if s is not None)
+        survivors = [r for r in range(len(rec["members"])) if r not in rec["ranks"]]
+        win_s = max(t_back - t_kill, 1) / 1e9
+        during = sum(sum(1 for t in new.get(r, []) if t_kill <= t < t_back) for r in survivors)
+        lo = t_kill - int(before_ms * 1e6)
+        prior = sum(sum(1 for t in new.get(r, []) if lo <= t < t_kill) for r in survivors)
+        stall = 0
+        for r in survivors:
+            ts = new.get(r, [])
+            for a, b in zip(ts, ts[1:]):
+                if b > t_kill and a < t_back:
+                    stall = max(stall, b - a)
+        rows.append({"gen": int(rec["gen"]), "standby": ",".join(rec.get("standby", {}).values()),
+                     "partial": bool(rec.get("partial")), "serve_again_ms": (t_back - t_kill) / 1e6,
+                     "survivor_tokens_during": during, "survivor_tps_during": during / win_s,
+                     "survivor_tps_before": prior / (before_ms / 1e3),
+                     "longest_survivor_stall_ms": stall / 1e6})
+    return rows
