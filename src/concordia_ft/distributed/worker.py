@@ -61,6 +61,8 @@ class Member:
         self.group: FaultTolerantGroup | None = None
         self.resumed_cut = -1
         self.timing: dict[str, Any] = {}
+        self._stamps_out: Any = None  # replicated workloads: the token stamps file
+        self._stamps_sent = 0
 
     # ----------------------------------------------------------------------------------------- life
     def run(self, plan: P.Plan) -> int:
@@ -157,6 +159,7 @@ class Member:
             if wl.exchange(g) == 0:
                 break
             wl.serve_round()
+            self._flush_stamps()
             self.watch.set_step(cut, False)
             if first:
                 self._publish_timing(plan.gen)
@@ -166,25 +169,26 @@ class Member:
             self._publish_timing(plan.gen)
         self.store.set(P.done_key(self.rank), json.dumps(wl.result()))
         g.wait_key(P.commit_key(cut), f"the commit of the final cut {cut}")
-        self._write_stamps()
         return EXIT_DONE
 
     def _serve_alone(self) -> None:
         """One round of this rank's own requests with no collective (a repair is under way)."""
         self.watch.set_step(-1, True)
         self.wl.serve_round()  # type: ignore[attr-defined]
+        self._flush_stamps()
         self.watch.set_step(-1, False)
 
-    def _write_stamps(self) -> None:
-        """Every new token's time stamp of this process (benchmarks/tests: service during a repair)."""
-        stamps = getattr(self.wl, "stamps", None)
-        if stamps is None:
-            return
-        d = self.job_dir / "stamps"
-        d.mkdir(exist_ok=True)
-        tmp = d / f"{self.wid}.json.tmp"
-        tmp.write_text(json.dumps({"wid": self.wid, "rank": self.rank, "role": self.role, "stamps": stamps}))
-        os.replace(tmp, d / f"{self.wid}.json")
+    def _flush_stamps(self) -> None:
+        """Append this round's token stamps to ``stamps/<wid>.jsonl`` (one line per round, no fsync: it is a
+        measurement, not state), so a process killed later still leaves what it served (tests, benchmarks)."""
+        stamps: list[tuple[int, int, int]] = self.wl.stamps  # type: ignore[attr-defined]
+        if self._stamps_out is None:
+            (self.job_dir / "stamps").mkdir(exist_ok=True)
+            self._stamps_out = open(self.job_dir / "stamps" / f"{self.wid}.jsonl", "a", buffering=1)
+            self._stamps_out.write(json.dumps({"wid": self.wid, "rank": self.rank, "role": self.role}) + "\n")
+        if len(stamps) > self._stamps_sent:
+            self._stamps_out.write(json.dumps(stamps[self._stamps_sent:]) + "\n")
+            self._stamps_sent = len(stamps)
 
     def _publish_timing(self, gen: int) -> None:
         self.timing["first_step_end_ns"] = time.monotonic_ns()
