@@ -115,7 +115,7 @@ def service_during_repairs(repairs: list[dict[str, Any]], events: list[dict[str,
         stall = 0
         for r in survivors:
             ts = new.get(r, [])
-            for a, b in zip(ts, ts[1:]):
+            for a, b in zip(ts, ts[1:], strict=False):
                 if b > t_kill and a < t_back:
                     stall = max(stall, b - a)
         rows.append({"gen": int(rec["gen"]), "standby": ",".join(rec.get("standby", {}).values()),
