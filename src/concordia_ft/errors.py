@@ -153,3 +153,20 @@ class DeviceError(ConcordiaError):
         where = f" in {self.what}" if self.what else ""
         means = f": {self.explanation}" if self.explanation else ""
         return f"CUDA error {self.code} ({self.name}){where}{means}; {todo}"
+
+
+class ServeError(ConcordiaError):
+    """A request the serving engine cannot take; ``status`` is the HTTP status the server answers with."""
+
+    status = 400
+    code = "invalid_request_error"
+
+
+class QueueFullError(ServeError):
+    status = 429
+    code = "queue_full"
+
+
+class ContextLengthError(ServeError, ConfigError):
+    status = 400
+    code = "context_length_exceeded"

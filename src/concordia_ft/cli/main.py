@@ -1,4 +1,4 @@
-"""`concordia`: the command line. Subcommands: demo, log (check/inspect/compact), bench, doctor, dist.
+"""`concordia`: the command line. Subcommands: demo, serve, log (check/inspect/compact), bench, doctor, dist.
 
 No Python traceback reaches the user: :func:`main` turns every error into one line that says what happened
 and what to do, with an exit code (2: bad input or a missing dependency, 1: the operation failed, 130:
@@ -15,7 +15,7 @@ from .. import __version__
 
 # which extra brings which import
 _EXTRAS = {"torch": "llm", "transformers": "llm", "peft": "llm", "gguf": "llm", "accelerate": "llm",
-           "cuda": "cuda", "triton": "cuda", "rich": "", "crc32c": "", "numpy": ""}
+           "cuda": "cuda", "triton": "cuda", "aiohttp": "serve", "rich": "", "crc32c": "", "numpy": ""}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,8 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import logcmds
 
     logcmds.add_arguments(sub)
-    from . import bench, doctor
+    from . import bench, doctor, serve
 
+    serve.add_arguments(sub)
     bench.add_arguments(sub)
     doctor.add_arguments(sub)
     from . import dist
@@ -49,6 +50,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from . import logcmds
 
         return logcmds.run(args)
+    if args.cmd == "serve":
+        from . import serve
+
+        return serve.run(args)
     if args.cmd == "dist":
         from . import dist
 

@@ -1,0 +1,265 @@
+"""Serving engine: throughput with an epoch every step vs none, and recovery of in-flight requests vs re-prefill.
+
+1. throughput: N concurrent greedy requests (prompt P, G new tokens each) through serve.Engine, once with no log
+   and once with an epoch per step, interleaved rounds, same process. Output tokens/s over the decode steps,
+   p50/p99 inter-token latency (decode step time), bytes per epoch.
+2. recovery: 64 requests with ~2k-token prompts run a few decode steps with an epoch every step; the engine is
+   closed (the log is what a SIGKILL would leave: every epoch is committed before its tokens are handed out);
+   then, model loaded, (a) Engine.recover + one step = the first new token of every request, against (b) what a
+   user can do today: a new engine re-prefilling prompt + tokens so far until every request has its next token.
+   The bytes restored, GB/s reached, and the host-to-device bandwidth of pinned memory measured in the same run.
+
+    python benchmarks/bench_serve.py --out benchmarks/results            # H200, bf16, Qwen3-0.6B and 8B dims
+    python benchmarks/bench_serve.py --quick --device cpu                # a tiny model, to check the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
+
+import torch  # noqa: E402
+
+from concordia_ft.benchreport import median, percentile, print_table, write_results  # noqa: E402
+from concordia_ft.serve import Engine, SamplingParams  # noqa: E402
+
+
+def qwen3(dims: str) -> Any:
+    from transformers import Qwen3Config
+
+    if dims == "0.6b":
+        return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                           num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+    if dims == "8b":
+        return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # "tiny"
+
+
+def build(dims: str, device: str, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(qwen3(dims), dtype=dtype)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def log_dir(need_bytes: int) -> tuple[Path, str]:
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free > 1.3 * need_bytes:
+        return Path(tempfile.mkdtemp(prefix="cft-serve-", dir=shm)), "dram"
+    return Path(tempfile.mkdtemp(prefix="cft-serve-")), "file"
+
+
+def options(n: int, prompt: int, new: int, **kw: Any) -> dict[str, Any]:
+    per = -(-(prompt + new) // 16)
+    return {"num_blocks": n * per, "block_size": 16, "max_running": n, "max_waiting": n,
+            "max_model_len": prompt + new, "max_batch_tokens": max(2048, min(8192, n * prompt)), **kw}
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------------ throughput
+def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: bool) -> dict[str, Any]:
+    vocab = int(model.config.vocab_size)
+    d, backend = log_dir(n * (prompt + new) * 200_000) if epochs else (None, "file")
+    eng = Engine(model, None if d is None else d / "log",
+                 options(n, prompt, new, checkpoint=epochs, backend=backend))
+    for p in prompts(n, prompt, vocab):
+        eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
+    steps: list[float] = []
+    nbytes: list[int] = []
+    decode_tokens = 0
+    while eng.has_work:
+        t0 = time.perf_counter()
+        out = eng.step()
+        sync(device)
+        dt = time.perf_counter() - t0
+        if out.batch_tokens == len(out.new_tokens) and out.batch_tokens:  # a pure decode step
+            steps.append(dt)
+            decode_tokens += out.batch_tokens
+            nbytes.append(out.epoch_bytes)
+    eng.close()
+    if d is not None:
+        shutil.rmtree(d, ignore_errors=True)
+    return {"tok_s": decode_tokens / sum(steps), "itl_p50_ms": 1e3 * median(steps),
+            "itl_p99_ms": 1e3 * percentile(steps, 99), "bytes_per_step": median(nbytes) if nbytes else 0,
+            "decode_steps": len(steps)}
+
+
+def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: int, new: int,
+                     rounds: int) -> list[dict[str, Any]]:
+    run_batch(model, device, 2, 16, 4, False)  # warm up kernels
+    rows = []
+    for n in concurrency:
+        got: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+        for _ in range(rounds):  # interleaved: a noisy host hits both modes alike
+            for epochs in (False, True):
+                got[epochs].append(run_batch(model, device, n, prompt, new, epochs))
+        base, ck = (_med(got[False]), _med(got[True]))
+        rows.append({"concurrent": n, "tok_s_none": base["tok_s"], "tok_s_epoch": ck["tok_s"],
+                     "cost_pct": 100 * (1 - ck["tok_s"] / base["tok_s"]), "itl_p50_ms_none": base["itl_p50_ms"],
+                     "itl_p50_ms_epoch": ck["itl_p50_ms"], "itl_p99_ms_none": base["itl_p99_ms"],
+                     "itl_p99_ms_epoch": ck["itl_p99_ms"], "bytes_per_step": ck["bytes_per_step"],
+                     "rounds": rounds})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def _med(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {k: median(r[k] for r in runs) for k in runs[0]}
+
+
+# -------------------------------------------------------------------------------------------- recovery
+def h2d_gbps(device: str, nbytes: int = 1 << 30) -> float:
+    if not device.startswith("cuda"):
+        return float("nan")
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)
+    sync(device)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return nbytes / min(times) / 1e9
+
+
+def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: int, decoded: int,
+                   h2d: float) -> dict[str, Any]:
+    model = build(dims, device, dtype)
+    vocab = int(model.config.vocab_size)
+    new = decoded + 16
+    opts = options(n, prompt, new)
+    probe = Engine(model, None, {**opts, "checkpoint": False})
+    row_bytes, pool_bytes = probe.geo.row_bytes, probe.geo.nbytes
+    del probe
+    d, backend = log_dir(2 * n * (prompt + new) * row_bytes)
+    opts["backend"] = backend
+    eng = Engine(model, d / "log", opts)
+    ps = prompts(n, prompt, vocab)
+    for p in ps:
+        eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
+    t0 = time.perf_counter()
+    while eng.waiting or min(len(r.generated) for r in eng.running.values()) < decoded:
+        eng.step()
+    sync(device)
+    write_s = time.perf_counter() - t0
+    so_far = {r.id: list(r.ids) for r in eng.running.values()}
+    eng.close()
+    del eng
+    torch.cuda.empty_cache() if device.startswith("cuda") else None
+    log_bytes = sum(f.stat().st_size for f in (d / "log").rglob("*") if f.is_file())
+
+    t0 = time.perf_counter()
+    rec = Engine.recover(d / "log", model, {"backend": backend})
+    sync(device)
+    t_restored = time.perf_counter() - t0
+    out = rec.step()
+    sync(device)
+    t_first = time.perf_counter() - t0
+    assert len(out.new_tokens) == n, f"{len(out.new_tokens)} of {n} requests got their next token"
+    first = {rid: t[0] for rid, t in out.new_tokens.items()}
+    replay_s = float(getattr(rec.recovered, "seconds", 0.0))
+    restore_s = float(getattr(rec.recovered, "restore_s", 0.0))
+    rec.close()
+    del rec
+    torch.cuda.empty_cache() if device.startswith("cuda") else None
+    shutil.rmtree(d, ignore_errors=True)
+
+    base = Engine(model, None, {**opts, "checkpoint": False})
+    ids = {}
+    for rid, seq in so_far.items():
+        ids[base.submit(seq, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)).id] = rid
+    t0 = time.perf_counter()
+    got: dict[str, int] = {}
+    while len(got) < n:
+        o = base.step()
+        for bid, t in o.new_tokens.items():
+            got.setdefault(ids[bid], t[0])
+    sync(device)
+    t_reprefill = time.perf_counter() - t0
+    same = sum(first[k] == got[k] for k in first)
+    del base, model
+    torch.cuda.empty_cache() if device.startswith("cuda") else None
+    return {"dims": dims, "requests": n, "tokens_each": prompt + decoded, "row_kib": row_bytes / 1024,
+            "pool_gb": pool_bytes / 1e9, "log_gb": log_bytes / 1e9, "prefill_with_epochs_s": write_s,
+            "recover_s": t_restored, "replay_s": replay_s, "restore_s": restore_s,
+            "first_token_all_s": t_first, "reprefill_first_token_all_s": t_reprefill,
+            "speedup": t_reprefill / t_first, "restore_gbps": pool_bytes / max(t_restored, 1e-9) / 1e9,
+            "h2d_pinned_gbps": h2d, "same_next_token": f"{same}/{n}"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--quick", action="store_true", help="a tiny model and small sizes: checks the script")
+    ap.add_argument("--only", default="throughput,recovery")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--recovery-dims", default="0.6b,8b")
+    a = ap.parse_args()
+    dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
+    parts = set(a.only.split(","))
+    thr: list[dict[str, Any]] = []
+    recs: list[dict[str, Any]] = []
+    notes = ("throughput: greedy, prompt {p} + {g} new tokens each, decode steps only; 'none' = no log (baseline), "
+             "'epoch' = one committed epoch per engine step. recovery: model loaded; recover_s = Engine.recover "
+             "(replay + verify + restore), first_token_all_s = + one step giving every request its next token; "
+             "reprefill = a new engine prefilling prompt + tokens so far (what a user can do today).")
+    p, g = (32, 16) if a.quick else (128, 128)
+    conc = [1, 4] if a.quick else [1, 8, 32, 64]
+
+    def save() -> None:
+        path = write_results("serve", thr + recs, baseline=[], notes=notes.format(p=p, g=g), out_dir=a.out,
+                             tag="cpu-quick" if a.quick else None)
+        print(f"wrote {path}", flush=True)
+
+    if "throughput" in parts:
+        model = build("tiny" if a.quick else "0.6b", a.device, dtype)
+        thr = [{"part": "throughput", "dims": "tiny" if a.quick else "0.6b", **r}
+               for r in bench_throughput(model, a.device, conc, p, g, 1 if a.quick else a.rounds)]
+        del model
+        save()
+    if "recovery" in parts:
+        h2d = h2d_gbps(a.device)
+        for dims in (["tiny"] if a.quick else a.recovery_dims.split(",")):
+            n, prompt = (8, 64) if a.quick else (64, 2000)
+            recs.append({"part": "recovery", **bench_recovery(dims, a.device, dtype, n, prompt, 8, h2d)})
+            print(recs[-1], flush=True)
+            save()
+    if thr:
+        print_table("serve throughput: epoch every step vs none", thr,
+                    ["concurrent", "tok_s_none", "tok_s_epoch", "cost_pct", "itl_p50_ms_none", "itl_p50_ms_epoch",
+                     "itl_p99_ms_none", "itl_p99_ms_epoch", "bytes_per_step"])
+    if recs:
+        print_table("serve recovery: restore vs re-prefill (model loaded)", recs,
+                    ["dims", "requests", "tokens_each", "log_gb", "recover_s", "first_token_all_s",
+                     "reprefill_first_token_all_s", "speedup", "restore_gbps", "h2d_pinned_gbps", "same_next_token"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,460 @@
+"""The serving engine: many requests over ONE paged KV pool, continuous batching, one epoch per step.
+
+A step: admit waiting requests (FIFO, while a sampler row and the blocks for prompt + max_new_tokens are free),
+run ONE forward over every running request's new tokens (decodes 1 token each, prefills in chunks within
+``max_batch_tokens``), sample one token for every request whose feed reached its last token, retire finished
+requests (their blocks go back to the free list), then commit one epoch through the Runtime:
+
+- ``kv``     (paged) the pool's rows written this step, flagged by the attention's slots (freed rows are
+                     never flagged again until a new owner writes them);
+- ``tokens`` (paged) int32 token id per pool slot: every running request's ids live at its block table's slots;
+- ``rng``    (paged) one row per running request: its generator's state, flagged when it drew;
+- ``meta``           block tables, per-request counters, settings and API info, the waiting queue (with prompt
+                     ids), finished outputs not yet evicted, the step counter, the pool geometry, a model
+                     fingerprint.
+
+Tokens are handed out (``StepOutput``) only after their epoch committed, so a client never holds a token the
+log lacks. The batch order is ``(admitted step, digest, id)``: a pure function of what was admitted, so the
+packed arithmetic of a step is the same in an uninterrupted engine and in one recovered from the log.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, ContextLengthError, QueueFullError, RecoveryError
+from ..session import model_fingerprint
+from .blocks import BlockPool, blocks_for
+from .kv import KVPool, PoolGeometry, build_batch, install, plan_pool
+from .sampling import RngRows, SamplingParams, new_generator, sample
+
+META_KEY = "concordia.serve"
+META_VERSION = 1
+TOKEN_BLOCK = 128  # int32 ids per 512-byte block of the tokens region
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    num_blocks: int = 256
+    block_size: int = 16
+    max_running: int = 64
+    max_waiting: int = 256
+    max_model_len: int = 2048
+    max_batch_tokens: int = 2048
+    keep_finished: int = 256  # finished outputs kept for fetching / reconnecting (oldest collected go first)
+    checkpoint: bool = True  # False: no log at all (the benchmark's baseline)
+    fsync: str = "never"  # a SIGKILL loses nothing the page cache holds; "always" for power loss
+    backend: str = "file"
+    kv_dtype: str | None = None  # default: the model's dtype
+
+    @classmethod
+    def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
+        if value is None:
+            return cls()
+        if isinstance(value, EngineOptions):
+            return value
+        try:
+            return cls(**dict(value))
+        except TypeError as e:
+            raise ConfigError(f"unknown engine option: {e}") from None
+
+
+@dataclass
+class Request:
+    id: str
+    ids: list[int]  # prompt + generated
+    n_prompt: int
+    params: SamplingParams
+    key: str | None = None
+    digest: str = ""
+    info: dict[str, Any] = field(default_factory=dict)  # the API layer's (kind, model, created...)
+    seq: int = 0  # arrival order
+    admitted: int = -1  # the step that admitted it
+    n_computed: int = 0  # positions whose KV is in the pool
+    row: int = -1  # sampler row
+    slots: list[int] = field(default_factory=list)
+    table: torch.Tensor | None = None  # the block table as a CPU int64 tensor (for the batch builder)
+    status: str = "waiting"  # waiting | running | finished
+    finish_reason: str | None = None
+    collected: bool = False
+    gen: torch.Generator | None = None
+    _params_dict: dict[str, Any] | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.ids[self.n_prompt:]
+
+    def params_dict(self) -> dict[str, Any]:
+        if self._params_dict is None:
+            self._params_dict = self.params.to_dict()
+        return self._params_dict
+
+
+@dataclass
+class StepOutput:
+    step: int
+    epoch: int | None
+    new_tokens: dict[str, list[int]]  # request id -> tokens this step (committed)
+    finished: list[str]
+    batch_tokens: int = 0
+    forward_s: float = 0.0
+    checkpoint_s: float = 0.0
+    epoch_bytes: int = 0
+
+
+class Engine:
+    """``Engine(model, log_dir, options)``; ``submit()`` requests, ``step()`` until idle; after a crash,
+    ``Engine.recover(log_dir, model)`` continues every request from the last committed step."""
+
+    def __init__(self, model: Any, log_dir: str | Path | None, options: EngineOptions | dict[str, Any] | None = None,
+                 *, _recovering: dict[str, Any] | None = None, _runtime: Any = None) -> None:
+        from .. import runtime as _rt
+
+        self.opts = opts = EngineOptions.coerce(options)
+        if opts.checkpoint and log_dir is None:
+            raise ConfigError("an engine that checkpoints needs a log directory (or options checkpoint=False)")
+        if _recovering is None and log_dir is not None and Path(log_dir).is_dir() and any(Path(log_dir).iterdir()):
+            raise ConfigError(f"{log_dir} already holds a log; continue it with Engine.recover(log_dir, model) "
+                              "or pass an empty directory")
+        self.model = model
+        p = next(model.parameters())
+        self.device = p.device
+        if _recovering is not None:
+            self.geo = PoolGeometry(**_recovering["geometry"])
+        else:
+            dt = getattr(torch, opts.kv_dtype) if opts.kv_dtype else p.dtype
+            self.geo = plan_pool(model.config, num_blocks=opts.num_blocks, block_size=opts.block_size, dtype=dt)
+        if opts.max_model_len > self.geo.slots:
+            raise ConfigError(f"max_model_len={opts.max_model_len} is more than the pool's {self.geo.slots} slots; "
+                              "raise num_blocks or lower max_model_len")
+        install(model)
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.pool = KVPool(self.geo, self.device, zeroed=_recovering is None)
+        self.blocks = BlockPool(self.geo.num_blocks, self.geo.block_size)
+        self.tokens = np.zeros(-(-self.geo.slots // TOKEN_BLOCK) * TOKEN_BLOCK, np.int32)
+        self.tokens_dirty = np.zeros(len(self.tokens) // TOKEN_BLOCK, np.uint8)
+        self.rng = RngRows(opts.max_running, self.device)
+        self.fingerprint = model_fingerprint(model) if _recovering is None else str(_recovering["fingerprint"])
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self.finished: dict[str, Request] = {}  # insertion order = finish order
+        self.by_key: dict[str, str] = {}
+        self.step_no = 0
+        self._seq = itertools.count()
+        self.recovered_epoch: int | None = None
+        self.recovered: Any = None  # the Runtime's Recovered (timings) after Engine.recover
+        self.runtime = None
+        if opts.checkpoint:
+            self.runtime = _runtime if _runtime is not None else _rt.Runtime(
+                str(log_dir), fsync=opts.fsync, backend=opts.backend)
+            self._register(fresh=_recovering is None)
+
+    def _register(self, *, fresh: bool) -> None:
+        rt, geo = self.runtime, self.geo
+        assert rt is not None
+        rt.register("kv", self.pool.arena, kind="paged", page_bytes=geo.page_bytes, block_bytes=geo.row_bytes,
+                    dirty_blocks=self.pool.dirty, initially_zero=fresh)
+        rt.register("tokens", self.tokens, kind="paged", page_bytes=512, block_bytes=512,
+                    dirty_blocks=self.tokens_dirty, initially_zero=fresh)
+        rt.register("rng", self.rng.buf, kind="paged", page_bytes=512, block_bytes=self.rng.row_bytes,
+                    dirty_blocks=self.rng.dirty, initially_zero=fresh)
+
+    # -- requests ----------------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], params: SamplingParams, *, request_id: str | None = None,
+               key: str | None = None, digest: str = "", info: dict[str, Any] | None = None) -> Request:
+        """Queue a request (it joins the batch at the next step); raises ContextLengthError / QueueFullError."""
+        params.check()
+        if not prompt:
+            raise ConfigError("the prompt is empty: a request needs at least one token")
+        total = len(prompt) + params.max_new_tokens
+        if total > self.opts.max_model_len:
+            raise ContextLengthError(
+                f"this model's maximum context length is {self.opts.max_model_len} tokens; the request has "
+                f"{len(prompt)} prompt tokens + max_tokens {params.max_new_tokens} = {total}: shorten the "
+                "prompt or lower max_tokens")
+        if len(self.waiting) >= self.opts.max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({self.opts.max_waiting} requests); retry later")
+        if key is not None and key in self.by_key:
+            raise ConfigError(f"Idempotency-Key {key!r} already names request {self.by_key[key]}")
+        rid = request_id or f"req-{uuid.uuid4().hex[:20]}"
+        if rid in self.running or rid in self.finished or any(r.id == rid for r in self.waiting):
+            raise ConfigError(f"request id {rid!r} is in use")
+        r = Request(rid, [int(t) for t in prompt], len(prompt), params, key, digest, dict(info or {}),
+                    seq=next(self._seq))
+        self.waiting.append(r)
+        if key is not None:
+            self.by_key[key] = rid
+        return r
+
+    def get(self, request_id: str) -> Request | None:
+        return self.running.get(request_id) or self.finished.get(request_id) or next(
+            (r for r in self.waiting if r.id == request_id), None)
+
+    def get_by_key(self, key: str) -> Request | None:
+        rid = self.by_key.get(key)
+        return None if rid is None else self.get(rid)
+
+    def collect(self, request_id: str) -> None:
+        """The caller delivered this finished output; it may now be evicted first (logged at the next step)."""
+        r = self.finished.get(request_id)
+        if r is not None:
+            r.collected = True
+
+    def abort(self, request_id: str) -> None:
+        r = self.running.get(request_id)
+        if r is not None:
+            self._retire(r, "abort")
+            return
+        for w in list(self.waiting):
+            if w.id == request_id:
+                self.waiting.remove(w)
+                self._forget_key(w)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step ----------------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        admitted: list[Request] = []
+        while self.waiting and len(self.running) + len(admitted) < self.opts.max_running:
+            r = self.waiting[0]
+            need = blocks_for(r.n_prompt + r.params.max_new_tokens, self.geo.block_size)
+            if need > self.geo.num_blocks:
+                raise AssertionError(f"request {r.id} needs {need} blocks of {self.geo.num_blocks}: submit checks")
+            if not self.blocks.can_allocate(need):
+                break  # FIFO: the head waits for blocks, nobody overtakes it
+            self.waiting.popleft()
+            admitted.append(r)
+        for r in sorted(admitted, key=lambda q: (q.digest, q.id)):
+            need = blocks_for(r.n_prompt + r.params.max_new_tokens, self.geo.block_size)
+            self.blocks.allocate(r.id, need)
+            self._bind_slots(r)
+            r.status, r.admitted, r.row = "running", self.step_no, self.rng.take()
+            self._write_tokens(r, 0, r.n_prompt)
+            if not r.params.greedy:
+                r.gen = new_generator(self.device, r.params.seed)
+                self.rng.save(r.row, r.gen)
+            self.running[r.id] = r
+
+    def _bind_slots(self, r: Request) -> None:
+        table = self.blocks.tables[r.id]
+        r.table = torch.as_tensor(table, dtype=torch.long)
+        r.slots = self.blocks.slots(r.id, 0, len(table) * self.geo.block_size)
+
+    def _write_tokens(self, r: Request, lo: int, hi: int) -> None:
+        s = r.slots[lo:hi]
+        self.tokens[s] = r.ids[lo:hi]
+        for b in {x // TOKEN_BLOCK for x in s}:
+            self.tokens_dirty[b] = 1
+
+    def order(self) -> list[Request]:
+        return sorted(self.running.values(), key=lambda r: (r.admitted, r.digest, r.id))
+
+    def _plan_feeds(self, reqs: list[Request]) -> list[tuple[Request, int, int]]:
+        budget = self.opts.max_batch_tokens - sum(1 for r in reqs if len(r.ids) - r.n_computed == 1)
+        feeds = []
+        for r in reqs:
+            left = len(r.ids) - r.n_computed
+            n = 1 if left == 1 else min(left, max(budget, 0))
+            if left > 1:
+                budget -= n
+            if n > 0:
+                feeds.append((r, r.n_computed, r.n_computed + n))
+        return feeds
+
+    def step(self) -> StepOutput:
+        """Admit, run one forward over the batch, sample, retire, commit one epoch; returns what it produced."""
+        self._admit()
+        out = StepOutput(self.step_no + 1, None, {}, [])
+        feeds = self._plan_feeds(self.order())
+        if feeds:
+            t0 = time.perf_counter()
+            toks = self._forward_and_sample(feeds)
+            out.forward_s = time.perf_counter() - t0
+            out.batch_tokens = sum(e - s for _, s, e in feeds)
+            for (r, _, end), tok in zip(feeds, toks, strict=True):
+                r.n_computed = end
+                if tok is None:
+                    continue
+                r.ids.append(tok)
+                self._write_tokens(r, len(r.ids) - 1, len(r.ids))
+                if r.gen is not None:
+                    self.rng.save(r.row, r.gen)
+                out.new_tokens[r.id] = [tok]
+                reason = self._finish_reason(r, tok)
+                if reason is not None:
+                    self._retire(r, reason)
+                    out.finished.append(r.id)
+        self.step_no += 1
+        self._evict_finished()
+        t1 = time.perf_counter()
+        out.epoch = self.checkpoint()
+        out.checkpoint_s = time.perf_counter() - t1
+        if self.runtime is not None and self.runtime.last_stats is not None:
+            out.epoch_bytes = int(self.runtime.last_stats.total_bytes)
+        return out
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, feeds: list[tuple[Request, int, int]]) -> list[int | None]:
+        dev = self.device
+        ids = [t for r, s, e in feeds for t in r.ids[s:e]]
+        batch, positions, last = build_batch(
+            self.pool, [r.table for r, _, _ in feeds], [s for _, s, _ in feeds],  # type: ignore[misc]
+            [e for _, _, e in feeds], dev)
+        h = self.decoder(input_ids=torch.as_tensor([ids], device=dev), position_ids=positions.unsqueeze(0),
+                         use_cache=False, concordia_batch=batch).last_hidden_state
+        self.pool.dirty.index_fill_(0, batch.write_slots, 1)
+        sampling = [i for i, (r, _, e) in enumerate(feeds) if e == len(r.ids)]
+        result: list[int | None] = [None] * len(feeds)
+        if not sampling:
+            return result
+        rows = last[torch.as_tensor(sampling, device=dev)]
+        logits = self.lm_head(h[0, rows]).float()
+        toks = sample(logits, [feeds[i][0].params for i in sampling], [feeds[i][0].gen for i in sampling])
+        for i, t in zip(sampling, toks, strict=True):
+            result[i] = t
+        return result
+
+    def _finish_reason(self, r: Request, tok: int) -> str | None:
+        if not r.params.ignore_eos and tok in r.params.eos_token_ids:
+            return "stop"
+        if len(r.ids) - r.n_prompt >= r.params.max_new_tokens or len(r.ids) >= self.opts.max_model_len:
+            return "length"
+        return None
+
+    def _retire(self, r: Request, reason: str) -> None:
+        del self.running[r.id]
+        self.blocks.free(r.id)
+        self.rng.give_back(r.row)
+        r.status, r.finish_reason, r.row, r.slots, r.gen, r.table = "finished", reason, -1, [], None, None
+        self.finished[r.id] = r
+
+    def _forget_key(self, r: Request) -> None:
+        if r.key is not None and self.by_key.get(r.key) == r.id:
+            del self.by_key[r.key]
+
+    def _evict_finished(self) -> None:
+        extra = len(self.finished) - self.opts.keep_finished
+        if extra <= 0:
+            return
+        order = [r for r in self.finished.values() if r.collected] + [
+            r for r in self.finished.values() if not r.collected]
+        for r in order[:extra]:
+            del self.finished[r.id]
+            self._forget_key(r)
+
+    # -- epochs ------------------------------------------------------------------------------------------
+    def checkpoint(self) -> int | None:
+        if self.runtime is None:
+            return None
+        return int(self.runtime.checkpoint(meta={META_KEY: self._meta()}))
+
+    def _meta(self) -> dict[str, Any]:
+        def common(r: Request) -> dict[str, Any]:
+            return {"id": r.id, "key": r.key, "digest": r.digest, "n_prompt": r.n_prompt, "seq": r.seq,
+                    "params": r.params_dict(), "info": r.info}
+
+        return {
+            "version": META_VERSION, "step": self.step_no, "next_seq": self._peek_seq(),
+            "geometry": self.geo.describe(), "fingerprint": self.fingerprint,
+            "options": {k: getattr(self.opts, k) for k in ("max_running", "max_waiting", "max_model_len",
+                                                           "max_batch_tokens", "keep_finished")},
+            "running": [{**common(r), "n_tokens": len(r.ids), "n_computed": r.n_computed, "row": r.row,
+                         "admitted": r.admitted, "table": self.blocks.tables[r.id]} for r in self.running.values()],
+            "waiting": [{**common(r), "prompt": r.ids} for r in self.waiting],
+            "finished": [{**common(r), "generated": r.generated, "reason": r.finish_reason,
+                          "collected": r.collected} for r in self.finished.values()],
+            "time": time.time(),
+        }
+
+    def _peek_seq(self) -> int:
+        n = next(self._seq)
+        self._seq = itertools.count(n)
+        return n
+
+    # -- recovery ----------------------------------------------------------------------------------------
+    @classmethod
+    def recover(cls, log_dir: str | Path, model: Any, options: EngineOptions | dict[str, Any] | None = None
+                ) -> Engine:
+        """A new engine from the last committed step of ``log_dir``: every request continues where it was.
+        The log's checksums are verified (replay at open) before any restored byte is used."""
+        from ..runtime import open_to_recover
+
+        opts = EngineOptions.coerce(options)
+        rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend)
+        try:
+            if m.get("version") != META_VERSION:
+                raise RecoveryError(f"serve metadata version {m.get('version')}; this code reads {META_VERSION}")
+            fp = model_fingerprint(model)
+            if fp != m["fingerprint"]:
+                raise RecoveryError(f"the model is not the one that wrote {log_dir} (fingerprint {fp} != "
+                                    f"{m['fingerprint']}); start the server with the same --model")
+            geo = PoolGeometry(**m["geometry"])
+            want = plan_pool(model.config, num_blocks=geo.num_blocks, block_size=geo.block_size,
+                             dtype=getattr(torch, geo.dtype))
+            if want != geo:
+                raise RecoveryError(f"the model's KV rows are {want}; the log's are {geo}: same model needed")
+            logged = dict(m["options"])
+            opts = EngineOptions(**{**opts.__dict__, **logged, "num_blocks": geo.num_blocks,
+                                    "block_size": geo.block_size, "kv_dtype": geo.dtype})
+            eng = cls(model, log_dir, opts, _recovering=m, _runtime=rt)
+            eng._load(m)
+        except BaseException:
+            rt.close()
+            raise
+        return eng
+
+    def _load(self, m: dict[str, Any]) -> None:
+        assert self.runtime is not None
+        rec = self.runtime.recover_into(keep_images=False)
+        self.recovered_epoch, self.recovered = rec.epoch, rec
+        self.step_no, self._seq = int(m["step"]), itertools.count(int(m["next_seq"]))
+        self.blocks = BlockPool.restore(self.geo.num_blocks, self.geo.block_size,
+                                        {d["id"]: list(d["table"]) for d in m["running"]})
+        self.rng.free = [i for i in range(self.opts.max_running) if i not in {d["row"] for d in m["running"]}]
+        for d in m["running"]:
+            r = self._request(d, [])
+            self._bind_slots(r)
+            r.ids = [int(t) for t in self.tokens[r.slots[: int(d["n_tokens"])]]]
+            r.status, r.n_computed, r.row, r.admitted = "running", int(d["n_computed"]), int(d["row"]), int(d["admitted"])
+            if not r.params.greedy:
+                r.gen = self.rng.load(r.row)
+            self.running[r.id] = r
+        for d in m["waiting"]:
+            self.waiting.append(self._request(d, list(d["prompt"])))
+        for d in m["finished"]:
+            r = self._request(d, [])
+            r.ids = [0] * r.n_prompt + [int(t) for t in d["generated"]]  # the prompt of a finished one is not kept
+            r.status, r.finish_reason, r.collected = "finished", d["reason"], bool(d["collected"])
+            self.finished[r.id] = r
+        self.pool.dirty.zero_()
+        self.tokens_dirty[:] = 0
+        self.rng.dirty[:] = 0
+
+    def _request(self, d: dict[str, Any], ids: list[int]) -> Request:
+        r = Request(str(d["id"]), ids, int(d["n_prompt"]), SamplingParams.from_dict(d["params"]), d.get("key"),
+                    str(d.get("digest", "")), dict(d.get("info") or {}), seq=int(d["seq"]))
+        if r.key is not None:
+            self.by_key[r.key] = r.id
+        return r
+
+    def close(self) -> None:
+        if self.runtime is not None:
+            self.runtime.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
