@@ -37,7 +37,7 @@ from . import protocol as P
 from .epochs import CommitLog
 from .health import Beat, FailureKind, Timeouts, Verdict, classify_report, classify_silence, plan_timeouts
 from .options import DistOptions
-from .workloads import total_steps
+from .workloads import FINAL_UNKNOWN, REPLICATED, total_steps
 
 WORKER = "concordia_ft.distributed.worker"
 
@@ -71,6 +71,10 @@ class Coordinator:
         self.events = open(job_dir / "events.jsonl", "a", buffering=1)
         self.commits = CommitLog(job_dir / "coord", fsync=opts.fsync)
         self.final_cut = total_steps(opts.workload, opts.steps, dict(opts.workload_args))
+        if self.commits.final:  # a replicated job's last cut is known once it is committed
+            self.final_cut = self.commits.cut
+        # survivors of a replicated job serve on through a repair (plan extra "partial", DESIGN.md §5b)
+        self.partial = opts.workload in REPLICATED and opts.partial_service and opts.on_failure == "repair"
         self.sel = selectors.DefaultSelector()
         self.children: dict[str, Child] = {}
         self.hot: list[str] = []
@@ -279,7 +283,12 @@ class Coordinator:
         keys = [P.prep_key(self.gen, nxt, r) for r in range(self.opts.world)]
         if not self.store.check(keys):
             return
-        ms = self.commits.commit(nxt, self.gen)
+        final = nxt == self.final_cut
+        if self.final_cut == FINAL_UNKNOWN:  # replicated: the first cut where no rank has work left is the last
+            final = all(self.store.get(k).split(b",")[1] == b"0" for k in keys)
+        ms = self.commits.commit(nxt, self.gen, final=final)
+        if final:
+            self.final_cut = nxt
         self.store.set(P.commit_key(nxt), "1")
         self.repairs_since_commit = 0
         if not self.gen_committed:
@@ -379,8 +388,10 @@ class Coordinator:
             wid, kind = self._take_standby()
             self.members[r] = wid
             kinds[r] = (wid, kind)
-        plan = P.Plan(self.gen, self.commits.cut, tuple(self.members), v.kind.value,
-                      {"failed": ranks, "detail": v.detail})
+        extra: dict[str, Any] = {"failed": ranks, "detail": v.detail}
+        if self.partial:
+            extra["partial"] = True  # survivors keep their state and serve on; the group reforms at cut + 1
+        plan = P.Plan(self.gen, self.commits.cut, tuple(self.members), v.kind.value, extra)
         self.publish(plan)
         t_plan = time.monotonic_ns()
         for wid, kind in kinds.values():
@@ -398,7 +409,8 @@ class Coordinator:
         rec = {"gen": self.gen, "cut": plan.cut, "kind": v.kind.value, "action": v.action.value,
                "ranks": ranks, "standby": {str(r): k for r, (_, k) in kinds.items()},
                "replacement": {str(r): w for r, (w, _) in kinds.items()}, "t_detect_ns": t_detect,
-               "t_plan_ns": t_plan, "members": list(self.members), "mode": "repair"}
+               "t_plan_ns": t_plan, "members": list(self.members), "mode": "repair",
+               "partial": self.partial}
         self.repairs.append(rec)
         self.event("plan", **rec)
 

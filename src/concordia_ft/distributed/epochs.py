@@ -117,21 +117,24 @@ class CommitLog:
         self.cut = -1
         self.gen = -1
         self.history: list[int] = []
+        self.final = False  # the committed cut is the job's last (a replicated job learns it at the commit)
         if self.rt.epoch is not None:
             self.rt.recover_into()
             self.cut, self.gen = int(self.record[0]), int(self.record[1])
             meta = self.rt.opened_meta or {}
             self.history = list(meta.get("history", []))[-64:]
+            self.final = bool(meta.get("final", False))
 
-    def commit(self, cut: int, gen: int) -> float:
-        """Make ``cut`` committed (durable per the fsync policy when this returns); returns the ms it took."""
+    def commit(self, cut: int, gen: int, *, final: bool = False) -> float:
+        """Make ``cut`` committed (durable per the fsync policy when this returns); returns the ms it took.
+        ``final``: it is the job's last cut (recorded, so a restarted coordinator knows the job is done)."""
         if cut != self.cut + 1:
             raise AssertionError(f"commit of cut {cut} after cut {self.cut}: cuts commit one after another")
         t0 = time.perf_counter()
         self.record[:] = (cut, gen)
         self.history = [*self.history[-63:], cut]
-        self.rt.checkpoint({"cut": cut, "gen": gen, "history": self.history})
-        self.cut, self.gen = cut, gen
+        self.rt.checkpoint({"cut": cut, "gen": gen, "history": self.history, "final": final})
+        self.cut, self.gen, self.final = cut, gen, final
         return (time.perf_counter() - t0) * 1e3
 
     def close(self) -> None:

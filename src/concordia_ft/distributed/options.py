@@ -46,7 +46,7 @@ class StandbyOptions:
 class DistOptions:
     """One distributed job: its workload, its world, its detection and recovery knobs."""
 
-    workload: str = "dp_lora"  # dp_lora | tp_decode (workloads.py)
+    workload: str = "dp_lora"  # dp_lora | tp_decode | replica_serve (workloads.py)
     world: int = 4
     steps: int = 40  # training steps / tokens to decode
     seed: int = 1234
@@ -69,6 +69,10 @@ class DistOptions:
     max_rebuilds: int = 8  # repairs of one step before the job gives up (a failure that repeats)
     job_timeout_s: float = 600.0
     workload_args: dict[str, Any] = field(default_factory=dict)
+    # replicated workloads (replica_serve): survivors keep serving their own requests while a dead rank's
+    # replacement is restored, and join the new group at their next boundary without rewinding (DESIGN.md
+    # §5b); False: they rewind to the committed cut and wait, as data-parallel ranks must (the baseline)
+    partial_service: bool = True
     # fault injection (tests, benchmarks): faults a rank injects into itself (group.FaultInjector), kills the
     # coordinator sends at chosen cuts (``kills``: {"after_cut", "rank"}) or at random times (``chaos``:
     # {"kills", "seed", "min_delay_ms", "max_delay_ms"})

@@ -10,6 +10,8 @@ sent rank to rank outside torch.distributed's own groups. The layout (DESIGN.md 
 - ``assign/<wid>``: a hot standby's assignment (the plan it joins); ``standby/<wid>``: a hot standby is ready.
 - ``timing/<gen>/<wid>``: one process's phase timings for that generation; ``done/<rank>``: its result.
 - ``fired/<i>``: an injected fault already fired (faults fire once per job, also across replacements).
+  A replicated workload's record also says how much work the rank had left at that cut (``ms,left``): the
+  first committed cut with nothing left on any rank is the job's final cut.
 """
 
 from __future__ import annotations

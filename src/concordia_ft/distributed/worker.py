@@ -9,7 +9,9 @@
 
 A member restores the rank's state at the plan's cut from the rank's own log (``ranks/<rank>``), builds the
 generation's group, replays from the cut, and on ``Interrupted`` aborts the group, waits for the next plan,
-rewinds to its cut and goes again: in the same process, the model kept (DESIGN.md §5).
+rewinds to its cut and goes again: in the same process, the model kept (DESIGN.md §5). A member of a
+replicated workload (``replica_serve``) under a ``partial`` plan does not rewind: it serves its own requests
+while it waits for the plan and while the new group forms, and joins it at the next cut (DESIGN.md §5b).
 Exit codes: 0 done, 3 the coordinator is gone, 4 no longer a member (replaced), 1 an error (reported).
 """
 
@@ -59,6 +61,8 @@ class Member:
         self.group: FaultTolerantGroup | None = None
         self.resumed_cut = -1
         self.timing: dict[str, Any] = {}
+        self._stamps_out: Any = None  # replicated workloads: the token stamps file
+        self._stamps_sent = 0
 
     # ----------------------------------------------------------------------------------------- life
     def run(self, plan: P.Plan) -> int:
@@ -87,13 +91,14 @@ class Member:
                     return EXIT_COORDINATOR
                 if e.reason == "collective":
                     self._report("collective", e.message, plan.gen)
-                nxt = self._next_plan(plan.gen)
+                nxt = self._next_plan(plan.gen, serve=self._replicated and self.opts.partial_service)
                 if nxt is None:
                     return EXIT_COORDINATOR
                 if nxt.rank_of(self.wid) != self.rank:
                     return EXIT_REPLACED
                 assert self.epochs is not None
-                self.epochs.rewind(nxt.cut, self.wl.initial_state())
+                if not self._partial(nxt):  # a partial plan keeps a survivor's state: nothing it did is undone
+                    self.epochs.rewind(nxt.cut, self.wl.initial_state())
                 self.timing = {"wid": self.wid, "rank": self.rank, "role": "survivor", "interrupted_ns": t_int,
                                "interrupt": e.reason, "abort_start_ns": t_int, "abort_end_ns": t_ab,
                                "abort_ms": abort_ms, "plan_seen_ns": time.monotonic_ns(), "resumed_cut": nxt.cut,
@@ -101,17 +106,29 @@ class Member:
                 plan = nxt
                 self.faults.gen = plan.gen
 
+    @property
+    def _replicated(self) -> bool:
+        return bool(getattr(self.wl, "replicated", False))
+
+    def _partial(self, plan: P.Plan) -> bool:
+        return self._replicated and bool(plan.extra.get("partial"))
+
     def _generation(self, plan: P.Plan) -> int:
         self.group = None
         self.resumed_cut = plan.cut
         self.timing["rebuild_start_ns"] = time.monotonic_ns()
-        pg = self._build(plan)
+        partial = self._partial(plan)
+        pg = self._build(plan, serve=partial)
+        # a partial generation reforms at cut + 1: the committed cut's state is not every member's any more
         self.group = FaultTolerantGroup(pg, store=self.store, backend=self.opts.backend, gen=plan.gen,
                                         rank=self.rank, world=plan.world, watch=self.watch, on_cut=self._cut,
-                                        every=self.wl.collectives_per_step, start_cut=plan.cut,
+                                        every=self.wl.collectives_per_step,
+                                        start_cut=plan.cut + 1 if partial else plan.cut,
                                         wait_poll_ms=self.opts.wait_poll_ms, faults=self.faults,
                                         device=self.opts.device)
         self.timing["group_ready_ns"] = time.monotonic_ns()
+        if self._replicated:
+            return self._serve(plan)
         start = max(plan.cut, 0)
         for step in range(start, self.wl.steps):
             self.watch.set_step(step, True)
@@ -127,6 +144,52 @@ class Member:
         self.group.wait_key(P.commit_key(final), f"the commit of the final cut {final}")
         return EXIT_DONE
 
+    def _serve(self, plan: P.Plan) -> int:
+        """A replicated workload's rounds: the progress exchange (the boundary: prepare, then the allreduce
+        of every rank's remaining work), then this rank's own decode. The first boundary where no rank has
+        work left is the job's final cut (the prepare records say so: the coordinator knows it at the commit)."""
+        g, first, cut = self.group, True, -1
+        assert g is not None
+        wl: Any = self.wl
+        while True:
+            cut = g.seq // g.every
+            self.watch.set_step(cut, True)
+            if self.faults.hit("step", cut) == "cuda":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
+            if wl.exchange(g) == 0:
+                break
+            wl.serve_round()
+            self._flush_stamps()
+            self.watch.set_step(cut, False)
+            if first:
+                self._publish_timing(plan.gen)
+                first = False
+        self.watch.set_step(cut, False)
+        if first:
+            self._publish_timing(plan.gen)
+        self.store.set(P.done_key(self.rank), json.dumps(wl.result()))
+        g.wait_key(P.commit_key(cut), f"the commit of the final cut {cut}")
+        return EXIT_DONE
+
+    def _serve_alone(self) -> None:
+        """One round of this rank's own requests with no collective (a repair is under way)."""
+        self.watch.set_step(-1, True)
+        self.wl.serve_round()  # type: ignore[attr-defined]
+        self._flush_stamps()
+        self.watch.set_step(-1, False)
+
+    def _flush_stamps(self) -> None:
+        """Append this round's token stamps to ``stamps/<wid>.jsonl`` (one line per round, no fsync: it is a
+        measurement, not state), so a process killed later still leaves what it served (tests, benchmarks)."""
+        stamps: list[tuple[int, int, int]] = self.wl.stamps  # type: ignore[attr-defined]
+        if self._stamps_out is None:
+            (self.job_dir / "stamps").mkdir(exist_ok=True)
+            self._stamps_out = open(self.job_dir / "stamps" / f"{self.wid}.jsonl", "a", buffering=1)
+            self._stamps_out.write(json.dumps({"wid": self.wid, "rank": self.rank, "role": self.role}) + "\n")
+        if len(stamps) > self._stamps_sent:
+            self._stamps_out.write(json.dumps(stamps[self._stamps_sent:]) + "\n")
+            self._stamps_sent = len(stamps)
+
     def _publish_timing(self, gen: int) -> None:
         self.timing["first_step_end_ns"] = time.monotonic_ns()
         self.timing["gen"] = gen
@@ -141,12 +204,16 @@ class Member:
         self.faults.hit("prepared", cut)
         if cut == self.wl.steps:
             self.store.set(P.done_key(self.rank), json.dumps(self.wl.result()))
-        self.store.set(P.prep_key(self.group.gen, cut, self.rank), str(self.epochs.last_prepare_ms))
+        record = f"{self.epochs.last_prepare_ms:.3f}"
+        if self._replicated:
+            record += f",{self.wl.remaining()}"  # type: ignore[attr-defined]
+        self.store.set(P.prep_key(self.group.gen, cut, self.rank), record)
         self.faults.hit("uncommitted", cut)
 
-    def _build(self, plan: P.Plan) -> Any:
+    def _build(self, plan: P.Plan, *, serve: bool = False) -> Any:
         """The generation's group, built on a thread so that this one can leave if the generation moves
-        (a member that died before joining would hold the rendezvous until the group's timeout)."""
+        (a member that died before joining would hold the rendezvous until the group's timeout). ``serve``
+        (a partial plan): this thread serves the rank's own requests until the rendezvous completes."""
         out: dict[str, Any] = {}
 
         def make() -> None:
@@ -160,7 +227,10 @@ class Member:
         th = threading.Thread(target=make, name="concordia-build", daemon=True)
         th.start()
         while th.is_alive():
-            th.join(self.opts.wait_poll_ms / 1e3)
+            if serve and self.wl.remaining() > 0:  # type: ignore[attr-defined]
+                self._serve_alone()
+            else:
+                th.join(self.opts.wait_poll_ms / 1e3)
             if self.watch.lost is not None:
                 raise Interrupted("coordinator", self.watch.lost)
             if self.watch.gen > plan.gen:
@@ -170,12 +240,17 @@ class Member:
                               f"{str(out['error']).splitlines()[0][:300]}")
         return out["pg"]
 
-    def _next_plan(self, gen: int) -> P.Plan | None:
-        """Wait for a generation after ``gen`` (a store wait: wakes when the coordinator writes it)."""
+    def _next_plan(self, gen: int, *, serve: bool = False) -> P.Plan | None:
+        """Wait for a generation after ``gen`` (a store wait: wakes when the coordinator writes it).
+        ``serve`` (a replicated workload): serve the rank's own requests between looks at the store."""
         deadline = time.monotonic() + self.opts.job_timeout_s
         while time.monotonic() < deadline:
             if self.watch.lost is not None:
                 return None
+            if serve and self.wl.remaining() > 0:  # type: ignore[attr-defined]
+                if not self.store.check([P.plan_key(gen + 1)]):
+                    self._serve_alone()
+                    continue
             try:
                 self.store.wait([P.plan_key(gen + 1)], timedelta(milliseconds=200))
             except (dist.DistStoreError, RuntimeError):

@@ -7,6 +7,12 @@
 - ``tp_decode``: tensor-parallel greedy decode over ``world`` ranks. A small decoder (embedding, ``layers``
   blocks of replicated causal attention + an MLP split by columns of W1 / rows of W2, one allreduce per block,
   replicated LM head). State: the KV cache (positions are idempotent writes), the token ids.
+- ``replica_serve``: replicated serving (``replicated = True``). Every rank holds the whole ``tp_decode`` model
+  (split over one rank) and serves its own stream of ``requests`` greedy-decode requests (prompts from (seed,
+  rank, request)), ``round_tokens`` positions per round; a round opens with ONE allreduce of every rank's
+  remaining work (the progress exchange: the boundary). The ranks' states are independent, so survivors keep
+  serving while a replacement joins (DESIGN.md §5b). ``decode_ms`` paces a decode step (a stand-in for the
+  step time of a larger model; 0: as fast as the CPU goes); the pacing is outside the state.
 
 A step's local work before its first collective must be a function of the state (or an idempotent write into
 it): a cut is taken at that collective and a recovered rank replays the step from the top (DESIGN.md §3).
@@ -16,6 +22,7 @@ Threads: one per process (``torch.set_num_threads(1)`` in the worker), so a repl
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Any, Protocol
 
 import torch
@@ -177,8 +184,11 @@ class TpDecode:
         return self._init
 
     def step(self, step: int, group: Group) -> None:
-        kv, tokens = self._state["kv"], self._state["tokens"]
-        pos = step
+        self.decode(self._state["kv"], self._state["tokens"], step, group)
+
+    def decode(self, kv: torch.Tensor, tokens: torch.Tensor, pos: int, group: Group) -> None:
+        """Feed the token at ``pos`` of one sequence (its KV cache ``kv``, its ids ``tokens``), writing the KV
+        row of ``pos`` and, past the prompt, the greedy token at ``pos + 1`` (idempotent writes)."""
         h = self.emb[int(tokens[pos])].reshape(1, -1)
         hd = self.dim // self.heads
         for li, (qkv, wo, w1, w2) in enumerate(self.blocks):
@@ -201,6 +211,94 @@ class TpDecode:
         return {"tokens": [int(t) for t in self._state["tokens"]], "digest": state_digest(self._state)}
 
 
+class _OneRank:
+    """The group of a model split over one rank: its allreduce is the identity."""
+
+    def allreduce(self, t: torch.Tensor) -> None:
+        return None
+
+
+class ReplicaServe:
+    """Replicated serving (see the module docstring). ``steps`` = new tokens per request."""
+
+    replicated = True
+
+    def __init__(self, *, seed: int, world: int, steps: int, device: str = "cpu", requests: int = 3,
+                 round_tokens: int = 4, decode_ms: float = 0.0, prompt_len: int = 6, **model: Any) -> None:
+        if requests < 1 or round_tokens < 1 or decode_ms < 0:
+            raise ConfigError(f"replica_serve: requests={requests} and round_tokens={round_tokens} must be >= 1, "
+                              f"decode_ms={decode_ms} >= 0")
+        self.model = TpDecode(seed=seed, world=1, steps=steps, device=device, prompt_len=prompt_len, **model)
+        self.model.bind(0)
+        self.rank, self.world, self.seed = -1, world, seed
+        self.requests, self.round_tokens, self.decode_s = requests, round_tokens, decode_ms / 1e3
+        self.collectives_per_step = 1
+        self.steps = -1  # the number of rounds is not fixed: the ranks agree on the final cut (progress sum 0)
+        self.prompt_len, self.new_tokens = prompt_len, steps
+        self.per_request = prompt_len - 1 + steps  # positions fed per request
+        self.total = requests * self.per_request
+        length = prompt_len + steps
+        layers, dim = self.model.layers, self.model.dim
+        self._init = {"kv": torch.zeros(requests, layers, 2, length, dim),
+                      "tokens": torch.full((requests, length), -1, dtype=torch.int64),
+                      "fed": torch.zeros(1, dtype=torch.int64)}  # positions fed so far, over the whole stream
+        self._state = {k: v.clone() for k, v in self._init.items()}
+        self.stamps: list[tuple[int, int, int]] = []  # (monotonic ns, request, position) of each new token
+        self._next_ns = 0
+
+    def bind(self, rank: int) -> None:
+        """Take rank ``rank``'s request stream (its prompts), in place (the log registers these tensors)."""
+        self.rank = rank
+        vocab = self.model.emb.shape[0]
+        for r in range(self.requests):
+            prompt = torch.randint(0, vocab, (self.prompt_len,), generator=_gen(self.seed, 9, rank, r))
+            for st in (self._init, self._state):
+                st["tokens"][r, :self.prompt_len] = prompt
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        return self._init
+
+    def remaining(self) -> int:
+        return self.total - int(self._state["fed"][0])
+
+    def exchange(self, group: Group) -> int:
+        """The round's collective (the boundary): every rank's remaining work, summed; returns the sum."""
+        buf = torch.zeros(self.world, dtype=torch.float64)
+        buf[self.rank] = self.remaining()
+        group.allreduce(buf)
+        return int(buf.sum())
+
+    def serve_round(self) -> int:
+        """Decode up to ``round_tokens`` positions of this rank's stream, locally; returns the tokens made."""
+        st, made = self._state, 0
+        for _ in range(self.round_tokens):
+            fed = int(st["fed"][0])
+            if fed >= self.total:
+                break
+            req, pos = divmod(fed, self.per_request)
+            if self.decode_s:
+                time.sleep(max(0.0, (self._next_ns - time.monotonic_ns()) / 1e9))
+                self._next_ns = time.monotonic_ns() + int(self.decode_s * 1e9)
+            self.model.decode(st["kv"][req], st["tokens"][req], pos, _OneRank())
+            st["fed"][0] = fed + 1
+            if pos + 1 >= self.prompt_len:
+                self.stamps.append((time.monotonic_ns(), req, pos + 1))
+                made += 1
+        return made
+
+    def step(self, step: int, group: Group) -> None:
+        """One lock-step round (for callers that drive a workload step by step)."""
+        self.exchange(group)
+        self.serve_round()
+
+    def result(self) -> dict[str, Any]:
+        return {"tokens": [[int(t) for t in row] for row in self._state["tokens"]],
+                "digest": state_digest(self._state)}
+
+
 def _rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-6)
 
@@ -209,10 +307,14 @@ def total_steps(name: str, steps: int, args: dict[str, Any]) -> int:
     """Steps of the job (= its final cut) without building the model (the coordinator's view)."""
     if name == "tp_decode":
         return int(args.get("prompt_len", 8)) - 1 + steps
+    if name in REPLICATED:
+        return FINAL_UNKNOWN
     return steps
 
 
-WORKLOADS = {"dp_lora": DpLora, "tp_decode": TpDecode}
+FINAL_UNKNOWN = 1 << 62  # a replicated job's final cut: announced by the ranks when no work is left
+WORKLOADS = {"dp_lora": DpLora, "tp_decode": TpDecode, "replica_serve": ReplicaServe}
+REPLICATED = frozenset({"replica_serve"})  # ranks with independent states: survivors serve during a repair
 
 
 def make_workload(name: str, *, seed: int, world: int, steps: int, device: str,
