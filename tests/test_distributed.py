@@ -56,7 +56,7 @@ def test_timeouts_come_from_measured_steps() -> None:
 
 
 def test_silence_is_a_hang_after_its_timeout() -> None:
-    opts = DistOptions()
+    opts = DistOptions(heartbeat_ms=50, heartbeat_misses=20)
     t = plan_timeouts([10.0], opts)
     beat = Beat(at_ns=0, step=3, in_step=False, step_started_ns=0)
     assert classify_silence(2, beat, 0, int(999e6), t) is None

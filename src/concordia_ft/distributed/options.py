@@ -56,7 +56,7 @@ class DistOptions:
     on_failure: str = "repair"  # repair: replace the rank in place; restart: kill all, start all (baseline)
     standby: StandbyOptions = field(default_factory=StandbyOptions)
     heartbeat_ms: int = 50  # each process's heartbeat period (a thread with its own store connection)
-    heartbeat_misses: int = 20  # heartbeats missed before a live pid is declared hung (unresponsive)
+    heartbeat_misses: int = 40  # heartbeats missed before a live pid is declared hung (unresponsive)
     poll_ms: float = 2.0  # the coordinator's store poll period (process death is event-driven: pidfd)
     wait_poll_ms: float = 5.0  # a rank's wait slice: how often a blocked wait looks at the generation
     hang_factor: float = 50.0  # progress timeout = hang_factor x the slowest recent step (DESIGN.md §4)
