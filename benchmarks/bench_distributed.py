@@ -114,16 +114,10 @@ def main() -> int:
     base = {"workload": "dp_lora", "world": a.world, "steps": steps, "backend": a.backend, "device": device,
             "fsync": "always"}
     root = Path(tempfile.mkdtemp(prefix="cft-bench-dist-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
-    if a.suite == "partial":
-        try:
-            print(f"wrote {run_partial(a, root)}")
-        finally:
-            if a.keep:
-                print(f"kept {root}")
-            else:
-                shutil.rmtree(root, ignore_errors=True)
-        return 0
     try:
+        if a.suite == "partial":
+            print(f"wrote {run_partial(a, root)}")
+            return 0
         ref = run_job(root / "reference", {**base, "standby": {"hot": 0}}, timeout_s=600)
         expect = ref.same_on_every_rank()
         rows: list[dict[str, Any]] = []

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_llm  # noqa: E402
 
-from concordia_ft.benchreport import percentile, print_table, write_results  # noqa: E402
+from concordia_ft.benchreport import percentile, print_table, save_figure, write_results  # noqa: E402
 
 MODES = ("graph_plain", "graph_durable", "graph_pipelined", "eager")
 SKIP = 4  # first tokens of a run not counted (the eager prefill token, capture, the writer's start)
@@ -228,12 +228,7 @@ def plot(path: Path) -> Path:
     ax[1, 1].legend(fontsize=7)
     for a in ax.flat:
         a.tick_params(labelsize=7)
-    dev = doc.get("device", {})
-    fig.suptitle(f"graph_epochs on {dev.get('gpu', '?')} ({str(doc.get('date', ''))[:10]}, commit "
-                 f"{str(doc.get('git_commit', ''))[:10]})", fontsize=10)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
+    out = save_figure(fig, doc, path, "graph_epochs", fontsize=10)
     plt.close(fig)
     return out
 

@@ -12,6 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from concordia_ft.benchreport import save_figure  # noqa: E402
+
 
 def main() -> int:
     src = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/pause-h200.json")
@@ -41,11 +43,7 @@ def main() -> int:
     axes[1].set_yscale("log")
     axes[2].axhline(0, color="k", lw=0.5)
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"cooperative pause/resume, {doc['device'].get('gpu', '')}, {doc['date'][:10]}, "
-                 f"commit {doc['git_commit'][:9]}")
-    fig.tight_layout()
-    out = src.with_suffix(".png")
-    fig.savefig(out, dpi=110)
+    out = save_figure(fig, doc, src, "cooperative pause/resume", fontsize=12)
     print(out)
     return 0
 

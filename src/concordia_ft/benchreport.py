@@ -115,6 +115,20 @@ def write_results(name: str, rows: list[dict[str, Any]], *, baseline: list[dict[
     return path
 
 
+def save_figure(fig: Any, doc: dict[str, Any], path: str | os.PathLike[str], title: str | None = None,
+                fontsize: int = 9) -> Path:
+    """Stamp a results figure with what made it (benchmark, device, date, commit) and save it as the PNG beside
+    its results JSON; return the PNG's path. The caller closes the figure."""
+    dev = doc.get("device", {})
+    what = title or doc.get("benchmark", Path(path).stem)
+    fig.suptitle(f"{what} on {dev.get('gpu', dev.get('cpu', '?'))} ({str(doc.get('date', ''))[:10]}, commit "
+                 f"{str(doc.get('git_commit', ''))[:10]})", fontsize=fontsize)
+    fig.tight_layout()
+    out = Path(path).with_suffix(".png")
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def print_table(title: str, rows: list[dict[str, Any]], columns: Sequence[str] | None = None) -> None:
     """Print rows as a table (rich when present, plain text otherwise)."""
     if not rows:

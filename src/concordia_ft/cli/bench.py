@@ -119,11 +119,8 @@ def plot_results(path: Path) -> Path | None:
             ax.set_xscale("log")
         ax.set_title(f"{group}: {metric}", fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
-    dev = doc.get("device", {})
-    fig.suptitle(f"{doc.get('benchmark', path.stem)} on {dev.get('gpu', dev.get('cpu', '?'))} "
-                 f"({str(doc.get('date', ''))[:10]}, commit {str(doc.get('git_commit', ''))[:10]})", fontsize=9)
-    fig.tight_layout()
-    out = path.with_suffix(".png")
-    fig.savefig(out, dpi=110)
+    from ..benchreport import save_figure
+
+    out = save_figure(fig, doc, path)
     plt.close(fig)
     return out
