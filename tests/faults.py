@@ -206,3 +206,25 @@ class FaultyLog:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+class FullDiskForBases(FaultyOS):
+    """The log's OS boundary with a disk that is full for a new base: every pwritev into a ``*.cft.tmp``
+    (what the compactor writes) fails with ENOSPC while ``full``; the writer's own appends go through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full = False
+        self.refused = 0
+        self._bases: set[int] = set()
+
+    def open(self, path: Any, flags: int, mode: int = 0o644) -> int:
+        fd = super().open(path, flags, mode)
+        (self._bases.add if str(path).endswith(".cft.tmp") else self._bases.discard)(fd)
+        return fd
+
+    def pwritev(self, fd: int, buffers: Any, offset: int) -> int:
+        if self.full and fd in self._bases:
+            self.refused += 1
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().pwritev(fd, buffers, offset)

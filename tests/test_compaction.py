@@ -7,9 +7,7 @@ traced) on logs larger than the bound.
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 import time
 import tracemalloc
 from pathlib import Path
@@ -24,7 +22,7 @@ from concordia_ft.core.compaction import FAILURE_NAME, compact_offline
 from concordia_ft.core.manifest import load_manifest
 from concordia_ft.core.replay import replay
 from concordia_ft.errors import CompactionError
-from faults import FaultyOS
+from faults import FullDiskForBases
 
 PAGE = 4096
 
@@ -140,28 +138,6 @@ def test_compaction_check_and_inspect_stream_in_bounded_memory(shm_dir: Path,
     assert r.compacted and peak < bound, peak
     res = replay(d)
     assert res.epoch == 4 and res.regions["big"].data.tobytes() == a.tobytes()
-
-
-class FullDiskForBases(FaultyOS):
-    """The log's OS boundary with a disk that is full for a new base: every pwritev into a ``*.cft.tmp``
-    (what the compactor writes) fails with ENOSPC while ``full``; the writer's own appends go through."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.full = False
-        self.refused = 0
-        self._bases: set[int] = set()
-
-    def open(self, path: Any, flags: int, mode: int = 0o644) -> int:
-        fd = super().open(path, flags, mode)
-        (self._bases.add if str(path).endswith(".cft.tmp") else self._bases.discard)(fd)
-        return fd
-
-    def pwritev(self, fd: int, buffers: Any, offset: int) -> int:
-        if self.full and fd in self._bases:
-            self.refused += 1
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return super().pwritev(fd, buffers, offset)
 
 
 def test_a_background_compaction_failure_is_raised_by_the_next_checkpoint(shm_dir: Path,

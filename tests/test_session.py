@@ -9,14 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from concordia_ft.errors import ConfigError, RecoveryError  # noqa: E402
+import concordia_ft as cft  # noqa: E402
+from concordia_ft.errors import CompactionError, CompactionWarning, ConfigError, RecoveryError  # noqa: E402
 from concordia_ft.session import Session  # noqa: E402
+from faults import FullDiskForBases  # noqa: E402
 from llm_helpers import GEN_KW, prompt_ids, tiny_model  # noqa: E402
 
 HELPERS = Path(__file__).with_name("llm_helpers.py")
@@ -172,3 +175,37 @@ def test_async_epochs_log_what_sync_epochs_log(mode, tmp_path):
         out[epochs] = (toks, r.ids, bytes(r.cache.arena.numpy()), rng if mode == "sampled" else b"")
         r.close()
     assert out["sync"] == out["async"]
+
+
+def test_a_failed_compaction_warns_and_the_session_goes_on(tmp_path):
+    """ENOSPC for every new base (at the log's OS boundary): the Session's threshold compactions all fail; each
+    failure is a CompactionWarning and generation goes on token-exact, every epoch kept; a fresh process's
+    recovery sees all of them."""
+    model, ref = _reference("llama", None, "sampled", 20, tmp_path)
+    disk = FullDiskForBases()
+    disk.full = True
+    opts = {"log_io": disk, "compact_after_bytes": 1, "background_compaction": False}
+    with pytest.warns(CompactionWarning, match="No space left") as caught:
+        with Session(model, tmp_path / "log", max_cache_len=96, runtime_options=opts) as s:
+            got = s.generate(prompt_ids(12), max_new_tokens=20, eos_token_ids=(), **GEN_KW["sampled"])
+            epochs = s.runtime.epoch
+            assert s.runtime.compaction_error is not None
+    assert got == ref and disk.refused >= 5
+    assert len([w for w in caught if w.category is CompactionWarning]) >= 5  # one per failure, none lost
+    a = np.arange(8192, dtype=np.uint8)
+    with cft.Runtime(tmp_path / "plain", fsync="never", compact_after_bytes=1, background_compaction=False,
+                     log_io=disk) as rt:  # a plain Runtime keeps its contract: the next checkpoint raises, once
+        rt.register("a", a)
+        rt.checkpoint()
+        a[0] = 1
+        with pytest.raises(CompactionError, match="No space left"):
+            rt.checkpoint()
+        disk.full = False
+        assert rt.checkpoint() == rt.epoch and rt.epoch is not None
+    code = (f"import sys; sys.path.insert(0, {str(HELPERS.parent)!r}); from llm_helpers import tiny_model; "
+            "from concordia_ft.session import Session; "
+            f"s = Session.recover({str(tmp_path / 'log')!r}, tiny_model('llama')); print(s.runtime.epoch)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == epochs

@@ -98,6 +98,12 @@ class CompactionError(LogError):
                 "retry it)")
 
 
+class CompactionWarning(UserWarning):
+    """A compaction failed and the runtime was told to go on (``on_compaction_error="warn"``, the default of
+    Session, Engine and the LoRA trainer): the log is intact, appending goes on, the suffix keeps growing until
+    a compaction succeeds. ``Runtime.compaction_error`` holds the CompactionError with the cause."""
+
+
 class RingError(ConcordiaError):
     """The task ring cannot be used as asked (full, bad layout, consumer error, result overwritten)."""
 

@@ -118,7 +118,8 @@ def open_to_recover(log_dir: str | Path, key: str, what: str, *, fsync: str = "n
 
     if not Path(log_dir).is_dir():
         raise RecoveryError(f"no log at {log_dir}: the directory does not exist")
-    rt = Runtime(str(log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
+    # a component goes on through a failed compaction (a CompactionWarning), as its constructor does
+    rt = Runtime(str(log_dir), fsync=fsync, backend=backend, **{"on_compaction_error": "warn", **(runtime_options or {})})
     section = (rt.opened_meta or {}).get(key) if isinstance(rt.opened_meta, dict) else None
     if section is None:
         epoch = rt.epoch

@@ -25,6 +25,7 @@ import logging
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from .core.oscalls import OsCalls
 from .core.regions import DiffMode, RegionKind, RegionSpec, RegionTable, check_page_bytes
 from .core.replay import RegionImage, replay
 from .core.tracking import RegionDelta, StagedBatch, StagedDelta, Tracker
-from .errors import CheckpointError, CompactionError, ConfigError, RegionError
+from .errors import CheckpointError, CompactionError, CompactionWarning, ConfigError, RegionError
 from .recovery import (
     Recovered,
     RecoveryOptions,
@@ -74,7 +75,13 @@ class Runtime:
                  fsync_interval_ms: int = 100, page_bytes: int = 4096, segment_max_bytes: int = 1 << 30,
                  compact_after_bytes: int | None = 256 << 20, background_compaction: bool = True,
                  device_handlers: str = "auto", recovery: RecoveryOptions | Mapping[str, Any] | None = None,
-                 log_io: OsCalls | None = None, log_options: Mapping[str, Any] | None = None) -> None:
+                 log_io: OsCalls | None = None, log_options: Mapping[str, Any] | None = None,
+                 on_compaction_error: str = "raise") -> None:
+        if on_compaction_error not in ("raise", "warn"):
+            raise ConfigError(f"on_compaction_error={on_compaction_error!r}: use 'raise' (the next checkpoint "
+                              "raises CompactionError once, writing nothing) or 'warn' (a CompactionWarning, and "
+                              "the checkpoint goes on)")
+        self.on_compaction_error = on_compaction_error
         self.page_bytes = check_page_bytes(page_bytes)
         self.device_handlers = check_device_handlers(device_handlers)
         self.recovery = RecoveryOptions.coerce(recovery)
@@ -470,10 +477,15 @@ class Runtime:
         return err
 
     def _raise_compaction_failure(self) -> None:
-        """Raise a compaction failure that no call has reported yet (once; nothing was written)."""
+        """Report a compaction failure that no call has reported yet, once: raised (nothing was written) or, with
+        ``on_compaction_error="warn"``, a CompactionWarning and the caller goes on."""
         err, self._compaction_unreported = self._compaction_unreported, None
-        if err is not None:
-            raise err
+        if err is None:
+            return
+        if self.on_compaction_error == "warn":
+            warnings.warn(str(err), CompactionWarning, stacklevel=3)
+            return
+        raise err
 
     def _maybe_compact(self) -> None:
         if self._compact_after is None or self._appended_since_compact < self._compact_after:

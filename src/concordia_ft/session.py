@@ -189,7 +189,8 @@ class Session:
         self._cache_kw = "cache" if "cache" in fwd else "past_key_values"  # transformers renamed it in 5.x
         self._cache_position_kw = "cache_position" in fwd
         self.runtime = _runtime if _runtime is not None else _rt.Runtime(
-            str(self.log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
+            str(self.log_dir), fsync=fsync, backend=backend,
+            **{"on_compaction_error": "warn", **(runtime_options or {})})  # a failed compaction never stops a chat
         self._register(fresh=_recovering is None)
 
     # -- registration ----------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def _open_runtime(path: Path, fsync: str, lock_wait_s: float,
     deadline = time.monotonic() + lock_wait_s
     while True:
         try:
-            return Runtime(path, fsync=fsync, compact_after_bytes=compact_after_bytes)
+            return Runtime(path, fsync=fsync, compact_after_bytes=compact_after_bytes, on_compaction_error="warn")
         except LogLockedError:
             if time.monotonic() > deadline:
                 raise

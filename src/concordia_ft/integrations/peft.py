@@ -167,7 +167,8 @@ class LoraTrainer:
         self.committed_step: int | None = None  # the step of the last epoch known to be committed
         self._pending: tuple[PendingEpoch, StepResult] | None = None  # the async epoch in flight
         self.runtime = _runtime if _runtime is not None else _rt.Runtime(
-            str(log_dir), fsync=fsync, backend=backend, **(runtime_options or {}))
+            str(log_dir), fsync=fsync, backend=backend,
+            **{"on_compaction_error": "warn", **(runtime_options or {})})  # nor a training run
         self.log_dir = Path(log_dir)
         self.log_weights = log_weights
         rt = self.runtime

@@ -156,7 +156,7 @@ class Engine:
         self.runtime = None
         if opts.checkpoint:
             self.runtime = _runtime if _runtime is not None else _rt.Runtime(
-                str(log_dir), fsync=opts.fsync, backend=opts.backend)
+                str(log_dir), fsync=opts.fsync, backend=opts.backend, on_compaction_error="warn")
             self._register(fresh=_recovering is None)
 
     def _register(self, *, fresh: bool) -> None:
