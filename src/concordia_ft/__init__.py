@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointError,
+    CompactionError,
+    CompactionWarning,
     CompileError,
     ConcordiaError,
     ConfigError,
@@ -23,6 +25,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "CompactionError",
+    "CompactionWarning",
     "CompileError",
     "ConcordiaError",
     "ConfigError",
