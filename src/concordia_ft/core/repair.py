@@ -10,6 +10,13 @@ name), and the first epoch header of a segment says which epoch it starts with. 
 "every incremental segment in generation order" and, for each base, "that base + the incremental segments
 that start after its epoch"; each is replayed (verified) and the one that reaches the newest committed epoch
 wins (a candidate that fails at a segment is retried without it and everything after it).
+
+Every write a repair makes goes through the log's table of OS calls (``oscalls.OsCalls``, the ``io``
+argument), so the I/O fault tests drive repairs the way they drive the writer. The order makes every failure
+safe: bytes to be cut are copied aside and made durable (file and directory entries fsynced) before the
+segment is truncated; files are moved aside (directory fsynced) before the new manifest is renamed in. A
+repair that fails midway leaves a log that replays to the same committed epoch as before, and running it again
+finishes it.
 """
 
 from __future__ import annotations
@@ -17,8 +24,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +39,8 @@ from .format import (
     SegmentHeader,
 )
 from .log import LOCK_NAME
-from .manifest import MANIFEST_NAME, SEGMENT_RE, Manifest, fsync_dir, store_manifest
+from .manifest import MANIFEST_NAME, SEGMENT_RE, Manifest, store_manifest
+from .oscalls import REAL_OS, OsCalls
 from .replay import Outcome, replay
 
 SET_ASIDE = "set-aside"
@@ -83,33 +91,63 @@ def set_aside_dir(log_dir: Path) -> Path:
     raise LogError(f"{log_dir / SET_ASIDE} holds 1000 folders of this second; clean it up")
 
 
-def set_aside(log_dir: Path, names: list[str]) -> Path | None:
+def _new_aside(log_dir: Path, io: OsCalls) -> Path:
+    """``set_aside_dir`` whose new entries (``set-aside/`` and ``TIME/``) are durable."""
+    dest = set_aside_dir(log_dir)
+    io.fsync_dir(log_dir / SET_ASIDE)
+    io.fsync_dir(log_dir)
+    return dest
+
+
+def set_aside(log_dir: Path, names: list[str], *, io: OsCalls = REAL_OS) -> Path | None:
     """Move ``names`` (files of the log directory) into a fresh ``set-aside/TIME/`` folder."""
     names = [n for n in names if (log_dir / n).exists()]
     if not names:
         return None
-    dest = set_aside_dir(log_dir)
+    dest = _new_aside(log_dir, io)
     for n in names:
-        os.replace(log_dir / n, dest / n)
-    fsync_dir(dest)
-    fsync_dir(log_dir)
+        io.replace(log_dir / n, dest / n)
+    io.fsync_dir(dest)
+    io.fsync_dir(log_dir)
     return dest
 
 
-def cut_segment(log_dir: Path, segment: str, offset: int, *, keep_cut_bytes: bool) -> Path | None:
-    """Truncate ``segment`` at ``offset``; with ``keep_cut_bytes`` the bytes cut go to set-aside first."""
+def _write_file(path: Path, chunks: Iterator[bytes], io: OsCalls) -> None:
+    """A new file holding ``chunks``, fsynced, its directory entry too."""
+    fd = io.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for chunk in chunks:
+            view = memoryview(chunk)
+            while view:
+                view = view[io.write(fd, view):]
+        io.fsync(fd)
+    finally:
+        io.close_quietly(fd)
+    io.fsync_dir(path.parent)
+
+
+def _read_chunks(path: Path, offset: int, size: int = 8 << 20) -> Iterator[bytes]:
+    with open(path, "rb") as src:
+        src.seek(offset)
+        while chunk := src.read(size):
+            yield chunk
+
+
+def cut_segment(log_dir: Path, segment: str, offset: int, *, keep_cut_bytes: bool,
+                io: OsCalls = REAL_OS) -> Path | None:
+    """Truncate ``segment`` at ``offset``; with ``keep_cut_bytes`` the bytes cut go to set-aside first (durably:
+    a failure, or a crash, before the cut leaves the segment whole)."""
     path = log_dir / segment
     kept: Path | None = None
     if keep_cut_bytes and path.stat().st_size > offset:
-        kept = set_aside_dir(log_dir) / f"{segment}.from-{offset}"
-        with open(path, "rb") as src, open(kept, "wb") as dst:
-            src.seek(offset)
-            shutil.copyfileobj(src, dst, 8 << 20)
-            dst.flush()
-            os.fsync(dst.fileno())
-    with open(path, "r+b") as f:
-        f.truncate(offset)
-        os.fsync(f.fileno())
+        kept = _new_aside(log_dir, io) / f"{segment}.from-{offset}"
+        _write_file(kept, _read_chunks(path, offset), io)
+    fd = io.open(path, os.O_RDWR)
+    try:
+        io.ftruncate(fd, offset)
+        io.fsync(fd)
+    finally:
+        io.close_quietly(fd)
     return kept
 
 
@@ -227,14 +265,15 @@ def plan_rebuild(log_dir: Path, *, log_id: str | None = None) -> RebuildPlan:
     return RebuildPlan(manifest, epoch, left)
 
 
-def apply_rebuild(log_dir: Path, plan: RebuildPlan) -> Path | None:
+def apply_rebuild(log_dir: Path, plan: RebuildPlan, *, io: OsCalls = REAL_OS) -> Path | None:
     """Set the old MANIFEST and the files left out aside, then store the rebuilt manifest atomically."""
     if plan.manifest is None:
         raise LogError(f"{log_dir}: {plan.describe()}")
-    dest = set_aside(log_dir, list(plan.left_out))  # first: a writer's next open would delete them as orphans
+    dest = set_aside(log_dir, list(plan.left_out), io=io)  # first: a writer's next open would delete them as orphans
     old = log_dir / MANIFEST_NAME
     if old.exists():
-        dest = dest or set_aside_dir(log_dir)
-        shutil.copyfile(old, dest / (MANIFEST_NAME + ".damaged"))
-    store_manifest(log_dir, plan.manifest)  # atomic: a crash leaves the old manifest or the new one
+        if dest is None:
+            dest = _new_aside(log_dir, io)
+        _write_file(dest / (MANIFEST_NAME + ".damaged"), _read_chunks(old, 0), io)
+    store_manifest(log_dir, plan.manifest, io=io)  # atomic: a crash leaves the old manifest or the new one
     return dest
