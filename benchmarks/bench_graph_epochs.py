@@ -4,12 +4,14 @@ decode: Qwen3-0.6B dimensions, bf16, random weights, a 512-token prompt, greedy,
 DRAM log. Modes, interleaved round by round:
   graph_plain      the same captured decode step with no epochs and no writer (only the token copied out):
                    what a user runs without Concordia (vLLM/SGLang-style graph decode)
-  graph_durable    graph decode, the token's epoch gathered in the graph, committed by the writer; on_token
-                   after the commit
+  graph_durable    graph decode, the token's epoch gathered in the graph, committed by the C writer
+                   (core/_slotlog.c, GIL released); on_token after the commit
   graph_pipelined  the same, on_token at once, commits at most pipeline_depth=2 tokens behind
+  graph_durable_py, graph_pipelined_py   the same with the Python writer thread (the fallback; shares the GIL)
   eager            today's path: the eager Python loop + Session.checkpoint every token (the reference)
 Per mode: tokens/s (from the median inter-token time of the decode thread), p90, decode-thread host time per
-token (its time minus its waits for the GPU and the writer), commit latency (slot handed -> epoch committed).
+token (its time minus its waits for the GPU and the writer) split into graph.replay() + event record and the
+rest (slot read, token bookkeeping, submit, on_token), commit latency (slot handed -> epoch committed).
 
 epoch256: a 256 MiB CUDA paged region, 1 page / 1% / 100% of its pages dirty (fresh random bytes), one
 Runtime.checkpoint into a DRAM log: the new path (mapped, registered segments; the gathered pages DMA'd into
@@ -37,7 +39,7 @@ import bench_llm  # noqa: E402
 
 from concordia_ft.benchreport import percentile, print_table, save_figure, write_results  # noqa: E402
 
-MODES = ("graph_plain", "graph_durable", "graph_pipelined", "eager")
+MODES = ("graph_plain", "graph_durable", "graph_pipelined", "graph_durable_py", "graph_pipelined_py", "eager")
 SKIP = 4  # first tokens of a run not counted (the eager prefill token, capture, the writer's start)
 
 
@@ -46,13 +48,16 @@ def decode_once(model: Any, root: Path, mode: str, prompt: torch.Tensor, new: in
     from concordia_ft.session import Session
 
     d = Path(tempfile.mkdtemp(dir=root))
+    durability = mode.removeprefix("graph_").removesuffix("_py")
     kw: dict[str, Any] = {"decode": "eager"} if mode in ("eager", "graph_plain") else {
-        "decode": "graph", "durability": mode.removeprefix("graph_")}
+        "decode": "graph", "durability": durability}
     s = Session(model, d / "log", max_cache_len=prompt.shape[1] + new + 8, backend="dram",
                 runtime_options=bench_llm.RT_OPTS, **kw)
     if mode == "graph_plain":
         s.decode = "auto"
         s._graph = GraphDecoder(s, with_epoch=False)
+    elif mode.startswith("graph_"):
+        s._graph = GraphDecoder(s, durability=durability, writer="python" if mode.endswith("_py") else "c")
     t0 = time.perf_counter()
     toks = s.generate(prompt, max_new_tokens=new)  # the config has no eos: every token is generated
     torch.cuda.synchronize()
@@ -63,7 +68,11 @@ def decode_once(model: Any, root: Path, mode: str, prompt: torch.Tensor, new: in
         gs = s._graph.stats
         step = gs.token_s[SKIP:]
         host = gs.host_s[SKIP:]
-        row.update(capture_ms=1e3 * gs.capture_s, backpressure_ms=1e3 * gs.backpressure_s, epochs=gs.epochs)
+        rep = gs.replay_s[SKIP:]
+        book = [h - r for h, r in zip(host, rep, strict=True)]
+        row.update(capture_ms=1e3 * gs.capture_s, backpressure_ms=1e3 * gs.backpressure_s, epochs=gs.epochs,
+                   writer=gs.writer or "none", replay_ms_p50=1e3 * statistics.median(rep),
+                   bookkeeping_ms_p50=1e3 * statistics.median(book), bookkeeping_ms_p90=1e3 * percentile(book, 90))
         if gs.commit_s:
             row.update(commit_ms_p50=1e3 * statistics.median(gs.commit_s[SKIP:]),
                        commit_ms_p90=1e3 * percentile(gs.commit_s[SKIP:], 90),
@@ -81,22 +90,23 @@ def decode_once(model: Any, root: Path, mode: str, prompt: torch.Tensor, new: in
     return row
 
 
-def bench_decode(root: Path, new: int, rounds: int) -> list[dict[str, Any]]:
+def bench_decode(root: Path, new: int, rounds: int, modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
     model = bench_llm.build(bench_llm.qwen3_06b(), "cuda")
     prompt = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(1))
     decode_once(model, root, "graph_durable", prompt, 8)  # warm: kernels, modules, pinned memory
     decode_once(model, root, "eager", prompt, 8)
-    per: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    per: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for _ in range(rounds):
-        for m in MODES:
+        for m in modes:
             per[m].append(decode_once(model, root, m, prompt, new))
-    ref = per["eager"][0]["_tokens"]
+    ref = per["eager" if "eager" in per else modes[0]][0]["_tokens"]
     rows = []
-    for m in MODES:
+    for m in modes:
         rs = per[m]
         same = all(r["_tokens"] == ref for r in rs)
         keys = [k for k in rs[0] if isinstance(rs[0][k], float)]
-        row = {"table": "decode", "mode": m, "tokens": new, "rounds": rounds, "tokens_equal_eager": same}
+        row = {"table": "decode", "mode": m, "tokens": new, "rounds": rounds, "tokens_equal_eager": same,
+               "writer": rs[0].get("writer", "eager")}
         for k in keys:
             row[k] = statistics.median(r[k] for r in rs)
         rows.append(row)
@@ -238,6 +248,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--only", default="decode,epoch256")
+    ap.add_argument("--modes", default=",".join(MODES), help="decode modes to run (graph_plain is the reference)")
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--plot", default=None, help="only draw this results JSON as a PNG beside it")
     a = ap.parse_args()
@@ -250,12 +261,14 @@ def main() -> int:
     baseline: list[dict[str, Any]] = []
     try:
         if "decode" in only:
-            d = bench_decode(root, a.tokens, a.rounds)
+            modes = tuple(m for m in MODES if m in a.modes.split(",") or m == "graph_plain")
+            d = bench_decode(root, a.tokens, a.rounds, modes)
             for r in d:
                 r.pop("_tokens", None)
             print_table("decode (Qwen3-0.6B dims bf16, 512-token prompt, checkpoint every token)", d,
-                        ["mode", "tokens_per_s", "vs_graph_plain_pct", "step_ms_p50", "step_ms_p90", "host_ms_p50",
-                         "host_ms_p90", "commit_ms_p50", "commit_ms_p90", "tokens_equal_eager"])
+                        ["mode", "writer", "tokens_per_s", "vs_graph_plain_pct", "step_ms_p50", "host_ms_p50",
+                         "host_ms_p90", "replay_ms_p50", "bookkeeping_ms_p50", "commit_ms_p50", "commit_ms_p90",
+                         "tokens_equal_eager"])
             rows += [r for r in d if r["mode"] != "eager"]
             baseline += [r for r in d if r["mode"] == "eager"]
         if "epoch256" in only:

@@ -487,6 +487,13 @@ class Runtime:
             return
         raise err
 
+    def _count_appended(self, nbytes: int, epochs: int) -> None:
+        """Epochs appended to this runtime's log by someone else (graph decode's token-epoch writer): their
+        bytes count toward ``compact_after_bytes`` like the runtime's own, and may start a compaction now."""
+        if epochs > 0:
+            self._appended_since_compact += int(nbytes)
+            self._maybe_compact()
+
     def _maybe_compact(self) -> None:
         if self._compact_after is None or self._appended_since_compact < self._compact_after:
             return

@@ -65,20 +65,28 @@ def _exact(shm: Path, size: str) -> None:
         model = _qwen3_06b()
         prompt = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(3))
         new = 48
+    from concordia_ft.core import slotlog
+    from concordia_ft.integrations.graph_decode import GraphDecoder
+
     runs: dict[str, tuple[list[int], Session]] = {}
-    for mode in ("eager", "durable", "pipelined"):
-        kw = {"decode": "eager"} if mode == "eager" else {"decode": "graph", "durability": mode}
+    for mode in ("eager", "durable", "pipelined", "durable_py", "pipelined_py"):
+        dur = mode.removesuffix("_py")
+        kw = {"decode": "eager"} if mode == "eager" else {"decode": "graph", "durability": dur}
         s = Session(model, shm / mode, max_cache_len=prompt.shape[1] + new + 8, backend="dram", **kw)
+        if mode.endswith("_py"):  # the Python writer (the fallback): the same log
+            s._graph = GraphDecoder(s, durability=dur, writer="python")
         # the tiny config has an eos (2): turned off; the Qwen3 dims config has none
         stop = {"eos_token_ids": ()} if size == "tiny-fp32" else {}
         runs[mode] = (s.generate(prompt, max_new_tokens=new, **stop), s)
     want = runs["eager"][0]
     assert len(want) == new
-    for mode in ("durable", "pipelined"):
+    for mode in ("durable", "pipelined", "durable_py", "pipelined_py"):
         toks, s = runs[mode]
         assert toks == want, (mode, next(i for i, (a, b) in enumerate(zip(toks, want, strict=True)) if a != b))
         assert s._graph is not None and s._graph.graph is not None
         assert s._graph.stats.epochs == new - 1  # the first token came from the eager prefill step
+        want_writer = "python" if mode.endswith("_py") or not slotlog.available() else "c"
+        assert s._graph.stats.writer == want_writer, (mode, s._graph.stats.writer)
     images = {}
     for mode, (_, s) in runs.items():
         arena = s.cache.arena.cpu().numpy()
@@ -92,8 +100,30 @@ def _exact(shm: Path, size: str) -> None:
         assert not img["kv"][-(-used // 4096) * 4096:].any(), mode  # nothing past the last page written
         assert np.array_equal(img["tokens"].view(np.int64)[:n], tokens[:n]), mode
         images[mode] = img
-    for mode in ("durable", "pipelined"):
+    for mode in ("durable", "pipelined", "durable_py", "pipelined_py"):
         assert np.array_equal(images[mode]["kv"], images["eager"]["kv"]), mode
+        assert np.array_equal(images[mode]["tokens"], images["eager"]["tokens"]), mode
+
+
+@pytest.mark.parametrize("fsync", ["always", "interval"])
+def test_c_writer_on_a_file_log_rolls_and_counts_toward_compaction(shm: Path, fsync: str) -> None:
+    """File backend, 1 MiB segments: the C writer pwrites and syncs per policy, rolls segments through the
+    log, its bytes start a compaction (compact_after_bytes), and the session recovers token-exact after it."""
+    model = tiny_model("qwen3").cuda()
+    ref = Session(model, shm / "ref", max_cache_len=96, decode="eager")
+    want = ref.generate(prompt_ids(12), max_new_tokens=60, eos_token_ids=())
+    ref.close()
+    opts = {"compact_after_bytes": 2 << 20, "background_compaction": False,
+            "log_options": {"segment_max_bytes": 1 << 20, "fsync_interval_ms": 5}}
+    s = Session(model, shm / "log", max_cache_len=96, decode="graph", fsync=fsync, runtime_options=opts)
+    out = s.generate(prompt_ids(12), max_new_tokens=60, eos_token_ids=())
+    assert out == want
+    assert s._graph is not None and s._graph.stats.writer in ("c", "python")
+    assert s.runtime.last_compaction is not None  # the token epochs' bytes crossed the threshold
+    s.close()
+    r = Session.recover(shm / "log", model, decode="graph")
+    assert r.ids[12:] == want
+    r.close()
 
 
 def test_durable_shows_a_token_only_after_its_epoch_committed(shm: Path) -> None:
@@ -154,6 +184,9 @@ def test_sigkilled_graph_session_resumes_token_exact_in_graph_mode(shm: Path, mo
     out = r.resume()
     assert out == want
     assert r._graph is not None and r._graph.stats.epochs > 0  # the resumed decode ran in graph mode
+    from concordia_ft.core import slotlog
+
+    assert r._graph.stats.writer == ("c" if slotlog.available() else "python")
     r.close()
 
 

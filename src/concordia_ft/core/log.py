@@ -47,6 +47,7 @@ from .tracking import RegionDelta
 log = logging.getLogger("concordia_ft.log")
 
 FSYNC_POLICIES = ("always", "interval", "never")
+LEASE_FSYNC = {"never": 0, "always": 1, "interval": 2}  # TailLease.fsync: the C writer's FSYNC_* (core/_slotlog.c)
 LOCK_NAME = "LOCK"
 
 
@@ -84,6 +85,26 @@ class LogOptions:
     @property
     def uses_mapped(self) -> bool:
         return self.backend == "dram" and self.mapped != "off"
+
+
+@dataclass(frozen=True)
+class TailLease:
+    """The active segment as an external appender sees it (``RecoveryLog.lease_tail``): where to store, from
+    which offset, the limits that make the log roll, the epoch number that comes next and the fsync policy
+    (``LEASE_FSYNC``; the interval in ns)."""
+
+    kind: str  # "mapped" (store into the mapping at ``address``) or "file" (pwritev on ``fd``)
+    address: int
+    fd: int
+    end: int
+    capacity: int
+    soft_max: int  # segment_max_bytes: a segment that holds an epoch already rolls before passing it
+    segment_epochs: int
+    next_epoch: int
+    fsync: int  # LEASE_FSYNC
+    interval_ns: int
+    synced_end: int
+    durable_epoch: int  # -1: none
 
 
 @dataclass
@@ -299,6 +320,10 @@ class RecoveryLog:
         self._register: Registrar | None = None  # pins mapped segments with the driver (set by the CUDA layer)
         self._spare: SparePreparer | None = None
         self._crc_pool: Any = None
+        # the active segment handed to an external appender (core/slotlog.py: graph decode's C writer); while
+        # leased, append() refuses, the interval syncer leaves the segment to the lessee, a compactor's seal waits
+        self._leased = False
+        self._lease_done = threading.Condition(self._mutex)
         if opts.fsync == "interval":
             self._syncer = threading.Thread(target=self._sync_loop, name="concordia-fsync", daemon=True)
             self._syncer.start()
@@ -402,6 +427,9 @@ class RecoveryLog:
             if self.last_epoch is not None and number != self.last_epoch + 1:
                 raise ConfigError(f"epoch {number} does not follow the last committed epoch {self.last_epoch}")
             self._check_not_failed(number)
+            if self._leased:
+                raise ConfigError(f"the log {self.dir} is being appended by graph decode's token-epoch writer; "
+                                  "append after that generate() returned")
             # a payload that is still on a device (cuda.mapped.DevicePayload): DMA'd into the log's own pages
             placed = {i: d.payload for i, d in enumerate(deltas) if hasattr(d.payload, "place")}
             try:
@@ -621,17 +649,114 @@ class RecoveryLog:
             with self._mutex:
                 if self._closed or self._failure is not None:
                     return
-                if not self._dirty:
+                if not self._dirty or self._leased:  # a lessee syncs its own appends (core/slotlog.py)
                     continue
                 try:
                     self._sync_active(f"background fdatasync of {self._segment.path.name}")
                 except _WriteFailed:  # failed now: the next append, sync or close raises it
                     return
 
+
+    # ------------------------------------------------------------------------------- leased tail
+    def lease_tail(self) -> TailLease | None:
+        """Hand the active segment to an external appender (core/slotlog.py) until ``end_lease``: None when
+        this log cannot be leased (a DAX segment, OS calls that are not the real ones, a failed log)."""
+        with self._mutex:
+            self._check_open()
+            if self._failure is not None or self._leased or self._io is not REAL_OS:
+                return None
+            lease = self._tail_lease()
+            if lease is not None:
+                self._leased = True
+            return lease
+
+    def _tail_lease(self) -> TailLease | None:
+        seg = self._segment
+        if isinstance(seg, MappedSegment):
+            kind, address, fd, cap = "mapped", seg.address, -1, seg.capacity
+        elif type(seg) is FileSegment:
+            kind, address, fd, cap = "file", 0, seg.fileno(), 1 << 62
+        else:
+            return None
+        return TailLease(kind, address, fd, seg.end, cap, self.options.segment_max_bytes, self._segment_epochs,
+                         (self.last_epoch or 0) + 1, LEASE_FSYNC[self.options.fsync],
+                         self.options.fsync_interval_ms * 1_000_000, self._synced_end,
+                         -1 if self._durable_epoch is None else self._durable_epoch)
+
+    def _apply_lessee(self, st: Mapping[str, Any]) -> None:
+        """Take over what the lessee appended (its ``state()``): the tail, the epoch count, what is durable."""
+        seg = self._segment
+        n = int(st["next_epoch"]) - 1
+        if n > (self.last_epoch or 0):
+            self.last_epoch = n
+        seg.end = int(st["end"])
+        self._segment_epochs = int(st["segment_epochs"])
+        self._synced_end = int(st["synced_end"])
+        d = int(st["durable_epoch"])
+        self._durable_epoch = None if d < 0 else d
+        self._dirty = self._synced_end < seg.end
+
+    def roll_leased(self, st: Mapping[str, Any], need: int) -> TailLease:
+        """The lessee's next epoch (``need`` bytes) does not fit: seal the segment, start the next one, lease it.
+        Raises ``CheckpointError`` (the lease is then over) when that fails."""
+        with self._mutex:
+            self._apply_lessee(st)
+            try:
+                self._roll(need)
+            except _WriteFailed as f:
+                self._end_lease_locked()
+                raise self._error((self.last_epoch or 0) + 1, f.text) from f.__cause__
+            lease = self._tail_lease()
+            if lease is None or lease.capacity - lease.end < need:
+                self._end_lease_locked()
+                raise self._error((self.last_epoch or 0) + 1, f"the new segment has no room for an epoch of {need} "
+                                  "bytes")
+            return lease
+
+    def end_lease(self, st: Mapping[str, Any], error: tuple[int, int, str, int, int] | None = None
+                  ) -> CheckpointError | None:
+        """The lessee is done (``st``: its final ``state()``); ``error``: its failure (kind, errno, text, the
+        failed epoch's start, its number), returned as the CheckpointError a failed append would raise."""
+        with self._mutex:
+            self._apply_lessee(st)
+            err = None
+            if error is not None:
+                err = self._lessee_failure(*error)
+            self._end_lease_locked()
+            return err
+
+    def _end_lease_locked(self) -> None:
+        self._leased = False
+        self._lease_done.notify_all()
+
+    def _lessee_failure(self, kind: int, errnum: int, text: str, start: int, number: int) -> CheckpointError:
+        from . import slotlog
+
+        cause = f"{text} failed: {_describe(OSError(errnum, os.strerror(errnum)))}" if errnum else text
+        seg = self._segment
+        if kind == slotlog.ERR_WRITE and not isinstance(seg, MappedSegment):  # as _write_epoch: cut the epoch's
+            try:  # bytes back; its number stays free (into a mapping the C writer fails only before it stores)
+                seg.cut(start)
+            except OSError as e2:
+                return self._error(number, self._mark_failed(number, (
+                    f"{cause}, and cutting its bytes back to offset {start} failed too ({_describe(e2)}); whether "
+                    f"epoch {number} reached the disk is unknown")))
+            self._synced_end = start
+            self._durable_epoch = self.last_epoch
+            return self._error(number, f"{cause}; its bytes were cut back to offset {start}")
+        if kind == slotlog.ERR_SYNC:  # a failed sync of returned epochs: what the disk holds is unknown
+            first = (self._durable_epoch or 0) + 1
+            return self._error(number, self._mark_failed(first, (
+                f"{cause}; epochs {first} to {self.last_epoch} were written but may not be on disk")))
+        return self._error(number, f"{cause}; nothing of epoch {number} was written")
+
     # ------------------------------------------------------------------------------------ compaction
     def seal_for_compaction(self) -> list[str]:
         """Start a new incremental segment; return the sealed segments a compactor may rewrite."""
         with self._mutex:
+            self._check_open()
+            while self._leased:  # graph decode appends to the active segment: seal it once that is over
+                self._lease_done.wait()
             self._check_open()
             if self._failure is not None:
                 raise LogError(f"the log {self.dir} is failed ({self._failure}); compaction waits for a reopen")
@@ -751,4 +876,4 @@ def segment_header(manifest: Manifest, name: str) -> bytes:
     return SegmentHeader(kind, bytes.fromhex(manifest.log_id), int(m.group(2)), time.time_ns()).encode()
 
 
-__all__ = ["AppendResult", "LogOptions", "OpenReport", "PlacedPayload", "RecoveryLog"]
+__all__ = ["AppendResult", "LogOptions", "OpenReport", "PlacedPayload", "RecoveryLog", "TailLease"]

@@ -151,6 +151,10 @@ class FileSegment:
     def sync(self) -> None:
         self._io.fdatasync(self._fd)
 
+    def fileno(self) -> int:
+        """The file descriptor (an external appender, core/slotlog.py, pwrites through it while leased)."""
+        return self._fd
+
     def cut(self, offset: int) -> None:
         """Truncate to ``offset`` and make the truncation durable (fsync: the size is metadata)."""
         self._io.ftruncate(self._fd, offset)

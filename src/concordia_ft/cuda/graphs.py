@@ -109,6 +109,11 @@ class TokenRing:
     def device_ptr(self) -> int:
         return self.buf.device_ptr
 
+    @property
+    def host_ptr(self) -> int:
+        """The slots' host address (the C writer reads them there, core/slotlog.py)."""
+        return self.buf.host_ptr
+
     def read(self, seq: int) -> SlotRecord | None:
         """The record of step ``seq`` (None when the slot does not hold it: not written yet, or overwritten)."""
         base = (seq % self.n_slots) * self.slot_bytes

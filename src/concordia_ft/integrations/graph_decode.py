@@ -65,8 +65,10 @@ class GraphStats:
     append_s: list[float] = field(default_factory=list)  # the writer's log append
     epochs: int = 0
     epoch_bytes: list[int] = field(default_factory=list)
+    replay_s: list[float] = field(default_factory=list)  # per token: the decode thread in graph.replay + event record
     capture_s: float = 0.0
     backpressure_s: float = 0.0
+    writer: str = ""  # "c" (core/slotlog.py, GIL released) or "python" (_Writer); "" for plain decode
 
 
 def graph_ineligible(session: Any, rules: Any) -> str | None:
@@ -109,8 +111,12 @@ class _Writer:
         self._thread = threading.Thread(target=self._loop, name="concordia-token-epochs", daemon=True)
         self._thread.start()
 
-    def submit(self, item: _Item) -> None:
-        self._q.put(item)
+    def submit(self, seq: int, n_tokens: int, n_new: int, done: bool) -> None:
+        self._q.put(_Item(seq, n_tokens, n_new, done, time.perf_counter()))
+
+    def token(self, seq: int) -> int | None:
+        rec = self.dec.ring.read(seq)
+        return None if rec is None else int(rec.token)
 
     def stop(self) -> None:
         self._q.put(None)
@@ -193,11 +199,64 @@ class _Writer:
             self._cv.notify_all()
 
 
+class _NativeWriter:
+    """The C writer (core/slotlog.py) behind _Writer's interface: every == 1 epochs, built and committed with
+    the GIL released, so the decode thread never waits for the interpreter."""
+
+    def __init__(self, dec: GraphDecoder, template: tuple[list[bytes], list[int]]) -> None:
+        from ..core.slotlog import SlotLogWriter
+        from ..cuda.graphs import SLOT_HEADER
+
+        ring = dec.ring
+        self.dec = dec
+        self.error: BaseException | None = None
+        self._w = SlotLogWriter(dec.session.runtime.log, ring_address=ring.host_ptr, n_slots=ring.n_slots,
+                                slot_bytes=ring.slot_bytes, slot_header=SLOT_HEADER, max_pages=ring.max_pages,
+                                kv=dec.kv_spec, tokens_image=dec.tokens_image, tokens=dec.tok_spec, meta=template)
+        self.submit = self._w.submit
+        self.token = self._w.token
+
+    def wait(self, what: str, seq: int) -> None:  # a slot is free once its epoch committed (every == 1)
+        self._w.wait(seq)
+
+    def stop(self) -> None:
+        try:
+            self._w.stop()
+        except BaseException as e:  # noqa: BLE001 - raised by run() as the Python writer's is
+            self.error = e
+        st = self.dec.stats
+        rows = self._w.stats()
+        st.commit_s.extend(((rows[:, 3] - rows[:, 1]) / 1e9).tolist())
+        st.append_s.extend(((rows[:, 3] - rows[:, 2]) / 1e9).tolist())
+        st.epoch_bytes.extend(rows[:, 4].tolist())
+        st.epochs += len(rows)
+
+
+def native_template(session: Any) -> tuple[list[bytes], list[int]] | None:
+    """The session's epoch metadata as the C writer's template (None: it cannot be expressed as one)."""
+    from ..core import slotlog
+    from ..session import META_KEY
+
+    S = slotlog.SENTINELS
+    n_layers = len(session.cache.layers)
+    doc = session._meta([S[slotlog.HOLE_LENGTH]] * n_layers, n_tokens=S[slotlog.HOLE_N_TOKENS],
+                        n_new=S[slotlog.HOLE_N_NEW], done=S[slotlog.HOLE_DONE])
+    doc[META_KEY]["time"] = S[slotlog.HOLE_TIME]
+    return slotlog.meta_template(doc, {slotlog.HOLE_N_TOKENS: 1, slotlog.HOLE_N_NEW: 1, slotlog.HOLE_DONE: 1,
+                                       slotlog.HOLE_LENGTH: n_layers, slotlog.HOLE_TIME: 1})
+
+
+WRITERS = ("auto", "c", "python")
+
+
 class GraphDecoder:
     """The captured decode step of one Session, its ring of slots and its writer."""
 
     def __init__(self, session: Any, *, durability: str = "durable", pipeline_depth: int = 2,
-                 with_epoch: bool = True) -> None:
+                 with_epoch: bool = True, writer: str = "auto") -> None:
+        if writer not in WRITERS:
+            raise ConfigError(f"writer={writer!r}; use one of {', '.join(WRITERS)}")
+        self.writer = writer
         if durability not in DURABILITY:
             raise ConfigError(f"durability={durability!r}; use one of {', '.join(DURABILITY)}")
         if pipeline_depth < 1:
@@ -302,12 +361,13 @@ class GraphDecoder:
             self.capture(int(s.tokens[s.n_tokens - 1]), length)
         else:
             self._set_state(int(s.tokens[s.n_tokens - 1]), length)
-        writer = None
+        writer: _Writer | _NativeWriter | None = None
         plain = plain or not self.with_epoch
         if not plain:
             self.tokens_image[:] = s.tokens
-            writer = _Writer(self)
+            writer = self._start_writer()
         stats = self.stats
+        n_epochs0, n_bytes0 = stats.epochs, sum(stats.epoch_bytes)
         durable = self.durability == "durable"
         every = s.checkpoint_every
         lag = self.depth + every - 1
@@ -319,20 +379,25 @@ class GraphDecoder:
         unshown: list[int] = []
         perf = time.perf_counter
         last = perf()
+        replay = self.graph.replay
+        read = writer.token if writer is not None else self._token
         try:
             with torch.inference_mode():
                 while True:
                     busy0 = perf()
                     waited = 0.0
+                    in_replay = 0.0
                     while not stop and issued < budget and len(inflight) < IN_FLIGHT:
                         seq = base + issued
                         if writer is not None and seq - self.n_slots >= base:
                             w0 = perf()
                             writer.wait("freed", seq - self.n_slots)  # its slot was written by seq - n_slots
                             waited += perf() - w0
-                        self.graph.replay()
+                        r0 = perf()
+                        replay()
                         ev = self.events[seq % self.n_slots]
                         ev.record()
+                        in_replay += perf() - r0
                         inflight.append((seq, ev))
                         issued += 1
                     if not inflight:
@@ -344,16 +409,15 @@ class GraphDecoder:
                     if stop:
                         overshoot += 1
                         continue
-                    rec = self.ring.read(seq)
-                    if rec is None:
+                    tok = read(seq)
+                    if tok is None:
                         raise CheckpointError(None, s.runtime.log.last_epoch, False,
                                               f"ring slot of step {seq} was not written by the graph")
-                    tok = int(rec.token)
                     s._append([tok])
                     g.n_new += 1
                     g.done = tok in eos or g.n_new >= max_new  # generation.should_stop without criteria
                     if writer is not None:
-                        writer.submit(_Item(seq, s.n_tokens, g.n_new, g.done, perf()))
+                        writer.submit(seq, s.n_tokens, g.n_new, g.done)
                     unshown.append(tok)
                     if writer is not None and (durable or seq - lag >= base):
                         w0 = perf()
@@ -374,6 +438,7 @@ class GraphDecoder:
                         unshown.clear()
                     now = perf()
                     stats.host_s.append(now - busy0 - waited)
+                    stats.replay_s.append(in_replay)
                     stats.token_s.append(now - last)
                     last = now
                     if g.done:
@@ -396,10 +461,43 @@ class GraphDecoder:
         if not plain:
             s.cache.mark_clean(lengths)  # every row up to here is in the log (the flags were never set)
             s._tokens_marked = s.n_tokens
+            # the token epochs count toward the runtime's compaction threshold like its own appends
+            s.runtime._count_appended(sum(stats.epoch_bytes) - n_bytes0, stats.epochs - n_epochs0)
         if on_token is not None and unshown:
             for t in unshown:
                 on_token(t)
         return issued - overshoot
+
+    def _token(self, seq: int) -> int | None:
+        rec = self.ring.read(seq)
+        return None if rec is None else int(rec.token)
+
+    def _start_writer(self) -> _Writer | _NativeWriter:
+        """The C writer where it can run (built, every == 1, a leasable log, a metadata template), else the
+        Python one; ``writer='c'`` makes a reason it cannot a ConfigError."""
+        from ..core import slotlog
+
+        why = None
+        if self.writer == "python":
+            why = "writer='python'"
+        elif not slotlog.available():
+            why = f"the C writer is {slotlog.status()}"
+        elif self.session.checkpoint_every != 1:
+            why = "checkpoint_every > 1 (the C writer commits one token per epoch)"
+        template = native_template(self.session) if why is None else None
+        if why is None and template is None:
+            why = "the session metadata does not fit the C writer's template"
+        if why is None:
+            try:
+                w = _NativeWriter(self, template)  # type: ignore[arg-type]
+                self.stats.writer = "c"
+                return w
+            except ConfigError as e:
+                why = str(e)
+        if self.writer == "c":
+            raise ConfigError(f"writer='c' is not possible here: {why}")
+        self.stats.writer = "python"
+        return _Writer(self)
 
     def close(self) -> None:
         self.graph = None

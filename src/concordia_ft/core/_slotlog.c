@@ -1,0 +1,801 @@
+/* The token-epoch writer in C: ring slots -> committed epochs, with the GIL released.
+ *
+ * Graph decode (integrations/graph_decode.py) has the GPU write each token's epoch payload into a slot of a ring
+ * of host memory (cuda/graphs.py: a 4096-byte slot header whose word 0, seq + 1, is written last, then the KV
+ * pages the token's row covers). This writer turns those slots into log epochs, byte for byte what
+ * ``RecoveryLog.append`` writes for the same deltas and metadata (core/epochs.py's layout; tests/test_slotlog.py
+ * compares the two), on a thread that never holds the GIL while it works: the decode thread never waits for
+ * it to get the interpreter back.
+ *
+ * Division of labour:
+ * - the decode thread calls ``submit(seq, n_tokens, n_new, done)`` (GIL held, a few stores) after it read the
+ *   token of step ``seq`` from its slot, and ``wait(seq)`` (GIL released) for the durability contract;
+ * - the writer thread (a Python thread) calls ``run()``, which releases the GIL and returns only when it needs
+ *   Python: the epoch does not fit the active segment (1: the caller rolls, under the log's mutex, and calls
+ *   ``set_target`` and ``run`` again), a failure (2: ``error``), or ``stop()`` with the queue drained (0);
+ * - everything else (the epoch layout, CRC32C, the stores, fdatasync per the fsync policy) happens in ``run``.
+ *
+ * Crash safety, the same order as core/mapped.py: into a mapped (tmpfs, MAP_SHARED) segment the payloads are
+ * stored first, then the header and descriptors, then the commit marker, with a fence between the phases; into
+ * a file segment the epoch is one pwritev (commit marker last in it), then fdatasync under ``always``. Replay
+ * decides what committed from the bytes alone (a zero header or a zero marker is a torn tail).
+ *
+ * The metadata JSON is a template made by Python (``encode_json`` of the session's metadata with sentinel
+ * numbers, split at them): literal chunks with holes between them for n_tokens, n_new, done, a cache length and
+ * the time. CRC32C (Castagnoli) uses the SSE4.2 crc32 instruction where the CPU has it, a slicing-by-8 table
+ * otherwise.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <stdarg.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__x86_64__)
+#include <nmmintrin.h>
+#define SLOTLOG_X86 1
+#endif
+
+/* ------------------------------------------------------------------------------------------------ CRC32C */
+#define CRC_POLY 0x82F63B78u
+static uint32_t crc_tab[8][256];
+static int crc_hw = 0;
+
+static void crc_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ CRC_POLY : c >> 1;
+        crc_tab[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++) crc_tab[t][i] = (crc_tab[t - 1][i] >> 8) ^ crc_tab[0][crc_tab[t - 1][i] & 0xff];
+#ifdef SLOTLOG_X86
+    __builtin_cpu_init();
+    crc_hw = __builtin_cpu_supports("sse4.2");
+#endif
+    if (getenv("CONCORDIA_CRC_TABLE")) crc_hw = 0; /* tests: the portable path on an SSE4.2 machine */
+}
+
+static uint32_t crc_sw(uint32_t crc, const uint8_t *p, size_t n) {
+    uint32_t c = ~crc;
+    while (n && ((uintptr_t)p & 7)) { c = (c >> 8) ^ crc_tab[0][(c ^ *p++) & 0xff]; n--; }
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        w ^= c;
+        c = crc_tab[7][w & 0xff] ^ crc_tab[6][(w >> 8) & 0xff] ^ crc_tab[5][(w >> 16) & 0xff] ^
+            crc_tab[4][(w >> 24) & 0xff] ^ crc_tab[3][(w >> 32) & 0xff] ^ crc_tab[2][(w >> 40) & 0xff] ^
+            crc_tab[1][(w >> 48) & 0xff] ^ crc_tab[0][(w >> 56) & 0xff];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c = (c >> 8) ^ crc_tab[0][(c ^ *p++) & 0xff];
+    return ~c;
+}
+
+#ifdef SLOTLOG_X86
+__attribute__((target("sse4.2"))) static uint32_t crc_sse42(uint32_t crc, const uint8_t *p, size_t n) {
+    uint64_t c = (uint32_t)~crc;
+    while (n && ((uintptr_t)p & 7)) { c = _mm_crc32_u8((uint32_t)c, *p++); n--; }
+    while (n >= 32) { /* one dependent chain; unrolled so the loads run ahead */
+        uint64_t a, b, d, e;
+        memcpy(&a, p, 8); memcpy(&b, p + 8, 8); memcpy(&d, p + 16, 8); memcpy(&e, p + 24, 8);
+        c = _mm_crc32_u64(c, a); c = _mm_crc32_u64(c, b); c = _mm_crc32_u64(c, d); c = _mm_crc32_u64(c, e);
+        p += 32;
+        n -= 32;
+    }
+    while (n >= 8) { uint64_t a; memcpy(&a, p, 8); c = _mm_crc32_u64(c, a); p += 8; n -= 8; }
+    while (n--) c = _mm_crc32_u8((uint32_t)c, *p++);
+    return ~(uint32_t)c;
+}
+#endif
+
+static uint32_t crc32c(uint32_t crc, const void *p, size_t n) {
+#ifdef SLOTLOG_X86
+    if (crc_hw) return crc_sse42(crc, (const uint8_t *)p, n);
+#endif
+    return crc_sw(crc, (const uint8_t *)p, n);
+}
+
+/* ------------------------------------------------------------------------------------------------ format */
+/* core/format.py: ALIGN, the epoch header, record entries, the commit marker (little-endian everywhere). */
+#define ALIGN 4096ull
+#define EPOCH_HEADER_BYTES 56
+#define ENTRY_BYTES 48
+#define COMMIT_BYTES 32
+#define REC_PAGES 2
+#define REC_RUNS 3
+#define REC_META 4
+#define FORMAT_VERSION 1
+#define MAX_RECORDS 3
+#define MAX_NAME 200
+
+static inline uint64_t align_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
+static inline void put16(uint8_t *p, uint16_t v) { memcpy(p, &v, 2); }
+static inline void put32(uint8_t *p, uint32_t v) { memcpy(p, &v, 4); }
+static inline void put64(uint8_t *p, uint64_t v) { memcpy(p, &v, 8); }
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the log format is little-endian; this writer stores native words"
+#endif
+
+enum { HOLE_N_TOKENS = 0, HOLE_N_NEW = 1, HOLE_DONE = 2, HOLE_LENGTH = 3, HOLE_TIME = 4, N_HOLE_KINDS = 5 };
+enum { TARGET_NONE = 0, TARGET_MAPPED = 1, TARGET_FILE = 2 };
+enum { FSYNC_NEVER = 0, FSYNC_ALWAYS = 1, FSYNC_INTERVAL = 2 };
+enum { RUN_STOPPED = 0, RUN_ROLL = 1, RUN_FAILED = 2 };
+/* error kinds (``error`` tuple's first item): what the Python side must do about it */
+enum { ERR_NONE = 0, ERR_SLOT = 1, ERR_WRITE = 2, ERR_SYNC = 3 };
+
+typedef struct {
+    int64_t seq, n_tokens, n_new, done, submit_ns;
+} Item;
+
+typedef struct {
+    int64_t seq, submit_ns, start_ns, commit_ns, total_bytes, epoch;
+} Stat;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int sync_ready;
+    /* the ring (read only) */
+    const uint8_t *ring;
+    uint64_t n_slots, slot_bytes, slot_header, max_pages, kv_pb;
+    uint8_t kv_name[MAX_NAME];
+    size_t kv_name_len;
+    /* the writer's own image of the tokens region (written: token ids; read: the epoch's page) */
+    uint8_t *tok;
+    uint64_t tok_nbytes, tok_pb;
+    uint8_t tok_name[MAX_NAME];
+    size_t tok_name_len;
+    /* the metadata template: n_chunks = n_holes + 1 */
+    uint8_t *chunks;
+    size_t *chunk_off, *chunk_len;
+    int *holes;
+    int n_holes;
+    size_t chunks_total;
+    /* the queue of submitted steps (decode thread -> writer) */
+    Item *q;
+    uint64_t q_cap, q_head, q_tail;
+    /* progress (guarded by mu; committed also read without it) */
+    int64_t committed;   /* highest seq whose epoch committed (-1: none) */
+    int stop_req, failed, rolling, running;
+    /* the target segment */
+    int kind, fd, fsync_mode;
+    uint8_t *base;
+    uint64_t end, cap, soft_max, synced_end;
+    int64_t seg_epochs, next_epoch, durable_epoch, epochs, bytes_written;
+    int64_t interval_ns, last_sync_ns;
+    uint64_t last_total;
+    uint64_t need; /* RUN_ROLL: bytes the pending epoch needs */
+    /* failure */
+    int err_kind, err_errno;
+    uint64_t err_start;
+    int64_t err_epoch;
+    char err_text[512];
+    /* scratch */
+    uint8_t *head;
+    size_t head_cap;
+    uint8_t *meta;
+    size_t meta_cap;
+    Stat *stats;
+    size_t n_stats, stats_cap;
+    uint8_t zeros[ALIGN];
+} Writer;
+
+static int64_t now_ns(clockid_t clk) {
+    struct timespec ts;
+    clock_gettime(clk, &ts);
+    return (int64_t)ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
+
+static int set_error(Writer *w, int kind, int errnum, uint64_t start, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static int set_error(Writer *w, int kind, int errnum, uint64_t start, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(w->err_text, sizeof w->err_text, fmt, ap);
+    va_end(ap);
+    w->err_kind = kind;
+    w->err_errno = errnum;
+    w->err_start = start;
+    w->err_epoch = w->next_epoch;
+    return -1;
+}
+
+/* metadata of one token into w->meta; returns its length */
+static size_t build_meta(Writer *w, const Item *it, int64_t length) {
+    size_t n = 0;
+    double t = (double)now_ns(CLOCK_REALTIME) / 1e9;
+    for (int i = 0; i <= w->n_holes; i++) {
+        memcpy(w->meta + n, w->chunks + w->chunk_off[i], w->chunk_len[i]);
+        n += w->chunk_len[i];
+        if (i == w->n_holes) break;
+        char num[48];
+        int k;
+        switch (w->holes[i]) {
+        case HOLE_N_TOKENS: k = snprintf(num, sizeof num, "%lld", (long long)it->n_tokens); break;
+        case HOLE_N_NEW: k = snprintf(num, sizeof num, "%lld", (long long)it->n_new); break;
+        case HOLE_DONE: k = snprintf(num, sizeof num, "%s", it->done ? "true" : "false"); break;
+        case HOLE_LENGTH: k = snprintf(num, sizeof num, "%lld", (long long)length); break;
+        default: k = snprintf(num, sizeof num, "%.6f", t); break;
+        }
+        memcpy(w->meta + n, num, (size_t)k);
+        n += (size_t)k;
+    }
+    return n;
+}
+
+typedef struct {
+    int rtype;
+    const uint8_t *name;
+    size_t name_len;
+    int64_t var_words[2]; /* PAGES of one page: [page]; RUNS: [start, length] */
+    int n_words;
+    uint64_t count;
+    const uint8_t *json; /* META */
+    size_t json_len;
+    const uint8_t *payload;
+    uint64_t plen, off;
+    uint32_t crc;
+} Rec;
+
+static void pages_rec(Rec *r, const uint8_t *name, size_t name_len, int64_t first, int64_t n, const uint8_t *payload,
+                      uint64_t pb) {
+    /* core/epochs.py _records: contiguous pages are one run; one page is a PAGES record, more a RUNS record */
+    memset(r, 0, sizeof *r);
+    r->name = name;
+    r->name_len = name_len;
+    r->payload = payload;
+    r->plen = (uint64_t)n * pb;
+    if (n == 1) {
+        r->rtype = REC_PAGES;
+        r->var_words[0] = first;
+        r->n_words = 1;
+        r->count = 1;
+    } else {
+        r->rtype = REC_RUNS;
+        r->var_words[0] = first;
+        r->var_words[1] = n;
+        r->n_words = 2;
+        r->count = 1;
+    }
+}
+
+static size_t rec_var_len(const Rec *r) { return r->rtype == REC_META ? r->json_len : (size_t)r->n_words * 8; }
+
+/* One epoch: 0 written, 1 needs a new segment (w->need), -1 failed (w->err_*). Called without mu. */
+static int write_one(Writer *w, const Item *it) {
+    const uint8_t *slot = w->ring + (uint64_t)(it->seq % (int64_t)w->n_slots) * w->slot_bytes;
+    const volatile int64_t *words = (const volatile int64_t *)slot;
+    int64_t sw = __atomic_load_n((const int64_t *)&words[0], __ATOMIC_ACQUIRE);
+    if (sw != it->seq + 1)
+        return set_error(w, ERR_SLOT, 0, w->end, "ring slot of step %lld does not hold it (sequence word %lld)",
+                         (long long)it->seq, (long long)sw);
+    int64_t token = words[1], row = words[2], page0 = words[3], npages = words[4];
+    if (npages < 0 || (uint64_t)npages > w->max_pages || page0 < 0 || row < 0)
+        return set_error(w, ERR_SLOT, 0, w->end, "ring slot of step %lld has a bad header (row %lld, pages %lld+%lld)",
+                         (long long)it->seq, (long long)row, (long long)page0, (long long)npages);
+    int64_t idx = it->n_tokens - 1;
+    if (idx < 0 || (uint64_t)(idx + 1) * 8 > w->tok_nbytes)
+        return set_error(w, ERR_SLOT, 0, w->end, "token %lld is outside the tokens region (%llu bytes)",
+                         (long long)idx, (unsigned long long)w->tok_nbytes);
+    memcpy(w->tok + idx * 8, &token, 8);
+    int64_t t0 = idx * 8 / (int64_t)w->tok_pb, t1 = (it->n_tokens * 8 + (int64_t)w->tok_pb - 1) / (int64_t)w->tok_pb;
+
+    Rec recs[MAX_RECORDS];
+    int nr = 0;
+    if (npages > 0) pages_rec(&recs[nr++], w->kv_name, w->kv_name_len, page0, npages, slot + w->slot_header, w->kv_pb);
+    pages_rec(&recs[nr++], w->tok_name, w->tok_name_len, t0, t1 - t0, w->tok + t0 * w->tok_pb, w->tok_pb);
+    Rec *m = &recs[nr++];
+    memset(m, 0, sizeof *m);
+    m->rtype = REC_META;
+    m->name = (const uint8_t *)"";
+    m->json = w->meta;
+    m->json_len = build_meta(w, it, row + 1);
+    m->count = m->json_len;
+
+    /* layout (core/epochs.py layout_epoch) */
+    uint64_t start = w->end;
+    uint64_t desc_bytes = 0;
+    for (int i = 0; i < nr; i++) desc_bytes += ENTRY_BYTES + align_up(recs[i].name_len + rec_var_len(&recs[i]), 8);
+    uint64_t cursor = align_up(start + EPOCH_HEADER_BYTES + desc_bytes, ALIGN) - start;
+    uint64_t payload_area = cursor, last_end = 0;
+    int any_payload = 0;
+    for (int i = 0; i < nr; i++) {
+        if (recs[i].rtype == REC_META) continue;
+        cursor = align_up(start + cursor, ALIGN) - start;
+        recs[i].off = cursor;
+        cursor += recs[i].plen;
+        last_end = cursor;
+        any_payload = 1;
+    }
+    uint64_t total = cursor + COMMIT_BYTES;
+    uint64_t payload_bytes = any_payload ? last_end - payload_area : 0;
+    if (total > w->cap - w->end || (w->seg_epochs > 0 && w->end + total > w->soft_max)) {
+        w->need = total;
+        return 1;
+    }
+    if (payload_area > w->head_cap) {
+        uint8_t *h = realloc(w->head, payload_area);
+        if (!h) return set_error(w, ERR_WRITE, ENOMEM, start, "out of memory for an epoch head");
+        w->head = h;
+        w->head_cap = payload_area;
+    }
+    for (int i = 0; i < nr; i++)
+        if (recs[i].rtype != REC_META) recs[i].crc = crc32c(0, recs[i].payload, recs[i].plen);
+    /* descriptors */
+    uint8_t *d = w->head + EPOCH_HEADER_BYTES;
+    for (int i = 0; i < nr; i++) {
+        Rec *r = &recs[i];
+        size_t vlen = r->name_len + rec_var_len(r);
+        put16(d, (uint16_t)r->rtype);
+        put16(d + 2, 0);
+        put32(d + 4, (uint32_t)r->name_len);
+        put64(d + 8, r->count);
+        put64(d + 16, vlen);
+        put64(d + 24, r->rtype == REC_META ? 0 : r->off);
+        put64(d + 32, r->rtype == REC_META ? 0 : r->plen);
+        put32(d + 40, r->rtype == REC_META ? 0 : r->crc);
+        put32(d + 44, 0);
+        uint8_t *v = d + ENTRY_BYTES;
+        memcpy(v, r->name, r->name_len);
+        if (r->rtype == REC_META) memcpy(v + r->name_len, r->json, r->json_len);
+        else memcpy(v + r->name_len, r->var_words, (size_t)r->n_words * 8);
+        size_t padded = align_up(vlen, 8);
+        memset(v + vlen, 0, padded - vlen);
+        d = v + padded;
+    }
+    uint32_t desc_crc = crc32c(0, w->head + EPOCH_HEADER_BYTES, desc_bytes);
+    uint8_t *h = w->head;
+    memcpy(h, "CFTEPOCH", 8);
+    put16(h + 8, FORMAT_VERSION);
+    put16(h + 10, 0);
+    put32(h + 12, (uint32_t)nr);
+    put64(h + 16, (uint64_t)w->next_epoch);
+    put64(h + 24, desc_bytes);
+    put64(h + 32, total);
+    put64(h + 40, payload_bytes);
+    put32(h + 48, crc32c(0, h, 48));
+    put32(h + 52, desc_crc);
+    memset(w->head + EPOCH_HEADER_BYTES + desc_bytes, 0, payload_area - EPOCH_HEADER_BYTES - desc_bytes);
+    uint8_t commit[COMMIT_BYTES];
+    memcpy(commit, "CFTCOMMT", 8);
+    put64(commit + 8, (uint64_t)w->next_epoch);
+    put64(commit + 16, total);
+    put32(commit + 24, desc_crc);
+    put32(commit + 28, crc32c(0, commit, 28));
+
+    if (w->kind == TARGET_MAPPED) {
+        uint8_t *dst = w->base + start;
+        uint64_t pos = payload_area;
+        for (int i = 0; i < nr; i++) { /* payloads (and the zeros between them) first */
+            Rec *r = &recs[i];
+            if (r->rtype == REC_META) continue;
+            if (r->off > pos) memset(dst + pos, 0, r->off - pos);
+            memcpy(dst + r->off, r->payload, r->plen);
+            pos = r->off + r->plen;
+        }
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        memcpy(dst, w->head, payload_area); /* then header + descriptors */
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+        memcpy(dst + total - COMMIT_BYTES, commit, COMMIT_BYTES); /* the commit marker last */
+        __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    } else {
+        struct iovec iov[2 * MAX_RECORDS + 2];
+        int ni = 0;
+        uint64_t pos = payload_area;
+        iov[ni].iov_base = w->head;
+        iov[ni++].iov_len = payload_area;
+        for (int i = 0; i < nr; i++) {
+            Rec *r = &recs[i];
+            if (r->rtype == REC_META) continue;
+            if (r->off > pos) { iov[ni].iov_base = w->zeros; iov[ni++].iov_len = r->off - pos; }
+            iov[ni].iov_base = (void *)r->payload;
+            iov[ni++].iov_len = r->plen;
+            pos = r->off + r->plen;
+        }
+        iov[ni].iov_base = commit;
+        iov[ni++].iov_len = COMMIT_BYTES;
+        uint64_t off = start, left = total;
+        int first = 0;
+        while (left) {
+            ssize_t k = pwritev(w->fd, iov + first, ni - first, (off_t)off);
+            if (k < 0) {
+                if (errno == EINTR) continue;
+                return set_error(w, ERR_WRITE, errno, start, "writing epoch %lld at offset %llu", (long long)w->next_epoch,
+                                 (unsigned long long)start);
+            }
+            off += (uint64_t)k;
+            left -= (uint64_t)k;
+            while (k > 0 && first < ni) { /* skip what went out */
+                if ((size_t)k >= iov[first].iov_len) { k -= (ssize_t)iov[first].iov_len; first++; }
+                else { iov[first].iov_base = (uint8_t *)iov[first].iov_base + k; iov[first].iov_len -= (size_t)k; k = 0; }
+            }
+        }
+        if (w->fsync_mode == FSYNC_ALWAYS && fdatasync(w->fd) != 0)
+            return set_error(w, ERR_WRITE, errno, start, "fdatasync of epoch %lld", (long long)w->next_epoch);
+    }
+    w->end = start + total;
+    w->seg_epochs++;
+    w->epochs++;
+    w->bytes_written += (int64_t)total;
+    w->last_total = total;
+    if (w->kind == TARGET_MAPPED || w->fsync_mode == FSYNC_ALWAYS) { /* tmpfs: the stores are the page cache */
+        w->synced_end = w->end;
+        w->durable_epoch = w->next_epoch;
+    }
+    w->next_epoch++;
+    return 0;
+}
+
+/* the interval policy: fdatasync when the oldest unsynced byte is older than the interval (called without mu) */
+static int maybe_sync(Writer *w, int64_t now) {
+    if (w->kind != TARGET_FILE || w->fsync_mode != FSYNC_INTERVAL || w->synced_end >= w->end) return 0;
+    if (now - w->last_sync_ns < w->interval_ns) return 0;
+    if (fdatasync(w->fd) != 0)
+        return set_error(w, ERR_SYNC, errno, w->end, "background fdatasync of the active segment");
+    w->synced_end = w->end;
+    w->durable_epoch = w->next_epoch - 1;
+    w->last_sync_ns = now_ns(CLOCK_MONOTONIC);
+    return 0;
+}
+
+static int grow_stats(Writer *w) {
+    if (w->n_stats < w->stats_cap) return 0;
+    size_t cap = w->stats_cap ? 2 * w->stats_cap : 1024;
+    Stat *s = realloc(w->stats, cap * sizeof *s);
+    if (!s) return -1;
+    w->stats = s;
+    w->stats_cap = cap;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------ Python */
+static void Writer_dealloc(Writer *w) {
+    if (w->sync_ready) {
+        pthread_mutex_destroy(&w->mu);
+        pthread_cond_destroy(&w->cv);
+    }
+    free(w->chunks); free(w->chunk_off); free(w->chunk_len); free(w->holes);
+    free(w->q); free(w->head); free(w->meta); free(w->stats);
+    Py_TYPE(w)->tp_free((PyObject *)w);
+}
+
+static int Writer_init(Writer *w, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"ring", "n_slots", "slot_bytes", "slot_header", "max_pages", "kv_page_bytes", "kv_name",
+                             "tokens", "tokens_nbytes", "tokens_page_bytes", "tokens_name", "meta_chunks",
+                             "meta_holes", NULL};
+    unsigned long long ring, n_slots, slot_bytes, slot_header, max_pages, kv_pb, tok, tok_nbytes, tok_pb;
+    Py_buffer kvn, tkn;
+    PyObject *chunks, *holes;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KKKKKKy*KKKy*OO", kwlist, &ring, &n_slots, &slot_bytes, &slot_header,
+                                     &max_pages, &kv_pb, &kvn, &tok, &tok_nbytes, &tok_pb, &tkn, &chunks, &holes))
+        return -1;
+    int rc = -1;
+    if (kvn.len >= MAX_NAME || tkn.len >= MAX_NAME) { PyErr_SetString(PyExc_ValueError, "region name too long"); goto out; }
+    if (!n_slots || !kv_pb || !tok_pb || slot_header < 40 || slot_bytes < slot_header + max_pages * kv_pb) {
+        PyErr_SetString(PyExc_ValueError, "ring geometry does not add up");
+        goto out;
+    }
+    if (!PyList_Check(chunks) || !PyList_Check(holes) || PyList_GET_SIZE(chunks) != PyList_GET_SIZE(holes) + 1) {
+        PyErr_SetString(PyExc_ValueError, "meta_chunks must be a list one longer than the list meta_holes");
+        goto out;
+    }
+    w->ring = (const uint8_t *)(uintptr_t)ring;
+    w->n_slots = n_slots; w->slot_bytes = slot_bytes; w->slot_header = slot_header; w->max_pages = max_pages;
+    w->kv_pb = kv_pb;
+    memcpy(w->kv_name, kvn.buf, (size_t)kvn.len); w->kv_name_len = (size_t)kvn.len;
+    w->tok = (uint8_t *)(uintptr_t)tok; w->tok_nbytes = tok_nbytes; w->tok_pb = tok_pb;
+    memcpy(w->tok_name, tkn.buf, (size_t)tkn.len); w->tok_name_len = (size_t)tkn.len;
+    Py_ssize_t nh = PyList_GET_SIZE(holes);
+    w->n_holes = (int)nh;
+    w->holes = calloc((size_t)nh + 1, sizeof(int));
+    w->chunk_off = calloc((size_t)nh + 1, sizeof(size_t));
+    w->chunk_len = calloc((size_t)nh + 1, sizeof(size_t));
+    size_t total = 0;
+    for (Py_ssize_t i = 0; i <= nh; i++) {
+        PyObject *c = PyList_GET_ITEM(chunks, i);
+        if (!PyBytes_Check(c)) { PyErr_SetString(PyExc_TypeError, "meta_chunks must be bytes"); goto out; }
+        total += (size_t)PyBytes_GET_SIZE(c);
+    }
+    w->chunks = malloc(total + 1);
+    w->meta_cap = total + (size_t)nh * 48 + 1;
+    w->meta = malloc(w->meta_cap);
+    w->q_cap = n_slots + 8;
+    w->q = calloc(w->q_cap, sizeof(Item));
+    if (!w->holes || !w->chunk_off || !w->chunk_len || !w->chunks || !w->meta || !w->q) { PyErr_NoMemory(); goto out; }
+    size_t off = 0;
+    for (Py_ssize_t i = 0; i <= nh; i++) {
+        PyObject *c = PyList_GET_ITEM(chunks, i);
+        size_t n = (size_t)PyBytes_GET_SIZE(c);
+        memcpy(w->chunks + off, PyBytes_AS_STRING(c), n);
+        w->chunk_off[i] = off; w->chunk_len[i] = n;
+        off += n;
+        if (i < nh) {
+            long k = PyLong_AsLong(PyList_GET_ITEM(holes, i));
+            if (k < 0 || k >= N_HOLE_KINDS) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "unknown meta hole kind");
+                goto out;
+            }
+            w->holes[i] = (int)k;
+        }
+    }
+    w->chunks_total = total;
+    if (!w->sync_ready) {
+        pthread_mutex_init(&w->mu, NULL);
+        pthread_cond_init(&w->cv, NULL);
+        w->sync_ready = 1;
+    }
+    w->committed = -1;
+    w->fd = -1;
+    rc = 0;
+out:
+    PyBuffer_Release(&kvn);
+    PyBuffer_Release(&tkn);
+    return rc;
+}
+
+static PyObject *Writer_set_target(Writer *w, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"kind", "address", "fd", "end", "capacity", "soft_max", "segment_epochs", "next_epoch",
+                             "fsync", "interval_ns", "synced_end", "durable_epoch", NULL};
+    int kind, fd, fsync_mode;
+    unsigned long long addr, end, cap, soft_max, synced_end;
+    long long seg_epochs, next_epoch, interval_ns, durable_epoch;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iKiKKKLLiLKL", kwlist, &kind, &addr, &fd, &end, &cap, &soft_max,
+                                     &seg_epochs, &next_epoch, &fsync_mode, &interval_ns, &synced_end, &durable_epoch))
+        return NULL;
+    if ((kind != TARGET_MAPPED && kind != TARGET_FILE) || (kind == TARGET_MAPPED && !addr) ||
+        (kind == TARGET_FILE && fd < 0) || end > cap || fsync_mode < 0 || fsync_mode > 2) {
+        PyErr_SetString(PyExc_ValueError, "bad target for the slot-log writer");
+        return NULL;
+    }
+    pthread_mutex_lock(&w->mu);
+    w->kind = kind; w->base = (uint8_t *)(uintptr_t)addr; w->fd = fd; w->end = end; w->cap = cap;
+    w->soft_max = soft_max; w->seg_epochs = seg_epochs; w->next_epoch = next_epoch; w->fsync_mode = fsync_mode;
+    w->interval_ns = interval_ns; w->synced_end = synced_end; w->durable_epoch = durable_epoch;
+    w->last_sync_ns = now_ns(CLOCK_MONOTONIC);
+    w->rolling = 0;
+    pthread_mutex_unlock(&w->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_submit(Writer *w, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "submit(seq, n_tokens, n_new, done)"); return NULL; }
+    Item it;
+    it.seq = PyLong_AsLongLong(args[0]);
+    it.n_tokens = PyLong_AsLongLong(args[1]);
+    it.n_new = PyLong_AsLongLong(args[2]);
+    it.done = PyObject_IsTrue(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    it.submit_ns = now_ns(CLOCK_MONOTONIC);
+    pthread_mutex_lock(&w->mu);
+    if (w->q_head - w->q_tail >= w->q_cap) {
+        pthread_mutex_unlock(&w->mu);
+        PyErr_SetString(PyExc_RuntimeError, "slot-log writer queue is full (more steps submitted than ring slots)");
+        return NULL;
+    }
+    w->q[w->q_head % w->q_cap] = it;
+    w->q_head++;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_fail(Writer *w, PyObject *unused) {
+    (void)unused;
+    pthread_mutex_lock(&w->mu);
+    w->failed = 1;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_stop(Writer *w, PyObject *unused) {
+    (void)unused;
+    pthread_mutex_lock(&w->mu);
+    w->stop_req = 1;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    Py_RETURN_NONE;
+}
+
+static void timed_wait(Writer *w, int64_t ns) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    int64_t t = (int64_t)ts.tv_nsec + ns;
+    ts.tv_sec += (time_t)(t / 1000000000ll);
+    ts.tv_nsec = (long)(t % 1000000000ll);
+    pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+}
+
+/* the writer loop: returns RUN_* */
+static PyObject *Writer_run(Writer *w, PyObject *unused) {
+    (void)unused;
+    int result;
+    if (w->kind == TARGET_NONE) { PyErr_SetString(PyExc_RuntimeError, "set_target before run"); return NULL; }
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&w->mu);
+    w->running = 1;
+    for (;;) {
+        if (w->failed) { result = RUN_FAILED; break; }
+        if (w->q_tail < w->q_head) {
+            Item it = w->q[w->q_tail % w->q_cap];
+            pthread_mutex_unlock(&w->mu);
+            int64_t t0 = now_ns(CLOCK_MONOTONIC);
+            int rc = write_one(w, &it);
+            int64_t t1 = now_ns(CLOCK_MONOTONIC);
+            if (rc == 0) rc = maybe_sync(w, t1);
+            pthread_mutex_lock(&w->mu);
+            if (rc == 1) { w->rolling = 1; result = RUN_ROLL; break; }
+            if (rc < 0) { w->failed = 1; result = RUN_FAILED; break; }
+            if (grow_stats(w) == 0)
+                w->stats[w->n_stats++] = (Stat){it.seq, it.submit_ns, t0, t1, (int64_t)w->last_total, w->next_epoch - 1};
+            w->q_tail++;
+            w->committed = it.seq;
+            pthread_cond_broadcast(&w->cv);
+            continue;
+        }
+        if (w->stop_req) { result = RUN_STOPPED; break; }
+        if (w->kind == TARGET_FILE && w->fsync_mode == FSYNC_INTERVAL && w->synced_end < w->end) {
+            int64_t due = w->last_sync_ns + w->interval_ns - now_ns(CLOCK_MONOTONIC);
+            if (due > 0) timed_wait(w, due);
+            else {
+                pthread_mutex_unlock(&w->mu);
+                int rc = maybe_sync(w, now_ns(CLOCK_MONOTONIC));
+                pthread_mutex_lock(&w->mu);
+                if (rc < 0) { w->failed = 1; result = RUN_FAILED; break; }
+            }
+        } else {
+            pthread_cond_wait(&w->cv, &w->mu);
+        }
+    }
+    w->running = 0;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLong(result);
+}
+
+/* wait(seq, timeout_s) -> committed seq (may be < seq: failed, or the timeout passed) */
+static PyObject *Writer_wait(Writer *w, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "wait(seq, timeout_s)"); return NULL; }
+    long long seq = PyLong_AsLongLong(args[0]);
+    double timeout = PyFloat_AsDouble(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    int64_t c = __atomic_load_n(&w->committed, __ATOMIC_ACQUIRE);
+    if (c >= seq) return PyLong_FromLongLong(c);
+    Py_BEGIN_ALLOW_THREADS
+    int64_t deadline = now_ns(CLOCK_MONOTONIC) + (int64_t)(timeout * 1e9);
+    pthread_mutex_lock(&w->mu);
+    while (w->committed < seq && !w->failed) {
+        int64_t left = deadline - now_ns(CLOCK_MONOTONIC);
+        if (left <= 0) break;
+        timed_wait(w, left);
+    }
+    c = w->committed;
+    pthread_mutex_unlock(&w->mu);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromLongLong(c);
+}
+
+/* token(seq) -> the token of step seq from its slot, or None when the slot does not hold it */
+static PyObject *Writer_token(Writer *w, PyObject *arg) {
+    long long seq = PyLong_AsLongLong(arg);
+    if (PyErr_Occurred()) return NULL;
+    const int64_t *words = (const int64_t *)(w->ring + (uint64_t)(seq % (long long)w->n_slots) * w->slot_bytes);
+    if (__atomic_load_n(&words[0], __ATOMIC_ACQUIRE) != seq + 1) Py_RETURN_NONE;
+    return PyLong_FromLongLong(__atomic_load_n(&words[1], __ATOMIC_RELAXED));
+}
+
+static PyObject *Writer_state(Writer *w, PyObject *unused) {
+    (void)unused;
+    pthread_mutex_lock(&w->mu);
+    PyObject *d = Py_BuildValue(
+        "{s:L,s:K,s:K,s:L,s:L,s:L,s:L,s:L,s:i,s:i,s:K,s:K,s:i}", "committed", (long long)w->committed, "end",
+        (unsigned long long)w->end, "synced_end", (unsigned long long)w->synced_end, "segment_epochs",
+        (long long)w->seg_epochs, "next_epoch", (long long)w->next_epoch, "durable_epoch", (long long)w->durable_epoch,
+        "epochs", (long long)w->epochs, "bytes_written", (long long)w->bytes_written, "failed", w->failed, "rolling",
+        w->rolling, "need", (unsigned long long)w->need, "queued", (unsigned long long)(w->q_head - w->q_tail),
+        "running", w->running);
+    pthread_mutex_unlock(&w->mu);
+    return d;
+}
+
+static PyObject *Writer_error(Writer *w, PyObject *unused) {
+    (void)unused;
+    if (w->err_kind == ERR_NONE) Py_RETURN_NONE;
+    return Py_BuildValue("(iisKL)", w->err_kind, w->err_errno, w->err_text, (unsigned long long)w->err_start,
+                         (long long)w->err_epoch);
+}
+
+/* stats() -> bytes of int64 rows (seq, submit_ns, start_ns, commit_ns, total_bytes, epoch) of every committed epoch */
+static PyObject *Writer_stats(Writer *w, PyObject *unused) {
+    (void)unused;
+    pthread_mutex_lock(&w->mu);
+    PyObject *b = PyBytes_FromStringAndSize((const char *)w->stats, (Py_ssize_t)(w->n_stats * sizeof(Stat)));
+    pthread_mutex_unlock(&w->mu);
+    return b;
+}
+
+static PyMethodDef Writer_methods[] = {
+    {"set_target", (PyCFunction)(void (*)(void))Writer_set_target, METH_VARARGS | METH_KEYWORDS,
+     "set_target(kind, address, fd, end, capacity, soft_max, segment_epochs, next_epoch, fsync, interval_ns, "
+     "synced_end, durable_epoch): the segment to append to (kind 1 mapped, 2 file)"},
+    {"submit", (PyCFunction)(void (*)(void))Writer_submit, METH_FASTCALL, "submit(seq, n_tokens, n_new, done)"},
+    {"fail", (PyCFunction)Writer_fail, METH_NOARGS, "mark the writer failed (the Python side failed a roll)"},
+    {"stop", (PyCFunction)Writer_stop, METH_NOARGS, "finish the queue, then run() returns 0"},
+    {"run", (PyCFunction)Writer_run, METH_NOARGS, "the writer loop, GIL released: 0 stopped, 1 roll, 2 failed"},
+    {"wait", (PyCFunction)(void (*)(void))Writer_wait, METH_FASTCALL, "wait(seq, timeout_s) -> committed seq"},
+    {"token", (PyCFunction)Writer_token, METH_O, "token(seq) -> int or None"},
+    {"state", (PyCFunction)Writer_state, METH_NOARGS, "progress and the target's state, as a dict"},
+    {"error", (PyCFunction)Writer_error, METH_NOARGS, "(kind, errno, text, start, epoch) or None"},
+    {"stats", (PyCFunction)Writer_stats, METH_NOARGS, "int64 rows (seq, submit, start, commit ns, bytes, epoch)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject WriterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "concordia_ft.core._slotlog.Writer",
+    .tp_basicsize = sizeof(Writer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Writer_init,
+    .tp_dealloc = (destructor)Writer_dealloc,
+    .tp_methods = Writer_methods,
+    .tp_doc = "Ring slots -> committed log epochs, GIL released (see the module's source header).",
+};
+
+static PyObject *py_crc32c(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer b;
+    unsigned int value = 0;
+    if (!PyArg_ParseTuple(args, "y*|I", &b, &value)) return NULL;
+    uint32_t c = crc32c(value, b.buf, (size_t)b.len);
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(c);
+}
+
+static PyObject *py_crc_impl(PyObject *self, PyObject *unused) {
+    (void)self; (void)unused;
+    return PyUnicode_FromString(crc_hw ? "sse4.2" : "table");
+}
+
+static PyMethodDef module_methods[] = {
+    {"crc32c", py_crc32c, METH_VARARGS, "crc32c(buffer, value=0) -> CRC32C (Castagnoli), as the crc32c package"},
+    {"crc_impl", py_crc_impl, METH_NOARGS, "'sse4.2' or 'table'"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slotlog", "Token-epoch writer with the GIL released.", -1,
+                                    module_methods};
+
+PyMODINIT_FUNC PyInit__slotlog(void) {
+    crc_init();
+    if (PyType_Ready(&WriterType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&WriterType);
+    if (PyModule_AddObject(m, "Writer", (PyObject *)&WriterType) < 0) {
+        Py_DECREF(&WriterType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyModule_AddIntConstant(m, "TARGET_MAPPED", TARGET_MAPPED);
+    PyModule_AddIntConstant(m, "TARGET_FILE", TARGET_FILE);
+    PyModule_AddIntConstant(m, "RUN_STOPPED", RUN_STOPPED);
+    PyModule_AddIntConstant(m, "RUN_ROLL", RUN_ROLL);
+    PyModule_AddIntConstant(m, "RUN_FAILED", RUN_FAILED);
+    PyModule_AddIntConstant(m, "ERR_SLOT", ERR_SLOT);
+    PyModule_AddIntConstant(m, "ERR_WRITE", ERR_WRITE);
+    PyModule_AddIntConstant(m, "ERR_SYNC", ERR_SYNC);
+    PyModule_AddIntConstant(m, "SLOT_WORDS", 5);
+    return m;
+}

@@ -1,0 +1,206 @@
+"""Graph decode's token-epoch writer in C (``_slotlog.c``): ring slots -> committed epochs with the GIL released.
+
+The GPU writes each decoded token's epoch payload into a slot of a ring of host memory (cuda/graphs.py has the
+slot layout: a ``slot_header``-byte header whose word 0, ``seq + 1``, is written last, then the pages of the
+KV row). ``SlotLogWriter`` leases the log's active segment (``RecoveryLog.lease_tail``) and runs the C writer
+on a Python thread that sits inside ``Writer.run()`` with the GIL released: it builds each epoch (the same
+records, layout, CRC32C and commit marker as ``RecoveryLog.append`` of the same deltas and metadata), stores it
+(mapped segment: payloads, then header, then marker; file segment: one pwritev, then fdatasync under
+``always``, or every interval under ``interval``) and signals the decode thread. The thread takes the GIL only
+to roll to the next segment (once per segment) or to report a failure.
+
+Optional: without the compiled module (no compiler at install time), or with ``CONCORDIA_SLOTLOG_IMPL=python``,
+graph decode uses its Python writer (integrations/graph_decode.py), which writes the same log.
+
+The metadata is a JSON template (``meta_template``): the session's metadata encoded with sentinel numbers
+where the per-token values go (n_tokens, n_new, done, each cache length, the time), split at them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ..errors import CheckpointError, ConfigError
+from .format import encode_json
+from .log import RecoveryLog, TailLease
+from .regions import RegionSpec
+
+try:
+    from . import _slotlog  # type: ignore[attr-defined]
+    _WHY = ""
+except ImportError as _e:  # no compiler at install time: the Python writer runs instead
+    _slotlog = None
+    _WHY = f"not built: {_e}"
+
+# hole kinds of the metadata template (the C writer's HOLE_*)
+HOLE_N_TOKENS, HOLE_N_NEW, HOLE_DONE, HOLE_LENGTH, HOLE_TIME = range(5)
+# error kinds (the C writer's ERR_*)
+ERR_SLOT, ERR_WRITE, ERR_SYNC = 1, 2, 3
+RUN_STOPPED, RUN_ROLL, RUN_FAILED = 0, 1, 2
+# sentinels: 19-digit numbers no session metadata holds (checked: each must occur exactly as often as expected)
+SENTINELS = {k: 7_391_046_582_000_000_000 + k for k in range(5)}
+_TARGET = {"mapped": 1, "file": 2}
+
+
+def available() -> bool:
+    """True when the C writer is built and not switched off (``CONCORDIA_SLOTLOG_IMPL=python``)."""
+    return _slotlog is not None and os.environ.get("CONCORDIA_SLOTLOG_IMPL", "c") != "python"
+
+
+def status() -> str:
+    """One line for ``concordia doctor`` and benchmark stamps."""
+    if _slotlog is None:
+        return f"python ({_WHY})"
+    if not available():
+        return "python (CONCORDIA_SLOTLOG_IMPL=python)"
+    return f"c (crc32c: {_slotlog.crc_impl()})"
+
+
+def crc32c(data: Any, value: int = 0) -> int:
+    """The C writer's CRC32C (tests compare it with the crc32c package)."""
+    if _slotlog is None:
+        raise ConfigError(f"the C token-epoch writer is {_WHY}; build it with scripts/build_ext.sh")
+    return int(_slotlog.crc32c(data, value))
+
+
+def meta_template(doc: Any, counts: Mapping[int, int]) -> tuple[list[bytes], list[int]] | None:
+    """Split ``encode_json(doc)`` at the sentinel numbers (``SENTINELS``) into literal chunks and hole kinds.
+    ``counts``: how often each hole kind must occur. None when the encoding does not match that (a sentinel in
+    a string, a missing field): the caller then uses the Python writer."""
+    raw = encode_json(doc)
+    by_digits = {str(v).encode(): k for k, v in SENTINELS.items()}
+    pat = re.compile(rb"(?<![0-9.\"])(" + b"|".join(re.escape(d) for d in by_digits) + rb")(?![0-9.eE\"])")
+    chunks: list[bytes] = []
+    holes: list[int] = []
+    pos = 0
+    for m in pat.finditer(raw):
+        chunks.append(raw[pos:m.start()])
+        holes.append(by_digits[m.group(1)])
+        pos = m.end()
+    chunks.append(raw[pos:])
+    found = {k: holes.count(k) for k in SENTINELS}
+    if any(found[k] != counts.get(k, 0) for k in SENTINELS):
+        return None
+    if sum(raw.count(d) for d in by_digits) != len(holes):  # one inside a string or a longer number
+        return None
+    return chunks, holes
+
+
+class SlotLogWriter:
+    """The C writer over one leased log tail, its Python thread, and the decode thread's side of it."""
+
+    def __init__(self, log: RecoveryLog, *, ring_address: int, n_slots: int, slot_bytes: int, slot_header: int,
+                 max_pages: int, kv: RegionSpec, tokens_image: npt.NDArray[np.int64], tokens: RegionSpec,
+                 meta: tuple[list[bytes], list[int]]) -> None:
+        if not available():
+            raise ConfigError(f"the C token-epoch writer is {status()}")
+        assert _slotlog is not None
+        if tokens_image.dtype != np.int64 or not tokens_image.flags.c_contiguous:
+            raise ConfigError("the tokens image must be a contiguous int64 array")
+        lease = log.lease_tail()
+        if lease is None:
+            raise ConfigError(f"the log {log.dir} cannot be leased (a DAX segment, injected OS calls or a failed log)")
+        self.log = log
+        self._image = tokens_image  # the C writer stores token ids into it: kept alive here
+        try:
+            self._w = _slotlog.Writer(
+                ring=int(ring_address), n_slots=int(n_slots), slot_bytes=int(slot_bytes),
+                slot_header=int(slot_header), max_pages=int(max_pages), kv_page_bytes=int(kv.page_bytes),
+                kv_name=kv.name.encode(), tokens=int(tokens_image.ctypes.data), tokens_nbytes=int(tokens_image.nbytes),
+                tokens_page_bytes=int(tokens.page_bytes), tokens_name=tokens.name.encode(), meta_chunks=meta[0],
+                meta_holes=meta[1])
+            self._target(lease)
+        except BaseException:
+            log.end_lease({"next_epoch": lease.next_epoch, "end": lease.end, "segment_epochs": lease.segment_epochs,
+                           "synced_end": lease.synced_end, "durable_epoch": lease.durable_epoch})
+            raise
+        self.error: CheckpointError | None = None
+        self._ended = False
+        self._thread = threading.Thread(target=self._loop, name="concordia-token-epochs-c", daemon=True)
+        self._thread.start()
+
+    def _target(self, lease: TailLease) -> None:
+        d = asdict(lease)
+        d["kind"] = _TARGET[d["kind"]]
+        d["address"], d["capacity"] = d.pop("address"), d.pop("capacity")
+        self._w.set_target(**d)
+
+    def _loop(self) -> None:
+        err: CheckpointError | None = None
+        try:
+            while True:
+                rc = self._w.run()
+                if rc == RUN_ROLL:
+                    st = self._w.state()
+                    try:
+                        lease = self.log.roll_leased(st, int(st["need"]))
+                    except CheckpointError as e:
+                        self._ended = True  # roll_leased ended the lease
+                        err = e
+                        break
+                    self._target(lease)
+                    continue
+                if rc == RUN_FAILED:
+                    failure = self._w.error()
+                    if failure is not None:
+                        err = self.log.end_lease(self._w.state(), failure)
+                        self._ended = True
+                break
+        except BaseException as e:  # noqa: BLE001 - reported on the decode thread by its next wait
+            err = CheckpointError((self.log.last_epoch or 0) + 1, self.log.last_epoch, False,
+                                  f"{type(e).__name__}: {e}")
+            err.__cause__ = e
+        finally:
+            if not self._ended:
+                self.log.end_lease(self._w.state())
+                self._ended = True
+            if err is not None:
+                self.error = err
+                self._w.fail()  # wakes the decode thread's wait
+
+    # -- the decode thread's side ---------------------------------------------------------------------------
+    def submit(self, seq: int, n_tokens: int, n_new: int, done: bool) -> None:
+        self._w.submit(seq, n_tokens, n_new, done)
+
+    def token(self, seq: int) -> int | None:
+        """The token of step ``seq`` from its slot (None when the slot does not hold it)."""
+        return self._w.token(seq)  # type: ignore[no-any-return]
+
+    def wait(self, seq: int) -> None:
+        """Until the epoch of step ``seq`` committed (GIL released); raises the writer's failure."""
+        while self._w.wait(seq, 0.5) < seq:
+            if self.error is not None or not self._thread.is_alive():
+                self._thread.join()
+                if self.error is not None:
+                    raise self.error
+                raise CheckpointError((self.log.last_epoch or 0) + 1, self.log.last_epoch, False,
+                                      f"the token-epoch writer stopped before step {seq} committed")
+
+    @property
+    def committed(self) -> int:
+        return int(self._w.state()["committed"])
+
+    def stop(self) -> None:
+        """Commit what was submitted, end the lease (the log takes the appended tail over); raises a failure."""
+        self._w.stop()
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+    def stats(self) -> npt.NDArray[np.int64]:
+        """One row per committed epoch: seq, submit / append start / commit (CLOCK_MONOTONIC ns), bytes, epoch."""
+        return np.frombuffer(self._w.stats(), dtype=np.int64).reshape(-1, 6)
+
+    def state(self) -> dict[str, Any]:
+        return dict(self._w.state())
+
+
+__all__ = ["SENTINELS", "SlotLogWriter", "available", "crc32c", "meta_template", "status"]
