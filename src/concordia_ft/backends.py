@@ -94,14 +94,19 @@ class CudaBackend:
         return list(batch_dense(list(trackers)))  # type: ignore[arg-type]
 
     def attach_log(self, tracker: Tracker, log: RecoveryLog) -> None:
-        """Into mapped segments (the dram backend), paged and dense regions hand the log device payloads that
-        it DMAs straight into its own pages (core/mapped.py, cuda/mapped.py); the mappings are pinned with the
+        """Into mapped segments (the dram backend), paged and dense regions (and opaque ones in asynchronous
+        epochs) hand the log device payloads that it DMAs straight into its own pages (core/mapped.py, cuda/mapped.py); the mappings are pinned with the
         driver once, and each later segment ahead of its use."""
-        if log.accepts_placed and tracker.spec.kind in (RegionKind.PAGED, RegionKind.DENSE):
+        kind = tracker.spec.kind
+        if log.accepts_placed and kind in (RegionKind.PAGED, RegionKind.DENSE, RegionKind.OPAQUE):
             from .cuda.mapped import register_host_range
 
             log.set_mapping_registrar(register_host_range)
-            tracker.direct = True  # type: ignore[attr-defined]  # a CUDA tracker (this backend's)
+            # a CUDA tracker (this backend's): asynchronous epochs of all three, synchronous ones of paged and
+            # dense (an opaque region's synchronous advance reads its staged host payload)
+            tracker.placed_async = True  # type: ignore[attr-defined]
+            if kind is not RegionKind.OPAQUE:
+                tracker.direct = True  # type: ignore[attr-defined]
 
     def image_alloc(self, tracker: Tracker, *, direct: bool, pinned: bool) -> ImageAlloc | None:
         """Page-locked host memory, so each region goes to the device in one DMA."""

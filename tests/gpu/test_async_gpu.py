@@ -339,3 +339,58 @@ def test_lora_dropout_on_the_gpu_resumes_with_the_same_losses(tmp_path: Path) ->
     other = [r.loss for r in t.train(batch, steps)]
     t.close()
     assert other != ref_losses[cut:]
+
+
+def test_async_epochs_dma_snapshots_straight_into_the_mapped_dram_log(shm_dir: Path) -> None:
+    """A mapped DRAM log: asynchronous epochs hand the log their device snapshots (dense batch members, a
+    paged gather, an opaque region's full and listed snapshots), which it DMAs into its own pages: no pinned
+    staging buffer is ever allocated for them, and every epoch replays to exactly the state at its call."""
+    seed = _seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n_blocks = 256
+    t = {
+        "adapter": torch.randn((1 << 20) + 3, device="cuda", generator=g),  # 4 MiB + 12 bytes: a padded tail
+        "moments": torch.randn(1 << 19, device="cuda", generator=g),
+        "small": torch.randn(1000, device="cuda", generator=g),  # under the DMA threshold: staged
+        "opaque": torch.randn(1 << 19, device="cuda", generator=g),
+        "kv": torch.randint(0, 255, (n_blocks * BLOCK,), device="cuda", generator=g, dtype=torch.uint8),
+    }
+    flags = torch.zeros(n_blocks, dtype=torch.uint8, device="cuda")
+    rt = cft.Runtime(shm_dir / "log", fsync="never", backend="dram", compact_after_bytes=None,
+                     log_options={"mapped_segment_bytes": 16 << 20})
+    for name in ("adapter", "moments", "small"):
+        rt.register(name, t[name], "dense")
+    rt.register("opaque", t["opaque"], "opaque", diff="hash")
+    rt.register("kv", t["kv"], "paged", block_bytes=BLOCK, dirty_blocks=flags)
+    assert rt.log.accepts_placed
+    r = np.random.default_rng(seed)
+    states = []
+    for step in range(6):
+        if step:
+            t["adapter"].mul_(1.5)
+            t["moments"].add_(1.0)
+            t["small"].neg_()
+            idx = torch.as_tensor(r.choice(t["opaque"].numel() // 1024, size=100, replace=False) * 1024,
+                                  device="cuda")
+            t["opaque"][idx] += 1.0  # 100 pages: a listed snapshot over the DMA threshold
+            blocks = r.choice(n_blocks, size=40, replace=False)
+            for b in blocks:
+                t["kv"][int(b) * BLOCK: int(b) * BLOCK + 100] = torch.randint(
+                    0, 255, (100,), dtype=torch.uint8, device="cuda", generator=g)
+            flags[torch.as_tensor(blocks, device="cuda")] = 1
+        states.append({k: v.clone() for k, v in t.items()})
+        h = rt.checkpoint_async({"step": step})
+        if step % 2:
+            h.wait()
+            rec = cft.recover(shm_dir / "log")
+            for name, want in states[-1].items():
+                assert np.array_equal(rec.regions[name], _host(want)), (seed, step, name)
+    h.wait()
+    for name in ("adapter", "moments", "opaque", "kv"):
+        assert rt._trackers[name]._payload is None, (seed, name)  # never staged through pinned memory
+    assert rt._trackers["small"]._payload is not None
+    rt.close()
+    rec = cft.recover(shm_dir / "log")
+    assert rec.epoch == 6
+    for name, want in states[-1].items():
+        assert np.array_equal(rec.regions[name], _host(want)), (seed, name)

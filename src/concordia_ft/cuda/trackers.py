@@ -136,6 +136,11 @@ class CudaTracker:
         # log a DevicePayload (device bytes it DMAs into its own pages) instead of staging into pinned memory.
         # Set by the Runtime for paged and dense regions (an opaque region's advance reads its staged payload).
         self.direct = False
+        # placed_async: the same for asynchronous epochs (Runtime.checkpoint_async): the background writer hands
+        # the log the device snapshot as a DevicePayload (DMA'd into the log's pages on the side stream) instead
+        # of a DtoH into pinned staging that the append then copies again. Paged, dense and opaque regions (an
+        # opaque region's staged advance reads its device snapshot, never the payload).
+        self.placed_async = False
         if profile:
             # profile mode times the GPU work alone: the stream waits on a host flag while the host enqueues
             # the kernels between two events, then the flag is released (no host launch gaps in the time)
@@ -448,6 +453,14 @@ class CudaTracker:
             live = source == _LIVE
             src = self.base if live else self._snapshot().ptr
             nbytes, scanned = (self.spec.nbytes if live else self.padded_bytes), self.spec.nbytes
+        if self.placed_async and nbytes >= DIRECT_MIN_BYTES:  # DMA'd by the log into its own pages, on ``side``
+            from .mapped import DevicePayload
+
+            side.wait_event(ready)  # (the listed case synchronised already; this orders the copy on ``side``)
+            pad = len(pages) * pb - nbytes
+            self._list_holds = pages
+            payload = DevicePayload(src, nbytes, side, pad=pad)
+            return RegionDelta(self.spec, pages, payload, scanned_bytes=scanned)  # type: ignore[arg-type]
         buf = self._staging(len(pages) * pb)
         driver.memcpy_dtoh_async(buf.host_ptr, src, nbytes, side)
         side.synchronize()
@@ -519,8 +532,9 @@ class CudaDenseBatch:
     first stage allocates the snapshot (zeroed on the caller's stream, before the first copies: the copies
     never write a padded tail, so it stays zero), an event and a side stream. Each stage is then: torch's
     current stream, the planned D2D copies, one event record; no host synchronisation. The background writer
-    waits for the event on the side stream, copies each member DtoH into its tracker's pinned staging buffer
-    and synchronises the side stream once."""
+    waits for the event on the side stream, then either hands the log each member's snapshot bytes as a device
+    payload (a mapped, registered DRAM log: ``placed_async``; the log DMAs them into its own pages) or copies
+    them DtoH into the tracker's pinned staging buffer and synchronises the side stream once."""
 
     def __init__(self, trackers: list[DenseTracker]) -> None:
         members = sorted(trackers, key=lambda t: t.base)
@@ -563,11 +577,23 @@ class CudaDenseBatch:
         side, ready, snap = self._side, self._ready, self._snap
         assert side is not None and ready is not None and snap is not None, "results of a stage that never ran"
         side.wait_event(ready)
-        for t, off in zip(self.trackers, self.offsets, strict=True):
-            driver.memcpy_dtoh_async(t._staging(t.padded_bytes).host_ptr, snap.ptr + off, t.padded_bytes, side)
-        side.synchronize()
+        # members the log takes as device payloads (a mapped, registered log): DMA'd from the snapshot straight
+        # into the log's pages when it places them, on ``side`` after the snapshot (the snapshot's padded tails
+        # are zero); the others through their pinned staging buffers, as before
+        placed = [t.placed_async and t.padded_bytes >= DIRECT_MIN_BYTES for t in self.trackers]
+        for t, off, pl in zip(self.trackers, self.offsets, placed, strict=True):
+            if not pl:
+                driver.memcpy_dtoh_async(t._staging(t.padded_bytes).host_ptr, snap.ptr + off, t.padded_bytes, side)
+        if not all(placed):
+            side.synchronize()
         out = []
-        for t, pages in zip(self.trackers, self._pages, strict=True):
+        for t, pages, off, pl in zip(self.trackers, self._pages, self.offsets, placed, strict=True):
+            if pl:
+                from .mapped import DevicePayload
+
+                payload = DevicePayload(snap.ptr + off, t.padded_bytes, side, keep=self)
+                out.append(RegionDelta(t.spec, pages, payload, scanned_bytes=t.spec.nbytes))  # type: ignore[arg-type]
+                continue
             assert t._staging_view is not None
             out.append(RegionDelta(t.spec, pages, t._staging_view[: t.padded_bytes], scanned_bytes=t.spec.nbytes))
         return out
