@@ -28,6 +28,7 @@ def _version(name: str) -> str | None:
 def collect() -> dict[str, Any]:
     import crc32c
 
+    from ..core import slotlog
     from ..core.segment import is_tmpfs
     from ..executor import ring
 
@@ -46,6 +47,7 @@ def collect() -> dict[str, Any]:
         "nvrtc": _version("nvidia-cuda-nvrtc"),
         "cuda_devices": 0,
         "ring_fast_path": ring.fast_path_status(),
+        "epoch_writer": slotlog.status(),
         "hints": [],
     }
     try:
@@ -63,6 +65,9 @@ def collect() -> dict[str, Any]:
     if not rep["ring_fast_path"].startswith("c"):
         rep["hints"].append("the executor ring's C fast path is not in use (submit ~10x slower): reinstall "
                             "concordia-ft where a C compiler and the Python headers are present")
+    if not rep["epoch_writer"].startswith("c"):
+        rep["hints"].append("graph decode's C token-epoch writer is not in use (its Python writer shares the GIL "
+                            "with the decode thread): reinstall where a C compiler and the Python headers are present")
     if not rep["dram_backend"]:
         rep["hints"].append("/dev/shm is not a writable tmpfs: use backend='file'")
     return rep
