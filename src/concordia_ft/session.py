@@ -366,11 +366,15 @@ class Session:
             raise RecoveryError("no generate() to run: this session has never generated")
         rules = self._rules_for(g.settings)
         with_ids = needs_ids(rules)
+        # the first step of a run is eager unless the graph is captured already: a fresh generate()'s first step
+        # is its prefill anyway; a resume() after a recovery gets its first token from one eager step (~40 ms
+        # at Qwen3-0.6B dims) instead of after the capture (~100 ms), and captures before its second
+        first = self._graph is None or self._graph.graph is None
         with torch.inference_mode():
             while not g.done:
                 t0 = time.perf_counter()
                 cached = int(self.cache.get_seq_length())
-                if self.n_tokens - cached == 1 and self._graph_decoder(rules) is not None:
+                if self.n_tokens - cached == 1 and not first and self._graph_decoder(rules) is not None:
                     n = self._graph.run(on_token)  # to the end of the generate(), or until the arena is full
                     if n:
                         self.stats.step_s.extend(self._graph.stats.token_s[-n:])
@@ -398,6 +402,7 @@ class Session:
                         self.checkpoint_async()
                     else:
                         self.checkpoint()  # the last token's epoch: generate() returns with every token durable
+                first = False
                 if on_token is not None:
                     on_token(tok)
         return self.tokens[g.start: g.start + g.n_new].tolist()
