@@ -515,6 +515,9 @@ class RecoveryLog:
         self._synced_end = seg.end
         if self._spare is not None:
             self._spare.start()
+            if isinstance(old, MappedSegment) and old.registered:  # unregister + unmap off the append path
+                self._spare.retire(old)
+                return
         try:
             old.close()
         except OSError as e:  # synced already: nothing of it is at stake

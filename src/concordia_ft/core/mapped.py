@@ -177,6 +177,7 @@ class SparePreparer:
         self._lock = threading.Lock()
         self._spare: MappedSegment | None = None
         self._thread: threading.Thread | None = None
+        self._retiring: list[threading.Thread] = []
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -198,6 +199,20 @@ class SparePreparer:
             return
         with self._lock:
             self._spare, self._thread = seg, None
+
+    def retire(self, seg: MappedSegment) -> None:
+        """Close a sealed segment (driver unregistration, unmap, hole punch of its unused tail) on a background
+        thread: a roll does not wait for it (the bytes are synced already; only this process's view goes)."""
+        def close() -> None:
+            try:
+                seg.close(quietly=True)
+            except OSError:
+                pass  # the file is sealed and synced: nothing of it is at stake
+
+        t = threading.Thread(target=close, name="concordia-retire-segment", daemon=True)
+        with self._lock:
+            self._retiring = [r for r in self._retiring if r.is_alive()] + [t]
+        t.start()
 
     def take(self, path: Path, header: bytes, capacity: int) -> MappedSegment | None:
         """The prepared segment renamed to ``path`` with ``header`` written, or None when none is ready (or it is
@@ -223,6 +238,8 @@ class SparePreparer:
         t = self._thread
         if t is not None:
             t.join(timeout=30)
+        for r in self._retiring:
+            r.join(timeout=30)
         with self._lock:
             seg, self._spare = self._spare, None
         if seg is not None:

@@ -22,14 +22,16 @@ class HostRegistration:
     """A host range pinned with ``cuMemHostRegister``; ``close`` unregisters it (before the memory goes)."""
 
     def __init__(self, address: int, nbytes: int) -> None:
-        driver.ensure_context()
+        self.device = driver.ensure_context()
         drv = driver.bindings()
         flags = drv.CU_MEMHOSTREGISTER_PORTABLE | drv.CU_MEMHOSTREGISTER_DEVICEMAP
         driver.check(drv.cuMemHostRegister(address, nbytes, flags), f"cuMemHostRegister({nbytes} bytes)")
         self.address, self.nbytes = int(address), int(nbytes)
 
     def close(self) -> None:
+        """Unregister (from any thread: a sealed segment is closed on a background thread, core/mapped.py)."""
         if self.address:
+            driver.ensure_context(self.device)
             driver.check(driver.bindings().cuMemHostUnregister(self.address), "cuMemHostUnregister")
             self.address = 0
 
