@@ -122,6 +122,9 @@ class SlotLogWriter:
             log.end_lease({"next_epoch": lease.next_epoch, "end": lease.end, "segment_epochs": lease.segment_epochs,
                            "synced_end": lease.synced_end, "durable_epoch": lease.durable_epoch})
             raise
+        # the decode thread's per-token calls go straight to C (no Python frame in between)
+        self.submit = self._w.submit  # type: ignore[method-assign]
+        self.token = self._w.token  # type: ignore[method-assign]
         self.error: CheckpointError | None = None
         self._ended = False
         self._thread = threading.Thread(target=self._loop, name="concordia-token-epochs-c", daemon=True)
