@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
 
 RT_OPTS = {"compact_after_bytes": None}  # no background compaction while timing
+LORA_ROUNDS = 3
 
 
 def qwen3_06b():
@@ -365,12 +366,13 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
     rt_cpu = Runtime(str(d / "cpu-log"), fsync="never", backend=backend, **RT_OPTS)
     for n, m in mirrors.items():
         rt_cpu.register(f"lora.{n}", m, kind="dense")
-    rounds, per_round = (1, 3) if quick else (3, 8)
+    rounds, per_round = (1, 3) if quick else (LORA_ROUNDS, 8)
     wall: dict[str, list[float]] = {m: [] for m in LORA_MODES}  # whole train_step, checkpoint call included
     compute: dict[str, list[float]] = {m: [] for m in LORA_MODES}  # train_step before its checkpoint call
     call: dict[str, list[float]] = {m: [] for m in LORA_MODES}  # the checkpoint call on the training thread
     handles: list[Any] = []
     cpu_ms, pages, losses = [], [], []
+    phases: list[dict[str, float]] = []
     gpu_detect, gpu_append, cpu_stage, cpu_append = [], [], [], []
 
     def batch(k: int) -> dict[str, torch.Tensor]:
@@ -392,6 +394,11 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
                     losses.append(res.loss)
                     if mode == "async":
                         handles.append(t.runtime.in_flight)
+                        # the previous async epoch has finished (this step's checkpoint waited for it): its
+                        # placed append's phases (a mapped DRAM log), when it took that path
+                        ph = getattr(t.runtime.log, "last_placed_phases", {})
+                        if ph and len(handles) > 1:
+                            phases.append(dict(ph))
                     if mode != "sync":
                         continue
                     pages.append(res.pages)
@@ -451,6 +458,10 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
         "log_append_ms_async_background": median([1e3 * st.append_seconds for st in astats]),
         "backpressure_waits": sum(w > BACKPRESSURE_WAIT_S for w in waits), "async_epochs": len(waits),
         "backpressure_max_ms": 1e3 * max(waits), "snapshot_device_mib": snapshot_bytes / 2**20,
+        # the async epochs' log append into a mapped DRAM log, by phase (medians, ms): plan + roll to a new
+        # segment, DMA issued, DMA waited for (includes the GPU finishing the step and its snapshot), CRC32C of
+        # the placed bytes, header + commit marker
+        "async_append_phases_ms": {k: 1e3 * median([p[k] for p in phases]) for k in phases[0]} if phases else {},
         "find_stage_ms_gpu": median(gpu_detect), "find_stage_ms_cpu_path": median(cpu_stage),
         "log_append_ms_gpu": median(gpu_append), "log_append_ms_cpu_path": median(cpu_append),
         "steps_per_mode": len(wall["none"]), "losses_first_last": [losses[0], losses[-1]],
@@ -465,9 +476,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default="decode,base,recovery,lora")
+    ap.add_argument("--lora-rounds", type=int, default=3, help="interleaved rounds of the LoRA modes (8 steps each)")
     ap.add_argument("--recovery-threads", type=int, default=None,
                     help="replay threads of the new recovery path (default: min(8, CPUs))")
     a = ap.parse_args()
+    global LORA_ROUNDS
+    LORA_ROUNDS = a.lora_rounds
     work = Path(tempfile.mkdtemp(prefix="cft-llm-"))
     log_root, backend = log_place(work, 3 << 30)
     print(f"device {a.device}, log backend {backend} in {log_root}", flush=True)

@@ -167,6 +167,7 @@ typedef struct {
     uint64_t q_cap, q_head, q_tail;
     /* progress (guarded by mu; committed also read without it) */
     int64_t committed;   /* highest seq whose epoch committed (-1: none) */
+    int64_t committed_epoch; /* its epoch number (0: none yet) */
     int stop_req, failed, rolling, running;
     /* the target segment */
     int kind, fd, fsync_mode;
@@ -640,7 +641,8 @@ static PyObject *Writer_run(Writer *w, PyObject *unused) {
             if (grow_stats(w) == 0)
                 w->stats[w->n_stats++] = (Stat){it.seq, it.submit_ns, t0, t1, (int64_t)w->last_total, w->next_epoch - 1};
             w->q_tail++;
-            w->committed = it.seq;
+            __atomic_store_n(&w->committed_epoch, w->next_epoch - 1, __ATOMIC_RELAXED);
+            __atomic_store_n(&w->committed, it.seq, __ATOMIC_RELEASE);
             pthread_cond_broadcast(&w->cv);
             continue;
         }
@@ -696,6 +698,11 @@ static PyObject *Writer_token(Writer *w, PyObject *arg) {
     return PyLong_FromLongLong(__atomic_load_n(&words[1], __ATOMIC_RELAXED));
 }
 
+static PyObject *Writer_last_epoch(Writer *w, PyObject *unused) {
+    (void)unused;
+    return PyLong_FromLongLong(__atomic_load_n(&w->committed_epoch, __ATOMIC_ACQUIRE));
+}
+
 static PyObject *Writer_state(Writer *w, PyObject *unused) {
     (void)unused;
     pthread_mutex_lock(&w->mu);
@@ -736,6 +743,7 @@ static PyMethodDef Writer_methods[] = {
     {"run", (PyCFunction)Writer_run, METH_NOARGS, "the writer loop, GIL released: 0 stopped, 1 roll, 2 failed"},
     {"wait", (PyCFunction)(void (*)(void))Writer_wait, METH_FASTCALL, "wait(seq, timeout_s) -> committed seq"},
     {"token", (PyCFunction)Writer_token, METH_O, "token(seq) -> int or None"},
+    {"last_epoch", (PyCFunction)Writer_last_epoch, METH_NOARGS, "the epoch number of the last commit (0: none)"},
     {"state", (PyCFunction)Writer_state, METH_NOARGS, "progress and the target's state, as a dict"},
     {"error", (PyCFunction)Writer_error, METH_NOARGS, "(kind, errno, text, start, epoch) or None"},
     {"stats", (PyCFunction)Writer_stats, METH_NOARGS, "int64 rows (seq, submit, start, commit ns, bytes, epoch)"},

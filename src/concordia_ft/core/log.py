@@ -320,6 +320,9 @@ class RecoveryLog:
         self._register: Registrar | None = None  # pins mapped segments with the driver (set by the CUDA layer)
         self._spare: SparePreparer | None = None
         self._crc_pool: Any = None
+        self._deferred: list[Any] = []  # work _roll(defer=True) left for after the epoch (_run_deferred)
+        # the phases of the last placed append (seconds): roll, place (DMA issued), wait (DMA done), crc, write
+        self.last_placed_phases: dict[str, float] = {}
         # the active segment handed to an external appender (core/slotlog.py: graph decode's C writer); while
         # leased, append() refuses, the interval syncer leaves the segment to the lessee, a compactor's seal waits
         self._leased = False
@@ -491,8 +494,12 @@ class RecoveryLog:
             self._dirty = True
         return start
 
-    def _roll(self, need: int = 0) -> None:
+    def _roll(self, need: int = 0, *, defer: bool = False) -> None:
         """Seal the active incremental segment and continue in a new one (manifest updated atomically).
+
+        ``defer``: preparing the next spare and retiring the sealed segment (driver registration and
+        unregistration) wait for ``_run_deferred``, after the epoch that rolled is written: a placed epoch's DMA
+        is in flight meanwhile, and the driver's (un)registration of other ranges must not run beside it.
 
         A failure before the manifest's rename leaves the log on the old segment, healthy; a failed fdatasync
         of the old segment or of the directory after the rename fails the log."""
@@ -514,9 +521,19 @@ class RecoveryLog:
         self._segment_epochs = 0
         self._synced_end = seg.end
         if self._spare is not None:
-            self._spare.start()
-            if isinstance(old, MappedSegment) and old.registered:  # unregister + unmap off the append path
-                self._spare.retire(old)
+            spare = self._spare
+            retire = isinstance(old, MappedSegment) and old.registered  # unregister + unmap off the append path
+
+            def after() -> None:
+                spare.start()
+                if retire:
+                    spare.retire(old)  # type: ignore[arg-type]
+
+            if defer:
+                self._deferred.append(after)
+            else:
+                after()
+            if retire:
                 return
         try:
             old.close()
@@ -548,13 +565,30 @@ class RecoveryLog:
                        placed: dict[int, PlacedPayload], meta: Any) -> tuple[Any, int]:
         """One epoch whose payloads ``placed`` (index into ``deltas`` -> device payload) are DMA'd straight into
         the mapped segment at their final offsets; CRCs from the placed bytes; header, then commit marker."""
+        try:
+            return self._placed_append_now(number, defs, drops, deltas, placed, meta)
+        finally:
+            self._run_deferred()
+
+    def _run_deferred(self) -> None:
+        work, self._deferred = self._deferred, []
+        for fn in work:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - a spare or a retirement only saves time later
+                log.warning("background segment work after a roll failed: %s", e)
+
+    def _placed_append_now(self, number: int, defs: list[RegionSpec], drops: list[str], deltas: list[RegionDelta],
+                           placed: dict[int, PlacedPayload], meta: Any) -> tuple[Any, int]:
         from .checksums import crc32c_parallel
 
+        perf = time.perf_counter
+        t0 = perf()
         plan = plan_epoch(number, self._segment.end, defs=defs, drops=drops, deltas=deltas, meta=meta,
                           payload_crcs=[0] * len(deltas))
         seg = self._segment
         if not isinstance(seg, MappedSegment) or plan.total_bytes > seg.room():
-            self._roll(plan.total_bytes)
+            self._roll(plan.total_bytes, defer=True)
             seg = self._segment
             if not isinstance(seg, MappedSegment):
                 raise ConfigError("placed payloads need a mapped segment (backend 'dram', mapped on)")
@@ -563,11 +597,13 @@ class RecoveryLog:
         start = seg.end
         with_pages = [i for i, d in enumerate(deltas) if len(d.pages)]
         views: list[RegionDelta] = list(deltas)
+        t1 = perf()
         try:
             for k, i in enumerate(with_pages):
                 p = placed.get(i)
                 if p is not None:
                     p.place(seg.address + start + plan.payload_offsets[k])
+            t2 = perf()
             for k, i in enumerate(with_pages):
                 p = placed.get(i)
                 if p is not None:
@@ -575,14 +611,19 @@ class RecoveryLog:
                     d = deltas[i]
                     views[i] = RegionDelta(d.spec, d.pages, seg.view(start + plan.payload_offsets[k], p.nbytes),
                                            d.scanned_bytes)
+            t3 = perf()
             pool = self._crc_workers()
             crcs = [crc32c_parallel(views[i].payload, pool) for i in with_pages]
             plan = plan_epoch(number, start, defs=defs, drops=drops, deltas=views, meta=meta, payload_crcs=crcs)
+            t4 = perf()
         except BaseException:
             seg.cut(start, start + plan.total_bytes)  # nothing of this epoch stays behind
             raise
         in_place = [plan.payload_parts[k] for k, i in enumerate(with_pages) if i in placed]
-        return plan, self._write_epoch(number, plan.parts, in_place)
+        offset = self._write_epoch(number, plan.parts, in_place)
+        self.last_placed_phases = {"roll": t1 - t0, "place": t2 - t1, "wait": t3 - t2, "crc": t4 - t3,
+                                   "write": perf() - t4}
+        return plan, offset
 
     def _crc_workers(self) -> Any:
         if self._crc_pool is None:

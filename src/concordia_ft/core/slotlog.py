@@ -178,14 +178,19 @@ class SlotLogWriter:
         return self._w.token(seq)  # type: ignore[no-any-return]
 
     def wait(self, seq: int) -> None:
-        """Until the epoch of step ``seq`` committed (GIL released); raises the writer's failure."""
-        while self._w.wait(seq, 0.5) < seq:
+        """Until the epoch of step ``seq`` committed (GIL released); raises the writer's failure. The log's
+        ``last_epoch`` follows (what a caller reads to see what committed, also while the tail is leased)."""
+        w = self._w
+        while w.wait(seq, 0.5) < seq:
             if self.error is not None or not self._thread.is_alive():
                 self._thread.join()
                 if self.error is not None:
                     raise self.error
                 raise CheckpointError((self.log.last_epoch or 0) + 1, self.log.last_epoch, False,
                                       f"the token-epoch writer stopped before step {seq} committed")
+        e = w.last_epoch()
+        if e > (self.log.last_epoch or 0):
+            self.log.last_epoch = e
 
     @property
     def committed(self) -> int:
