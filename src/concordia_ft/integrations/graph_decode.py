@@ -21,8 +21,11 @@ event, reads the token from its slot, hands the slot to the writer and, per the 
   because the log is the same one eager decode writes.
 
 The writer builds each epoch from the slot alone (KV pages, the token's page of the ``tokens`` region from its
-own image, the session metadata) and appends it with ``RecoveryLog.append``: the same records, checksums and
-commit marker as ``Runtime.checkpoint``. The paged trackers' flags stay clear (the runtime's next epoch has
+own image, the session metadata): the same records, checksums and commit marker as ``Runtime.checkpoint``. By
+default it is the C writer (core/slotlog.py, ``_NativeWriter`` here): the log's active segment is leased to it and
+its thread works with the GIL released, so the decode thread never waits for the interpreter. ``_Writer`` is the
+Python one (``writer="python"``, or where the C one cannot run: ``_start_writer`` says why), which appends with
+``RecoveryLog.append``; both write the same bytes. The paged trackers' flags stay clear (the runtime's next epoch has
 nothing of these tokens to log again), so synchronous epochs (the prompt's, ``chat``'s) continue the same log.
 
 Eligible (``decode='auto'`` picks it, else the eager loop runs): a CUDA model, greedy decoding without logits
