@@ -34,7 +34,8 @@ import torch
 from ..errors import ConfigError, ContextLengthError, QueueFullError, RecoveryError
 from ..session import model_fingerprint
 from .blocks import BlockPool, blocks_for
-from .kv import KVPool, PoolGeometry, build_batch, install, plan_pool
+from .graphs import DecodeGraphs, scratch_blocks_for
+from .kv import KVPool, PoolGeometry, build_batch, install, plan_pool, sdpa_backends
 from .sampling import RngRows, SamplingParams, new_generator, sample
 
 META_KEY = "concordia.serve"
@@ -55,6 +56,9 @@ class EngineOptions:
     fsync: str = "never"  # a SIGKILL loses nothing the page cache holds; "always" for power loss
     backend: str = "file"
     kv_dtype: str | None = None  # default: the model's dtype
+    # decode steps: "auto" (CUDA graphs on a CUDA model, else eager), "on" (graphs; CUDA only), "padded" (the
+    # graphs' static padded step run uncaptured: same kernels and shapes, the exactness reference), "off"
+    graphs: str = "auto"
 
     @classmethod
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
@@ -109,6 +113,7 @@ class StepOutput:
     forward_s: float = 0.0
     checkpoint_s: float = 0.0
     epoch_bytes: int = 0
+    graph: bool = False  # the forward was a static decode step (captured or padded)
 
 
 class Engine:
@@ -139,7 +144,17 @@ class Engine:
         install(model)
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        self.pool = KVPool(self.geo, self.device, zeroed=_recovering is None)
+        mode = opts.graphs
+        if mode not in ("auto", "on", "padded", "off"):
+            raise ConfigError(f"graphs={mode!r}; use auto, on, padded or off")
+        if mode == "on" and self.device.type != "cuda":
+            raise ConfigError(f"graphs='on' captures CUDA graphs; the model is on {self.device}: use 'auto', "
+                              "'padded' or 'off'")
+        if mode == "auto":
+            mode = "on" if self.device.type == "cuda" else "off"
+        scratch = 0 if mode == "off" else scratch_blocks_for(opts.max_running, self.geo.block_size)
+        self.pool = KVPool(self.geo, self.device, zeroed=_recovering is None, scratch_blocks=scratch)
+        self.graphs = None if mode == "off" else DecodeGraphs(self, mode)
         self.blocks = BlockPool(self.geo.num_blocks, self.geo.block_size)
         self.tokens = np.zeros(-(-self.geo.slots // TOKEN_BLOCK) * TOKEN_BLOCK, np.int32)
         self.tokens_dirty = np.zeros(len(self.tokens) // TOKEN_BLOCK, np.uint8)
@@ -280,7 +295,7 @@ class Engine:
         feeds = self._plan_feeds(self.order())
         if feeds:
             t0 = time.perf_counter()
-            toks = self._forward_and_sample(feeds)
+            toks, out.graph = self._forward_and_sample(feeds)
             out.forward_s = time.perf_counter() - t0
             out.batch_tokens = sum(e - s for _, s, e in feeds)
             for (r, _, end), tok in zip(feeds, toks, strict=True):
@@ -306,25 +321,31 @@ class Engine:
         return out
 
     @torch.inference_mode()
-    def _forward_and_sample(self, feeds: list[tuple[Request, int, int]]) -> list[int | None]:
+    def _forward_and_sample(self, feeds: list[tuple[Request, int, int]]) -> tuple[list[int | None], bool]:
+        if self.graphs is not None and all(e - s == 1 and e == len(r.ids) for r, s, e in feeds):
+            logits = self.graphs.run(feeds)  # a decode-only step: the static (graph) path, if a bucket holds it
+            if logits is not None:
+                toks = sample(logits, [r.params for r, _, _ in feeds], [r.gen for r, _, _ in feeds])
+                return list(toks), True
         dev = self.device
         ids = [t for r, s, e in feeds for t in r.ids[s:e]]
         batch, positions, last = build_batch(
             self.pool, [r.table for r, _, _ in feeds], [s for _, s, _ in feeds],  # type: ignore[misc]
             [e for _, _, e in feeds], dev)
-        h = self.decoder(input_ids=torch.as_tensor([ids], device=dev), position_ids=positions.unsqueeze(0),
-                         use_cache=False, concordia_batch=batch).last_hidden_state
+        with sdpa_backends(dev):
+            h = self.decoder(input_ids=torch.as_tensor([ids], device=dev), position_ids=positions.unsqueeze(0),
+                             use_cache=False, concordia_batch=batch).last_hidden_state
         self.pool.dirty.index_fill_(0, batch.write_slots, 1)
         sampling = [i for i, (r, _, e) in enumerate(feeds) if e == len(r.ids)]
         result: list[int | None] = [None] * len(feeds)
         if not sampling:
-            return result
+            return result, False
         rows = last[torch.as_tensor(sampling, device=dev)]
         logits = self.lm_head(h[0, rows]).float()
         toks = sample(logits, [feeds[i][0].params for i in sampling], [feeds[i][0].gen for i in sampling])
         for i, t in zip(sampling, toks, strict=True):
             result[i] = t
-        return result
+        return result, False
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:
         if not r.params.ignore_eos and tok in r.params.eos_token_ids:
@@ -369,7 +390,7 @@ class Engine:
             "version": META_VERSION, "step": self.step_no, "next_seq": self._peek_seq(),
             "geometry": self.geo.describe(), "fingerprint": self.fingerprint,
             "options": {k: getattr(self.opts, k) for k in ("max_running", "max_waiting", "max_model_len",
-                                                           "max_batch_tokens", "keep_finished")},
+                                                           "max_batch_tokens", "keep_finished", "graphs")},
             "running": [{**common(r), "n_tokens": len(r.ids), "n_computed": r.n_computed, "row": r.row,
                          "admitted": r.admitted, "table": self.blocks.tables[r.id]} for r in self.running.values()],
             "waiting": [{**common(r), "prompt": r.ids} for r in self.waiting],
