@@ -129,8 +129,9 @@ class PagedBatch:
     ``write_slots[T]``: the pool slot of each packed token; ``q_index[B, Q]``: packed token of query ``q`` of
     request ``b`` (padded with 0); ``kv_slots[B, L]``: pool slot of each key position (padded with 0);
     ``mask[B, 1, Q, L]``: key ``j`` visible to query ``q`` (causal within the request, False on padding);
-    ``q_valid[B, Q]``: real queries. ``dense``: every query is real (a decode step, ``Q == 1``): the output is
-    packed by a reshape instead of a boolean index (no host sync, so a CUDA graph can capture it)."""
+    ``q_valid[B, Q]``: real queries. ``dense``: a decode step, one real query per request (``Q == 1``): the
+    query heads of each K/V head attend as its queries, and the output is packed by a reshape, not a boolean
+    index (no host sync, so a CUDA graph can capture it)."""
 
     pool: KVPool
     write_slots: torch.Tensor
@@ -184,6 +185,13 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     vl.index_copy_(0, batch.write_slots, value[0].transpose(0, 1).to(vl.dtype))
     k = kl[batch.kv_slots].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
     v = vl[batch.kv_slots].permute(0, 2, 1, 3)
+    if batch.dense:  # one query per request: a K/V head's query heads are its queries (no K/V copy for GQA)
+        b, hkv = k.shape[0], k.shape[1]
+        hq, d = query.shape[1], query.shape[3]
+        q = query[0].transpose(0, 1).reshape(b, hkv, hq // hkv, d)  # head h = kv head h // rep
+        out = torch.nn.functional.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype),
+                                                               attn_mask=batch.mask, scale=scaling)
+        return out.reshape(1, b, hq, d), None
     q = query[0].transpose(0, 1)[batch.q_index].transpose(1, 2)  # [B, Hq, Q, D]
     b, hkv, length, d = k.shape
     if hkv != q.shape[1]:  # grouped-query attention: each K/V head serves ``rep`` query heads (a copy, no sync)
@@ -192,10 +200,7 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
         v = v.unsqueeze(2).expand(b, hkv, rep, length, d).reshape(b, hkv * rep, length, d)
     out = torch.nn.functional.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.mask,
                                                            scale=scaling)
-    if batch.dense:
-        packed = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])
-    else:
-        packed = out.transpose(1, 2)[batch.q_valid]  # [T, Hq, D] in packed order
+    packed = out.transpose(1, 2)[batch.q_valid]  # [T, Hq, D] in packed order
     return packed.unsqueeze(0), None
 
 
