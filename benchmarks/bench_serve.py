@@ -84,12 +84,17 @@ def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------------------------ throughput
-def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: bool,
+EPOCHS = ("none", "sync", "async")  # no log; an epoch per step; an epoch per step written during the next step
+
+
+def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: str | bool,
               graphs: str = "auto") -> dict[str, Any]:
+    epochs = {False: "none", True: "sync"}.get(epochs, epochs)  # type: ignore[call-overload]
     vocab = int(model.config.vocab_size)
-    d, backend = log_dir(n * (prompt + new) * 200_000) if epochs else (None, "file")
+    d, backend = log_dir(n * (prompt + new) * 200_000) if epochs != "none" else (None, "file")
     eng = Engine(model, None if d is None else d / "log",
-                 options(n, prompt, new, checkpoint=epochs, backend=backend, graphs=graphs))
+                 options(n, prompt, new, checkpoint=epochs != "none", backend=backend, graphs=graphs,
+                         async_epochs=epochs == "async"))
     for p in prompts(n, prompt, vocab):
         eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
     steps: list[float] = []
@@ -121,24 +126,29 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: bo
 
 
 def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: int, new: int,
-                     rounds: int, graphs: str = "auto") -> list[dict[str, Any]]:
+                     rounds: int, graphs: str = "auto", modes: tuple[str, ...] = EPOCHS) -> list[dict[str, Any]]:
     run_batch(model, device, 2, 16, 4, False, graphs)  # warm up kernels
     rows = []
     for n in concurrency:
-        got: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+        got: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         t0 = time.perf_counter()
-        for _ in range(rounds):  # interleaved: a noisy host hits both modes alike
-            for epochs in (False, True):
-                got[epochs].append(run_batch(model, device, n, prompt, new, epochs, graphs))
-        same = all(r["tokens"] == got[False][0]["tokens"] for runs in got.values() for r in runs)
-        base, ck = (_med(got[False]), _med(got[True]))
-        rows.append({"concurrent": n, "graphs": graphs, "tok_s_none": base["tok_s"], "tok_s_epoch": ck["tok_s"],
-                     "cost_pct": 100 * (1 - ck["tok_s"] / base["tok_s"]), "itl_p50_ms_none": base["itl_p50_ms"],
-                     "itl_p50_ms_epoch": ck["itl_p50_ms"], "itl_p99_ms_none": base["itl_p99_ms"],
-                     "itl_p99_ms_epoch": ck["itl_p99_ms"], "bytes_per_step": ck["bytes_per_step"],
-                     "decode_steps": base["decode_steps"], "graph_steps": base["graph_steps"],
-                     "capture_s": base["capture_s"], "tokens_equal_all_runs": same, "rounds": rounds,
-                     "wall_s": time.perf_counter() - t0})
+        for _ in range(rounds):  # interleaved: a noisy host hits every mode alike
+            for m in modes:
+                got[m].append(run_batch(model, device, n, prompt, new, m, graphs))
+        same = all(r["tokens"] == got["none"][0]["tokens"] for runs in got.values() for r in runs)
+        med = {m: _med(got[m]) for m in modes}
+        base = med["none"]
+        row: dict[str, Any] = {"concurrent": n, "graphs": graphs, "tok_s_none": base["tok_s"]}
+        for m in modes[1:]:
+            row[f"tok_s_{m}"] = med[m]["tok_s"]
+            row[f"cost_{m}_pct"] = 100 * (1 - med[m]["tok_s"] / base["tok_s"])
+        for m in modes:
+            row[f"itl_p50_ms_{m}"] = med[m]["itl_p50_ms"]
+            row[f"itl_p99_ms_{m}"] = med[m]["itl_p99_ms"]
+        row.update({"bytes_per_step": med[modes[-1]]["bytes_per_step"], "decode_steps": base["decode_steps"],
+                    "graph_steps": base["graph_steps"], "capture_s": base["capture_s"],
+                    "tokens_equal_all_runs": same, "rounds": rounds, "wall_s": time.perf_counter() - t0})
+        rows.append(row)
         print(rows[-1], flush=True)
     return rows
 
@@ -185,12 +195,15 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
         eng.step()
     sync(device)
     write_s = time.perf_counter() - t0
+    print(f"  recovery {dims}: {n} x {prompt} prompts + {decoded} tokens written with epochs in {write_s:.1f} s "
+          f"(+{time.perf_counter() - t_start:.1f} s)", flush=True)
     so_far = {r.id: list(r.ids) for r in eng.running.values()}
     eng.close()
     del eng
     torch.cuda.empty_cache() if device.startswith("cuda") else None
     log_bytes = sum(f.stat().st_size for f in (d / "log").rglob("*") if f.is_file())
 
+    print(f"  recovery {dims}: log {log_bytes / 1e9:.1f} GB (+{time.perf_counter() - t_start:.1f} s)", flush=True)
     t0 = time.perf_counter()
     rec = Engine.recover(d / "log", model, {"backend": backend})
     sync(device)
@@ -207,6 +220,8 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     torch.cuda.empty_cache() if device.startswith("cuda") else None
     shutil.rmtree(d, ignore_errors=True)
 
+    print(f"  recovery {dims}: recovered in {t_restored:.2f} s, every next token at {t_first:.2f} s "
+          f"(+{time.perf_counter() - t_start:.1f} s)", flush=True)
     base = Engine(model, None, {**opts, "checkpoint": False})
     ids = {}
     for rid, seq in so_far.items():
@@ -253,7 +268,9 @@ def main() -> int:
     thr: list[dict[str, Any]] = []
     recs: list[dict[str, Any]] = []
     notes = ("throughput: greedy, prompt {p} + {g} new tokens each, decode steps only; 'none' = no log (baseline), "
-             "'epoch' = one committed epoch per engine step. recovery: model loaded; recover_s = Engine.recover "
+             "'sync' = one committed epoch per engine step, "
+             "'async' = the same epochs, each written while the next step computes (a step's tokens are handed out "
+             "once its epoch committed, one step later). recovery: model loaded; recover_s = Engine.recover "
              "(replay + verify + restore), first_token_all_s = + one step giving every request its next token; "
              "reprefill = a new engine prefilling prompt + tokens so far (what a user can do today).")
     p, g = (32, 16) if a.quick else (128, 128)
@@ -288,8 +305,9 @@ def main() -> int:
             save()
     if thr:
         print_table("serve throughput: epoch every step vs none", thr,
-                    ["concurrent", "graphs", "tok_s_none", "tok_s_epoch", "cost_pct", "itl_p50_ms_none", "itl_p50_ms_epoch",
-                     "itl_p99_ms_none", "itl_p99_ms_epoch", "bytes_per_step"])
+                    ["concurrent", "graphs", "tok_s_none", "tok_s_sync", "cost_sync_pct", "tok_s_async",
+                     "cost_async_pct", "itl_p50_ms_none", "itl_p50_ms_async", "itl_p99_ms_none", "itl_p99_ms_async",
+                     "bytes_per_step"])
     if recs:
         print_table("serve recovery: restore vs re-prefill (model loaded)", recs,
                     ["dims", "requests", "tokens_each", "log_gb", "recover_s", "first_token_all_s",

@@ -87,3 +87,37 @@ def test_graphs_on_needs_cuda() -> None:
         Engine(tiny_model("llama"), None, {"checkpoint": False, "graphs": "on"})
     with pytest.raises(ConfigError, match="graphs="):
         Engine(tiny_model("llama"), None, {"checkpoint": False, "graphs": "yes"})
+
+
+def test_async_epochs_hand_out_each_step_once_committed_and_recover(shm_dir: Path) -> None:
+    model = tiny_model("llama")
+    ref = drive(Engine(model, None, {**OPTIONS, "checkpoint": False}), workload())
+    eng = Engine(model, shm_dir / "log", {**OPTIONS, "async_epochs": True})
+    live = [eng]
+    seen: dict[str, list[int]] = {}
+    steps = []
+
+    def on_step(out):  # noqa: ANN001
+        steps.append(out)
+        if out.new_tokens:  # handed out only once committed: the log already holds this step
+            assert out.epoch is not None and out.epoch <= live[0].runtime.log.last_epoch
+        for rid, t in out.new_tokens.items():
+            seen.setdefault(rid, []).extend(t)
+
+    drive(eng, workload(), on_step=on_step, max_steps=10)
+    assert steps[0].new_tokens == {} and steps[1].step == 1  # one step late
+    cut = {rid: list(t) for rid, t in seen.items()}
+    eng.close()  # the epoch still being written commits: the log is one step ahead of what was handed out
+    rec = Engine.recover(shm_dir / "log", model)
+    assert rec.opts.async_epochs is False  # a delivery option of the new engine, not logged
+    for rid, t in cut.items():
+        assert rec.get(rid).generated[: len(t)] == t
+    assert drive(rec, workload()) == ref
+
+    seen.clear()
+    whole = Engine(model, shm_dir / "log2", {**OPTIONS, "async_epochs": True})
+    live[0] = whole
+    got = drive(whole, workload(), on_step=on_step)
+    assert not whole.has_work and got == ref
+    assert seen == {k: v for k, v in ref.items() if v}  # every token handed out, exactly once, in order
+    whole.close()

@@ -43,10 +43,13 @@ def _bf16_model() -> torch.nn.Module:
 def _run(model: torch.nn.Module, graphs: str, prompts: list[list[int]], new: int = 24) -> tuple[list, Engine]:
     eng = Engine(model, None, {"num_blocks": 64, "block_size": 16, "max_running": 16, "max_model_len": 256,
                                "max_batch_tokens": 512, "checkpoint": False, "graphs": graphs})
-    reqs = [eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True)) for p in prompts[:5]]
+    # fixed ids: the batch order and the blocks each request gets are a function of them
+    reqs = [eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True), request_id=f"r{i}")
+            for i, p in enumerate(prompts[:5])]
     eng.step()
-    reqs += [eng.submit(p, SamplingParams(max_new_tokens=new - 4, temperature=0.0, ignore_eos=True))
-             for p in prompts[5:]]  # late joiners: batch sizes change, several buckets
+    reqs += [eng.submit(p, SamplingParams(max_new_tokens=new - 4, temperature=0.0, ignore_eos=True),
+                        request_id=f"r{i + 5}")
+             for i, p in enumerate(prompts[5:])]  # late joiners: batch sizes change, several buckets
     while eng.has_work:
         eng.step()
     torch.cuda.synchronize()
@@ -63,7 +66,7 @@ def test_attention_uses_no_cudnn_and_steps_are_bitwise_reproducible() -> None:
     ps = _prompts(8192)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA], acc_events=True) as prof:
         toks_a, a = _run(model, "off", ps)
     names = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
     attn = sorted(n for n in names if "fmha" in n.lower() or "attention" in n.lower() or "cudnn" in n.lower())
@@ -103,4 +106,16 @@ def test_graphs_equal_the_eager_engine_and_recover_token_exact(shm: Path) -> Non
     assert rec.graphs is not None and rec.graphs.mode == "on"
     assert drive(rec, workload()) == ref_on  # greedy and seeded requests, continued where the log left them
     assert rec.graphs.replays > 0
+    rec.close()
+
+
+def test_async_epochs_with_graphs_recover_token_exact(shm: Path) -> None:
+    model = tiny_model("qwen3").cuda()
+    ref = drive(Engine(model, None, {**OPTIONS, "checkpoint": False}), workload())
+    eng = Engine(model, shm / "log", {**OPTIONS, "async_epochs": True})
+    drive(eng, workload(), max_steps=12)
+    assert eng.graphs is not None and eng.graphs.replays > 0
+    eng.close()
+    rec = Engine.recover(shm / "log", model)
+    assert drive(rec, workload()) == ref
     rec.close()

@@ -59,6 +59,9 @@ class EngineOptions:
     # decode steps: "auto" (CUDA graphs on a CUDA model, else eager), "on" (graphs; CUDA only), "padded" (the
     # graphs' static padded step run uncaptured: same kernels and shapes, the exactness reference), "off"
     graphs: str = "auto"
+    # True: the epoch of step N is written by the runtime's background writer while step N+1 computes
+    # (Runtime.checkpoint_async); step() then returns step N's output once its epoch is committed, one step late
+    async_epochs: bool = False
 
     @classmethod
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
@@ -168,6 +171,8 @@ class Engine:
         self._seq = itertools.count()
         self.recovered_epoch: int | None = None
         self.recovered: Any = None  # the Runtime's Recovered (timings) after Engine.recover
+        self._held: StepOutput | None = None  # async_epochs: the step whose epoch is being written
+        self._pending: Any = None  # ... and that epoch (a PendingEpoch)
         self.runtime = None
         if opts.checkpoint:
             self.runtime = _runtime if _runtime is not None else _rt.Runtime(
@@ -237,7 +242,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._held is not None)
 
     # -- the step ----------------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -289,7 +294,21 @@ class Engine:
         return feeds
 
     def step(self) -> StepOutput:
-        """Admit, run one forward over the batch, sample, retire, commit one epoch; returns what it produced."""
+        """Admit, run one forward over the batch, sample, retire, commit one epoch; returns what it produced.
+        With ``async_epochs``: returns what the previous step produced, once its epoch committed (this step's
+        epoch is written in the background while the next step computes; ``has_work`` stays True until the
+        last step's output was returned)."""
+        if self.opts.async_epochs and self.runtime is not None:
+            return self._step_async()
+        out = self._advance()
+        t1 = time.perf_counter()
+        out.epoch = self.checkpoint()
+        out.checkpoint_s = time.perf_counter() - t1
+        if self.runtime is not None and self.runtime.last_stats is not None:
+            out.epoch_bytes = int(self.runtime.last_stats.total_bytes)
+        return out
+
+    def _advance(self) -> StepOutput:
         self._admit()
         out = StepOutput(self.step_no + 1, None, {}, [])
         feeds = self._plan_feeds(self.order())
@@ -313,12 +332,32 @@ class Engine:
                     out.finished.append(r.id)
         self.step_no += 1
         self._evict_finished()
-        t1 = time.perf_counter()
-        out.epoch = self.checkpoint()
-        out.checkpoint_s = time.perf_counter() - t1
-        if self.runtime is not None and self.runtime.last_stats is not None:
-            out.epoch_bytes = int(self.runtime.last_stats.total_bytes)
         return out
+
+    def _step_async(self) -> StepOutput:
+        assert self.runtime is not None
+        if not self.waiting and not self.running and self._held is not None:
+            return self._release()  # nothing left to run: the last step's epoch, then its output
+        out = self._advance()  # its forward ran while the writer committed the previous step's epoch
+        prev = self._release() if self._held is not None else StepOutput(out.step - 1, None, {}, [])
+        t1 = time.perf_counter()
+        self._pending = self.runtime.checkpoint_async(meta={META_KEY: self._meta()})
+        out.checkpoint_s = time.perf_counter() - t1
+        self._held = out
+        return prev
+
+    def _release(self) -> StepOutput:
+        """Wait for the held step's epoch to commit; its output may then leave the engine."""
+        held, pending = self._held, self._pending
+        assert held is not None and pending is not None
+        t0 = time.perf_counter()
+        held.epoch = int(pending.wait())
+        held.checkpoint_s += time.perf_counter() - t0
+        stats = getattr(pending, "stats", None)
+        if stats is not None:
+            held.epoch_bytes = int(stats.total_bytes)
+        self._held = self._pending = None
+        return held
 
     @torch.inference_mode()
     def _forward_and_sample(self, feeds: list[tuple[Request, int, int]]) -> tuple[list[int | None], bool]:
@@ -471,6 +510,7 @@ class Engine:
         return r
 
     def close(self) -> None:
+        """Close the log (an epoch still being written is committed first)."""
         if self.runtime is not None:
             self.runtime.close()
 
