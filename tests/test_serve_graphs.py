@@ -121,3 +121,25 @@ def test_async_epochs_hand_out_each_step_once_committed_and_recover(shm_dir: Pat
     assert not whole.has_work and got == ref
     assert seen == {k: v for k, v in ref.items() if v}  # every token handed out, exactly once, in order
     whole.close()
+
+
+def test_async_engine_reports_only_delivered_tokens() -> None:
+    model = tiny_model("llama")
+    eng = Engine(model, None, {**OPTIONS, "checkpoint": False})
+    assert eng.delivered(eng.submit([5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0))) == ([], None)
+
+
+def test_async_delivered_lags_the_engine_by_the_held_step(shm_dir: Path) -> None:
+    model = tiny_model("llama")
+    with Engine(model, shm_dir / "log", {**OPTIONS, "async_epochs": True}) as eng:
+        r = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=3, temperature=0.0))
+        out = eng.step()
+        assert out.new_tokens == {} and len(r.generated) == 1 and eng.delivered(r) == ([], None)
+        out = eng.step()
+        assert out.new_tokens == {r.id: r.generated[:1]} and out.starts == {r.id: 0}
+        assert eng.delivered(r) == (r.generated[:1], None)
+        eng.step()  # the third token: the request finished in the engine, not yet for its client
+        assert r.finish_reason == "length" and eng.delivered(r) == (r.generated[:2], None)
+        out = eng.step()  # nothing to run: the last epoch commits and its output leaves
+        assert out.reasons == {r.id: "length"} and eng.delivered(r) == (r.generated, "length")
+        assert not eng.has_work

@@ -117,6 +117,8 @@ class StepOutput:
     checkpoint_s: float = 0.0
     epoch_bytes: int = 0
     graph: bool = False  # the forward was a static decode step (captured or padded)
+    starts: dict[str, int] = field(default_factory=dict)  # request id -> index of its first new token here
+    reasons: dict[str, str] = field(default_factory=dict)  # request id -> finish reason (finished here)
 
 
 class Engine:
@@ -240,6 +242,14 @@ class Engine:
                 self.waiting.remove(w)
                 self._forget_key(w)
 
+    def delivered(self, r: Request) -> tuple[list[int], str | None]:
+        """``r``'s generated tokens and finish reason as of the last output that left the engine (with
+        ``async_epochs`` the engine is one step ahead of it: that step's tokens are not committed yet)."""
+        held = self._held
+        if held is None or r.id not in held.new_tokens:
+            return list(r.generated), r.finish_reason
+        return r.generated[: held.starts[r.id]], (None if r.id in held.reasons else r.finish_reason)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._held is not None)
@@ -326,10 +336,12 @@ class Engine:
                 if r.gen is not None:
                     self.rng.save(r.row, r.gen)
                 out.new_tokens[r.id] = [tok]
+                out.starts[r.id] = len(r.ids) - 1 - r.n_prompt
                 reason = self._finish_reason(r, tok)
                 if reason is not None:
                     self._retire(r, reason)
                     out.finished.append(r.id)
+                    out.reasons[r.id] = reason
         self.step_no += 1
         self._evict_finished()
         return out
