@@ -9,7 +9,11 @@
    user can do today: a new engine re-prefilling prompt + tokens so far until every request has its next token.
    The bytes restored, GB/s reached, and the host-to-device bandwidth of pinned memory measured in the same run.
 
+Decode steps run as CUDA graphs per batch bucket on a GPU (``--graphs auto``); a graph's capture happens at an
+engine's first step of a bucket and is reported (``capture_s``), not counted in the step times.
+
     python benchmarks/bench_serve.py --out benchmarks/results            # H200, bf16, Qwen3-0.6B and 8B dims
+    python benchmarks/bench_serve.py --concurrency 8,32 --new 32 --only throughput    # a reduced sweep
     python benchmarks/bench_serve.py --quick --device cpu                # a tiny model, to check the script
 """
 
@@ -80,54 +84,77 @@ def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------------------------ throughput
-def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: bool) -> dict[str, Any]:
+EPOCHS = ("none", "sync", "async")  # no log; an epoch per step; an epoch per step written during the next step
+
+
+def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: str | bool,
+              graphs: str = "auto") -> dict[str, Any]:
+    epochs = {False: "none", True: "sync"}.get(epochs, epochs)  # type: ignore[call-overload]
     vocab = int(model.config.vocab_size)
-    d, backend = log_dir(n * (prompt + new) * 200_000) if epochs else (None, "file")
+    d, backend = log_dir(n * (prompt + new) * 200_000) if epochs != "none" else (None, "file")
     eng = Engine(model, None if d is None else d / "log",
-                 options(n, prompt, new, checkpoint=epochs, backend=backend))
+                 options(n, prompt, new, checkpoint=epochs != "none", backend=backend, graphs=graphs,
+                         async_epochs=epochs == "async"))
     for p in prompts(n, prompt, vocab):
         eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
     steps: list[float] = []
     nbytes: list[int] = []
-    decode_tokens = 0
+    decode_tokens = graph_steps = 0
+    captured = 0.0
     while eng.has_work:
+        c0 = eng.graphs.capture_s if eng.graphs is not None else 0.0
         t0 = time.perf_counter()
         out = eng.step()
         sync(device)
         dt = time.perf_counter() - t0
+        c1 = eng.graphs.capture_s if eng.graphs is not None else 0.0
+        if c1 != c0:  # this step captured a bucket's graph: a one-off per engine and bucket, reported apart
+            captured += c1 - c0
+            continue
         if out.batch_tokens == len(out.new_tokens) and out.batch_tokens:  # a pure decode step
             steps.append(dt)
             decode_tokens += out.batch_tokens
             nbytes.append(out.epoch_bytes)
+            graph_steps += out.graph
+    tokens = [r.generated for r in sorted(eng.finished.values(), key=lambda r: r.seq)]  # ids are random
     eng.close()
     if d is not None:
         shutil.rmtree(d, ignore_errors=True)
     return {"tok_s": decode_tokens / sum(steps), "itl_p50_ms": 1e3 * median(steps),
             "itl_p99_ms": 1e3 * percentile(steps, 99), "bytes_per_step": median(nbytes) if nbytes else 0,
-            "decode_steps": len(steps)}
+            "decode_steps": len(steps), "graph_steps": graph_steps, "capture_s": captured, "tokens": tokens}
 
 
 def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: int, new: int,
-                     rounds: int) -> list[dict[str, Any]]:
-    run_batch(model, device, 2, 16, 4, False)  # warm up kernels
+                     rounds: int, graphs: str = "auto", modes: tuple[str, ...] = EPOCHS) -> list[dict[str, Any]]:
+    run_batch(model, device, 2, 16, 4, False, graphs)  # warm up kernels
     rows = []
     for n in concurrency:
-        got: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
-        for _ in range(rounds):  # interleaved: a noisy host hits both modes alike
-            for epochs in (False, True):
-                got[epochs].append(run_batch(model, device, n, prompt, new, epochs))
-        base, ck = (_med(got[False]), _med(got[True]))
-        rows.append({"concurrent": n, "tok_s_none": base["tok_s"], "tok_s_epoch": ck["tok_s"],
-                     "cost_pct": 100 * (1 - ck["tok_s"] / base["tok_s"]), "itl_p50_ms_none": base["itl_p50_ms"],
-                     "itl_p50_ms_epoch": ck["itl_p50_ms"], "itl_p99_ms_none": base["itl_p99_ms"],
-                     "itl_p99_ms_epoch": ck["itl_p99_ms"], "bytes_per_step": ck["bytes_per_step"],
-                     "rounds": rounds})
+        got: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+        t0 = time.perf_counter()
+        for _ in range(rounds):  # interleaved: a noisy host hits every mode alike
+            for m in modes:
+                got[m].append(run_batch(model, device, n, prompt, new, m, graphs))
+        same = all(r["tokens"] == got["none"][0]["tokens"] for runs in got.values() for r in runs)
+        med = {m: _med(got[m]) for m in modes}
+        base = med["none"]
+        row: dict[str, Any] = {"concurrent": n, "graphs": graphs, "tok_s_none": base["tok_s"]}
+        for m in modes[1:]:
+            row[f"tok_s_{m}"] = med[m]["tok_s"]
+            row[f"cost_{m}_pct"] = 100 * (1 - med[m]["tok_s"] / base["tok_s"])
+        for m in modes:
+            row[f"itl_p50_ms_{m}"] = med[m]["itl_p50_ms"]
+            row[f"itl_p99_ms_{m}"] = med[m]["itl_p99_ms"]
+        row.update({"bytes_per_step": med[modes[-1]]["bytes_per_step"], "decode_steps": base["decode_steps"],
+                    "graph_steps": base["graph_steps"], "capture_s": base["capture_s"],
+                    "tokens_equal_all_runs": same, "rounds": rounds, "wall_s": time.perf_counter() - t0})
+        rows.append(row)
         print(rows[-1], flush=True)
     return rows
 
 
 def _med(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {k: median(r[k] for r in runs) for k in runs[0]}
+    return {k: median(r[k] for r in runs) for k in runs[0] if k != "tokens"}
 
 
 # -------------------------------------------------------------------------------------------- recovery
@@ -149,6 +176,7 @@ def h2d_gbps(device: str, nbytes: int = 1 << 30) -> float:
 
 def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: int, decoded: int,
                    h2d: float) -> dict[str, Any]:
+    t_start = time.perf_counter()
     model = build(dims, device, dtype)
     vocab = int(model.config.vocab_size)
     new = decoded + 16
@@ -167,12 +195,15 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
         eng.step()
     sync(device)
     write_s = time.perf_counter() - t0
+    print(f"  recovery {dims}: {n} x {prompt} prompts + {decoded} tokens written with epochs in {write_s:.1f} s "
+          f"(+{time.perf_counter() - t_start:.1f} s)", flush=True)
     so_far = {r.id: list(r.ids) for r in eng.running.values()}
     eng.close()
     del eng
     torch.cuda.empty_cache() if device.startswith("cuda") else None
     log_bytes = sum(f.stat().st_size for f in (d / "log").rglob("*") if f.is_file())
 
+    print(f"  recovery {dims}: log {log_bytes / 1e9:.1f} GB (+{time.perf_counter() - t_start:.1f} s)", flush=True)
     t0 = time.perf_counter()
     rec = Engine.recover(d / "log", model, {"backend": backend})
     sync(device)
@@ -189,6 +220,8 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     torch.cuda.empty_cache() if device.startswith("cuda") else None
     shutil.rmtree(d, ignore_errors=True)
 
+    print(f"  recovery {dims}: recovered in {t_restored:.2f} s, every next token at {t_first:.2f} s "
+          f"(+{time.perf_counter() - t_start:.1f} s)", flush=True)
     base = Engine(model, None, {**opts, "checkpoint": False})
     ids = {}
     for rid, seq in so_far.items():
@@ -209,7 +242,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
             "recover_s": t_restored, "replay_s": replay_s, "restore_s": restore_s,
             "first_token_all_s": t_first, "reprefill_first_token_all_s": t_reprefill,
             "speedup": t_reprefill / t_first, "restore_gbps": pool_bytes / max(t_restored, 1e-9) / 1e9,
-            "h2d_pinned_gbps": h2d, "same_next_token": f"{same}/{n}"}
+            "h2d_pinned_gbps": h2d, "same_next_token": f"{same}/{n}", "wall_s": time.perf_counter() - t_start}
 
 
 def main() -> int:
@@ -220,40 +253,61 @@ def main() -> int:
     ap.add_argument("--only", default="throughput,recovery")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--recovery-dims", default="0.6b,8b")
+    ap.add_argument("--concurrency", default=None, help="comma-separated (default 1,8,32,64)")
+    ap.add_argument("--prompt", type=int, default=None, help="throughput prompt tokens (default 128)")
+    ap.add_argument("--new", type=int, default=None, help="throughput new tokens each (default 128)")
+    ap.add_argument("--graphs", default="auto", help="engine decode graphs: auto, on, padded, off")
+    ap.add_argument("--eager-concurrency", default="",
+                    help="also run these concurrencies with graphs off (the eager step, for comparison)")
+    ap.add_argument("--recovery-requests", type=int, default=64)
+    ap.add_argument("--recovery-prompt", type=int, default=2000)
+    ap.add_argument("--tag", default=None)
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     parts = set(a.only.split(","))
     thr: list[dict[str, Any]] = []
     recs: list[dict[str, Any]] = []
     notes = ("throughput: greedy, prompt {p} + {g} new tokens each, decode steps only; 'none' = no log (baseline), "
-             "'epoch' = one committed epoch per engine step. recovery: model loaded; recover_s = Engine.recover "
+             "'sync' = one committed epoch per engine step, "
+             "'async' = the same epochs, each written while the next step computes (a step's tokens are handed out "
+             "once its epoch committed, one step later). recovery: model loaded; recover_s = Engine.recover "
              "(replay + verify + restore), first_token_all_s = + one step giving every request its next token; "
              "reprefill = a new engine prefilling prompt + tokens so far (what a user can do today).")
     p, g = (32, 16) if a.quick else (128, 128)
+    p, g = a.prompt or p, a.new or g
     conc = [1, 4] if a.quick else [1, 8, 32, 64]
+    if a.concurrency:
+        conc = [int(x) for x in a.concurrency.split(",")]
+    eager = [int(x) for x in a.eager_concurrency.split(",") if x]
 
     def save() -> None:
         path = write_results("serve", thr + recs, baseline=[], notes=notes.format(p=p, g=g), out_dir=a.out,
-                             tag="cpu-quick" if a.quick else None)
+                             tag=a.tag or ("cpu-quick" if a.quick else None))
         print(f"wrote {path}", flush=True)
 
     if "throughput" in parts:
-        model = build("tiny" if a.quick else "0.6b", a.device, dtype)
-        thr = [{"part": "throughput", "dims": "tiny" if a.quick else "0.6b", **r}
-               for r in bench_throughput(model, a.device, conc, p, g, 1 if a.quick else a.rounds)]
+        dims = "tiny" if a.quick else "0.6b"
+        model = build(dims, a.device, dtype)
+        rounds = 1 if a.quick else a.rounds
+        thr = [{"part": "throughput", "dims": dims, **r}
+               for r in bench_throughput(model, a.device, conc, p, g, rounds, a.graphs)]
+        if eager:
+            thr += [{"part": "throughput", "dims": dims, **r}
+                    for r in bench_throughput(model, a.device, eager, p, g, rounds, "off")]
         del model
         save()
     if "recovery" in parts:
         h2d = h2d_gbps(a.device)
         for dims in (["tiny"] if a.quick else a.recovery_dims.split(",")):
-            n, prompt = (8, 64) if a.quick else (64, 2000)
+            n, prompt = (8, 64) if a.quick else (a.recovery_requests, a.recovery_prompt)
             recs.append({"part": "recovery", **bench_recovery(dims, a.device, dtype, n, prompt, 8, h2d)})
             print(recs[-1], flush=True)
             save()
     if thr:
         print_table("serve throughput: epoch every step vs none", thr,
-                    ["concurrent", "tok_s_none", "tok_s_epoch", "cost_pct", "itl_p50_ms_none", "itl_p50_ms_epoch",
-                     "itl_p99_ms_none", "itl_p99_ms_epoch", "bytes_per_step"])
+                    ["concurrent", "graphs", "tok_s_none", "tok_s_sync", "cost_sync_pct", "tok_s_async",
+                     "cost_async_pct", "itl_p50_ms_none", "itl_p50_ms_async", "itl_p99_ms_none", "itl_p99_ms_async",
+                     "bytes_per_step"])
     if recs:
         print_table("serve recovery: restore vs re-prefill (model loaded)", recs,
                     ["dims", "requests", "tokens_each", "log_gb", "recover_s", "first_token_all_s",

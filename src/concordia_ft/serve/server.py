@@ -195,19 +195,18 @@ class Server:
         """Engine thread (or before it starts): the stream of ``r``, created from the engine's state."""
         s = self.streams.get(r.id)
         if s is None:
+            toks, reason = self.engine.delivered(r)  # committed tokens only
             s = self.streams[r.id] = Stream(r.id, r.info.get("kind", "completion"), r.info.get("model", ""),
-                                            int(r.info.get("created", api.now())), r.n_prompt, list(r.generated),
-                                            r.finish_reason)
+                                            int(r.info.get("created", api.now())), r.n_prompt, toks, reason)
         return s
 
     def _publish_threadsafe(self, out: StepOutput) -> None:
         """On the engine thread, after the step's epoch committed: hand its tokens to the event loop as
         ``(rid, index of the first new token, tokens, finish reason)``, applied idempotently there."""
         eng, updates = self.engine, []
-        for rid, toks in out.new_tokens.items():
-            r = eng.running.get(rid) or eng.finished.get(rid)
-            if r is not None:
-                updates.append((rid, len(r.generated) - len(toks), list(toks), r.finish_reason))
+        for rid, toks in out.new_tokens.items():  # the output's own indices: with async epochs the engine
+            if eng.get(rid) is not None:  # is a step ahead of it
+                updates.append((rid, out.starts[rid], list(toks), out.reasons.get(rid)))
         self._trim_streams()
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._publish, updates)
