@@ -229,13 +229,35 @@ def run_worker(variant: str, timeout: float) -> list[dict[str, Any]]:
     return rows
 
 
+def summarize(log: Path) -> None:
+    drop = ("samples", "stderr")
+    for ln in log.read_text(errors="replace").splitlines():
+        if not ln.startswith("{"):
+            print(ln[:300])
+            continue
+        try:
+            r = json.loads(ln)
+        except ValueError:
+            print(ln[:300])
+            continue
+        if r.get("probe") == "worker_failed":
+            print(f"worker_failed {r.get('variant')} rc={r.get('rc')}: {str(r.get('stderr'))[-600:]}")
+            continue
+        short = {k: v for k, v in r.items() if k not in drop}
+        print(json.dumps(short, default=str)[:700])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--worker")
     ap.add_argument("--variants", default="patched,plain,loaded,injection")
     ap.add_argument("--timeout", type=float, default=60)
+    ap.add_argument("--summarize", help="print a short digest of a saved run log")
     ns = ap.parse_args()
+    if ns.summarize:
+        summarize(Path(ns.summarize))
+        return 0
     if ns.worker:
         worker(ns.worker)
         return 0
