@@ -38,7 +38,7 @@ def emit(**row: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ worker side
-def timings(torch: Any, label: str, gate: Any = None) -> None:
+def timings(torch: Any, label: str, gate: Any = None, reps: int = 5) -> None:
     """Host us per tiny launch, GPU ms of a big add and of GEMMs; with gate: every launch armed (pause 0)."""
     dev = "cuda"
     x = torch.ones(1024, device=dev)
@@ -50,7 +50,7 @@ def timings(torch: Any, label: str, gate: Any = None) -> None:
         return gate.launch(fn)
 
     per_launch = []
-    for _ in range(5):
+    for _ in range(reps):
         if gate is not None:
             gate.begin(STATE_BLOCKS)
         torch.cuda.synchronize()
@@ -63,7 +63,7 @@ def timings(torch: Any, label: str, gate: Any = None) -> None:
             per_launch.append((time.perf_counter() - t0) / n * 1e6)
     emit(probe="tiny_launch", variant=label, us_per_launch=median(per_launch), samples=per_launch)
 
-    def gpu_ms(fn: Any, reps: int = 5) -> list[float]:
+    def gpu_ms(fn: Any) -> list[float]:
         out = []
         for _ in range(reps):
             if gate is not None:
@@ -118,7 +118,7 @@ def probe_skip(torch: Any, lib: Any, name: str, make: Any, rtol: float, atol: fl
     row: dict[str, Any] = {"probe": name, "delay_us": delay_us}
     t0 = time.perf_counter()
     if delay_us is None:
-        gate.pause()
+        gate.pause(wait=True)
         gate.launch(lambda: fn(out))
     else:
         def go() -> None:
@@ -153,7 +153,11 @@ def probe_skip(torch: Any, lib: Any, name: str, make: Any, rtol: float, atol: fl
     emit(**row)
 
 
-def worker(variant: str) -> None:
+PROBES = ("add_paused_before", "add_paused_midrun", "gemm_fp16_paused_before", "gemm_fp16_paused_midrun",
+          "gemm_fp32_paused_midrun")
+
+
+def worker(variant: str, probes: tuple[str, ...] = PROBES, reps: int = 5) -> None:
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -165,12 +169,12 @@ def worker(variant: str) -> None:
     if variant == "injection":
         emit(probe="stats", variant=variant, stats=bg.stats(lib))
         return
-    timings(torch, variant + ("_disarmed" if variant == "patched" else ""))
+    timings(torch, variant + ("_disarmed" if variant == "patched" else ""), reps=reps)
     if variant != "patched":
         if lib is not None:
             emit(probe="stats", variant=variant, stats=bg.stats(lib))
         return
-    timings(torch, "patched_armed", gate=bg.GateControl(lib, ""))
+    timings(torch, "patched_armed", gate=bg.GateControl(lib, ""), reps=reps)
     emit(probe="stats", variant=variant, stats=bg.stats(lib))
     g = torch.Generator(device="cpu").manual_seed(7)
 
@@ -193,16 +197,18 @@ def worker(variant: str) -> None:
             return (lambda out: torch.matmul(dA, dB, out=out)), ref, dtype, (m, m)
         return mk
 
-    probe_skip(torch, lib, "add_paused_before", make_add, 0, 0, None)
-    probe_skip(torch, lib, "add_paused_midrun", make_add, 0, 0, 60.0)
-    probe_skip(torch, lib, "gemm_fp16_paused_before", make_gemm(torch.float16, 4096, 4096), 2e-2, 1e-1, None)
-    probe_skip(torch, lib, "gemm_fp16_paused_midrun", make_gemm(torch.float16, 16384, 4096), 2e-2, 1e-1, 400.0)
-    probe_skip(torch, lib, "gemm_fp32_paused_midrun", make_gemm(torch.float32, 8192, 8192), 1e-4, 1e-3, 2000.0)
+    cases = {"add_paused_before": (make_add, 0, 0, None), "add_paused_midrun": (make_add, 0, 0, 60.0),
+             "gemm_fp16_paused_before": (make_gemm(torch.float16, 4096, 4096), 2e-2, 1e-1, None),
+             "gemm_fp16_paused_midrun": (make_gemm(torch.float16, 16384, 4096), 2e-2, 1e-1, 400.0),
+             "gemm_fp32_paused_midrun": (make_gemm(torch.float32, 8192, 8192), 1e-4, 1e-3, 2000.0)}
+    for name in probes:
+        mk, rtol, atol, delay = cases[name]
+        probe_skip(torch, lib, name, mk, rtol, atol, delay)
     emit(probe="stats_end", variant=variant, stats=bg.stats(lib))
 
 
 # ------------------------------------------------------------------------------------------------ driver side
-def run_worker(variant: str, timeout: float) -> list[dict[str, Any]]:
+def run_worker(variant: str, timeout: float, extra: list[str]) -> list[dict[str, Any]]:
     if variant == "plain":
         env = dict(os.environ)
     elif variant == "loaded":
@@ -214,7 +220,7 @@ def run_worker(variant: str, timeout: float) -> list[dict[str, Any]]:
     env["PYTHONPATH"] = f"{ROOT / 'src'}:{env.get('PYTHONPATH', '')}"
     t0 = time.perf_counter()
     try:
-        r = subprocess.run([sys.executable, __file__, "--worker", variant], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, __file__, "--worker", variant, *extra], capture_output=True, text=True,
                            timeout=timeout, env=env)
         out, err, rc = r.stdout, r.stderr, r.returncode
     except subprocess.TimeoutExpired as e:
@@ -254,12 +260,14 @@ def main() -> int:
     ap.add_argument("--variants", default="patched,plain,loaded,injection")
     ap.add_argument("--timeout", type=float, default=60)
     ap.add_argument("--summarize", help="print a short digest of a saved run log")
+    ap.add_argument("--probes", default=",".join(PROBES))
+    ap.add_argument("--reps", type=int, default=5)
     ns = ap.parse_args()
     if ns.summarize:
         summarize(Path(ns.summarize))
         return 0
     if ns.worker:
-        worker(ns.worker)
+        worker(ns.worker, tuple(p for p in ns.probes.split(",") if p), ns.reps)
         return 0
     t0 = time.perf_counter()
     tool, patches = bg.build_tool(), bg.build_patches()
@@ -267,7 +275,8 @@ def main() -> int:
           f"{bg.sanitizer_dirs()[1]}", flush=True)
     rows: list[dict[str, Any]] = []
     for v in ns.variants.split(","):
-        got = run_worker(v, ns.timeout if v == "patched" else ns.timeout / 2)
+        got = run_worker(v, ns.timeout if v == "patched" else ns.timeout / 2,
+                         ["--probes", ns.probes, "--reps", str(ns.reps)])
         for r in got:
             print(json.dumps(r, default=str)[:1200], flush=True)
         rows += got

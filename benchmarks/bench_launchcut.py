@@ -46,7 +46,7 @@ def worker(case: str, cuts: int, n: int) -> None:
     log = tempfile.mkdtemp(prefix="cft-cut-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     rt = cft.Runtime(log, fsync="never", backend="dram")
     if case == "add":
-        x = torch.zeros(1 << 24, dtype=torch.int32, device="cuda")
+        x = torch.zeros(1 << 22, dtype=torch.int32, device="cuda")
 
         def step(i: int) -> None:
             x.add_(1)
@@ -68,15 +68,16 @@ def worker(case: str, cuts: int, n: int) -> None:
     start = json.loads(_info(lib))["launch_seq"]
     epochs: list[tuple[int, Any, float]] = []
     errors: list[str] = []
+    commit: list[float] = []
 
     def cutter() -> None:
         for _ in range(cuts):
             time.sleep(0.02)
-            t0 = time.perf_counter()
             try:
                 assert sb is not None
                 e = sb.checkpoint(timeout_s=5.0)
-                lat = time.perf_counter() - t0
+                lat = sb.last_landed_s
+                commit.append(sb.last_commit_s)
                 rec = cft.recover(log)  # what a fresh process would get back: the epoch just committed
                 if rec.epoch != e:
                     raise RuntimeError(f"recovered epoch {rec.epoch}, committed {e}")
@@ -101,16 +102,17 @@ def worker(case: str, cuts: int, n: int) -> None:
         row["launches_in_loop"] = end - start
         found: dict[int, list[int]] = {}
         if case == "gemm":  # replay disarmed with the same kernels; an epoch must equal one even state exactly
-            snaps = [torch.from_numpy(raw.view(np.float32).reshape(1024, 1024).copy()).cuda()
-                     for _, _, _, raw in epochs]
+            snaps = torch.stack([torch.from_numpy(raw.view(np.float32).reshape(1024, 1024).copy())
+                                 for _, _, _, raw in epochs]).cuda()
             s_, t_ = x0.cuda(), torch.empty(1024, 1024, device="cuda")
+            hit = torch.zeros(len(epochs), 4 + n + 1, dtype=torch.bool, device="cuda")
             for k in range(0, 4 + n + 1):
-                if k % 2 == 0:
-                    for j, sn in enumerate(snaps):
-                        if torch.equal(sn, s_):
-                            found.setdefault(j, []).append(k)
+                if k % 2 == 0:  # compared on the GPU, no sync per state
+                    hit[:, k] = (snaps == s_).flatten(1).all(1)
                 torch.matmul(s_, dw, out=t_)
                 s_, t_ = t_, s_
+            for j, row_hits in enumerate(hit.cpu().numpy()):
+                found[j] = np.nonzero(row_hits)[0].tolist()
         for e, info, lat, raw in epochs:
             arr = raw.view(np.int32 if case == "add" else np.float32)
             if case == "add":
@@ -132,7 +134,9 @@ def worker(case: str, cuts: int, n: int) -> None:
                                "latency_ms": lat * 1e3, "before": info.kernel_before[:50],
                                "after": info.kernel_after[:50]})
         row.update(epochs=len(epochs), torn=torn, mismatched=mismatched, detail=detail,
-                   latency_ms_median=median([d["latency_ms"] for d in detail]) if detail else None)
+                   landed_ms_median=median([d["latency_ms"] for d in detail]) if detail else None,
+                   commit_ms_median=median(commit) * 1e3 if commit else None,
+                   region_bytes=region.numel() * region.element_size())
     emit(**row)
 
 
@@ -152,24 +156,27 @@ def main() -> int:
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--worker")
     ap.add_argument("--cuts", type=int, default=5)
-    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--n-add", type=int, default=150000)
+    ap.add_argument("--n-gemm", type=int, default=30000)
+    ap.add_argument("--cases", default="add:0,add:5,gemm:0,gemm:5")
     ns = ap.parse_args()
     if ns.worker:
-        worker(ns.worker, ns.cuts, ns.n)
+        worker(ns.worker, ns.cuts, ns.n_add if ns.worker == "add" else ns.n_gemm)
         return 0
     rows: list[dict[str, Any]] = []
-    for case, n in (("add", ns.n), ("gemm", ns.n)):
-        for cuts in (0, ns.cuts):
-            env = ip.child_env()
-            env["PYTHONPATH"] = f"{ROOT / 'src'}:{env.get('PYTHONPATH', '')}"
-            r = subprocess.run([sys.executable, __file__, "--worker", case, "--cuts", str(cuts), "--n", str(n)],
-                               capture_output=True, text=True, timeout=60, env=env)
-            got = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
-            if r.returncode != 0 or not got:
-                got = [{"case": case, "cuts": cuts, "error": r.stderr[-1500:]}]
-            for g in got:
-                print(json.dumps(g, default=str)[:1500], flush=True)
-            rows += got
+    for spec in ns.cases.split(","):
+        case, cuts_s = spec.split(":")
+        cuts, n = int(cuts_s), ns.n_add if case == "add" else ns.n_gemm
+        env = ip.child_env()
+        env["PYTHONPATH"] = f"{ROOT / 'src'}:{env.get('PYTHONPATH', '')}"
+        r = subprocess.run([sys.executable, __file__, "--worker", case, "--cuts", str(cuts), "--n-add", str(n),
+                            "--n-gemm", str(n)], capture_output=True, text=True, timeout=60, env=env)
+        got = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
+        if r.returncode != 0 or not got:
+            got = [{"case": case, "cuts": cuts, "error": r.stderr[-1500:]}]
+        for g in got:
+            print(json.dumps(g, default=str)[:1500], flush=True)
+        rows += got
     base = [r for r in rows if r.get("cuts") == 0]
     path = write_results("launchcut", [r for r in rows if r.get("cuts")], baseline=base, out_dir=ns.out_dir,
                          notes="epoch cuts between SASS-only launches from the interposer's launch callback")

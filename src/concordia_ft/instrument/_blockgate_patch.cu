@@ -19,7 +19,7 @@
 struct cft_gate_ctl {
   uint32_t epoch;          // this launch's number in the sequence, >= 1
   uint32_t flags;          // bit 0: count warps (entered / skipped)
-  uint64_t pause_ptr;      // address of the u32 pause word (pinned host memory, read volatile)
+  uint64_t pause_ptr;      // address of the u32 pause word (device memory, set by a stream write; read volatile)
   uint64_t state_ptr;      // u32 per block
   uint32_t nstate;         // blocks the state array covers; blocks beyond it always run
   uint32_t warps_entered;  // counted when flags bit 0 is set

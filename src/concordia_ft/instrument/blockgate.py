@@ -23,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -191,17 +192,20 @@ class GateControl:
         self._torch = torch
         self.lib = lib
         self.kernel = kernel
-        self.pause_word = torch.zeros(1, dtype=torch.int32).pin_memory()
+        # the pause word lives in device memory and is set by a stream memory op: read from pinned host memory
+        # (one PCIe read per deciding warp) it cost ~1 us per warp, serialised (DESIGN.md section 8)
+        self.pause_word = torch.zeros(1, dtype=torch.int32, device=device)
         self.ctl = torch.zeros(CTL_WORDS, dtype=torch.int32, device=device)
         self.state = torch.zeros(1, dtype=torch.int32, device=device)
         self.flags = COUNT_WARPS if count_warps else 0
         self.epoch = 0
+        self._side: Any = None
 
     def begin(self, nblocks: int) -> None:
         torch = self._torch
         self.state = torch.zeros(max(1, nblocks), dtype=torch.int32, device=self.ctl.device)
         self.epoch = 0
-        self.pause_word[0] = 0
+        self.clear()
 
     def _write_ctl(self) -> None:
         torch = self._torch
@@ -231,11 +235,26 @@ class GateControl:
         with self.armed():
             return fn()
 
-    def pause(self) -> None:
-        self.pause_word[0] = 1
+    def pause(self, *, wait: bool = False) -> float:
+        """Set the pause word from a separate stream (a stream memory op: it needs no SM, so it lands while the
+        armed launch occupies the GPU); returns the host time of the request. wait: return once it landed."""
+        from ..cuda.driver import Stream, bindings, check, ensure_context
+
+        ensure_context()
+        drv = bindings()
+        if self._side is None:
+            self._side = Stream.create(non_blocking=True)
+        t = time.perf_counter()
+        check(drv.cuStreamWriteValue32(self._side.handle, self.pause_word.data_ptr(), 1, 0), "cuStreamWriteValue32")
+        if wait:
+            self._side.synchronize()
+        return t
 
     def clear(self) -> None:
-        self.pause_word[0] = 0
+        """Clear the pause word, in stream order before the next launch (after any pause() has landed)."""
+        if self._side is not None:
+            self._side.synchronize()
+        self.pause_word.zero_()
 
     def counts(self, nblocks: int) -> dict[str, int]:
         """Warp counters (with count_warps) and how many of the first nblocks blocks have run."""

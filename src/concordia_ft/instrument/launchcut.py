@@ -126,6 +126,8 @@ class SassBoundary:
             rt.register(name, mirror.numpy(), kind="opaque")
             self._pairs.append((t, mirror))
         self.last: CutInfo | None = None
+        self.last_landed_s = 0.0  # request -> copies landed
+        self.last_commit_s = 0.0  # landed -> epoch committed
 
     def request(self) -> None:
         self.cut.arm([(t.data_ptr(), m.data_ptr(), m.numel()) for t, m in self._pairs], only_sass=self.only_sass)
@@ -145,6 +147,10 @@ class SassBoundary:
         if info.state != "landed":
             raise InstrumentError(f"the launch cut failed: the driver refused a copy (CUresult {info.error})")
         self.last = info
+        t1 = time.perf_counter()
+        self.last_landed_s = t1 - t0
         cut = {"launch": info.launch, "api": info.api, "kernel_before": info.kernel_before,
-               "kernel_after": info.kernel_after, "wait_s": time.perf_counter() - t0}
-        return int(self.rt.checkpoint(meta={"launch_cut": cut, "user": meta}))
+               "kernel_after": info.kernel_after, "landed_s": self.last_landed_s}
+        epoch = int(self.rt.checkpoint(meta={"launch_cut": cut, "user": meta}))
+        self.last_commit_s = time.perf_counter() - t1
+        return epoch
