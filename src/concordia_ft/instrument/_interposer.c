@@ -137,6 +137,10 @@ static uint64_t load_images[N_LOAD_APIS][5], load_with_ptx[N_LOAD_APIS]; /* what
 
 static __thread int tl_api = -1, tl_image = IMG_UNKNOWN, tl_ptx = 0, tl_sass = 0;
 
+/* _launchcut.c (compiled into the same library): epoch cuts between launches */
+void cft_cut_on_launch(uint32_t cbid, const void *params, const char *kernel);
+int cft_cut_on_module(const void *image, uint64_t size);
+
 /* ---------------------------------------------------------------- image classification (no driver calls) */
 #define FATBIN_MAGIC 0xBA55ED50u
 #define FATBIN_WRAPPER_MAGIC 0x466243B1u
@@ -309,6 +313,7 @@ static void on_module_loaded(const CUpti_ModuleResourceData *m) {
   r->first_kernel = (uint32_t)n_kernel_names;
   int n = m->pCubin ? cft_elf_kernels(m->pCubin, m->cubinSize, add_kernel_name, NULL) : -1;
   r->nkernels = n > 0 ? (uint32_t)n : 0;
+  if (m->pCubin) cft_cut_on_module(m->pCubin, m->cubinSize);
 }
 
 static void callback(void *userdata, CUpti_CallbackDomain domain, CUpti_CallbackId cbid,
@@ -357,6 +362,7 @@ static void callback(void *userdata, CUpti_CallbackDomain domain, CUpti_Callback
     return;
   }
   if (cb->callbackSite != CUPTI_API_ENTER) return;
+  cft_cut_on_launch(cbid, cb->functionParams, cb->symbolName);
   if (cbid == CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch || cbid == CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch_ptsz) {
     pthread_mutex_lock(&mu);
     graph_launches++;

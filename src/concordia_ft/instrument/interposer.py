@@ -30,6 +30,7 @@ from typing import Any
 from ..errors import CompileError, InstrumentError
 
 SOURCE = Path(__file__).with_name("_interposer.c")
+SOURCES = (SOURCE, Path(__file__).with_name("_launchcut.c"))  # one library: the observer and the launch cut
 LIB_NAME = "libconcordia_interposer.so"
 _CFLAGS = ["-O2", "-Wall", "-Wextra", "-Werror", "-shared", "-fPIC", "-pthread"]
 
@@ -88,7 +89,7 @@ def build(*, force: bool = False) -> Path:
         raise CompileError(LIB_NAME, "no C compiler (cc/gcc) on PATH; set CC")
     incs = include_dirs()
     flags = _CFLAGS + [f"-I{d}" for d in incs]
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((cc, flags)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + repr((cc, flags)).encode()).hexdigest()[:16]
     out = cache_dir() / key / LIB_NAME
     if out.exists() and not force:
         return out
@@ -96,7 +97,7 @@ def build(*, force: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-ldl"], capture_output=True, text=True,
+        proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-ldl"], capture_output=True, text=True,
                               timeout=120)
         if proc.returncode != 0:
             raise CompileError(LIB_NAME, proc.stdout + proc.stderr)
