@@ -208,6 +208,8 @@ class ResidentExecutor:
         self._owns_image = image is None  # close() unloads only what this executor loaded
         self.launches = 0
         self._releases: dict[int, tuple[int, int]] = {}
+        self._native: Any = None  # guard.NativeGuard, once registered there
+        self._native_handle: int | None = None
         with guard.quiesced():  # loading a module blocks behind anything resident
             self.image = image or ExecutorImage(o.image_id, o.threads, self.device)
             self.mem = PinnedBuffer(R.ring_bytes(o.capacity))
@@ -270,6 +272,13 @@ class ResidentExecutor:
         self._check_error()
 
     def _launch(self) -> None:
+        if self._native_handle is None:  # the interposer's guard steps this block aside before hazardous calls
+            from . import guard
+
+            ng = guard.native()
+            if ng is not None:
+                self._native = ng
+                self._native_handle = ng.add(self.mem.host_ptr + R.OFF_STOP, self.mem.host_ptr + R.OFF_STATE)
         self.layout.store32(R.OFF_STATE, R.ConsumerState.NOT_STARTED)  # the new instance takes the word over
         driver.launch(self.image.resident, 1, self.image.threads, self._args, self.stream,
                       what=f"concordia_executor v{self.image.image_id}")
@@ -295,6 +304,8 @@ class ResidentExecutor:
     def _ensure_running(self) -> None:
         with self._lock:
             if self._suspended or self._closed:
+                return
+            if self._native is not None and self._native.depth():  # a hazard is open: it would stop at once
                 return
             if self._launched:
                 if self.state in (R.ConsumerState.NOT_STARTED, R.ConsumerState.RUNNING):
@@ -348,6 +359,9 @@ class ResidentExecutor:
                 self._release()
 
     def _release(self) -> None:
+        if self._native_handle is not None:  # before the free: the native guard reads these words
+            self._native.remove(self._native_handle)
+            self._native_handle = None
         tomb = self.producer.retire()  # state words stay readable (state, tail, heartbeat) after the free
         self.layout, self._q, self._u32 = tomb, tomb.q, tomb.u32
         self.stream.close()
