@@ -309,3 +309,22 @@ def test_the_guard_is_not_found_where_the_driver_did_not_load_it(monkeypatch: py
     assert guard.native(recheck=True) is None
     # and install() then keeps the Python hooks' behaviour (nothing native to lean on)
     assert guard.install(torch_hooks=False, triton_hooks=False) == []
+
+
+def test_a_hazard_ending_keeps_the_executors_own_stop_request(lib: ctypes.CDLL, ng: guard.NativeGuard) -> None:
+    r = Ring()
+    h = ng.add(r.addr + R.OFF_STOP, r.addr + R.OFF_STATE)
+    try:
+        ng.hold(h, True)  # the executor is suspending itself (stop, then wait for its stream)
+        lib.cft_guard_enter()
+        lib.cft_guard_leave()  # another thread's hazard ends meanwhile
+        assert r.stop == 1  # still asked to stop: its stream sync would otherwise wait out the idle timeout
+        ng.hold(h, False)
+        assert r.stop == 0
+        lib.cft_guard_enter()
+        ng.hold(h, False)  # released by the executor while a hazard is open: stays stopped until it ends
+        assert r.stop == 1
+        lib.cft_guard_leave()
+        assert r.stop == 0
+    finally:
+        ng.remove(h)

@@ -149,6 +149,8 @@ class NativeGuard:
         lib.cft_guard_remove.restype = None
         lib.cft_guard_remove.argtypes = [ctypes.c_int]
         lib.cft_guard_depth.restype = ctypes.c_int
+        lib.cft_guard_hold.restype = None
+        lib.cft_guard_hold.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.cft_guard_set_timeout_ns.restype = None
         lib.cft_guard_set_timeout_ns.argtypes = [ctypes.c_uint64]
         lib.cft_guard_enter.restype = None
@@ -163,6 +165,11 @@ class NativeGuard:
 
             raise ExecutorError("the native guard holds 64 executors already: close some before making more")
         return h
+
+    def hold(self, handle: int, on: bool) -> None:
+        """The executor's own stop request (suspend, warm-up) for a registered ring: the guard sets the stop word
+        for hazards and, when they end, puts back this request instead of clearing it."""
+        self.lib.cft_guard_hold(handle, int(on))
 
     def remove(self, handle: int) -> None:
         self.lib.cft_guard_remove(handle)

@@ -257,10 +257,10 @@ class ResidentExecutor:
     def warm_up(self, image: ExecutorImage) -> None:
         """Run every kernel path of ``image`` once with nothing resident (first launches load code)."""
         nop = self._scratch.device_ptr  # 64 zero bytes: a NOP descriptor
-        self.producer.request_stop()
+        self._request_stop(True)
         driver.launch(image.resident, 1, image.threads, self._args, self.stream, what="executor warm-up")
         self.stream.synchronize()
-        self.producer.clear_stop()
+        self._request_stop(False)
         wide_args = driver.KernelArgs([(ctypes.c_uint64, 0)] * 8)
         driver.launch(image.wide, 1, DEFAULT_THREADS, wide_args, self.stream, what="wide warm-up")
         driver.launch(image.wide_at, 1, DEFAULT_THREADS,
@@ -270,6 +270,16 @@ class ResidentExecutor:
         _stream_wait(self.stream, nop + 128, 1)
         self.stream.synchronize()
         self._check_error()
+
+    def _request_stop(self, on: bool) -> None:
+        """The ring's stop word; once registered with the native guard, through it (a hazard ending in another
+        thread must not clear a stop this executor asked for)."""
+        if self._native_handle is not None:
+            self._native.hold(self._native_handle, on)
+        elif on:
+            self.producer.request_stop()
+        else:
+            self.producer.clear_stop()
 
     def _launch(self) -> None:
         if self._native_handle is None:  # the interposer's guard steps this block aside before hazardous calls
@@ -320,10 +330,10 @@ class ResidentExecutor:
         with self._lock:
             self._suspended = True
             if self._launched:
-                self.producer.request_stop()
+                self._request_stop(True)
                 self.stream.synchronize()
                 self._launched = False
-                self.producer.clear_stop()
+                self._request_stop(False)
                 self._check_error()
 
     def resume(self, eager: bool = True) -> None:

@@ -156,6 +156,7 @@ typedef struct {
   volatile uint32_t *stop;   /* host addresses of the ring's stop and state words */
   volatile uint32_t *state;
   int used;
+  int hold; /* the executor's own stop request (suspend, warm-up): the guard never clears it */
 } guard_target;
 
 static pthread_mutex_t gmu = PTHREAD_MUTEX_INITIALIZER;
@@ -222,6 +223,7 @@ int cft_guard_add(uint64_t stop_addr, uint64_t state_addr) {
       targets[i].stop = (volatile uint32_t *)(uintptr_t)stop_addr;
       targets[i].state = (volatile uint32_t *)(uintptr_t)state_addr;
       targets[i].used = 1;
+      targets[i].hold = __atomic_load_n(targets[i].stop, __ATOMIC_ACQUIRE) != 0;
       if (guard_depth) __atomic_store_n(targets[i].stop, 1u, __ATOMIC_RELEASE);
       id = i;
       break;
@@ -235,6 +237,17 @@ void cft_guard_remove(int id) {
   if (id < 0 || id >= CFT_MAX_TARGETS) return;
   pthread_mutex_lock(&gmu);
   targets[id].used = 0;
+  pthread_mutex_unlock(&gmu);
+}
+
+/* The executor's own stop request for a registered ring: the stop word is (hold or a hazard is open). */
+void cft_guard_hold(int id, int on) {
+  if (id < 0 || id >= CFT_MAX_TARGETS) return;
+  pthread_mutex_lock(&gmu);
+  if (targets[id].used) {
+    targets[id].hold = on != 0;
+    __atomic_store_n(targets[id].stop, (on || guard_depth) ? 1u : 0u, __ATOMIC_RELEASE);
+  }
   pthread_mutex_unlock(&gmu);
 }
 
@@ -290,7 +303,7 @@ void cft_guard_leave(void) {
   pthread_mutex_lock(&gmu);
   if (guard_depth > 0 && --guard_depth == 0) {
     for (int i = 0; i < CFT_MAX_TARGETS; i++)
-      if (targets[i].used) __atomic_store_n(targets[i].stop, 0u, __ATOMIC_RELEASE);
+      if (targets[i].used) __atomic_store_n(targets[i].stop, targets[i].hold ? 1u : 0u, __ATOMIC_RELEASE);
   }
   pthread_mutex_unlock(&gmu);
 }
