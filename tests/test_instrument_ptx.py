@@ -15,9 +15,9 @@ triton = pytest.importorskip("triton", reason="triton not installed")
 
 from concordia_ft.errors import CompileError, PtxParseError, UnsafeKernelError  # noqa: E402
 from concordia_ft.instrument import REFUSALS, SafepointOptions, decode_bitmap, plan_safepoints, rewrite_ptx  # noqa: E402
+from concordia_ft.instrument.ptx import strip_comment  # noqa: E402
 from concordia_ft.instrument.ptxas import assemble, find_ptxas  # noqa: E402
 from concordia_ft.instrument.safepoints import block_index, ctl_bytes, pending_blocks  # noqa: E402
-from concordia_ft.instrument.ptx import strip_comment  # noqa: E402
 from instrument_kernels import compile_for_sm90  # noqa: E402
 
 pytestmark = pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (triton bundles one)")
