@@ -16,6 +16,7 @@ Writes benchmarks/results/qwen3_probes-<tag>.json.  Run: python3 benchmarks/benc
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -173,12 +174,15 @@ def pause_inductor_kernel(seen: list[tuple[Any, list[Any]]], trials: int) -> dic
     hz = torch.cuda.get_device_properties(0).clock_rate * 1e3 if hasattr(torch.cuda.get_device_properties(0),
                                                                            "clock_rate") else 1.98e9
     for i in range(trials):
-        frac = 0.1 + 0.8 * i / max(1, trials - 1)
+        frac = 0.05 + 0.6 * i / max(1, trials - 1)
         cycles = max(1, int(frac * kernel_us * 1e-6 * hz))
         for j, a in enumerate(run_args):
             if isinstance(a, torch.Tensor):
                 a.copy_(args[j])
         launch.ctl.zero_()
+        # hold the stream while the host enqueues: the kernel then starts right after the start event, and the
+        # pause (side stream) lands `cycles` later whatever the host's launch latency
+        torch.cuda._sleep(int(300e-6 * hz))
         start = torch.cuda.Event()
         start.record()
         with torch.cuda.stream(side):  # the pause, written by the GPU `cycles` after the launch starts
@@ -212,12 +216,29 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--trials", type=int, default=5)
+    ap.add_argument("--pause-only", action="store_true", help="compile the instrumented layer and pause one of "
+                                                                "its kernels; no timing (name: qwen3_pause)")
     ns = ap.parse_args()
     t_start = time.perf_counter()
     fwd, inputs, shape = make_layer(ns.batch, ns.seq)
     tokens = ns.batch * ns.seq
     summary: dict[str, Any] = {"shape": shape, "tokens_per_call": tokens}
     rows: list[dict[str, Any]] = []
+    if ns.pause_only:
+        try:
+            triton_hook.install()
+            f_probe, _, k_probe = compile_variant(fwd, inputs, "probes")
+            summary["kernels_probes"] = k_probe
+            summary["pause"] = pause_inductor_kernel(capture_launches(f_probe, inputs), ns.trials)
+        except Exception:  # noqa: BLE001
+            summary["pause"] = {"error": traceback.format_exc()[-2500:]}
+        print("pause:", json.dumps(summary["pause"])[:1500], flush=True)
+        summary["wall_s"] = time.perf_counter() - t_start
+        path = write_results("qwen3_pause", [{"variant": "summary", **summary}], out_dir=ns.out_dir,
+                             notes="an Inductor kernel of the compiled layer paused mid-grid (GPU-timed stream "
+                                   "write) and resumed, against the same kernel compiled without probes")
+        print(path)
+        return 0 if summary["pause"].get("bit_equal_all") and summary["pause"].get("partial_pauses") else 1
     try:
         with torch.no_grad():
             y_eager = fwd(*inputs)

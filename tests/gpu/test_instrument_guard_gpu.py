@@ -14,23 +14,14 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_guard import run_workload  # noqa: E402
+from bench_guard import problems, run_workload  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
 def test_executor_stays_attached_through_a_users_workload_with_zero_hangs() -> None:
     g = run_workload(guarded=True)
-    assert g["rc"] == 0 and g["hangs"] == 0, g
-    assert g["native_guard"] and g["hooks"] == ["native guard (CUPTI interposer)"]
-    steps = {r["step"]: r for r in g["rows"]}
-    assert set(steps) == {"eager", "cublas", "triton", "compile", "empty_cache", "synchronize", "qwen3"}
-    for name, r in steps.items():
-        assert r["stepped_aside"] >= 1, (name, r)  # the executor really was resident at a hazard of each step
-        assert r["unguarded_loads"] == 0, (name, r)  # every module loaded inside a guarded call
-        assert r["timeouts"] == 0, (name, r)
-    assert steps["synchronize"]["hazards"] >= 1 and steps["empty_cache"]["hazards"] >= 1
-    assert g["guard"]["calls"]["cuCtxSynchronize"] >= 1 and g["guard"]["calls"]["cuMemFree"] >= 1
+    assert problems(g) == [], g
 
 
 def test_without_the_guard_the_watchdog_catches_the_hang() -> None:
