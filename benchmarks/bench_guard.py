@@ -97,10 +97,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default="benchmarks/results")
     ap.add_argument("--control-timeout", type=float, default=8.0)
+    ap.add_argument("--child-timeout", type=float, default=500.0, help="the guarded process's wall limit")
     ap.add_argument("--control-from", default="", help="a guard results JSON whose control run to keep "
                                                        "instead of running it again (device time)")
     ns = ap.parse_args()
-    g = run_workload(guarded=True)
+    g = run_workload(guarded=True, timeout=ns.child_timeout)
     if ns.control_from:
         doc = json.loads(Path(ns.control_from).read_text())
         c = {k: v for k, v in doc["baseline"][0].items() if k != "run"}
