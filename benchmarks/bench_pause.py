@@ -69,7 +69,7 @@ def waves(kernel, nblocks: int) -> int:
     return math.ceil(nblocks / max(1, int(per_sm) * sms)), int(per_sm)
 
 
-def bench_case(name, make, size, trials: int, barrier_probes: bool = True) -> dict:
+def bench_case(name, make, size, trials: int, barrier_probes: bool = True, deferred_vote: bool = True) -> dict:
     fn, grid, args, kw, out = make(size)
     triton_hook.uninstall()
     plain = triton.JITFunction(fn.fn)
@@ -78,7 +78,7 @@ def bench_case(name, make, size, trials: int, barrier_probes: bool = True) -> di
     want = out.clone()
     plain_k = plain.warmup(*args, grid=grid, **kw)
     plain_k._init_handles()
-    triton_hook.install(SafepointOptions(barrier_probes=barrier_probes))
+    triton_hook.install(SafepointOptions(barrier_probes=barrier_probes, deferred_vote=deferred_vote))
     inst = triton.JITFunction(fn.fn)
     launch = PausableLaunch(inst, grid, args, kw)
 
@@ -135,6 +135,7 @@ def bench_case(name, make, size, trials: int, barrier_probes: bool = True) -> di
     rep = triton_hook.report(launch.name)
     return {
         "kernel": name, "size": size, "barrier_probes_on": barrier_probes, "blocks": launch.nblocks,
+        "deferred_vote_on": deferred_vote, "deferred_vote": rep.deferred_vote if rep else None,
         "regs_plain": plain_k.n_regs, "regs_instrumented": launch.kernel.n_regs,
         "spills_plain": plain_k.n_spills, "spills_instrumented": launch.kernel.n_spills, "blocks_per_sm": per_sm, "waves": nw,
         "plain_ms": t_plain, "disarmed_ms": t_disarmed, "armed_ms": t_armed - t_zero,
@@ -156,18 +157,24 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--only", default="", help="comma-separated kernels (matmul,softmax,layernorm)")
     ap.add_argument("--name", default="pause", help="results file name")
+    ap.add_argument("--sizes", default="", help="comma-separated sizes instead of each kernel's three")
+    ap.add_argument("--votes", default="on", help="deferred entry vote: on, off or on,off (both, same run)")
+    ap.add_argument("--no-barrier-variants", action="store_true", help="skip the barrier-probe variants")
     ns = ap.parse_args()
     torch.manual_seed(0)
     rows = []
     only = set(filter(None, ns.only.split(",")))
-    cases = [c for c in CASES if not only or c[0] in only]
-    variants = [(n, m, sz, False) for n, m, sz in cases] + \
-        [(n, m, sz, True) for n, m, sz in cases if n != "matmul"]  # matmul gets no barrier probes anyway
+    sizes_arg = [int(x) for x in ns.sizes.split(",") if x]
+    cases = [(n, m, sizes_arg or sz) for n, m, sz in CASES if not only or n in only]
+    variants = [(n, m, sz, False) for n, m, sz in cases]
+    if not ns.no_barrier_variants:
+        variants += [(n, m, sz, True) for n, m, sz in cases if n != "matmul"]  # matmul gets none anyway
+    votes = [v.strip() == "on" for v in ns.votes.split(",")]
     for name, make, sizes, bp in variants:
-        for s in sizes:
-            rows.append(bench_case(name, make, s, ns.trials, bp))
+        for s, dv in ((s, dv) for s in sizes for dv in votes):
+            rows.append(bench_case(name, make, s, ns.trials, bp, dv))
             r = rows[-1]
-            print(f"{name} {s} barrier_probes={bp}: plain {r['plain_ms']:.3f} ms, armed +{r['overhead_armed_pct']:.2f}%, pause "
+            print(f"{name} {s} barrier_probes={bp} deferred_vote={r['deferred_vote']}: plain {r['plain_ms']:.3f} ms, armed +{r['overhead_armed_pct']:.2f}%, pause "
                   f"{r['pause_latency_ms_median']:.3f} ms (wave {r['wave_ms']:.3f}), biteq {r['bit_equal_all']}",
                   flush=True)
     path = write_results(ns.name, rows, baseline=[{"kernel": r["kernel"], "size": r["size"],

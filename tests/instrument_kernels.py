@@ -100,6 +100,23 @@ def persistent_copy_kernel(x, y, n_tiles, BLOCK: tl.constexpr):
         tl.store(y + offs, tl.load(x + offs) + 1.0)
 
 
+@triton.jit
+def rowdot_reps_kernel(x, w, reps, out, n_cols, stride, BLOCK: tl.constexpr):
+    """out[row] = sum of acc after reps[row] steps of acc = 3 acc + x[row] * w, in int32: exact on the GPU and in
+    the interpreter alike (integer arithmetic), and the per-row pass count makes chosen blocks long (the
+    GPU -> CPU handoff test: long blocks hold the GPU while the pause lands, short ones are left pending)."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    xv = tl.load(x + row * stride + cols, mask=m, other=0).to(tl.int32)
+    wv = tl.load(w + cols, mask=m, other=0).to(tl.int32)
+    n = tl.load(reps + row)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for _ in range(0, n):
+        acc = acc * 3 + xv * wv  # a multiplicative recurrence: no closed form for the compiler to fold the loop to
+    tl.store(out + row, tl.sum(acc, 0))
+
+
 KERNELS: dict[str, dict[str, Any]] = {
     "matmul": dict(fn=matmul_kernel, signature={
         "a": "*fp16", "b": "*fp16", "c": "*fp32", "M": "i32", "N": "i32", "K": "i32", "sam": "i32",
@@ -124,6 +141,9 @@ KERNELS: dict[str, dict[str, Any]] = {
     "persistent_copy": dict(fn=persistent_copy_kernel, signature={"x": "*fp32", "y": "*fp32", "n_tiles": "i32",
                                                                   "BLOCK": "constexpr"},
                             constexprs={"BLOCK": 1024}, options={"num_warps": 4}),
+    "rowdot_reps": dict(fn=rowdot_reps_kernel, signature={"x": "*i8", "w": "*i8", "reps": "*i32", "out": "*i32",
+                                                          "n_cols": "i32", "stride": "i32", "BLOCK": "constexpr"},
+                        constexprs={"BLOCK": 16}, options={"num_warps": 8}),
 }
 
 

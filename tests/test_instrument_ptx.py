@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton", reason="triton not installed")
 
 from concordia_ft.errors import CompileError, PtxParseError, UnsafeKernelError  # noqa: E402
 from concordia_ft.instrument import REFUSALS, SafepointOptions, decode_bitmap, plan_safepoints, rewrite_ptx  # noqa: E402
+from concordia_ft.instrument.ptx import strip_comment  # noqa: E402
 from concordia_ft.instrument.ptxas import assemble, find_ptxas  # noqa: E402
 from concordia_ft.instrument.safepoints import block_index, ctl_bytes, pending_blocks  # noqa: E402
 from instrument_kernels import compile_for_sm90  # noqa: E402
@@ -75,7 +76,8 @@ def test_original_instructions_survive_except_probed_barriers() -> None:
     kept = _probe_free(res.ptx)
     orig = [ln for ln in src.splitlines() if ln.strip()]
     bar = [ln for ln in orig if re.match(r"\s*bar\.sync\s+0;", ln)]
-    assert len(bar) == rep.barrier_probes == rep.barriers == 5
+    assert len(bar) == rep.barriers == 5 and rep.deferred_vote  # the first one carries the entry vote
+    assert rep.barrier_probes == 4
     assert kept == [ln for ln in orig if ln not in bar]
     assert res.ptx.count("bar.red.or.pred") == 5
 
@@ -196,7 +198,7 @@ $L__BB1_0:
 
 
 def test_kernels_of_one_module_get_their_own_symbols_labels_and_keep_guards() -> None:
-    res = rewrite_ptx(_TWO_KERNELS, BARRIERS)
+    res = rewrite_ptx(_TWO_KERNELS, SafepointOptions(barrier_probes=True, deferred_vote=False))
     a, b, c = res.kernels
     assert (a.name, b.name, c.name) == ("first", "second", "third")
     assert a.exit_probes == 1 and a.barrier_probes == 2  # both guarded barriers precede the store
@@ -262,3 +264,36 @@ def test_rewrite_assembles_across_compile_options(name: str) -> None:
             res = rewrite_ptx(src, SafepointOptions(barrier_probes=barriers))
             assert res.kernels[0].instrumented
             assemble(res.ptx)
+
+
+def test_entry_vote_is_deferred_to_the_first_barrier_when_nothing_global_precedes_it() -> None:
+    src = ptx_of("softmax")
+    res = rewrite_ptx(src)  # default options: entry probes, vote deferred where it can be
+    rep = res.kernel("softmax_kernel")
+    assert rep.deferred_vote and rep.barrier_probes == 0
+    body = res.ptx[res.ptx.index(".entry"):]
+    lines = [strip_comment(ln).strip().rstrip(";") for ln in body.splitlines()]
+    vote = next(i for i, ln in enumerate(lines) if ln.startswith("bar.red.or.pred"))
+    reads = [i for i, ln in enumerate(lines) if ln.startswith("ld.volatile.global.u32") and "%cft_" in ln]
+    loads = [i for i, ln in enumerate(lines) if "ld.global.b32" in ln]
+    stores = [i for i, ln in enumerate(lines) if ln.startswith(("st.global", "@%p")) and "st.global" in ln]
+    assert len(reads) == 2 and all(r < loads[0] for r in reads)  # the leader's reads go out before the row's
+    assert loads[-1] < vote < stores[0]  # voted after the kernel's loads, before anything is written
+    assert lines[vote + 1] == "@%cft_p2 ret"
+    # the barrier it replaced is gone, every other barrier stays
+    n_bar = sum(ln.startswith(("bar.sync", "barrier.sync")) for ln in lines)
+    orig = src[src.index(".entry"):]
+    assert n_bar == sum(strip_comment(ln).strip().startswith(("bar.sync", "barrier.sync"))
+                        for ln in orig.splitlines()) - 1
+    assert not any(ln.startswith("barrier.red") for ln in lines[:vote])  # no vote at entry
+    a = assemble(res.ptx)
+    plain = assemble(src)
+    k = "softmax_kernel"
+    assert a.spill_bytes[k] == plain.spill_bytes[k] and a.registers[k] <= plain.registers[k] + 4
+    # off: the vote stays at entry
+    off = rewrite_ptx(src, SafepointOptions(deferred_vote=False))
+    assert not off.kernel("softmax_kernel").deferred_vote and "barrier.red.or.pred" in off.ptx
+    assert "bar.red" not in off.ptx
+    # a loop before the first barrier (a branch target): voted at entry
+    ln = rewrite_ptx(ptx_of("layernorm")).kernel("layernorm_kernel")
+    assert not ln.deferred_vote

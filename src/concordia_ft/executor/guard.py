@@ -11,6 +11,14 @@ suspends all of it around such calls:
 - what no hook catches (a cold eager kernel, cuBLAS's first call, a cupy module) stalls only until the
   executor's idle timeout or lease ends: it exits by itself and is relaunched on the next submit.
 
+Below both, when the CUPTI interposer runs in this process (``concordia_ft.instrument.interposer``: the driver
+loaded it at ``cuInit`` through ``CUDA_INJECTION64_PATH``), the **native guard** steps every resident executor
+aside from inside the driver, before any module or library load, a kernel's first launch (lazy loading),
+``cuCtxSynchronize``, ``cuMemFree``/``cuMemFreeHost``, an unload or a graph instantiation, whoever makes the call
+(cuBLAS, an eager kernel, cupy, Inductor's static launcher): ``native()`` finds it, executors register their
+ring's stop/state words with it at their first launch, and ``install()`` then adds no Python hooks (the native
+guard covers what they did; ``install(python_hooks=True)`` adds them anyway). instrument/DESIGN.md §4a.
+
 Hooks resume lazily (the executor relaunches on its next submit), so the kernel that was just loaded gets its
 first launch in before anything is resident again; ``quiesced()`` resumes eagerly unless told otherwise.
 
@@ -24,7 +32,9 @@ hook in the same thread closes a load left open before opening its own.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -127,6 +137,86 @@ def quiesced(eager: bool = True) -> Iterator[None]:
         leave(eager)
 
 
+class NativeGuard:
+    """The interposer's guard (``_interposer.c``): rings registered here are stopped before every hazardous driver
+    call of any thread and may run again when the last one returns. Driver-free: a store of the ring's stop word
+    and a spin on its state word, both in host memory."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        lib.cft_guard_add.restype = ctypes.c_int
+        lib.cft_guard_add.argtypes = [ctypes.c_uint64, ctypes.c_uint64]
+        lib.cft_guard_remove.restype = None
+        lib.cft_guard_remove.argtypes = [ctypes.c_int]
+        lib.cft_guard_depth.restype = ctypes.c_int
+        lib.cft_guard_hold.restype = None
+        lib.cft_guard_hold.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.cft_guard_set_timeout_ns.restype = None
+        lib.cft_guard_set_timeout_ns.argtypes = [ctypes.c_uint64]
+        lib.cft_guard_enter.restype = None
+        lib.cft_guard_leave.restype = None
+        self.depth = lib.cft_guard_depth  # a hazard call is open in some thread: relaunching would only stop again
+
+    def add(self, stop_addr: int, state_addr: int) -> int:
+        """Register a ring by the host addresses of its stop and state words; returns the handle."""
+        h = int(self.lib.cft_guard_add(stop_addr, state_addr))
+        if h < 0:
+            from ..errors import ExecutorError
+
+            raise ExecutorError("the native guard holds 64 executors already: close some before making more")
+        return h
+
+    def hold(self, handle: int, on: bool) -> None:
+        """The executor's own stop request (suspend, warm-up) for a registered ring: the guard sets the stop word
+        for hazards and, when they end, puts back this request instead of clearing it."""
+        self.lib.cft_guard_hold(handle, int(on))
+
+    def remove(self, handle: int) -> None:
+        self.lib.cft_guard_remove(handle)
+
+    def set_timeout(self, seconds: float) -> None:
+        """How long a hazard waits for a block to leave before it proceeds anyway (counted in ``timeouts``)."""
+        self.lib.cft_guard_set_timeout_ns(int(seconds * 1e9))
+
+    def stats(self) -> dict[str, Any]:
+        from ..instrument import interposer
+
+        return dict(interposer.snapshot(self.lib)["guard"])
+
+
+_native: NativeGuard | None = None
+_native_checked = False
+
+
+def native(*, recheck: bool = False) -> NativeGuard | None:
+    """The native guard, when the driver loaded the interposer into this process and it subscribed (else None).
+    Looked up once: call after CUDA is initialised (executors do, at their first launch)."""
+    global _native, _native_checked
+    with _lock:
+        if _native_checked and not recheck:
+            return _native
+        _native_checked = True
+        _native = None
+        path = os.environ.get("CUDA_INJECTION64_PATH", "")
+        if os.path.basename(path) != "libconcordia_interposer.so":
+            return None
+        try:  # only the copy the driver loaded: never load it here
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+        except OSError:
+            return None
+        lib.cft_snapshot.restype = ctypes.c_size_t
+        lib.cft_snapshot.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+        if not hasattr(lib, "cft_guard_add"):  # an interposer built before the guard existed
+            return None
+        g = NativeGuard(lib)
+        from ..instrument import interposer
+
+        if not interposer.snapshot(lib).get("started"):
+            return None
+        _native = g
+        return g
+
+
 def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -187,9 +277,14 @@ def _closing_open_load(fn: Callable[..., Any]) -> Callable[..., Any]:
     return init_handles
 
 
-def install(*, torch_hooks: bool = True, triton_hooks: bool = True) -> list[str]:
-    """Install the hooks (idempotent); returns what was hooked."""
+def install(*, torch_hooks: bool = True, triton_hooks: bool = True, python_hooks: bool | None = None) -> list[str]:
+    """Install the hooks (idempotent); returns what was hooked. With the native guard running in this process
+    (``native()``) the Python hooks are left out unless ``python_hooks=True``: it covers every call they did."""
     done: list[str] = []
+    if python_hooks is None and native() is not None:
+        return ["native guard (CUPTI interposer)"]
+    if python_hooks is False:
+        return done
     with _lock:
         if torch_hooks:
             import torch

@@ -208,6 +208,8 @@ class ResidentExecutor:
         self._owns_image = image is None  # close() unloads only what this executor loaded
         self.launches = 0
         self._releases: dict[int, tuple[int, int]] = {}
+        self._native: Any = None  # guard.NativeGuard, once registered there
+        self._native_handle: int | None = None
         with guard.quiesced():  # loading a module blocks behind anything resident
             self.image = image or ExecutorImage(o.image_id, o.threads, self.device)
             self.mem = PinnedBuffer(R.ring_bytes(o.capacity))
@@ -255,10 +257,10 @@ class ResidentExecutor:
     def warm_up(self, image: ExecutorImage) -> None:
         """Run every kernel path of ``image`` once with nothing resident (first launches load code)."""
         nop = self._scratch.device_ptr  # 64 zero bytes: a NOP descriptor
-        self.producer.request_stop()
+        self._request_stop(True)
         driver.launch(image.resident, 1, image.threads, self._args, self.stream, what="executor warm-up")
         self.stream.synchronize()
-        self.producer.clear_stop()
+        self._request_stop(False)
         wide_args = driver.KernelArgs([(ctypes.c_uint64, 0)] * 8)
         driver.launch(image.wide, 1, DEFAULT_THREADS, wide_args, self.stream, what="wide warm-up")
         driver.launch(image.wide_at, 1, DEFAULT_THREADS,
@@ -269,7 +271,24 @@ class ResidentExecutor:
         self.stream.synchronize()
         self._check_error()
 
+    def _request_stop(self, on: bool) -> None:
+        """The ring's stop word; once registered with the native guard, through it (a hazard ending in another
+        thread must not clear a stop this executor asked for)."""
+        if self._native_handle is not None:
+            self._native.hold(self._native_handle, on)
+        elif on:
+            self.producer.request_stop()
+        else:
+            self.producer.clear_stop()
+
     def _launch(self) -> None:
+        if self._native_handle is None:  # the interposer's guard steps this block aside before hazardous calls
+            from . import guard
+
+            ng = guard.native()
+            if ng is not None:
+                self._native = ng
+                self._native_handle = ng.add(self.mem.host_ptr + R.OFF_STOP, self.mem.host_ptr + R.OFF_STATE)
         self.layout.store32(R.OFF_STATE, R.ConsumerState.NOT_STARTED)  # the new instance takes the word over
         driver.launch(self.image.resident, 1, self.image.threads, self._args, self.stream,
                       what=f"concordia_executor v{self.image.image_id}")
@@ -296,6 +315,8 @@ class ResidentExecutor:
         with self._lock:
             if self._suspended or self._closed:
                 return
+            if self._native is not None and self._native.depth():  # a hazard is open: it would stop at once
+                return
             if self._launched:
                 if self.state in (R.ConsumerState.NOT_STARTED, R.ConsumerState.RUNNING):
                     return
@@ -309,10 +330,10 @@ class ResidentExecutor:
         with self._lock:
             self._suspended = True
             if self._launched:
-                self.producer.request_stop()
+                self._request_stop(True)
                 self.stream.synchronize()
                 self._launched = False
-                self.producer.clear_stop()
+                self._request_stop(False)
                 self._check_error()
 
     def resume(self, eager: bool = True) -> None:
@@ -348,6 +369,9 @@ class ResidentExecutor:
                 self._release()
 
     def _release(self) -> None:
+        if self._native_handle is not None:  # before the free: the native guard reads these words
+            self._native.remove(self._native_handle)
+            self._native_handle = None
         tomb = self.producer.retire()  # state words stay readable (state, tail, heartbeat) after the free
         self.layout, self._q, self._u32 = tomb, tomb.q, tomb.u32
         self.stream.close()

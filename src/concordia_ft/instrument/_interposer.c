@@ -27,6 +27,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <sched.h>
 
 /* ---- the CUPTI callback API, as declared by cupti_callbacks.h / cupti_result.h (CUDA 12-13) */
 typedef int CUptiResult;
@@ -140,6 +142,213 @@ static __thread int tl_api = -1, tl_image = IMG_UNKNOWN, tl_ptx = 0, tl_sass = 0
 /* _launchcut.c (compiled into the same library): epoch cuts between launches */
 void cft_cut_on_launch(uint32_t cbid, const void *params, const char *kernel);
 int cft_cut_on_module(const void *image, uint64_t size);
+
+/* ---------------------------------------------------------------- the hazard guard
+ * While a resident executor block runs, the driver blocks module loads (lazy loads at a kernel's first launch
+ * included), device-wide synchronize and frees behind it. The guard steps every registered executor aside
+ * before such a call and lets it run again after, from inside the driver's callbacks, so no list of framework
+ * functions is needed. Stepping aside is driver-free: store the ring's stop word (host-mapped memory the block
+ * polls) and spin until its state word says the block left (EXITED_*): the block exits at its next task
+ * boundary. At the end of the last open hazard the stop words are cleared; the executor relaunches itself on
+ * its next submit (it sees state != RUNNING). Nothing here calls CUDA, so it is safe inside a callback. */
+#define CFT_MAX_TARGETS 64
+#define RING_STATE_NOT_STARTED 0u
+#define RING_STATE_RUNNING 1u
+
+typedef struct {
+  volatile uint32_t *stop;   /* host addresses of the ring's stop and state words */
+  volatile uint32_t *state;
+  int used;
+  int hold; /* the executor's own stop request (suspend, warm-up): the guard never clears it */
+} guard_target;
+
+static pthread_mutex_t gmu = PTHREAD_MUTEX_INITIALIZER;
+static guard_target targets[CFT_MAX_TARGETS];
+static int guard_depth; /* open hazard calls, all threads */
+static uint64_t g_hazards, g_stepped_aside, g_first_launches, g_timeouts, g_unguarded_loads, g_wait_ns_max;
+static uint64_t g_wait_ns_total, g_enable_failed;
+static uint64_t g_timeout_ns = 10ull * 1000 * 1000 * 1000;
+static __thread int tl_hazard = 0;        /* hazard calls open in this thread */
+static __thread int tl_launch_hazard = 0; /* this thread's current launch is a first launch */
+static __thread const char *tl_api_name = NULL; /* the driver call in progress (trace mode: every call) */
+static int trace_all = 0;
+#define MAX_UNGUARDED 32
+static char *unguarded_where[MAX_UNGUARDED]; /* the driver call in which an unguarded module load happened */
+static uint32_t unguarded_module[MAX_UNGUARDED];
+
+/* hazard callbacks: entering one steps every executor aside until it returns */
+static const struct { CUpti_CallbackId cbid; const char *name; } HAZARD_APIS[] = {
+    {CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize, "cuCtxSynchronize"},
+    {CUPTI_DRIVER_TRACE_CBID_cuMemFree_v2, "cuMemFree"},
+    {CUPTI_DRIVER_TRACE_CBID_cuMemFreeHost, "cuMemFreeHost"},
+    {CUPTI_DRIVER_TRACE_CBID_cuMemHostUnregister, "cuMemHostUnregister"},
+    {CUPTI_DRIVER_TRACE_CBID_cuModuleUnload, "cuModuleUnload"},
+    {CUPTI_DRIVER_TRACE_CBID_cuLibraryUnload, "cuLibraryUnload"},
+    {CUPTI_DRIVER_TRACE_CBID_cuModuleGetFunction, "cuModuleGetFunction"},
+    {CUPTI_DRIVER_TRACE_CBID_cuModuleGetGlobal_v2, "cuModuleGetGlobal"},
+    {CUPTI_DRIVER_TRACE_CBID_cuLibraryGetKernel, "cuLibraryGetKernel"},
+    {CUPTI_DRIVER_TRACE_CBID_cuLibraryGetModule, "cuLibraryGetModule"},
+    {CUPTI_DRIVER_TRACE_CBID_cuLibraryGetGlobal, "cuLibraryGetGlobal"},
+    {CUPTI_DRIVER_TRACE_CBID_cuKernelGetFunction, "cuKernelGetFunction"},
+    {CUPTI_DRIVER_TRACE_CBID_cuKernelGetAttribute, "cuKernelGetAttribute"},
+    {CUPTI_DRIVER_TRACE_CBID_cuKernelSetAttribute, "cuKernelSetAttribute"},
+    {CUPTI_DRIVER_TRACE_CBID_cuFuncGetAttribute, "cuFuncGetAttribute"},
+    {CUPTI_DRIVER_TRACE_CBID_cuFuncSetAttribute, "cuFuncSetAttribute"},
+    {CUPTI_DRIVER_TRACE_CBID_cuFuncLoad, "cuFuncLoad"},
+    {CUPTI_DRIVER_TRACE_CBID_cuGraphInstantiate, "cuGraphInstantiate"},
+    {CUPTI_DRIVER_TRACE_CBID_cuGraphInstantiate_v2, "cuGraphInstantiate_v2"},
+    {CUPTI_DRIVER_TRACE_CBID_cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags"},
+    {CUPTI_DRIVER_TRACE_CBID_cuGraphInstantiateWithParams, "cuGraphInstantiateWithParams"},
+    {CUPTI_DRIVER_TRACE_CBID_cuGraphInstantiateWithParams_ptsz, "cuGraphInstantiateWithParams_ptsz"},
+    {CUPTI_DRIVER_TRACE_CBID_cuGraphUpload, "cuGraphUpload"},
+};
+#define N_HAZARD_APIS (sizeof(HAZARD_APIS) / sizeof(HAZARD_APIS[0]))
+static uint64_t hazard_calls[N_HAZARD_APIS];
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int block_may_run(const guard_target *t) {
+  uint32_t s = __atomic_load_n(t->state, __ATOMIC_ACQUIRE);
+  return s == RING_STATE_NOT_STARTED || s == RING_STATE_RUNNING;
+}
+
+/* Register a ring (host addresses of its stop and state words); returns a handle >= 0, or -1 when full. A ring
+   registered inside an open hazard is told to stop at once, like the others. */
+int cft_guard_add(uint64_t stop_addr, uint64_t state_addr) {
+  pthread_mutex_lock(&gmu);
+  int id = -1;
+  for (int i = 0; i < CFT_MAX_TARGETS; i++) {
+    if (!targets[i].used) {
+      targets[i].stop = (volatile uint32_t *)(uintptr_t)stop_addr;
+      targets[i].state = (volatile uint32_t *)(uintptr_t)state_addr;
+      targets[i].used = 1;
+      targets[i].hold = __atomic_load_n(targets[i].stop, __ATOMIC_ACQUIRE) != 0;
+      if (guard_depth) __atomic_store_n(targets[i].stop, 1u, __ATOMIC_RELEASE);
+      id = i;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&gmu);
+  return id;
+}
+
+void cft_guard_remove(int id) {
+  if (id < 0 || id >= CFT_MAX_TARGETS) return;
+  pthread_mutex_lock(&gmu);
+  targets[id].used = 0;
+  pthread_mutex_unlock(&gmu);
+}
+
+/* The executor's own stop request for a registered ring: the stop word is (hold or a hazard is open). */
+void cft_guard_hold(int id, int on) {
+  if (id < 0 || id >= CFT_MAX_TARGETS) return;
+  pthread_mutex_lock(&gmu);
+  if (targets[id].used) {
+    targets[id].hold = on != 0;
+    __atomic_store_n(targets[id].stop, (on || guard_depth) ? 1u : 0u, __ATOMIC_RELEASE);
+  }
+  pthread_mutex_unlock(&gmu);
+}
+
+int cft_guard_depth(void) { return __atomic_load_n(&guard_depth, __ATOMIC_ACQUIRE); }
+
+void cft_guard_set_timeout_ns(uint64_t ns) { g_timeout_ns = ns; }
+
+/* Step every registered executor aside: tell it to stop, wait until its block has left (or the timeout). */
+void cft_guard_enter(void) {
+  guard_target snap[CFT_MAX_TARGETS];
+  int n = 0;
+  tl_hazard++;
+  pthread_mutex_lock(&gmu);
+  guard_depth++;
+  g_hazards++;
+  for (int i = 0; i < CFT_MAX_TARGETS; i++) {
+    if (!targets[i].used) continue;
+    __atomic_store_n(targets[i].stop, 1u, __ATOMIC_RELEASE);
+    snap[n++] = targets[i];
+  }
+  pthread_mutex_unlock(&gmu);
+  uint64_t t0 = 0, waited = 0;
+  int stepped = 0;
+  for (int i = 0; i < n; i++) {
+    if (!block_may_run(&snap[i])) continue;
+    if (!t0) t0 = now_ns();
+    stepped = 1;
+    unsigned spins = 0;
+    while (block_may_run(&snap[i])) {
+      if (++spins % 64 == 0) {
+        if (now_ns() - t0 > g_timeout_ns) {
+          pthread_mutex_lock(&gmu);
+          g_timeouts++;
+          pthread_mutex_unlock(&gmu);
+          break;
+        }
+        sched_yield();
+      }
+    }
+  }
+  if (t0) waited = now_ns() - t0;
+  pthread_mutex_lock(&gmu);
+  g_stepped_aside += (uint64_t)stepped;
+  g_wait_ns_total += waited;
+  if (waited > g_wait_ns_max) g_wait_ns_max = waited;
+  pthread_mutex_unlock(&gmu);
+}
+
+/* The hazard call returned: when it was the last one open, the executors may run again (they relaunch on
+   their next submit). */
+void cft_guard_leave(void) {
+  if (tl_hazard > 0) tl_hazard--;
+  pthread_mutex_lock(&gmu);
+  if (guard_depth > 0 && --guard_depth == 0) {
+    for (int i = 0; i < CFT_MAX_TARGETS; i++)
+      if (targets[i].used) __atomic_store_n(targets[i].stop, targets[i].hold ? 1u : 0u, __ATOMIC_RELEASE);
+  }
+  pthread_mutex_unlock(&gmu);
+}
+
+/* Kernel handles launched before: a launch of any other handle may load code (lazy loading). Open addressing
+   over the CUfunction value; cleared when a module or library is unloaded (a handle value can be reused). */
+static uintptr_t *seen_fn;
+static size_t seen_cap, seen_used;
+
+static int first_launch(uintptr_t f) { /* under mu */
+  if (!f) return 1;
+  if (seen_used * 2 >= seen_cap) {
+    size_t ncap = seen_cap ? seen_cap * 2 : 1024;
+    uintptr_t *nt = calloc(ncap, sizeof(uintptr_t));
+    if (!nt) return 1;
+    for (size_t i = 0; i < seen_cap; i++) {
+      if (!seen_fn[i]) continue;
+      size_t j = (seen_fn[i] * 0x9E3779B97F4A7C15ull >> 17) & (ncap - 1);
+      while (nt[j]) j = (j + 1) & (ncap - 1);
+      nt[j] = seen_fn[i];
+    }
+    free(seen_fn);
+    seen_fn = nt;
+    seen_cap = ncap;
+  }
+  size_t j = (f * 0x9E3779B97F4A7C15ull >> 17) & (seen_cap - 1);
+  while (seen_fn[j] && seen_fn[j] != f) j = (j + 1) & (seen_cap - 1);
+  if (seen_fn[j]) return 0;
+  seen_fn[j] = f;
+  seen_used++;
+  return 1;
+}
+
+static void forget_launched(void) { /* under mu */
+  if (seen_fn) memset(seen_fn, 0, seen_cap * sizeof(uintptr_t));
+  seen_used = 0;
+}
+
+/* the kernel handle a launch call was given (its parameter structs, as in generated_cuda_meta.h) */
+typedef struct { CUfunction f; } cuLaunchKernel_params_head;
+typedef struct { const CUlaunchConfig *config; CUfunction f; } cuLaunchKernelEx_params_head;
+typedef struct { CUDA_LAUNCH_PARAMS *launchParamsList; } cuLaunchCooperativeKernelMultiDevice_params_head;
 
 /* ---------------------------------------------------------------- image classification (no driver calls) */
 #define FATBIN_MAGIC 0xBA55ED50u
@@ -314,9 +523,24 @@ static void on_module_loaded(const CUpti_ModuleResourceData *m) {
   int n = m->pCubin ? cft_elf_kernels(m->pCubin, m->cubinSize, add_kernel_name, NULL) : -1;
   r->nkernels = n > 0 ? (uint32_t)n : 0;
   if (m->pCubin) cft_cut_on_module(m->pCubin, m->cubinSize);
+  if (!tl_hazard && tl_api < 0) { /* loaded outside every call the guard steps aside for */
+    pthread_mutex_lock(&gmu);
+    int armed = 0;
+    for (int i = 0; i < CFT_MAX_TARGETS; i++) armed |= targets[i].used;
+    if (!armed) { /* no executor registered: nothing could have been resident */
+      pthread_mutex_unlock(&gmu);
+      return;
+    }
+    if (g_unguarded_loads < MAX_UNGUARDED) {
+      unguarded_where[g_unguarded_loads] = strdup(tl_api_name ? tl_api_name : "?");
+      unguarded_module[g_unguarded_loads] = m->moduleId;
+    }
+    g_unguarded_loads++;
+    pthread_mutex_unlock(&gmu);
+  }
 }
 
-static void callback(void *userdata, CUpti_CallbackDomain domain, CUpti_CallbackId cbid,
+void cft_callback(void *userdata, CUpti_CallbackDomain domain, CUpti_CallbackId cbid,
                               const void *data) {
   (void)userdata;
   if (domain == CUPTI_CB_DOMAIN_RESOURCE) {
@@ -330,12 +554,31 @@ static void callback(void *userdata, CUpti_CallbackDomain domain, CUpti_Callback
   }
   if (domain != CUPTI_CB_DOMAIN_DRIVER_API) return;
   const CUpti_CallbackData *cb = (const CUpti_CallbackData *)data;
+  if (trace_all) tl_api_name = cb->callbackSite == CUPTI_API_ENTER ? cb->functionName : NULL;
+  for (size_t i = 0; i < N_HAZARD_APIS; i++) {
+    if (HAZARD_APIS[i].cbid != cbid) continue;
+    if (cb->callbackSite == CUPTI_API_ENTER) {
+      pthread_mutex_lock(&gmu);
+      hazard_calls[i]++;
+      pthread_mutex_unlock(&gmu);
+      cft_guard_enter();
+    } else {
+      cft_guard_leave();
+      if (cbid == CUPTI_DRIVER_TRACE_CBID_cuModuleUnload || cbid == CUPTI_DRIVER_TRACE_CBID_cuLibraryUnload) {
+        pthread_mutex_lock(&mu);
+        forget_launched();
+        pthread_mutex_unlock(&mu);
+      }
+    }
+    return;
+  }
   for (size_t i = 0; i < N_LOAD_APIS; i++) {
     if (LOAD_APIS[i].cbid != cbid) continue;
     if (cb->callbackSite == CUPTI_API_ENTER) {
+      cft_guard_enter(); /* a load blocks behind a resident block: step aside first */
       const void *image = NULL;
       int ptx = 0, sass = 0, kind = IMG_FILE;
-      switch (cbid) {
+      switch (cb->functionParams ? cbid : 0) {
         case CUPTI_DRIVER_TRACE_CBID_cuModuleLoadData:
           image = ((const cuModuleLoadData_params *)cb->functionParams)->image; break;
         case CUPTI_DRIVER_TRACE_CBID_cuModuleLoadDataEx:
@@ -358,10 +601,21 @@ static void callback(void *userdata, CUpti_CallbackDomain domain, CUpti_Callback
       pthread_mutex_unlock(&mu);
     } else {
       tl_api = -1;
+      cft_guard_leave();
     }
     return;
   }
-  if (cb->callbackSite != CUPTI_API_ENTER) return;
+  int is_launch = 0;
+  for (size_t i = 0; i < N_LAUNCH_APIS; i++) is_launch |= LAUNCH_APIS[i] == cbid;
+  if (!is_launch && cbid != CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch && cbid != CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch_ptsz)
+    return; /* trace mode: every other driver call only names itself (above) */
+  if (cb->callbackSite != CUPTI_API_ENTER) {
+    if (tl_launch_hazard) {
+      tl_launch_hazard = 0;
+      cft_guard_leave();
+    }
+    return;
+  }
   cft_cut_on_launch(cbid, cb->functionParams, cb->symbolName);
   if (cbid == CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch || cbid == CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch_ptsz) {
     pthread_mutex_lock(&mu);
@@ -369,9 +623,27 @@ static void callback(void *userdata, CUpti_CallbackDomain domain, CUpti_Callback
     pthread_mutex_unlock(&mu);
     return;
   }
+  uintptr_t f = 0;
+  const void *prm = cb->functionParams;
+  if (prm) {
+    if (cbid == CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx || cbid == CUPTI_DRIVER_TRACE_CBID_cuLaunchKernelEx_ptsz)
+      f = (uintptr_t)((const cuLaunchKernelEx_params_head *)prm)->f;
+    else if (cbid == CUPTI_DRIVER_TRACE_CBID_cuLaunchCooperativeKernelMultiDevice)
+      f = 0; /* a list of launches: treat as a first launch */
+    else
+      f = (uintptr_t)((const cuLaunchKernel_params_head *)prm)->f;
+  }
   pthread_mutex_lock(&mu);
   count_launch(cb->symbolName);
+  int first = first_launch(f);
   pthread_mutex_unlock(&mu);
+  if (first) { /* lazy loading loads the kernel's code inside this call */
+    pthread_mutex_lock(&gmu);
+    g_first_launches++;
+    pthread_mutex_unlock(&gmu);
+    tl_launch_hazard = 1;
+    cft_guard_enter();
+  }
 }
 
 /* Subscribe (idempotent). Returns 1 on success, 0 with cft_error() set otherwise. */
@@ -401,11 +673,11 @@ int cft_start(void) {
     prm.structSize = sizeof prm;
     prm.subscriberName = "concordia-ft";
     prm.allowMultipleSubscribers = 1;
-    r = sub2(&subscriber, (CUpti_CallbackFunc)callback, NULL, &prm);
+    r = sub2(&subscriber, (CUpti_CallbackFunc)cft_callback, NULL, &prm);
     multi = r == CUPTI_SUCCESS;
-    if (r != CUPTI_SUCCESS) r = sub(&subscriber, (CUpti_CallbackFunc)callback, NULL);
+    if (r != CUPTI_SUCCESS) r = sub(&subscriber, (CUpti_CallbackFunc)cft_callback, NULL);
   } else {
-    r = sub(&subscriber, (CUpti_CallbackFunc)callback, NULL);
+    r = sub(&subscriber, (CUpti_CallbackFunc)cft_callback, NULL);
   }
   if (r != CUPTI_SUCCESS) {
     snprintf(error_buf, sizeof error_buf, "cuptiSubscribe returned CUPTI error %d (no CUDA driver here, or "
@@ -419,6 +691,17 @@ int cft_start(void) {
   for (size_t i = 0; i < N_LAUNCH_APIS; i++) ok &= en(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, LAUNCH_APIS[i]) == CUPTI_SUCCESS;
   ok &= en(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch) == CUPTI_SUCCESS;
   ok &= en(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuGraphLaunch_ptsz) == CUPTI_SUCCESS;
+  /* a hazard callback this CUPTI does not offer costs coverage, not the observer: counted, never fatal */
+  for (size_t i = 0; i < N_HAZARD_APIS; i++)
+    g_enable_failed += en(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, HAZARD_APIS[i].cbid) != CUPTI_SUCCESS;
+  /* CONCORDIA_GUARD_TRACE=1: every driver call names itself, so an unguarded module load says where it was */
+  const char *tr = getenv("CONCORDIA_GUARD_TRACE");
+  if (tr && *tr == '1') {
+    trace_all = 1;
+    ok &= endom(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API) == CUPTI_SUCCESS;
+  }
+  const char *to = getenv("CONCORDIA_GUARD_TIMEOUT_MS");
+  if (to && *to) g_timeout_ns = (uint64_t)strtoull(to, NULL, 10) * 1000000ull;
   started = ok;
   start_error = ok ? "" : "cuptiEnableCallback failed";
   pthread_mutex_unlock(&mu);
@@ -512,7 +795,50 @@ size_t cft_snapshot(char *buf, size_t cap) {
     }
     put(&o, "]}");
   }
-  put(&o, "],\"launches\":{");
+  put(&o, "],\"guard\":{\"depth\":");
+  pthread_mutex_lock(&gmu);
+  put_u64(&o, (uint64_t)guard_depth);
+  put(&o, ",\"targets\":");
+  uint64_t nt = 0;
+  for (int i = 0; i < CFT_MAX_TARGETS; i++) nt += (uint64_t)targets[i].used;
+  put_u64(&o, nt);
+  put(&o, ",\"hazards\":");
+  put_u64(&o, g_hazards);
+  put(&o, ",\"stepped_aside\":");
+  put_u64(&o, g_stepped_aside);
+  put(&o, ",\"first_launches\":");
+  put_u64(&o, g_first_launches);
+  put(&o, ",\"timeouts\":");
+  put_u64(&o, g_timeouts);
+  put(&o, ",\"wait_ns_total\":");
+  put_u64(&o, g_wait_ns_total);
+  put(&o, ",\"wait_ns_max\":");
+  put_u64(&o, g_wait_ns_max);
+  put(&o, ",\"enable_failed\":");
+  put_u64(&o, g_enable_failed);
+  put(&o, ",\"trace\":");
+  put(&o, trace_all ? "true" : "false");
+  put(&o, ",\"calls\":{");
+  for (size_t i = 0; i < N_HAZARD_APIS; i++) {
+    if (i) put(&o, ",");
+    put_str(&o, HAZARD_APIS[i].name);
+    put(&o, ":");
+    put_u64(&o, hazard_calls[i]);
+  }
+  put(&o, "},\"unguarded_loads\":");
+  put_u64(&o, g_unguarded_loads);
+  put(&o, ",\"unguarded\":[");
+  for (uint64_t i = 0; i < g_unguarded_loads && i < MAX_UNGUARDED; i++) {
+    if (i) put(&o, ",");
+    put(&o, "{\"module\":");
+    put_u64(&o, unguarded_module[i]);
+    put(&o, ",\"in\":");
+    put_str(&o, unguarded_where[i] ? unguarded_where[i] : "?");
+    put(&o, "}");
+  }
+  put(&o, "]}");
+  pthread_mutex_unlock(&gmu);
+  put(&o, ",\"launches\":{");
   int first = 1;
   for (size_t i = 0; i < table_cap; i++) {
     if (!table[i].name) continue;

@@ -42,7 +42,7 @@ from .ptx import (
 CTL_PAUSE = 0  # u32, host sets 1 to pause (a stream write from another stream), 0 to run
 CTL_BITMAP = 16  # u32 words after a 16-byte header: bit b of word w = block 32*w+b ran to completion
 SYMBOL_PREFIX = "cft_ctl_"
-PROTOCOL_VERSION = 2  # bump when the probes' code or the control block changes (it salts compile caches)
+PROTOCOL_VERSION = 3  # bump when the probes' code or the control block changes (it salts compile caches)
 
 REFUSALS: dict[str, str] = {
     "cluster": "uses thread-block clusters (a skipped CTA breaks its cluster's co-residency and barriers)",
@@ -74,6 +74,10 @@ class SafepointOptions:
     # 48% (softmax: short blocks, barriers close together) armed, and shorten pauses only for long blocks.
     barrier_probes: bool = False
     strict: bool = False  # raise UnsafeKernelError instead of leaving a refused kernel unchanged
+    # The entry decision's vote at the kernel's first barrier instead of at entry, where that barrier lies in
+    # straight-line code from entry with no global side effect before it: the leader's two L2 reads overlap
+    # the kernel's own first loads instead of holding every thread at entry (DESIGN.md §1, "deferred vote").
+    deferred_vote: bool = True
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class KernelReport:
     exit_probes: int = 0
     barrier_probes: int = 0
     barriers: int = 0  # bar.sync sites in the kernel
+    deferred_vote: bool = False  # the entry decision is voted at the first barrier (SafepointOptions)
 
     @property
     def instrumented(self) -> bool:
@@ -305,6 +310,29 @@ class _Plan:
     barrier_lines: list[int] = field(default_factory=list)
     exit_lines: list[int] = field(default_factory=list)
     entry_line: int = -1
+    vote_line: int = -1  # the barrier that carries the entry decision (-1: voted at entry)
+
+
+def _first_vote_barrier(kernel: Kernel, entry_line: int) -> int:
+    """The first ``bar.sync 0`` reached from entry in straight-line code (no branch target, branch, call,
+    return before it), with no global side effect and no asynchronous copy/MMA before it; -1 if there is none. Every
+    thread passes it exactly once before anything it does can be seen outside the block, so a block may
+    still leave there as if it had left at entry."""
+    targets = {st.operands.strip().rstrip(";").split(",")[0].strip() for st in kernel.statements
+               if st.op_parts[0] in ("bra", "brx")}
+    labels = {ln for name, ln in kernel.labels.items() if name in targets}  # join points (debug labels are not)
+    for st in kernel.statements:
+        if st.index < entry_line:
+            continue
+        if any(entry_line <= ln <= st.index for ln in labels):
+            return -1
+        if _is_cta_barrier(st):
+            return st.index if not st.guard else -1
+        head = st.op_parts[0]
+        if head in ("bra", "brx", "call", "ret", "exit", "trap") or is_global_effect(st) or \
+                _ASYNC_RE.match(st.opcode) or st.opcode.startswith(("bar.", "barrier.")):
+            return -1
+    return -1
 
 
 def _plan(module: PtxModule, kernel: Kernel, opts: SafepointOptions,
@@ -330,10 +358,13 @@ def _plan(module: PtxModule, kernel: Kernel, opts: SafepointOptions,
     if entry_only is None and any(st.guard for st in kernel.statements if st.index in exits):
         entry_only, safe = "a guarded ret may take the block leader out before a barrier", []
     first = min([kernel.body_close] + [ln for ln in kernel.labels.values()] + [st.index for st in kernel.statements])
+    vote = _first_vote_barrier(kernel, first) if opts.deferred_vote else -1
+    safe = [ln for ln in safe if ln != vote]  # that barrier carries the entry vote instead
     rep = KernelReport(kernel.name, entry_only=entry_only, entry_probes=1, exit_probes=len(exits),
-                       barrier_probes=len(safe), barriers=len(barriers),
-                       detail=f"{len(safe)} of {len(barriers)} barriers are restartable safe points")
-    return _Plan(rep, safe, exits, first)
+                       barrier_probes=len(safe), barriers=len(barriers), deferred_vote=vote >= 0,
+                       detail=f"{len(safe)} of {len(barriers)} barriers are restartable safe points"
+                              + ("; entry vote at the first barrier" if vote >= 0 else ""))
+    return _Plan(rep, safe, exits, first, vote)
 
 
 def plan_safepoints(ptx: str, *, options: SafepointOptions | None = None,
@@ -373,6 +404,41 @@ def _entry_probe(sym: str, lab: str) -> list[str]:
         "\tbarrier.red.or.pred \t%cft_p2, 0, %cft_p2;",
         "\t@%cft_p2 ret;",
         f"{lab}_run:",
+    ]
+
+
+def _deferred_entry_probe(sym: str, lab: str) -> list[str]:
+    """Entry with the vote deferred to the first barrier: the leader of an armed launch only issues its two
+    reads here; nothing waits for them until ``_deferred_vote``. Non-leaders and disarmed launches carry
+    zeros, so the vote's arithmetic needs no predicate."""
+    return [
+        "\t// concordia-ft safe point: block entry (reads issued here, voted at the first barrier)",
+        "\tmov.u32 \t%cft_r16, 0;", "\tmov.u32 \t%cft_r12, 0;", "\tmov.u32 \t%cft_r14, 0;",
+        "\tmov.u32 \t%cft_r10, 0;",
+        f"\tld.global.u64 \t%cft_rd0, [{sym}];",
+        "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;",
+        f"\t@!%cft_p1 bra \t{lab}_run;",
+        *_leader(),
+        f"\t@!%cft_p0 bra \t{lab}_run;",
+        *_block_bit(),
+        f"\tld.volatile.global.u32 \t%cft_r12, [%cft_rd0+{CTL_PAUSE}];",
+        "\tld.volatile.global.u32 \t%cft_r14, [%cft_rd1];",
+        f"{lab}_run:",
+    ]
+
+
+def _deferred_vote(st: Statement) -> list[str]:
+    """The kernel's first barrier, as a reducing barrier carrying the leader's entry decision."""
+    aligned = st.opcode.startswith("bar.") or st.opcode.endswith(".aligned")
+    red = "bar.red.or.pred" if aligned else "barrier.red.or.pred"
+    return [
+        "\t// concordia-ft: the entry decision, voted at the kernel's first barrier (nothing global written yet)",
+        "\tand.b32 \t%cft_r14, %cft_r14, %cft_r10;",
+        "\tor.b32 \t%cft_r14, %cft_r14, %cft_r12;",  # done already (resume launch) or paused
+        "\tsetp.ne.u32 \t%cft_p2, %cft_r14, 0;",
+        f"\t{red} \t%cft_p2, 0, %cft_p2;",
+        "\t@%cft_p2 ret;",
+        "\tmov.u32 \t%cft_r16, %cft_r12;",  # the pause word as last read, for the barrier probes
     ]
 
 
@@ -480,8 +546,12 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
             [f"// concordia-ft control block pointer of {k.name} (0: disarmed)",
              f".visible .global .align 8 .u64 {sym};", ""])
         after.setdefault(k.body_open, []).extend(_DECLS)
-        before.setdefault(p.entry_line, []).extend(_entry_probe(sym, lab))
         by_index = {st.index: st for st in k.statements}
+        if p.vote_line >= 0:
+            before.setdefault(p.entry_line, []).extend(_deferred_entry_probe(sym, lab))
+            replace[p.vote_line] = _deferred_vote(by_index[p.vote_line])
+        else:
+            before.setdefault(p.entry_line, []).extend(_entry_probe(sym, lab))
         for n, ln in enumerate(p.exit_lines):
             lines = _exit_probe(by_index[ln].guard, sym)
             before.setdefault(ln, []).extend(x.replace("{n}", f"{ki}_{n}") for x in lines)
