@@ -101,11 +101,11 @@ class KVPool:
         self.geo = geo
         self.scratch_blocks = int(scratch_blocks)
         rows = geo.slots + self.scratch_blocks * geo.block_size
-        # on a GPU zeroing is a memset at HBM speed: always do it, so a row no one wrote since a restore reads
-        # as zeros, never as stale bytes (masked keys still go through the score arithmetic)
-        zero = zeroed or torch.device(device).type == "cuda"
-        self.storage = (torch.zeros if zero else torch.empty)(rows * geo.row_bytes, dtype=torch.uint8,
-                                                              device=device)
+        # always zeroed (a memset at HBM speed on a GPU, calloc'd pages on the CPU): a row no one wrote since a
+        # restore reads as zeros, never as stale bytes, which could be NaN and masked keys still go through the
+        # score arithmetic (0 * NaN is NaN); `zeroed` is kept for callers that ask for it explicitly
+        del zeroed
+        self.storage = torch.zeros(rows * geo.row_bytes, dtype=torch.uint8, device=device)
         self.flags = torch.zeros(rows, dtype=torch.uint8, device=device)
         self.arena = self.storage[: geo.nbytes]  # what the runtime registers and logs
         self.dirty = self.flags[: geo.slots]  # one flag per row
