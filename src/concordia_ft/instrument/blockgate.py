@@ -20,15 +20,14 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from ..errors import CompileError, InstrumentError
+from .interposer import compile_to
 
 HERE = Path(__file__).parent
 TOOL_SOURCE = HERE / "_blockgate.c"
@@ -96,20 +95,6 @@ def cache_dir() -> Path:
     return (Path(d) if d else Path.home() / ".cache" / "concordia-ft") / "blockgate"
 
 
-def _compile(cmd: list[str], out: Path, what: str) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
-    os.close(fd)
-    try:
-        proc = subprocess.run([tmp if c == "{out}" else c for c in cmd], capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise CompileError(what, proc.stdout + proc.stderr)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def build_tool(*, force: bool = False) -> Path:
     """Compile the host side (the Sanitizer tool library); returns its path."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -121,7 +106,7 @@ def build_tool(*, force: bool = False) -> Path:
     key = hashlib.sha256(TOOL_SOURCE.read_bytes() + repr((cc, flags, link)).encode()).hexdigest()[:16]
     out = cache_dir() / key / TOOL_NAME
     if force or not out.exists():
-        _compile([cc, *flags, str(TOOL_SOURCE), *link, "-o", "{out}"], out, TOOL_NAME)
+        compile_to([cc, *flags, str(TOOL_SOURCE), *link, "-o", "{out}"], out, TOOL_NAME)
     return out
 
 
@@ -135,7 +120,7 @@ def build_patches(*, arch: str = "sm_90", force: bool = False) -> Path:
     key = hashlib.sha256(PATCH_SOURCE.read_bytes() + repr(cmd).encode()).hexdigest()[:16]
     out = cache_dir() / key / PATCH_NAME
     if force or not out.exists():
-        _compile(cmd, out, PATCH_NAME)
+        compile_to(cmd, out, PATCH_NAME)
     return out
 
 

@@ -93,19 +93,25 @@ def build(*, force: bool = False) -> Path:
     out = cache_dir() / key / LIB_NAME
     if out.exists() and not force:
         return out
+    compile_to([cc, *flags, "-o", "{out}", *map(str, SOURCES), "-ldl"], out, LIB_NAME, timeout=120)
+    return out
+
+
+def compile_to(cmd: list[str], out: Path, what: str, *, timeout: float = 300) -> None:
+    """Run the compiler ``cmd`` (its ``"{out}"`` argument is a temp file beside ``out``), then rename the result
+    over ``out``: a concurrent or interrupted build never leaves a half-written library. CompileError on failure."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, "-o", tmp, *map(str, SOURCES), "-ldl"], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run([tmp if c == "{out}" else c for c in cmd], capture_output=True, text=True,
+                              timeout=timeout)
         if proc.returncode != 0:
-            raise CompileError(LIB_NAME, proc.stdout + proc.stderr)
+            raise CompileError(what, proc.stdout + proc.stderr)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return out
 
 
 def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
