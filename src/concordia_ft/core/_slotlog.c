@@ -114,7 +114,7 @@ static uint32_t crc32c(uint32_t crc, const void *p, size_t n) {
 #define REC_RUNS 3
 #define REC_META 4
 #define FORMAT_VERSION 1
-#define MAX_RECORDS 3
+#define MAX_RECORDS 8 /* token epochs use 3; a step epoch (StepWriter) up to 8 */
 #define MAX_NAME 200
 
 static inline uint64_t align_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
@@ -135,6 +135,8 @@ enum { ERR_NONE = 0, ERR_SLOT = 1, ERR_WRITE = 2, ERR_SYNC = 3 };
 
 typedef struct {
     int64_t seq, n_tokens, n_new, done, submit_ns;
+    uint8_t *blob; /* StepWriter: the epoch's records (owned; freed once written) */
+    size_t blob_len;
 } Item;
 
 typedef struct {
@@ -143,6 +145,7 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
+    int generic; /* a StepWriter: items carry their records (blob), no ring */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int sync_ready;
@@ -167,6 +170,7 @@ typedef struct {
     uint64_t q_cap, q_head, q_tail;
     /* progress (guarded by mu; committed also read without it) */
     int64_t committed;   /* highest seq whose epoch committed (-1: none) */
+    int64_t last_seq;    /* StepWriter: the last seq submitted (-1: none) */
     int64_t committed_epoch; /* its epoch number (0: none yet) */
     int stop_req, failed, rolling, running;
     /* the target segment */
@@ -240,10 +244,9 @@ typedef struct {
     const uint8_t *name;
     size_t name_len;
     int64_t var_words[2]; /* PAGES of one page: [page]; RUNS: [start, length] */
-    int n_words;
+    const uint8_t *var; /* the record's variable part after its name (var_words, the META JSON, a blob's) */
+    size_t var_len;
     uint64_t count;
-    const uint8_t *json; /* META */
-    size_t json_len;
     const uint8_t *payload;
     uint64_t plen, off;
     uint32_t crc;
@@ -260,18 +263,21 @@ static void pages_rec(Rec *r, const uint8_t *name, size_t name_len, int64_t firs
     if (n == 1) {
         r->rtype = REC_PAGES;
         r->var_words[0] = first;
-        r->n_words = 1;
+        r->var_len = 8;
         r->count = 1;
     } else {
         r->rtype = REC_RUNS;
         r->var_words[0] = first;
         r->var_words[1] = n;
-        r->n_words = 2;
+        r->var_len = 16;
         r->count = 1;
     }
+    r->var = (const uint8_t *)r->var_words;
 }
 
-static size_t rec_var_len(const Rec *r) { return r->rtype == REC_META ? r->json_len : (size_t)r->n_words * 8; }
+static size_t rec_var_len(const Rec *r) { return r->var_len; }
+
+static int store_epoch(Writer *w, Rec *recs, int nr);
 
 /* One epoch: 0 written, 1 needs a new segment (w->need), -1 failed (w->err_*). Called without mu. */
 static int write_one(Writer *w, const Item *it) {
@@ -300,9 +306,55 @@ static int write_one(Writer *w, const Item *it) {
     memset(m, 0, sizeof *m);
     m->rtype = REC_META;
     m->name = (const uint8_t *)"";
-    m->json = w->meta;
-    m->json_len = build_meta(w, it, row + 1);
-    m->count = m->json_len;
+    m->var = w->meta;
+    m->var_len = build_meta(w, it, row + 1);
+    m->count = m->var_len;
+    return store_epoch(w, recs, nr);
+}
+
+/* A step epoch (StepWriter): the blob is u32 n_records, u32 0, then per record a 40-byte entry (u16 type, u16 0,
+ * u32 name_len, u64 count, u64 var_len, u64 payload address, u64 payload bytes), its name and its variable part,
+ * padded to 8. Payloads are host addresses the submitter keeps valid (and unchanged) until the epoch commits. */
+static int write_blob(Writer *w, const Item *it) {
+    const uint8_t *b = it->blob, *end = it->blob + it->blob_len;
+    uint32_t n;
+    if (it->blob_len < 8) return set_error(w, ERR_SLOT, 0, w->end, "step %lld: records blob too short", (long long)it->seq);
+    memcpy(&n, b, 4);
+    if (n == 0 || n > MAX_RECORDS)
+        return set_error(w, ERR_SLOT, 0, w->end, "step %lld: %u records (1 to %d)", (long long)it->seq, n, MAX_RECORDS);
+    b += 8;
+    Rec recs[MAX_RECORDS];
+    for (uint32_t i = 0; i < n; i++) {
+        Rec *r = &recs[i];
+        memset(r, 0, sizeof *r);
+        if (end - b < 40) return set_error(w, ERR_SLOT, 0, w->end, "step %lld: record %u cut short", (long long)it->seq, i);
+        uint16_t rt;
+        uint32_t nl;
+        uint64_t cnt, vl, pa, pl;
+        memcpy(&rt, b, 2); memcpy(&nl, b + 4, 4); memcpy(&cnt, b + 8, 8); memcpy(&vl, b + 16, 8);
+        memcpy(&pa, b + 24, 8); memcpy(&pl, b + 32, 8);
+        b += 40;
+        if ((rt != REC_PAGES && rt != REC_RUNS && rt != REC_META) || nl >= MAX_NAME || vl > (uint64_t)(end - b) ||
+            nl > (uint64_t)(end - b) - vl || (rt != REC_META && (!pa || !pl)) || (rt == REC_META && (pa || pl)))
+            return set_error(w, ERR_SLOT, 0, w->end, "step %lld: record %u is malformed (type %u)", (long long)it->seq, i,
+                             (unsigned)rt);
+        r->rtype = rt;
+        r->name = b;
+        r->name_len = nl;
+        r->var = b + nl;
+        r->var_len = (size_t)vl;
+        r->count = rt == REC_META ? vl : cnt;
+        r->payload = (const uint8_t *)(uintptr_t)pa;
+        r->plen = pl;
+        uint64_t adv = align_up(nl + vl, 8);
+        b += adv <= (uint64_t)(end - b) ? adv : nl + vl;
+    }
+    return store_epoch(w, recs, (int)n);
+}
+
+/* lay out, checksum and store one epoch of records (core/epochs.py layout_epoch): 0 written, 1 needs a new
+ * segment (w->need), -1 failed */
+static int store_epoch(Writer *w, Rec *recs, int nr) {
 
     /* layout (core/epochs.py layout_epoch) */
     uint64_t start = w->end;
@@ -349,8 +401,7 @@ static int write_one(Writer *w, const Item *it) {
         put32(d + 44, 0);
         uint8_t *v = d + ENTRY_BYTES;
         memcpy(v, r->name, r->name_len);
-        if (r->rtype == REC_META) memcpy(v + r->name_len, r->json, r->json_len);
-        else memcpy(v + r->name_len, r->var_words, (size_t)r->n_words * 8);
+        memcpy(v + r->name_len, r->var, r->var_len);
         size_t padded = align_up(vlen, 8);
         memset(v + vlen, 0, padded - vlen);
         d = v + padded;
@@ -467,6 +518,8 @@ static void Writer_dealloc(Writer *w) {
         pthread_cond_destroy(&w->cv);
     }
     free(w->chunks); free(w->chunk_off); free(w->chunk_len); free(w->holes);
+    if (w->q)
+        for (uint64_t i = w->q_tail; i < w->q_head; i++) free(w->q[i % w->q_cap].blob);
     free(w->q); free(w->head); free(w->meta); free(w->stats);
     Py_TYPE(w)->tp_free((PyObject *)w);
 }
@@ -545,6 +598,65 @@ out:
     return rc;
 }
 
+/* StepWriter(queue): generic epochs, each submitted as a records blob (write_blob) */
+static int StepWriter_init(Writer *w, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"queue", NULL};
+    unsigned long long queue = 64;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|K", kwlist, &queue)) return -1;
+    if (w->q) { PyErr_SetString(PyExc_RuntimeError, "StepWriter initialised twice"); return -1; }
+    if (queue < 1 || queue > (1u << 20)) { PyErr_SetString(PyExc_ValueError, "queue must be 1 to 2^20"); return -1; }
+    w->generic = 1;
+    w->q_cap = queue;
+    w->q = calloc(w->q_cap, sizeof(Item));
+    if (!w->q) { PyErr_NoMemory(); return -1; }
+    if (!w->sync_ready) {
+        pthread_mutex_init(&w->mu, NULL);
+        pthread_cond_init(&w->cv, NULL);
+        w->sync_ready = 1;
+    }
+    w->committed = -1;
+    w->last_seq = -1;
+    w->fd = -1;
+    return 0;
+}
+
+/* submit(seq, blob): queue step seq's epoch (the blob is copied; the payloads it names are not) */
+static PyObject *StepWriter_submit(Writer *w, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "submit(seq, blob)"); return NULL; }
+    Item it;
+    memset(&it, 0, sizeof it);
+    it.seq = PyLong_AsLongLong(args[0]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[1], &b, PyBUF_SIMPLE) < 0) return NULL;
+    it.blob = malloc(b.len ? (size_t)b.len : 1);
+    if (!it.blob) { PyBuffer_Release(&b); return PyErr_NoMemory(); }
+    memcpy(it.blob, b.buf, (size_t)b.len);
+    it.blob_len = (size_t)b.len;
+    PyBuffer_Release(&b);
+    it.submit_ns = now_ns(CLOCK_MONOTONIC);
+    pthread_mutex_lock(&w->mu);
+    if (w->q_head - w->q_tail >= w->q_cap) {
+        pthread_mutex_unlock(&w->mu);
+        free(it.blob);
+        PyErr_SetString(PyExc_RuntimeError, "step writer queue is full (more epochs in flight than its queue holds)");
+        return NULL;
+    }
+    if (it.seq <= w->last_seq) {
+        pthread_mutex_unlock(&w->mu);
+        free(it.blob);
+        PyErr_Format(PyExc_ValueError, "step %lld submitted after step %lld: steps go in increasing order",
+                     (long long)it.seq, (long long)w->last_seq);
+        return NULL;
+    }
+    w->last_seq = it.seq;
+    w->q[w->q_head % w->q_cap] = it;
+    w->q_head++;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Writer_set_target(Writer *w, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"kind", "address", "fd", "end", "capacity", "soft_max", "segment_epochs", "next_epoch",
                              "fsync", "interval_ns", "synced_end", "durable_epoch", NULL};
@@ -572,6 +684,7 @@ static PyObject *Writer_set_target(Writer *w, PyObject *args, PyObject *kw) {
 static PyObject *Writer_submit(Writer *w, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "submit(seq, n_tokens, n_new, done)"); return NULL; }
     Item it;
+    memset(&it, 0, sizeof it);
     it.seq = PyLong_AsLongLong(args[0]);
     it.n_tokens = PyLong_AsLongLong(args[1]);
     it.n_new = PyLong_AsLongLong(args[2]);
@@ -632,7 +745,7 @@ static PyObject *Writer_run(Writer *w, PyObject *unused) {
             Item it = w->q[w->q_tail % w->q_cap];
             pthread_mutex_unlock(&w->mu);
             int64_t t0 = now_ns(CLOCK_MONOTONIC);
-            int rc = write_one(w, &it);
+            int rc = it.blob ? write_blob(w, &it) : write_one(w, &it);
             int64_t t1 = now_ns(CLOCK_MONOTONIC);
             if (rc == 0) rc = maybe_sync(w, t1);
             pthread_mutex_lock(&w->mu);
@@ -641,6 +754,7 @@ static PyObject *Writer_run(Writer *w, PyObject *unused) {
             if (grow_stats(w) == 0)
                 w->stats[w->n_stats++] = (Stat){it.seq, it.submit_ns, t0, t1, (int64_t)w->last_total, w->next_epoch - 1};
             w->q_tail++;
+            free(it.blob);
             __atomic_store_n(&w->committed_epoch, w->next_epoch - 1, __ATOMIC_RELAXED);
             __atomic_store_n(&w->committed, it.seq, __ATOMIC_RELEASE);
             pthread_cond_broadcast(&w->cv);
@@ -761,6 +875,32 @@ static PyTypeObject WriterType = {
     .tp_doc = "Ring slots -> committed log epochs, GIL released (see the module's source header).",
 };
 
+static PyMethodDef StepWriter_methods[] = {
+    {"set_target", (PyCFunction)(void (*)(void))Writer_set_target, METH_VARARGS | METH_KEYWORDS,
+     "set_target(...): the segment to append to, as Writer.set_target"},
+    {"submit", (PyCFunction)(void (*)(void))StepWriter_submit, METH_FASTCALL, "submit(seq, blob)"},
+    {"fail", (PyCFunction)Writer_fail, METH_NOARGS, "mark the writer failed (the Python side failed a roll)"},
+    {"stop", (PyCFunction)Writer_stop, METH_NOARGS, "finish the queue, then run() returns 0"},
+    {"run", (PyCFunction)Writer_run, METH_NOARGS, "the writer loop, GIL released: 0 stopped, 1 roll, 2 failed"},
+    {"wait", (PyCFunction)(void (*)(void))Writer_wait, METH_FASTCALL, "wait(seq, timeout_s) -> committed seq"},
+    {"last_epoch", (PyCFunction)Writer_last_epoch, METH_NOARGS, "the epoch number of the last commit (0: none)"},
+    {"state", (PyCFunction)Writer_state, METH_NOARGS, "progress and the target's state, as a dict"},
+    {"error", (PyCFunction)Writer_error, METH_NOARGS, "(kind, errno, text, start, epoch) or None"},
+    {"stats", (PyCFunction)Writer_stats, METH_NOARGS, "int64 rows (seq, submit, start, commit ns, bytes, epoch)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject StepWriterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "concordia_ft.core._slotlog.StepWriter",
+    .tp_basicsize = sizeof(Writer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)StepWriter_init,
+    .tp_dealloc = (destructor)Writer_dealloc,
+    .tp_methods = StepWriter_methods,
+    .tp_doc = "Step epochs (records blobs naming host payloads) -> committed log epochs, GIL released.",
+};
+
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer b;
@@ -787,12 +927,18 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slotlog", "Token-ep
 
 PyMODINIT_FUNC PyInit__slotlog(void) {
     crc_init();
-    if (PyType_Ready(&WriterType) < 0) return NULL;
+    if (PyType_Ready(&WriterType) < 0 || PyType_Ready(&StepWriterType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&WriterType);
     if (PyModule_AddObject(m, "Writer", (PyObject *)&WriterType) < 0) {
         Py_DECREF(&WriterType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&StepWriterType);
+    if (PyModule_AddObject(m, "StepWriter", (PyObject *)&StepWriterType) < 0) {
+        Py_DECREF(&StepWriterType);
         Py_DECREF(m);
         return NULL;
     }

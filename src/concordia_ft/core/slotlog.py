@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -29,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import CheckpointError, ConfigError
-from .format import encode_json
+from .format import REC_META, REC_PAGES, REC_RUNS, encode_json
 from .log import RecoveryLog, TailLease
 from .regions import RegionSpec
 
@@ -211,4 +212,72 @@ class SlotLogWriter:
         return dict(self._w.state())
 
 
-__all__ = ["SENTINELS", "SlotLogWriter", "available", "crc32c", "meta_template", "status"]
+# ------------------------------------------------------------------------------------------ step epochs
+_BLOB_HEAD = struct.Struct("<II")
+_BLOB_ENTRY = struct.Struct("<HHIQQQQ")  # type, 0, name length, count, var length, payload address, payload bytes
+_PAD = bytes(8)
+
+
+def step_blob(records: list[tuple[int, bytes, bytes, int, int, int]]) -> bytes:
+    """The records of one step epoch for ``StepLogWriter.submit``: ``(type, name, var, count, payload address,
+    payload bytes)`` each, in file order (REC_PAGES / REC_RUNS with a host payload, REC_META last with none).
+    ``var`` is what follows the name in the record's descriptor (int64 pages, int64 (start, length) pairs, the
+    JSON); the writer lays the epoch out, checksums it and stores it as ``RecoveryLog.append`` would."""
+    parts = [_BLOB_HEAD.pack(len(records), 0)]
+    for rtype, name, var, count, address, nbytes in records:
+        parts.append(_BLOB_ENTRY.pack(rtype, 0, len(name), count, len(var), address, nbytes))
+        parts.append(name)
+        parts.append(var)
+        pad = -(len(name) + len(var)) % 8
+        if pad:
+            parts.append(_PAD[:pad])
+    return b"".join(parts)
+
+
+def pages_record(name: bytes, pages: npt.NDArray[np.int64], page_bytes: int, address: int
+                 ) -> tuple[int, bytes, bytes, int, int, int]:
+    """A region's pages (ascending) as one step-epoch record, RUNS or PAGES by core/epochs.py's rule."""
+    n = len(pages)
+    n_runs = 1 if n == 1 else 1 + int(np.count_nonzero(np.diff(pages) != 1))
+    if n > 1 and n_runs * 2 <= n:
+        from .tracking import pages_to_runs
+
+        return (REC_RUNS, name, pages_to_runs(pages).astype("<i8").tobytes(), n_runs, address, n * page_bytes)
+    return (REC_PAGES, name, pages.astype("<i8").tobytes(), n, address, n * page_bytes)
+
+
+def meta_record(meta_json: bytes) -> tuple[int, bytes, bytes, int, int, int]:
+    return (REC_META, b"", meta_json, len(meta_json), 0, 0)
+
+
+class StepLogWriter(SlotLogWriter):
+    """The C writer (``_slotlog.StepWriter``) over one leased log tail, for epochs whose records the caller
+    describes (``step_blob``): the serving engine's step epochs (serve/stepepochs.py). The payloads are host
+    memory the caller keeps unchanged until ``wait(seq)`` returned; ``submit(seq, blob)`` copies only the blob."""
+
+    def __init__(self, log: RecoveryLog, *, queue: int = 64) -> None:
+        if not available():
+            raise ConfigError(f"the C epoch writer is {status()}")
+        assert _slotlog is not None
+        lease = log.lease_tail()
+        if lease is None:
+            raise ConfigError(f"the log {log.dir} cannot be leased (a DAX segment, injected OS calls or a failed log)")
+        self.log = log
+        self._image = None
+        try:
+            self._w = _slotlog.StepWriter(queue=int(queue))
+            self._target(lease)
+        except BaseException:
+            log.end_lease({"next_epoch": lease.next_epoch, "end": lease.end, "segment_epochs": lease.segment_epochs,
+                           "synced_end": lease.synced_end, "durable_epoch": lease.durable_epoch})
+            raise
+        self.next_epoch = lease.next_epoch  # the number the next submitted step's epoch gets
+        self.submit = self._w.submit  # type: ignore[method-assign]
+        self.error = None
+        self._ended = False
+        self._thread = threading.Thread(target=self._loop, name="concordia-step-epochs-c", daemon=True)
+        self._thread.start()
+
+
+__all__ = ["SENTINELS", "SlotLogWriter", "StepLogWriter", "available", "crc32c", "meta_record", "meta_template",
+           "pages_record", "status", "step_blob"]
