@@ -107,6 +107,7 @@ def main() -> int:
     ap.add_argument("--modes", default="sync")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile-lines", default=20, type=int)
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     model = build("tiny" if a.quick else "0.6b", a.device, dtype)
@@ -121,7 +122,7 @@ def main() -> int:
             prof = r.pop("profile")
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
             if mode == "sync":
-                print("\n".join(prof.splitlines()[:45]), flush=True)
+                print("\n".join(ln[:150] for ln in prof.splitlines()[8:8 + int(a.profile_lines)]), flush=True)
             rows.append(r)
     if a.out:
         print("wrote", write_results("serve_epoch_profile", rows, baseline=[], out_dir=a.out,

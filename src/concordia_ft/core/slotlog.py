@@ -110,7 +110,7 @@ class SlotLogWriter:
         if lease is None:
             raise ConfigError(f"the log {log.dir} cannot be leased (a DAX segment, injected OS calls or a failed log)")
         self.log = log
-        self._image = tokens_image  # the C writer stores token ids into it: kept alive here
+        self._image: npt.NDArray[np.int64] | None = tokens_image  # the C writer stores token ids into it: kept alive
         try:
             self._w = _slotlog.Writer(
                 ring=int(ring_address), n_slots=int(n_slots), slot_bytes=int(slot_bytes),
@@ -246,6 +246,23 @@ def pages_record(name: bytes, pages: npt.NDArray[np.int64], page_bytes: int, add
     return (REC_PAGES, name, pages.astype("<i8").tobytes(), n, address, n * page_bytes)
 
 
+def rows_record(name: bytes, rows: npt.NDArray[np.int64], pages_per_row: int, page_bytes: int, address: int
+                ) -> tuple[int, bytes, bytes, int, int, int]:
+    """Whole rows (ascending) of ``pages_per_row`` pages each: ``pages_record`` of their pages, computed from the
+    rows (a run per group of consecutive rows) without expanding them."""
+    if pages_per_row == 1:
+        return pages_record(name, rows, page_bytes, address)
+    n = len(rows)
+    brk = np.flatnonzero(np.diff(rows) != 1) + 1
+    first = np.concatenate(([0], brk))
+    count = np.diff(np.concatenate((first, [n])))
+    runs = np.empty((len(first), 2), dtype="<i8")
+    runs[:, 0] = rows[first] * pages_per_row
+    runs[:, 1] = count * pages_per_row
+    # n_runs * 2 <= n_pages always holds for rows of 2+ pages: core/epochs.py picks RUNS too
+    return (REC_RUNS, name, runs.tobytes(), len(first), address, n * pages_per_row * page_bytes)
+
+
 def meta_record(meta_json: bytes) -> tuple[int, bytes, bytes, int, int, int]:
     return (REC_META, b"", meta_json, len(meta_json), 0, 0)
 
@@ -280,4 +297,4 @@ class StepLogWriter(SlotLogWriter):
 
 
 __all__ = ["SENTINELS", "SlotLogWriter", "StepLogWriter", "available", "crc32c", "meta_record", "meta_template",
-           "pages_record", "status", "step_blob"]
+           "pages_record", "rows_record", "status", "step_blob"]

@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ConfigError, ContextLengthError, QueueFullError, RecoveryError
 from ..core.format import encode_json
+from ..errors import ConfigError, ContextLengthError, QueueFullError, RecoveryError
 from ..session import model_fingerprint
 from .blocks import BlockPool, blocks_for
 from .graphs import DecodeGraphs, scratch_blocks_for

@@ -100,9 +100,11 @@ class StepEpochs:
             self.stage = torch.empty(self.cap_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
             self.idx_host = torch.zeros(self.cap_rows, dtype=torch.long, pin_memory=True)
             self.idx_dev = torch.zeros(self.cap_rows, dtype=torch.long, device=self.device)
+            self.copied = torch.cuda.Event()  # the ring slot's copy is done (a step that samples nothing has no sync)
         self.tok_u8 = eng.tokens.view(np.uint8).reshape(-1, 512)
         self.rng_rows = eng.rng.buf.reshape(-1, self.rng_rb)
         self.writer: slotlog.StepLogWriter | None = None
+        self._bytes_seen = 0
         self.gathered: tuple[int, npt.NDArray[np.int64]] | None = None  # (seq, rows) of the step in flight
         self.committed_seq = -1
         self.bytes0 = 0  # the writer's bytes_written / epochs at the last count
@@ -140,6 +142,7 @@ class StepEpochs:
                 idx.copy_(self.idx_host[:n], non_blocking=True)
                 torch.index_select(self.arena2d, 0, idx, out=self.stage[:n])
                 view.copy_(self.stage[:n], non_blocking=True)
+                self.copied.record()
             else:
                 torch.index_select(self.arena2d, 0, torch.from_numpy(rows), out=view)
         self.gathered = (seq, rows)
@@ -171,15 +174,16 @@ class StepEpochs:
             self.writer = slotlog.StepLogWriter(eng.runtime.log, queue=self.n_slots + 2)
             st = self.writer.state()
             self.bytes0, self.epochs0 = int(st["bytes_written"]), int(st["epochs"])
+            self._bytes_seen = self.bytes0
         k = seq % self.n_slots
         base = k * self.slot_bytes
         records = []
         n = len(rows)
         if n:
-            pages = (rows[:, None] * self.kv_ppb + np.arange(self.kv_ppb, dtype=np.int64)).reshape(-1)
-            records.append(slotlog.pages_record(b"kv", pages, self.kv_pb, self.base + base))
+            records.append(slotlog.rows_record(b"kv", rows, self.kv_ppb, self.kv_pb, self.base + base))
             if self.cuda:
                 eng.pool.dirty.index_fill_(0, self.idx_dev[:n], 0)  # after the forward set them, in stream order
+                self.copied.synchronize()  # (already done when the step sampled: the sampler synced)
             else:
                 eng.pool.dirty.index_fill_(0, torch.from_numpy(rows), 0)
         tb = np.flatnonzero(eng.tokens_dirty)
@@ -193,8 +197,8 @@ class StepEpochs:
             off = base + self.rng_off
             self.ring_np[off: off + len(rr) * self.rng_rb].reshape(-1, self.rng_rb)[:] = self.rng_rows[rr]
             eng.rng.dirty[rr] = 0
-            rp = (rr[:, None] * self.rng_ppb + np.arange(self.rng_ppb, dtype=np.int64)).reshape(-1)
-            records.append(slotlog.pages_record(b"rng", rp, self.rng_pb, self.base + off))
+            records.append(slotlog.rows_record(b"rng", rr.astype(np.int64), self.rng_ppb, self.rng_pb,
+                                               self.base + off))
         records.append(slotlog.meta_record(meta_json))
         p = StepPending(self, seq, self.writer.next_epoch, (rows, tb, rr))
         try:
@@ -223,7 +227,7 @@ class StepEpochs:
         nbytes = int(st["bytes_written"])
         for q in done:
             q.done = True
-        p.stats = _Bytes(nbytes - getattr(self, "_bytes_seen", self.bytes0))
+        p.stats = _Bytes(nbytes - self._bytes_seen)
         self._bytes_seen = nbytes
         self.committed_seq = max(self.committed_seq, p.seq)
         self.steps += len(done)
