@@ -130,7 +130,8 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: st
 
 
 def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: int, new: int,
-                     rounds: int, graphs: str = "auto", modes: tuple[str, ...] = EPOCHS) -> list[dict[str, Any]]:
+                     rounds: int, graphs: str = "auto", modes: tuple[str, ...] = EPOCHS,
+                     on_row: Any = None) -> list[dict[str, Any]]:
     run_batch(model, device, 2, 16, 4, False, graphs)  # warm up kernels
     rows = []
     for n in concurrency:
@@ -156,6 +157,8 @@ def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: in
                     "tokens_equal_all_runs": same, "rounds": rounds, "wall_s": time.perf_counter() - t0})
         rows.append(row)
         print(rows[-1], flush=True)
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -301,8 +304,13 @@ def main() -> int:
         dims = "tiny" if a.quick else "0.6b"
         model = build(dims, a.device, dtype)
         rounds = 1 if a.quick else a.rounds
+        def partial(rows: list[dict[str, Any]]) -> None:  # a run cut short still leaves the rows it finished
+            nonlocal thr
+            thr = [{"part": "throughput", "dims": dims, **r} for r in rows]
+            save()
+
         thr = [{"part": "throughput", "dims": dims, **r}
-               for r in bench_throughput(model, a.device, conc, p, g, rounds, a.graphs, modes)]
+               for r in bench_throughput(model, a.device, conc, p, g, rounds, a.graphs, modes, partial)]
         if eager:
             thr += [{"part": "throughput", "dims": dims, **r}
                     for r in bench_throughput(model, a.device, eager, p, g, rounds, "off", modes)]
