@@ -85,15 +85,17 @@ def _segments(d: Path) -> list[bytes]:
     return [p.read_bytes()[4096:].rstrip(b"\0") for p in sorted(d.glob("incr.*.cft"))]  # after the header (ids)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("backend", ["dram", "file"])
-def test_step_writer_writes_the_bytes_append_writes(tmp_path: Path, backend: str) -> None:
+def test_step_writer_writes_the_bytes_append_writes(tmp_path: Path, backend: str, threads: int) -> None:
+    """threads=3: payloads of 8 KiB and more are copied and checksummed in pieces (CRCs combined)."""
     root = Path("/dev/shm") if backend == "dram" else tmp_path
     a, b = root / f"cft-step-a-{os.getpid()}", root / f"cft-step-b-{os.getpid()}"
     kw = {"mapped_segment_bytes": 1 << 20, "segment_max_bytes": 1 << 20}  # rolls a few times
     try:
         la, lb = _open(a, backend, **kw), _open(b, backend, **kw)
         steps = _steps(60)
-        w = slotlog.StepLogWriter(la, queue=8)
+        w = slotlog.StepLogWriter(la, queue=8, threads=threads, parallel_min_bytes=8192)
         keep: list[np.ndarray] = []
         for i, (deltas, meta) in enumerate(steps):
             w.submit(i, _blob(deltas, meta, keep))

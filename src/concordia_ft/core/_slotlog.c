@@ -104,6 +104,41 @@ static uint32_t crc32c(uint32_t crc, const void *p, size_t n) {
     return crc_sw(crc, (const uint8_t *)p, n);
 }
 
+/* crc32c_combine: the CRC of A || B from crc(A), crc(B) and len(B) (zlib's crc32_combine: GF(2) matrices of the
+ * reflected Castagnoli polynomial) */
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    while (vec) {
+        if (vec & 1) sum ^= *mat;
+        vec >>= 1;
+        mat++;
+    }
+    return sum;
+}
+
+static void gf2_square(uint32_t *sq, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) sq[n] = gf2_times(mat, mat[n]);
+}
+
+static uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
+    if (!len2) return crc1;
+    uint32_t even[32], odd[32], row = 1;
+    odd[0] = CRC_POLY;
+    for (int n = 1; n < 32; n++) { odd[n] = row; row <<= 1; }
+    gf2_square(even, odd);
+    gf2_square(odd, even);
+    do {
+        gf2_square(even, odd);
+        if (len2 & 1) crc1 = gf2_times(even, crc1);
+        len2 >>= 1;
+        if (!len2) break;
+        gf2_square(odd, even);
+        if (len2 & 1) crc1 = gf2_times(odd, crc1);
+        len2 >>= 1;
+    } while (len2);
+    return crc1 ^ crc2;
+}
+
 /* ------------------------------------------------------------------------------------------------ format */
 /* core/format.py: ALIGN, the epoch header, record entries, the commit marker (little-endian everywhere). */
 #define ALIGN 4096ull
@@ -142,6 +177,15 @@ typedef struct {
 typedef struct {
     int64_t seq, submit_ns, start_ns, commit_ns, total_bytes, epoch;
 } Stat;
+
+#define MAX_HELPERS 15
+#define MAX_PIECES 64
+typedef struct Piece {
+    const uint8_t *src;
+    uint8_t *dst; /* NULL: checksum only */
+    uint64_t len;
+    uint32_t crc;
+} Piece;
 
 typedef struct {
     PyObject_HEAD
@@ -194,6 +238,15 @@ typedef struct {
     Stat *stats;
     size_t n_stats, stats_cap;
     uint8_t zeros[ALIGN];
+    /* StepWriter: helper threads that copy + checksum pieces of a large payload (the writer thread takes pieces
+     * too); their CRCs are combined (crc32c_combine) */
+    int n_helpers, pool_ready, pool_quit;
+    uint64_t par_min;
+    pthread_t helpers[MAX_HELPERS];
+    pthread_mutex_t pm;
+    pthread_cond_t pcv, dcv;
+    struct Piece *pieces;
+    int n_pieces, next_piece, done_pieces;
 } Writer;
 
 static int64_t now_ns(clockid_t clk) {
@@ -250,6 +303,7 @@ typedef struct {
     const uint8_t *payload;
     uint64_t plen, off;
     uint32_t crc;
+    int placed; /* the payload is in the mapping already (par_crc_copy) */
 } Rec;
 
 static void pages_rec(Rec *r, const uint8_t *name, size_t name_len, int64_t first, int64_t n, const uint8_t *payload,
@@ -352,6 +406,71 @@ static int write_blob(Writer *w, const Item *it) {
     return store_epoch(w, recs, (int)n);
 }
 
+/* the helpers: take pieces until none is left (the writer thread runs the same loop) */
+static void run_pieces(Writer *w) {
+    for (;;) {
+        pthread_mutex_lock(&w->pm);
+        if (w->next_piece >= w->n_pieces) { pthread_mutex_unlock(&w->pm); return; }
+        Piece *pc = &w->pieces[w->next_piece++];
+        pthread_mutex_unlock(&w->pm);
+        if (pc->dst) {
+            memcpy(pc->dst, pc->src, pc->len);
+            pc->crc = crc32c(0, pc->dst, pc->len);
+        } else {
+            pc->crc = crc32c(0, pc->src, pc->len);
+        }
+        pthread_mutex_lock(&w->pm);
+        if (++w->done_pieces == w->n_pieces) pthread_cond_broadcast(&w->dcv);
+        pthread_mutex_unlock(&w->pm);
+    }
+}
+
+static void *helper_main(void *arg) {
+    Writer *w = (Writer *)arg;
+    pthread_mutex_lock(&w->pm);
+    for (;;) {
+        while (!w->pool_quit && w->next_piece >= w->n_pieces) pthread_cond_wait(&w->pcv, &w->pm);
+        if (w->pool_quit) break;
+        pthread_mutex_unlock(&w->pm);
+        run_pieces(w);
+        pthread_mutex_lock(&w->pm);
+    }
+    pthread_mutex_unlock(&w->pm);
+    return NULL;
+}
+
+/* CRC32C of src[0, len) (and a copy to dst unless NULL), cut into pieces shared with the helpers */
+static uint32_t par_crc_copy(Writer *w, const uint8_t *src, uint8_t *dst, uint64_t len) {
+    int k = w->n_helpers + 1;
+    uint64_t piece = align_up((len + (uint64_t)k - 1) / (uint64_t)k, ALIGN);
+    int n = (int)((len + piece - 1) / piece);
+    if (n > MAX_PIECES) { piece = align_up((len + MAX_PIECES - 1) / MAX_PIECES, ALIGN); n = (int)((len + piece - 1) / piece); }
+    Piece pcs[MAX_PIECES];
+    for (int i = 0; i < n; i++) {
+        uint64_t off = (uint64_t)i * piece;
+        pcs[i].src = src + off;
+        pcs[i].dst = dst ? dst + off : NULL;
+        pcs[i].len = off + piece <= len ? piece : len - off;
+        pcs[i].crc = 0;
+    }
+    pthread_mutex_lock(&w->pm);
+    w->pieces = pcs;
+    w->n_pieces = n;
+    w->next_piece = 0;
+    w->done_pieces = 0;
+    pthread_cond_broadcast(&w->pcv);
+    pthread_mutex_unlock(&w->pm);
+    run_pieces(w);
+    pthread_mutex_lock(&w->pm);
+    while (w->done_pieces < w->n_pieces) pthread_cond_wait(&w->dcv, &w->pm);
+    w->n_pieces = w->next_piece = w->done_pieces = 0;
+    w->pieces = NULL;
+    pthread_mutex_unlock(&w->pm);
+    uint32_t crc = pcs[0].crc;
+    for (int i = 1; i < n; i++) crc = crc32c_combine(crc, pcs[i].crc, pcs[i].len);
+    return crc;
+}
+
 /* lay out, checksum and store one epoch of records (core/epochs.py layout_epoch): 0 written, 1 needs a new
  * segment (w->need), -1 failed */
 static int store_epoch(Writer *w, Rec *recs, int nr) {
@@ -384,7 +503,16 @@ static int store_epoch(Writer *w, Rec *recs, int nr) {
         w->head_cap = payload_area;
     }
     for (int i = 0; i < nr; i++)
-        if (recs[i].rtype != REC_META) recs[i].crc = crc32c(0, recs[i].payload, recs[i].plen);
+        if (recs[i].rtype != REC_META) {
+            recs[i].placed = 0;
+            if (w->pool_ready && recs[i].plen >= w->par_min) { /* large: copied (mapped) + checksummed in pieces */
+                uint8_t *dst = w->kind == TARGET_MAPPED ? w->base + start + recs[i].off : NULL;
+                recs[i].crc = par_crc_copy(w, recs[i].payload, dst, recs[i].plen);
+                recs[i].placed = dst != NULL;
+            } else {
+                recs[i].crc = crc32c(0, recs[i].payload, recs[i].plen);
+            }
+        }
     /* descriptors */
     uint8_t *d = w->head + EPOCH_HEADER_BYTES;
     for (int i = 0; i < nr; i++) {
@@ -433,7 +561,7 @@ static int store_epoch(Writer *w, Rec *recs, int nr) {
             Rec *r = &recs[i];
             if (r->rtype == REC_META) continue;
             if (r->off > pos) memset(dst + pos, 0, r->off - pos);
-            memcpy(dst + r->off, r->payload, r->plen);
+            if (!r->placed) memcpy(dst + r->off, r->payload, r->plen);
             pos = r->off + r->plen;
         }
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -513,6 +641,16 @@ static int grow_stats(Writer *w) {
 
 /* ------------------------------------------------------------------------------------------------ Python */
 static void Writer_dealloc(Writer *w) {
+    if (w->pool_ready) {
+        pthread_mutex_lock(&w->pm);
+        w->pool_quit = 1;
+        pthread_cond_broadcast(&w->pcv);
+        pthread_mutex_unlock(&w->pm);
+        for (int i = 0; i < w->n_helpers; i++) pthread_join(w->helpers[i], NULL);
+        pthread_mutex_destroy(&w->pm);
+        pthread_cond_destroy(&w->pcv);
+        pthread_cond_destroy(&w->dcv);
+    }
     if (w->sync_ready) {
         pthread_mutex_destroy(&w->mu);
         pthread_cond_destroy(&w->cv);
@@ -600,9 +738,14 @@ out:
 
 /* StepWriter(queue): generic epochs, each submitted as a records blob (write_blob) */
 static int StepWriter_init(Writer *w, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"queue", NULL};
-    unsigned long long queue = 64;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|K", kwlist, &queue)) return -1;
+    static char *kwlist[] = {"queue", "threads", "parallel_min_bytes", NULL};
+    unsigned long long queue = 64, par_min = 1 << 20;
+    int threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|KiK", kwlist, &queue, &threads, &par_min)) return -1;
+    if (threads < 1 || threads > MAX_HELPERS + 1) {
+        PyErr_Format(PyExc_ValueError, "threads must be 1 to %d", MAX_HELPERS + 1);
+        return -1;
+    }
     if (w->q) { PyErr_SetString(PyExc_RuntimeError, "StepWriter initialised twice"); return -1; }
     if (queue < 1 || queue > (1u << 20)) { PyErr_SetString(PyExc_ValueError, "queue must be 1 to 2^20"); return -1; }
     w->generic = 1;
@@ -617,6 +760,18 @@ static int StepWriter_init(Writer *w, PyObject *args, PyObject *kw) {
     w->committed = -1;
     w->last_seq = -1;
     w->fd = -1;
+    w->par_min = par_min ? par_min : 1;
+    if (threads > 1) {
+        pthread_mutex_init(&w->pm, NULL);
+        pthread_cond_init(&w->pcv, NULL);
+        pthread_cond_init(&w->dcv, NULL);
+        w->pool_ready = 1;
+        for (int i = 0; i < threads - 1; i++) {
+            if (pthread_create(&w->helpers[i], NULL, helper_main, w) != 0) break;
+            w->n_helpers++;
+        }
+        if (!w->n_helpers) w->pool_ready = 0; /* no helper started: one thread does it all */
+    }
     return 0;
 }
 

@@ -270,9 +270,13 @@ def meta_record(meta_json: bytes) -> tuple[int, bytes, bytes, int, int, int]:
 class StepLogWriter(SlotLogWriter):
     """The C writer (``_slotlog.StepWriter``) over one leased log tail, for epochs whose records the caller
     describes (``step_blob``): the serving engine's step epochs (serve/stepepochs.py). The payloads are host
-    memory the caller keeps unchanged until ``wait(seq)`` returned; ``submit(seq, blob)`` copies only the blob."""
+    memory the caller keeps unchanged until ``wait(seq)`` returned; ``submit(seq, blob)`` copies only the blob.
 
-    def __init__(self, log: RecoveryLog, *, queue: int = 64) -> None:
+    ``threads`` > 1: a payload of ``parallel_min_bytes`` or more is cut into pieces that ``threads - 1`` helper
+    threads and the writer copy (into a mapped segment) and checksum together, the pieces' CRCs combined."""
+
+    def __init__(self, log: RecoveryLog, *, queue: int = 64, threads: int = 1,
+                 parallel_min_bytes: int = 1 << 20) -> None:
         if not available():
             raise ConfigError(f"the C epoch writer is {status()}")
         assert _slotlog is not None
@@ -282,7 +286,8 @@ class StepLogWriter(SlotLogWriter):
         self.log = log
         self._image = None
         try:
-            self._w = _slotlog.StepWriter(queue=int(queue))
+            self._w = _slotlog.StepWriter(queue=int(queue), threads=int(threads),
+                                          parallel_min_bytes=int(parallel_min_bytes))
             self._target(lease)
         except BaseException:
             log.end_lease({"next_epoch": lease.next_epoch, "end": lease.end, "segment_epochs": lease.segment_epochs,

@@ -29,6 +29,7 @@ path: the lease is ended first (the writer drains), and taken again at the next 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -73,8 +74,12 @@ class _Bytes:
 class StepEpochs:
     """The ring, the device staging buffer and the C writer of one engine's step epochs."""
 
-    def __init__(self, engine: Any, *, cap_rows: int | None = None, slots: int = SLOTS) -> None:
+    def __init__(self, engine: Any, *, cap_rows: int | None = None, slots: int = SLOTS,
+                 threads: int | None = None) -> None:
         eng = self.eng = engine
+        # the C writer's copy + CRC threads for the rows (the decode thread and the GPU's feeder keep a core each)
+        self.threads = int(threads) if threads else int(os.environ.get(
+            "CONCORDIA_STEP_EPOCH_THREADS", max(1, min(4, (os.cpu_count() or 1) - 2))))
         geo = eng.geo
         self.device = eng.device
         self.cuda = self.device.type == "cuda"
@@ -171,7 +176,7 @@ class StepEpochs:
         rows = self.gathered[1]
         self.gathered = None
         if self.writer is None:
-            self.writer = slotlog.StepLogWriter(eng.runtime.log, queue=self.n_slots + 2)
+            self.writer = slotlog.StepLogWriter(eng.runtime.log, queue=self.n_slots + 2, threads=self.threads)
             st = self.writer.state()
             self.bytes0, self.epochs0 = int(st["bytes_written"]), int(st["epochs"])
             self._bytes_seen = self.bytes0
