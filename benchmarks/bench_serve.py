@@ -120,13 +120,16 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: st
             decode_tokens += out.batch_tokens
             nbytes.append(out.epoch_bytes)
             graph_steps += out.graph
+    fast = eng.fast
     tokens = [r.generated for r in sorted(eng.finished.values(), key=lambda r: r.seq)]  # ids are random
     eng.close()
     if d is not None:
         shutil.rmtree(d, ignore_errors=True)
     return {"tok_s": decode_tokens / sum(steps), "itl_p50_ms": 1e3 * median(steps),
             "itl_p99_ms": 1e3 * percentile(steps, 99), "bytes_per_step": median(nbytes) if nbytes else 0,
-            "decode_steps": len(steps), "graph_steps": graph_steps, "capture_s": captured, "tokens": tokens}
+            "decode_steps": len(steps), "graph_steps": graph_steps, "capture_s": captured, "tokens": tokens,
+            **({f"step_epoch_{k}_ms": 1e3 * v / max(1, fast.steps) for k, v in fast.t.items()} | {
+                "step_epochs": fast.steps, "step_epoch_rolls": fast.rolls} if fast is not None else {})}
 
 
 def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: int, new: int,
@@ -152,6 +155,7 @@ def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: in
             row[f"itl_p99_ms_{m}"] = med[m]["itl_p99_ms"]
         for m in modes[1:]:
             row[f"bytes_per_step_{m}"] = med[m]["bytes_per_step"]
+            row.update({f"{k}_{m}": v for k, v in med[m].items() if k.startswith("step_epoch")})
         row.update({"bytes_per_step": med[modes[-1]]["bytes_per_step"], "decode_steps": base["decode_steps"],
                     "graph_steps": base["graph_steps"], "capture_s": base["capture_s"],
                     "tokens_equal_all_runs": same, "rounds": rounds, "wall_s": time.perf_counter() - t0})

@@ -21,6 +21,11 @@ def main(path: str) -> None:
         parts.append(f"bytes/step {r.get('bytes_per_step_c', r['bytes_per_step']):.0f}; tokens equal "
                      f"{r['tokens_equal_all_runs']}")
         print(" | ".join(parts))
+        for m in modes:
+            t = {k[len("step_epoch_"):-len(m) - 1]: v for k, v in r.items() if k.startswith("step_epoch_")
+                 and k.endswith("_" + m)}
+            if t:
+                print(f"    {m} host per step epoch: " + ", ".join(f"{k} {v:.3f}" for k, v in t.items()))
 
 
 if __name__ == "__main__":

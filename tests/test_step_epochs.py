@@ -63,6 +63,10 @@ def _steps(n: int, seed: int = 3) -> list[tuple[list[RegionDelta], dict[str, obj
 
 
 def _blob(deltas: list[RegionDelta], meta: object, keep: list[np.ndarray]) -> bytes:
+    return slotlog.step_blob(_records(deltas, meta, keep))
+
+
+def _records(deltas: list[RegionDelta], meta: object, keep: list[np.ndarray]) -> list:
     recs = []
     for d in deltas:
         a = np.frombuffer(d.payload, np.uint8).copy()
@@ -72,7 +76,7 @@ def _blob(deltas: list[RegionDelta], meta: object, keep: list[np.ndarray]) -> by
         else:
             recs.append(slotlog.pages_record(d.spec.name.encode(), d.pages, d.spec.page_bytes, int(a.ctypes.data)))
     recs.append(slotlog.meta_record(encode_json(meta)))
-    return slotlog.step_blob(recs)
+    return recs
 
 
 def _open(d: Path, backend: str, **kw: object) -> RecoveryLog:
@@ -261,3 +265,33 @@ def test_sigkilled_engine_on_step_epochs_recovers_token_exact(shm_dir: Path, pip
     assert eng.fast.steps > 0
     eng.close()
     assert got == ref
+
+
+def test_rolls_on_the_callers_thread_keep_the_log_whole(shm_dir: Path) -> None:
+    """roll_if_needed (the engine's thread rolls while the writer is idle): the log replays to the same state as
+    append's, with every epoch, over several segments."""
+    from concordia_ft.serve.stepepochs import _need
+
+    kw = {"mapped_segment_bytes": 1 << 20, "segment_max_bytes": 1 << 20}
+    la, lb = _open(shm_dir / "a", "dram", **kw), _open(shm_dir / "b", "dram", **kw)
+    w = slotlog.StepLogWriter(la, threads=2, parallel_min_bytes=8192)
+    keep: list[np.ndarray] = []
+    rolled = 0
+    needs: list[int] = []
+    for i, (deltas, meta) in enumerate(_steps(80, seed=9)):
+        recs = _records(deltas, meta, keep)
+        needs.append(_need(recs))
+        rolled += w.roll_if_needed(needs[-1])
+        w.submit(i, slotlog.step_blob(recs))
+        w.wait(i)  # idle before the next one: the caller rolls
+        lb.append(deltas=deltas, meta=meta)
+    w.stop()
+    assert (w.stats()[:, 4] <= np.array(needs)).all()  # _need bounds every epoch's bytes
+    assert rolled >= 3 and w.lease_lost is False
+    la.close()
+    lb.close()
+    ra, rb = replay(shm_dir / "a"), replay(shm_dir / "b")
+    assert ra.outcome is Outcome.OK and ra.epoch == rb.epoch == 81 and ra.meta == rb.meta
+    assert len(list((shm_dir / "a").glob("incr.*.cft"))) >= 4
+    for name in ("kv", "tokens", "rng"):
+        assert bytes(ra.regions[name].data) == bytes(rb.regions[name].data)

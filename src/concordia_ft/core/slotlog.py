@@ -294,11 +294,38 @@ class StepLogWriter(SlotLogWriter):
                            "synced_end": lease.synced_end, "durable_epoch": lease.durable_epoch})
             raise
         self.next_epoch = lease.next_epoch  # the number the next submitted step's epoch gets
+        self.lease_lost = False
         self.submit = self._w.submit  # type: ignore[method-assign]
         self.error = None
         self._ended = False
         self._thread = threading.Thread(target=self._loop, name="concordia-step-epochs-c", daemon=True)
         self._thread.start()
+
+
+    def _target(self, lease: TailLease) -> None:
+        self.lease = lease
+        super()._target(lease)
+
+    def roll_if_needed(self, need: int) -> bool:
+        """Roll to the next segment now, on the calling thread, when an epoch of up to ``need`` bytes would not
+        fit the active one and the writer is idle (nothing queued): the writer's own thread would otherwise
+        roll, and take the GIL from a busy caller to do it. True when it rolled. A failed roll raises
+        ``CheckpointError`` (the lease is then over: ``lease_lost``)."""
+        st = self._w.state()
+        if st["queued"] or st["rolling"]:
+            return False
+        end, lease = int(st["end"]), self.lease
+        if need <= lease.capacity - end and not (int(st["segment_epochs"]) > 0 and end + need > lease.soft_max):
+            return False
+        try:
+            new = self.log.roll_leased(st, need)
+        except CheckpointError:
+            self.lease_lost = True
+            self._ended = True  # roll_leased ended the lease
+            self._w.fail()
+            raise
+        self._target(new)
+        return True
 
 
 __all__ = ["SENTINELS", "SlotLogWriter", "StepLogWriter", "available", "crc32c", "meta_record", "meta_template",

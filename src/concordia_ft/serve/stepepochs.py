@@ -30,6 +30,7 @@ path: the lease is ended first (the writer drains), and taken again at the next 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,14 @@ ALIGN = 4096
 
 def _up(n: int, a: int = ALIGN) -> int:
     return -(-n // a) * a
+
+
+def _need(records: list[tuple[int, bytes, bytes, int, int, int]]) -> int:
+    """An upper bound of the epoch's bytes (core/epochs.py layout_epoch: header, descriptors, each payload
+    4 KiB-aligned, the commit marker)."""
+    desc = sum(48 + -(-(len(r[1]) + len(r[2])) // 8) * 8 for r in records)
+    pay = [r[5] for r in records if r[5]]
+    return 56 + desc + ALIGN * (len(pay) + 1) + sum(pay) + 32
 
 
 def available() -> bool:
@@ -117,29 +126,33 @@ class StepEpochs:
         self.steps = 0  # step epochs committed by this engine
         self.fallbacks = 0  # steps that went through the generic path
         self.inflight: list[StepPending] = []
+        self.t = {"gather": 0.0, "submit": 0.0, "wait": 0.0, "roll": 0.0}  # host seconds in each, all steps
+        self.rolls = 0  # segment rolls done on the engine's thread
 
     # -- planning and the device side ----------------------------------------------------------------
-    def plan(self, feeds: list[tuple[Any, int, int]]) -> npt.NDArray[np.int64] | None:
-        """The sorted KV rows the step's feeds write, or None when this step takes the generic path."""
+    def plan(self, feeds: list[tuple[Any, int, int]]) -> list[tuple[Any, int, int]] | None:
+        """The step's feeds when it may take the step-epoch path (decided in ``gather``, after the forward was
+        enqueued: the host work overlaps the GPU's), or None."""
+        return feeds if self.eng.runtime is not None else None
+
+    def gather(self, seq: int, feeds: list[tuple[Any, int, int]]) -> None:
+        """The sorted KV rows the feeds wrote (the forward just enqueued) into ring slot ``seq``, in stream
+        order, and their record; or nothing when the step takes the generic path (too many rows or token pages,
+        or the runtime has something pending)."""
+        t0 = time.perf_counter()
+        self.gathered = None
         rt = self.eng.runtime
-        if rt is None or not rt.leasable(ignore_in_flight=True):
-            return None
         n = sum(e - s for _, s, e in feeds)
-        if n > self.cap_rows:
-            return None
-        if int(np.count_nonzero(self.eng.tokens_dirty)) + len(feeds) > self.cap_tok:
-            return None
-        if not feeds:
-            return np.zeros(0, np.int64)
+        if (n > self.cap_rows or not rt.leasable(ignore_in_flight=True)
+                or int(np.count_nonzero(self.eng.tokens_dirty)) + len(feeds) > self.cap_tok):
+            return
         rows = np.fromiter((x for r, s, e in feeds for x in r.slots[s:e]), dtype=np.int64, count=n)
         rows.sort()
-        return rows
-
-    def gather(self, seq: int, rows: npt.NDArray[np.int64]) -> None:
-        """Copy the step's rows (written by the forward just enqueued) into ring slot ``seq``, in stream order."""
         self._free_slot(seq)
-        n = len(rows)
+        kv_rec = None
         if n:
+            kv_rec = slotlog.rows_record(b"kv", rows, self.kv_ppb, self.kv_pb,
+                                         self.base + (seq % self.n_slots) * self.slot_bytes)
             view = self.kv_views[seq % self.n_slots][:n]
             if self.cuda:
                 self.idx_host.numpy()[:n] = rows
@@ -150,7 +163,15 @@ class StepEpochs:
                 self.copied.record()
             else:
                 torch.index_select(self.arena2d, 0, torch.from_numpy(rows), out=view)
-        self.gathered = (seq, rows)
+            self._clear_kv_flags(rows)  # after the forward set them, in stream order
+        self.gathered = (seq, rows, kv_rec)
+        self.t["gather"] += time.perf_counter() - t0
+
+    def _clear_kv_flags(self, rows: npt.NDArray[np.int64]) -> None:
+        if self.cuda:
+            self.eng.pool.dirty.index_fill_(0, self.idx_dev[: len(rows)], 0)
+        else:
+            self.eng.pool.dirty.index_fill_(0, torch.from_numpy(rows), 0)
 
     def _free_slot(self, seq: int) -> None:
         old = seq - self.n_slots
@@ -163,17 +184,23 @@ class StepEpochs:
     def ready(self, seq: int) -> bool:
         """The gathered step ``seq`` may go to the C writer (else the caller runs the generic path)."""
         rt = self.eng.runtime
-        ok = self.gathered is not None and self.gathered[0] == seq and rt is not None and (
-            self.writer is not None or rt.leasable())
-        if not ok:
+        g = self.gathered
+        if g is None or g[0] != seq:
             self.gathered = None
-            self.fallbacks += 1
-        return ok
+            return False
+        if rt is not None and (self.writer is not None or rt.leasable()):
+            return True
+        self.gathered = None  # gathered, but the generic path writes this one: it logs the rows again
+        if len(g[1]):
+            self.eng.pool.dirty.index_fill_(0, torch.from_numpy(g[1]).to(self.device), 1)
+        self.fallbacks += 1
+        return False
 
     def submit(self, seq: int, meta_json: bytes) -> StepPending:
         eng = self.eng
+        t0 = time.perf_counter()
         assert self.gathered is not None and self.gathered[0] == seq
-        rows = self.gathered[1]
+        _, rows, kv_rec = self.gathered
         self.gathered = None
         if self.writer is None:
             self.writer = slotlog.StepLogWriter(eng.runtime.log, queue=self.n_slots + 2, threads=self.threads)
@@ -185,9 +212,8 @@ class StepEpochs:
         records = []
         n = len(rows)
         if n:
-            records.append(slotlog.rows_record(b"kv", rows, self.kv_ppb, self.kv_pb, self.base + base))
+            records.append(kv_rec)
             if self.cuda:
-                eng.pool.dirty.index_fill_(0, self.idx_dev[:n], 0)  # after the forward set them, in stream order
                 self.copied.synchronize()  # (already done when the step sampled: the sampler synced)
             else:
                 eng.pool.dirty.index_fill_(0, torch.from_numpy(rows), 0)
@@ -206,18 +232,28 @@ class StepEpochs:
                                                self.base + off))
         records.append(slotlog.meta_record(meta_json))
         p = StepPending(self, seq, self.writer.next_epoch, (rows, tb, rr))
+        blob = slotlog.step_blob(records)
         try:
-            self.writer.submit(seq, slotlog.step_blob(records))
+            if not self.inflight:  # the writer is idle: a roll it needs happens here (the GIL is ours)
+                t1 = time.perf_counter()
+                if self.writer.roll_if_needed(_need(records)):
+                    self.t["roll"] += time.perf_counter() - t1
+                    self.rolls += 1
+            self.writer.submit(seq, blob)
         except BaseException:
             self._reflag(p)
+            if self.writer is not None and self.writer.lease_lost:
+                self._drop_writer()
             raise
         self.writer.next_epoch += 1
         self.inflight.append(p)
+        self.t["submit"] += time.perf_counter() - t0
         return p
 
     def wait(self, p: StepPending) -> None:
         w = self.writer
         assert w is not None
+        t0 = time.perf_counter()
         try:
             w.wait(p.seq)
         except CheckpointError:
@@ -236,6 +272,7 @@ class StepEpochs:
         self._bytes_seen = nbytes
         self.committed_seq = max(self.committed_seq, p.seq)
         self.steps += len(done)
+        self.t["wait"] += time.perf_counter() - t0
 
     def _reflag(self, p: StepPending) -> None:
         rows, tb, rr = p.taken
