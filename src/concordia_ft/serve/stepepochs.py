@@ -5,9 +5,10 @@ device, learns their count on the host (a sync), gathers them, DMAs them, comput
 epoch on the calling thread, then does the same for the host regions, and encodes the whole state as JSON.
 Here the engine knows which rows the step writes (its feeds' slots), so:
 
-1. right after the forward, before the sampler's host sync, the rows are gathered on the device
-   (``index_select`` at the step's slots, sorted) and copied in stream order into a slot of a ring of pinned
-   host memory; the sampler's sync then covers the copy (no sync of its own);
+1. right after the forward is enqueued, the rows are gathered on the device (``index_select`` at the step's
+   slots, sorted) and copied into a slot of a ring of pinned host memory, on a side stream that waits for the
+   forward and runs beside the sampler; the host's part of it (the rows, their record) overlaps the GPU's
+   work, and the submit waits for the copy's event (done, or nearly, once the sampler's sync returned);
 2. after sampling, the step's dirty pages of ``tokens`` and ``rng`` are copied into the same slot (a few KiB),
    the flags the step set are cleared (the KV flags on the device, in stream order), and the metadata comes
    from cached per-request JSON fragments (engine.py ``_meta_json``);
@@ -114,7 +115,11 @@ class StepEpochs:
             self.stage = torch.empty(self.cap_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
             self.idx_host = torch.zeros(self.cap_rows, dtype=torch.long, pin_memory=True)
             self.idx_dev = torch.zeros(self.cap_rows, dtype=torch.long, device=self.device)
-            self.copied = torch.cuda.Event()  # the ring slot's copy is done (a step that samples nothing has no sync)
+            # the gather and the copy run on a side stream after the forward, beside the sampler (not before it);
+            # ``copied``: the slot is filled and the flags cleared (submit waits for it: mostly done by then)
+            self.side = torch.cuda.Stream(device=self.device)
+            self.forward_done = torch.cuda.Event()
+            self.copied = torch.cuda.Event()
         self.tok_u8 = eng.tokens.view(np.uint8).reshape(-1, 512)
         self.rng_rows = eng.rng.buf.reshape(-1, self.rng_rb)
         self.writer: slotlog.StepLogWriter | None = None
@@ -156,14 +161,18 @@ class StepEpochs:
             view = self.kv_views[seq % self.n_slots][:n]
             if self.cuda:
                 self.idx_host.numpy()[:n] = rows
-                idx = self.idx_dev[:n]
-                idx.copy_(self.idx_host[:n], non_blocking=True)
-                torch.index_select(self.arena2d, 0, idx, out=self.stage[:n])
-                view.copy_(self.stage[:n], non_blocking=True)
-                self.copied.record()
+                self.forward_done.record()
+                with torch.cuda.stream(self.side):
+                    self.side.wait_event(self.forward_done)
+                    idx = self.idx_dev[:n]
+                    idx.copy_(self.idx_host[:n], non_blocking=True)
+                    torch.index_select(self.arena2d, 0, idx, out=self.stage[:n])
+                    view.copy_(self.stage[:n], non_blocking=True)
+                    self._clear_kv_flags(rows)  # after the forward set them, in stream order
+                    self.copied.record(self.side)
             else:
                 torch.index_select(self.arena2d, 0, torch.from_numpy(rows), out=view)
-            self._clear_kv_flags(rows)  # after the forward set them, in stream order
+                self._clear_kv_flags(rows)
         self.gathered = (seq, rows, kv_rec)
         self.t["gather"] += time.perf_counter() - t0
 
@@ -192,6 +201,8 @@ class StepEpochs:
             return True
         self.gathered = None  # gathered, but the generic path writes this one: it logs the rows again
         if len(g[1]):
+            if self.cuda:
+                self.copied.synchronize()  # the side stream cleared them
             self.eng.pool.dirty.index_fill_(0, torch.from_numpy(g[1]).to(self.device), 1)
         self.fallbacks += 1
         return False
@@ -214,9 +225,7 @@ class StepEpochs:
         if n:
             records.append(kv_rec)
             if self.cuda:
-                self.copied.synchronize()  # (already done when the step sampled: the sampler synced)
-            else:
-                eng.pool.dirty.index_fill_(0, torch.from_numpy(rows), 0)
+                self.copied.synchronize()  # the side stream's copy ran beside the sampler: done, or nearly
         tb = np.flatnonzero(eng.tokens_dirty)
         if len(tb):
             off = base + self.tok_off
