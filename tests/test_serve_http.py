@@ -184,7 +184,7 @@ def test_streams_survive_a_sigkill_with_async_epochs(model_dir: Path, tmp_path: 
 def test_streams_survive_sigkills_with_step_epochs(model_dir: Path, tmp_path: Path, pipelined: bool) -> None:
     """The step-epoch path (the C writer commits each step): durable, and pipelined with --async-epochs."""
     args = [*BATCH_ARGS, "--step-epochs", "c", *(["--async-epochs"] if pipelined else [])]
-    _kill_twice_and_compare(model_dir, tmp_path, args, (N * 12, N * 28))  # early: this engine runs ahead of the HTTP clients
+    _kill_twice_and_compare(model_dir, tmp_path, args, (N * 8, N * 18))  # early: the engine runs ahead of the clients
 
 
 @pytest.mark.slow  # ~3 min on 2 cores: over CPU CI's budget for this file; run with -m slow
