@@ -84,7 +84,12 @@ def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------------------------ throughput
-EPOCHS = ("none", "sync", "async")  # no log; an epoch per step; an epoch per step written during the next step
+# no log; an epoch per step; an epoch per step written during the next step (the runtime's Python writer); the same
+# two through step epochs (step_epochs="c": rows gathered on the device into a pinned ring, the C writer commits)
+EPOCHS = ("none", "sync", "async", "c", "c-async")
+MODE_OPTIONS: dict[str, dict[str, Any]] = {
+    "none": {"checkpoint": False}, "sync": {}, "async": {"async_epochs": True},
+    "c": {"step_epochs": "c"}, "c-async": {"step_epochs": "c", "async_epochs": True}}
 
 
 def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: str | bool,
@@ -93,8 +98,7 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: st
     vocab = int(model.config.vocab_size)
     d, backend = log_dir(n * (prompt + new) * 200_000) if epochs != "none" else (None, "file")
     eng = Engine(model, None if d is None else d / "log",
-                 options(n, prompt, new, checkpoint=epochs != "none", backend=backend, graphs=graphs,
-                         async_epochs=epochs == "async"))
+                 options(n, prompt, new, backend=backend, graphs=graphs, **MODE_OPTIONS[epochs]))
     for p in prompts(n, prompt, vocab):
         eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
     steps: list[float] = []
@@ -116,17 +120,21 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: st
             decode_tokens += out.batch_tokens
             nbytes.append(out.epoch_bytes)
             graph_steps += out.graph
+    fast = eng.fast
     tokens = [r.generated for r in sorted(eng.finished.values(), key=lambda r: r.seq)]  # ids are random
     eng.close()
     if d is not None:
         shutil.rmtree(d, ignore_errors=True)
     return {"tok_s": decode_tokens / sum(steps), "itl_p50_ms": 1e3 * median(steps),
             "itl_p99_ms": 1e3 * percentile(steps, 99), "bytes_per_step": median(nbytes) if nbytes else 0,
-            "decode_steps": len(steps), "graph_steps": graph_steps, "capture_s": captured, "tokens": tokens}
+            "decode_steps": len(steps), "graph_steps": graph_steps, "capture_s": captured, "tokens": tokens,
+            **({f"step_epoch_{k}_ms": 1e3 * v / max(1, fast.steps) for k, v in fast.t.items()} | {
+                "step_epochs": fast.steps, "step_epoch_rolls": fast.rolls} if fast is not None else {})}
 
 
 def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: int, new: int,
-                     rounds: int, graphs: str = "auto", modes: tuple[str, ...] = EPOCHS) -> list[dict[str, Any]]:
+                     rounds: int, graphs: str = "auto", modes: tuple[str, ...] = EPOCHS,
+                     on_row: Any = None) -> list[dict[str, Any]]:
     run_batch(model, device, 2, 16, 4, False, graphs)  # warm up kernels
     rows = []
     for n in concurrency:
@@ -145,11 +153,16 @@ def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: in
         for m in modes:
             row[f"itl_p50_ms_{m}"] = med[m]["itl_p50_ms"]
             row[f"itl_p99_ms_{m}"] = med[m]["itl_p99_ms"]
+        for m in modes[1:]:
+            row[f"bytes_per_step_{m}"] = med[m]["bytes_per_step"]
+            row.update({f"{k}_{m}": v for k, v in med[m].items() if k.startswith("step_epoch")})
         row.update({"bytes_per_step": med[modes[-1]]["bytes_per_step"], "decode_steps": base["decode_steps"],
                     "graph_steps": base["graph_steps"], "capture_s": base["capture_s"],
                     "tokens_equal_all_runs": same, "rounds": rounds, "wall_s": time.perf_counter() - t0})
         rows.append(row)
         print(rows[-1], flush=True)
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -262,6 +275,7 @@ def main() -> int:
     ap.add_argument("--recovery-requests", type=int, default=64)
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--modes", default=",".join(EPOCHS), help=f"epoch modes, 'none' first (of {EPOCHS})")
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     parts = set(a.only.split(","))
@@ -270,7 +284,9 @@ def main() -> int:
     notes = ("throughput: greedy, prompt {p} + {g} new tokens each, decode steps only; 'none' = no log (baseline), "
              "'sync' = one committed epoch per engine step, "
              "'async' = the same epochs, each written while the next step computes (a step's tokens are handed out "
-             "once its epoch committed, one step later). recovery: model loaded; recover_s = Engine.recover "
+             "once its epoch committed, one step later); 'c' / 'c-async' = the same two through step epochs "
+             "(step_epochs='c': the step's rows gathered on the device into a pinned ring before the sampler's sync, "
+             "the epoch laid out, checksummed and committed by the GIL-free C writer). recovery: model loaded; recover_s = Engine.recover "
              "(replay + verify + restore), first_token_all_s = + one step giving every request its next token; "
              "reprefill = a new engine prefilling prompt + tokens so far (what a user can do today).")
     p, g = (32, 16) if a.quick else (128, 128)
@@ -279,6 +295,9 @@ def main() -> int:
     if a.concurrency:
         conc = [int(x) for x in a.concurrency.split(",")]
     eager = [int(x) for x in a.eager_concurrency.split(",") if x]
+    modes = tuple(a.modes.split(","))
+    if modes[0] != "none" or any(m not in EPOCHS for m in modes):
+        ap.error(f"--modes must start with 'none' and name modes of {EPOCHS}")
 
     def save() -> None:
         path = write_results("serve", thr + recs, baseline=[], notes=notes.format(p=p, g=g), out_dir=a.out,
@@ -289,11 +308,16 @@ def main() -> int:
         dims = "tiny" if a.quick else "0.6b"
         model = build(dims, a.device, dtype)
         rounds = 1 if a.quick else a.rounds
+        def partial(rows: list[dict[str, Any]]) -> None:  # a run cut short still leaves the rows it finished
+            nonlocal thr
+            thr = [{"part": "throughput", "dims": dims, **r} for r in rows]
+            save()
+
         thr = [{"part": "throughput", "dims": dims, **r}
-               for r in bench_throughput(model, a.device, conc, p, g, rounds, a.graphs)]
+               for r in bench_throughput(model, a.device, conc, p, g, rounds, a.graphs, modes, partial)]
         if eager:
             thr += [{"part": "throughput", "dims": dims, **r}
-                    for r in bench_throughput(model, a.device, eager, p, g, rounds, "off")]
+                    for r in bench_throughput(model, a.device, eager, p, g, rounds, "off", modes)]
         del model
         save()
     if "recovery" in parts:
@@ -305,9 +329,9 @@ def main() -> int:
             save()
     if thr:
         print_table("serve throughput: epoch every step vs none", thr,
-                    ["concurrent", "graphs", "tok_s_none", "tok_s_sync", "cost_sync_pct", "tok_s_async",
-                     "cost_async_pct", "itl_p50_ms_none", "itl_p50_ms_async", "itl_p99_ms_none", "itl_p99_ms_async",
-                     "bytes_per_step"])
+                    ["concurrent", "graphs", "tok_s_none"] + [k for m in modes[1:] for k in (
+                        f"tok_s_{m}", f"cost_{m}_pct")] + ["itl_p50_ms_none", "itl_p99_ms_none"] + [
+                        f"itl_p50_ms_{m}" for m in modes[1:]] + ["bytes_per_step"])
     if recs:
         print_table("serve recovery: restore vs re-prefill (model loaded)", recs,
                     ["dims", "requests", "tokens_each", "log_gb", "recover_s", "first_token_all_s",

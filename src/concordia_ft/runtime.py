@@ -487,6 +487,18 @@ class Runtime:
             return
         raise err
 
+    def leasable(self, *, ignore_in_flight: bool = False) -> bool:
+        """True when the next epoch may be appended by a lessee of the log's tail (core/slotlog.py) instead of
+        ``checkpoint``: no region definition, drop or full epoch pending, no failure to report, nobody waiting
+        for a lease to end (a compaction's seal), and (unless ``ignore_in_flight``) no asynchronous epoch in
+        flight. A lessee's epochs hold only the pages it was given: the trackers' flags are its caller's to
+        clear."""
+        with self._mutex:
+            return not (self._closed or self._pending_defs or self._pending_drops or self._needs_full
+                        or (self._inflight is not None and not ignore_in_flight) or self._unreported is not None
+                        or self._compaction_unreported is not None or self.log.lease_wanted
+                        or self.log.failed is not None)
+
     def _count_appended(self, nbytes: int, epochs: int) -> None:
         """Epochs appended to this runtime's log by someone else (graph decode's token-epoch writer): their
         bytes count toward ``compact_after_bytes`` like the runtime's own, and may start a compaction now."""

@@ -119,3 +119,35 @@ def test_async_epochs_with_graphs_recover_token_exact(shm: Path) -> None:
     rec = Engine.recover(shm / "log", model)
     assert drive(rec, workload()) == ref
     rec.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_step_epochs_with_graphs_log_the_generic_state_and_recover_token_exact(shm: Path, pipelined: bool) -> None:
+    """Step epochs on the GPU (rows gathered on the device into the pinned ring, inside the graph steps' stream
+    order): the same tokens as no log, the log replays to the same KV / tokens / rng bytes and metadata as the
+    generic path's, every flag the step path logged is clear, and a recovered engine continues token-exact."""
+    from concordia_ft.core.replay import replay
+
+    model = tiny_model("qwen3").cuda()
+    ref = drive(Engine(model, None, {**OPTIONS, "checkpoint": False}), workload())
+    opts = {**OPTIONS, "backend": "dram", "async_epochs": pipelined}
+    g = Engine(model, shm / "generic", {**opts, "step_epochs": "runtime"})
+    c = Engine(model, shm / "c", {**opts, "step_epochs": "c"})
+    assert drive(g, workload(), max_steps=14) == drive(c, workload(), max_steps=14)
+    assert c.graphs is not None and c.graphs.replays > 0 and c.fast.steps >= 8
+    torch.cuda.synchronize()
+    assert not c.pool.dirty.any().item() and not c.tokens_dirty.any() and not c.rng.dirty.any()
+    g.close()
+    c.close()
+    rg, rc = replay(shm / "generic"), replay(shm / "c")
+    assert rg.epoch == rc.epoch
+    mg, mc = rg.meta["concordia.serve"], rc.meta["concordia.serve"]
+    mg.pop("time")
+    mc.pop("time")
+    assert mg == mc
+    for k in ("kv", "tokens", "rng"):
+        assert bytes(rg.regions[k].data) == bytes(rc.regions[k].data), k
+    rec = Engine.recover(shm / "c", model, {"step_epochs": "c", "async_epochs": pipelined})
+    assert drive(rec, workload()) == ref
+    assert rec.fast.steps > 0
+    rec.close()

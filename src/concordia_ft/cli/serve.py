@@ -39,6 +39,9 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--async-epochs", action="store_true",
                    help="write each step's epoch while the next step computes (tokens still leave only once "
                         "committed, one step later)")
+    p.add_argument("--step-epochs", default="runtime", choices=("runtime", "c", "auto"),
+                   help="how a step's epoch is written: runtime (default: the generic checkpoint path) or c (the "
+                        "step's rows gathered on the device, the epoch committed by the GIL-free C writer)")
     p.add_argument("--graphs", default="auto", choices=("auto", "on", "padded", "off"),
                    help="decode steps as CUDA graphs per batch bucket (auto: on a CUDA device)")
 
@@ -66,7 +69,7 @@ def _run(args: argparse.Namespace) -> int:
                           max_waiting=args.max_waiting, max_model_len=args.max_model_len,
                           max_batch_tokens=args.max_batch_tokens, fsync=args.fsync,
                           checkpoint=not args.no_checkpoint, async_epochs=args.async_epochs,
-                          graphs=args.graphs)
+                          graphs=args.graphs, step_epochs=args.step_epochs)
     recovering = log.is_dir() and any(log.iterdir()) and not args.no_checkpoint
     if recovering:
         engine = Engine.recover(log, lm.model, eopts)

@@ -104,6 +104,41 @@ static uint32_t crc32c(uint32_t crc, const void *p, size_t n) {
     return crc_sw(crc, (const uint8_t *)p, n);
 }
 
+/* crc32c_combine: the CRC of A || B from crc(A), crc(B) and len(B) (zlib's crc32_combine: GF(2) matrices of the
+ * reflected Castagnoli polynomial) */
+static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
+    uint32_t sum = 0;
+    while (vec) {
+        if (vec & 1) sum ^= *mat;
+        vec >>= 1;
+        mat++;
+    }
+    return sum;
+}
+
+static void gf2_square(uint32_t *sq, const uint32_t *mat) {
+    for (int n = 0; n < 32; n++) sq[n] = gf2_times(mat, mat[n]);
+}
+
+static uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
+    if (!len2) return crc1;
+    uint32_t even[32], odd[32], row = 1;
+    odd[0] = CRC_POLY;
+    for (int n = 1; n < 32; n++) { odd[n] = row; row <<= 1; }
+    gf2_square(even, odd);
+    gf2_square(odd, even);
+    do {
+        gf2_square(even, odd);
+        if (len2 & 1) crc1 = gf2_times(even, crc1);
+        len2 >>= 1;
+        if (!len2) break;
+        gf2_square(odd, even);
+        if (len2 & 1) crc1 = gf2_times(odd, crc1);
+        len2 >>= 1;
+    } while (len2);
+    return crc1 ^ crc2;
+}
+
 /* ------------------------------------------------------------------------------------------------ format */
 /* core/format.py: ALIGN, the epoch header, record entries, the commit marker (little-endian everywhere). */
 #define ALIGN 4096ull
@@ -114,7 +149,7 @@ static uint32_t crc32c(uint32_t crc, const void *p, size_t n) {
 #define REC_RUNS 3
 #define REC_META 4
 #define FORMAT_VERSION 1
-#define MAX_RECORDS 3
+#define MAX_RECORDS 8 /* token epochs use 3; a step epoch (StepWriter) up to 8 */
 #define MAX_NAME 200
 
 static inline uint64_t align_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
@@ -135,14 +170,26 @@ enum { ERR_NONE = 0, ERR_SLOT = 1, ERR_WRITE = 2, ERR_SYNC = 3 };
 
 typedef struct {
     int64_t seq, n_tokens, n_new, done, submit_ns;
+    uint8_t *blob; /* StepWriter: the epoch's records (owned; freed once written) */
+    size_t blob_len;
 } Item;
 
 typedef struct {
     int64_t seq, submit_ns, start_ns, commit_ns, total_bytes, epoch;
 } Stat;
 
+#define MAX_HELPERS 15
+#define MAX_PIECES 64
+typedef struct Piece {
+    const uint8_t *src;
+    uint8_t *dst; /* NULL: checksum only */
+    uint64_t len;
+    uint32_t crc;
+} Piece;
+
 typedef struct {
     PyObject_HEAD
+    int generic; /* a StepWriter: items carry their records (blob), no ring */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int sync_ready;
@@ -167,6 +214,7 @@ typedef struct {
     uint64_t q_cap, q_head, q_tail;
     /* progress (guarded by mu; committed also read without it) */
     int64_t committed;   /* highest seq whose epoch committed (-1: none) */
+    int64_t last_seq;    /* StepWriter: the last seq submitted (-1: none) */
     int64_t committed_epoch; /* its epoch number (0: none yet) */
     int stop_req, failed, rolling, running;
     /* the target segment */
@@ -190,6 +238,15 @@ typedef struct {
     Stat *stats;
     size_t n_stats, stats_cap;
     uint8_t zeros[ALIGN];
+    /* StepWriter: helper threads that copy + checksum pieces of a large payload (the writer thread takes pieces
+     * too); their CRCs are combined (crc32c_combine) */
+    int n_helpers, pool_ready, pool_quit;
+    uint64_t par_min;
+    pthread_t helpers[MAX_HELPERS];
+    pthread_mutex_t pm;
+    pthread_cond_t pcv, dcv;
+    struct Piece *pieces;
+    int n_pieces, next_piece, done_pieces;
 } Writer;
 
 static int64_t now_ns(clockid_t clk) {
@@ -240,13 +297,13 @@ typedef struct {
     const uint8_t *name;
     size_t name_len;
     int64_t var_words[2]; /* PAGES of one page: [page]; RUNS: [start, length] */
-    int n_words;
+    const uint8_t *var; /* the record's variable part after its name (var_words, the META JSON, a blob's) */
+    size_t var_len;
     uint64_t count;
-    const uint8_t *json; /* META */
-    size_t json_len;
     const uint8_t *payload;
     uint64_t plen, off;
     uint32_t crc;
+    int placed; /* the payload is in the mapping already (par_crc_copy) */
 } Rec;
 
 static void pages_rec(Rec *r, const uint8_t *name, size_t name_len, int64_t first, int64_t n, const uint8_t *payload,
@@ -260,18 +317,21 @@ static void pages_rec(Rec *r, const uint8_t *name, size_t name_len, int64_t firs
     if (n == 1) {
         r->rtype = REC_PAGES;
         r->var_words[0] = first;
-        r->n_words = 1;
+        r->var_len = 8;
         r->count = 1;
     } else {
         r->rtype = REC_RUNS;
         r->var_words[0] = first;
         r->var_words[1] = n;
-        r->n_words = 2;
+        r->var_len = 16;
         r->count = 1;
     }
+    r->var = (const uint8_t *)r->var_words;
 }
 
-static size_t rec_var_len(const Rec *r) { return r->rtype == REC_META ? r->json_len : (size_t)r->n_words * 8; }
+static size_t rec_var_len(const Rec *r) { return r->var_len; }
+
+static int store_epoch(Writer *w, Rec *recs, int nr);
 
 /* One epoch: 0 written, 1 needs a new segment (w->need), -1 failed (w->err_*). Called without mu. */
 static int write_one(Writer *w, const Item *it) {
@@ -300,9 +360,120 @@ static int write_one(Writer *w, const Item *it) {
     memset(m, 0, sizeof *m);
     m->rtype = REC_META;
     m->name = (const uint8_t *)"";
-    m->json = w->meta;
-    m->json_len = build_meta(w, it, row + 1);
-    m->count = m->json_len;
+    m->var = w->meta;
+    m->var_len = build_meta(w, it, row + 1);
+    m->count = m->var_len;
+    return store_epoch(w, recs, nr);
+}
+
+/* A step epoch (StepWriter): the blob is u32 n_records, u32 0, then per record a 40-byte entry (u16 type, u16 0,
+ * u32 name_len, u64 count, u64 var_len, u64 payload address, u64 payload bytes), its name and its variable part,
+ * padded to 8. Payloads are host addresses the submitter keeps valid (and unchanged) until the epoch commits. */
+static int write_blob(Writer *w, const Item *it) {
+    const uint8_t *b = it->blob, *end = it->blob + it->blob_len;
+    uint32_t n;
+    if (it->blob_len < 8) return set_error(w, ERR_SLOT, 0, w->end, "step %lld: records blob too short", (long long)it->seq);
+    memcpy(&n, b, 4);
+    if (n == 0 || n > MAX_RECORDS)
+        return set_error(w, ERR_SLOT, 0, w->end, "step %lld: %u records (1 to %d)", (long long)it->seq, n, MAX_RECORDS);
+    b += 8;
+    Rec recs[MAX_RECORDS];
+    for (uint32_t i = 0; i < n; i++) {
+        Rec *r = &recs[i];
+        memset(r, 0, sizeof *r);
+        if (end - b < 40) return set_error(w, ERR_SLOT, 0, w->end, "step %lld: record %u cut short", (long long)it->seq, i);
+        uint16_t rt;
+        uint32_t nl;
+        uint64_t cnt, vl, pa, pl;
+        memcpy(&rt, b, 2); memcpy(&nl, b + 4, 4); memcpy(&cnt, b + 8, 8); memcpy(&vl, b + 16, 8);
+        memcpy(&pa, b + 24, 8); memcpy(&pl, b + 32, 8);
+        b += 40;
+        if ((rt != REC_PAGES && rt != REC_RUNS && rt != REC_META) || nl >= MAX_NAME || vl > (uint64_t)(end - b) ||
+            nl > (uint64_t)(end - b) - vl || (rt != REC_META && (!pa || !pl)) || (rt == REC_META && (pa || pl)))
+            return set_error(w, ERR_SLOT, 0, w->end, "step %lld: record %u is malformed (type %u)", (long long)it->seq, i,
+                             (unsigned)rt);
+        r->rtype = rt;
+        r->name = b;
+        r->name_len = nl;
+        r->var = b + nl;
+        r->var_len = (size_t)vl;
+        r->count = rt == REC_META ? vl : cnt;
+        r->payload = (const uint8_t *)(uintptr_t)pa;
+        r->plen = pl;
+        uint64_t adv = align_up(nl + vl, 8);
+        b += adv <= (uint64_t)(end - b) ? adv : nl + vl;
+    }
+    return store_epoch(w, recs, (int)n);
+}
+
+/* the helpers: take pieces until none is left (the writer thread runs the same loop) */
+static void run_pieces(Writer *w) {
+    for (;;) {
+        pthread_mutex_lock(&w->pm);
+        if (w->next_piece >= w->n_pieces) { pthread_mutex_unlock(&w->pm); return; }
+        Piece *pc = &w->pieces[w->next_piece++];
+        pthread_mutex_unlock(&w->pm);
+        if (pc->dst) {
+            memcpy(pc->dst, pc->src, pc->len);
+            pc->crc = crc32c(0, pc->dst, pc->len);
+        } else {
+            pc->crc = crc32c(0, pc->src, pc->len);
+        }
+        pthread_mutex_lock(&w->pm);
+        if (++w->done_pieces == w->n_pieces) pthread_cond_broadcast(&w->dcv);
+        pthread_mutex_unlock(&w->pm);
+    }
+}
+
+static void *helper_main(void *arg) {
+    Writer *w = (Writer *)arg;
+    pthread_mutex_lock(&w->pm);
+    for (;;) {
+        while (!w->pool_quit && w->next_piece >= w->n_pieces) pthread_cond_wait(&w->pcv, &w->pm);
+        if (w->pool_quit) break;
+        pthread_mutex_unlock(&w->pm);
+        run_pieces(w);
+        pthread_mutex_lock(&w->pm);
+    }
+    pthread_mutex_unlock(&w->pm);
+    return NULL;
+}
+
+/* CRC32C of src[0, len) (and a copy to dst unless NULL), cut into pieces shared with the helpers */
+static uint32_t par_crc_copy(Writer *w, const uint8_t *src, uint8_t *dst, uint64_t len) {
+    int k = w->n_helpers + 1;
+    uint64_t piece = align_up((len + (uint64_t)k - 1) / (uint64_t)k, ALIGN);
+    int n = (int)((len + piece - 1) / piece);
+    if (n > MAX_PIECES) { piece = align_up((len + MAX_PIECES - 1) / MAX_PIECES, ALIGN); n = (int)((len + piece - 1) / piece); }
+    Piece pcs[MAX_PIECES];
+    for (int i = 0; i < n; i++) {
+        uint64_t off = (uint64_t)i * piece;
+        pcs[i].src = src + off;
+        pcs[i].dst = dst ? dst + off : NULL;
+        pcs[i].len = off + piece <= len ? piece : len - off;
+        pcs[i].crc = 0;
+    }
+    pthread_mutex_lock(&w->pm);
+    w->pieces = pcs;
+    w->n_pieces = n;
+    w->next_piece = 0;
+    w->done_pieces = 0;
+    pthread_cond_broadcast(&w->pcv);
+    pthread_mutex_unlock(&w->pm);
+    run_pieces(w);
+    pthread_mutex_lock(&w->pm);
+    while (w->done_pieces < w->n_pieces) pthread_cond_wait(&w->dcv, &w->pm);
+    w->n_pieces = w->next_piece = w->done_pieces = 0;
+    w->pieces = NULL;
+    pthread_mutex_unlock(&w->pm);
+    uint32_t crc = pcs[0].crc;
+    for (int i = 1; i < n; i++) crc = crc32c_combine(crc, pcs[i].crc, pcs[i].len);
+    return crc;
+}
+
+/* lay out, checksum and store one epoch of records (core/epochs.py layout_epoch): 0 written, 1 needs a new
+ * segment (w->need), -1 failed */
+static int store_epoch(Writer *w, Rec *recs, int nr) {
 
     /* layout (core/epochs.py layout_epoch) */
     uint64_t start = w->end;
@@ -332,7 +503,16 @@ static int write_one(Writer *w, const Item *it) {
         w->head_cap = payload_area;
     }
     for (int i = 0; i < nr; i++)
-        if (recs[i].rtype != REC_META) recs[i].crc = crc32c(0, recs[i].payload, recs[i].plen);
+        if (recs[i].rtype != REC_META) {
+            recs[i].placed = 0;
+            if (w->pool_ready && recs[i].plen >= w->par_min) { /* large: copied (mapped) + checksummed in pieces */
+                uint8_t *dst = w->kind == TARGET_MAPPED ? w->base + start + recs[i].off : NULL;
+                recs[i].crc = par_crc_copy(w, recs[i].payload, dst, recs[i].plen);
+                recs[i].placed = dst != NULL;
+            } else {
+                recs[i].crc = crc32c(0, recs[i].payload, recs[i].plen);
+            }
+        }
     /* descriptors */
     uint8_t *d = w->head + EPOCH_HEADER_BYTES;
     for (int i = 0; i < nr; i++) {
@@ -349,8 +529,7 @@ static int write_one(Writer *w, const Item *it) {
         put32(d + 44, 0);
         uint8_t *v = d + ENTRY_BYTES;
         memcpy(v, r->name, r->name_len);
-        if (r->rtype == REC_META) memcpy(v + r->name_len, r->json, r->json_len);
-        else memcpy(v + r->name_len, r->var_words, (size_t)r->n_words * 8);
+        memcpy(v + r->name_len, r->var, r->var_len);
         size_t padded = align_up(vlen, 8);
         memset(v + vlen, 0, padded - vlen);
         d = v + padded;
@@ -382,7 +561,7 @@ static int write_one(Writer *w, const Item *it) {
             Rec *r = &recs[i];
             if (r->rtype == REC_META) continue;
             if (r->off > pos) memset(dst + pos, 0, r->off - pos);
-            memcpy(dst + r->off, r->payload, r->plen);
+            if (!r->placed) memcpy(dst + r->off, r->payload, r->plen);
             pos = r->off + r->plen;
         }
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -462,11 +641,23 @@ static int grow_stats(Writer *w) {
 
 /* ------------------------------------------------------------------------------------------------ Python */
 static void Writer_dealloc(Writer *w) {
+    if (w->pool_ready) {
+        pthread_mutex_lock(&w->pm);
+        w->pool_quit = 1;
+        pthread_cond_broadcast(&w->pcv);
+        pthread_mutex_unlock(&w->pm);
+        for (int i = 0; i < w->n_helpers; i++) pthread_join(w->helpers[i], NULL);
+        pthread_mutex_destroy(&w->pm);
+        pthread_cond_destroy(&w->pcv);
+        pthread_cond_destroy(&w->dcv);
+    }
     if (w->sync_ready) {
         pthread_mutex_destroy(&w->mu);
         pthread_cond_destroy(&w->cv);
     }
     free(w->chunks); free(w->chunk_off); free(w->chunk_len); free(w->holes);
+    if (w->q)
+        for (uint64_t i = w->q_tail; i < w->q_head; i++) free(w->q[i % w->q_cap].blob);
     free(w->q); free(w->head); free(w->meta); free(w->stats);
     Py_TYPE(w)->tp_free((PyObject *)w);
 }
@@ -545,6 +736,82 @@ out:
     return rc;
 }
 
+/* StepWriter(queue): generic epochs, each submitted as a records blob (write_blob) */
+static int StepWriter_init(Writer *w, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"queue", "threads", "parallel_min_bytes", NULL};
+    unsigned long long queue = 64, par_min = 1 << 20;
+    int threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|KiK", kwlist, &queue, &threads, &par_min)) return -1;
+    if (threads < 1 || threads > MAX_HELPERS + 1) {
+        PyErr_Format(PyExc_ValueError, "threads must be 1 to %d", MAX_HELPERS + 1);
+        return -1;
+    }
+    if (w->q) { PyErr_SetString(PyExc_RuntimeError, "StepWriter initialised twice"); return -1; }
+    if (queue < 1 || queue > (1u << 20)) { PyErr_SetString(PyExc_ValueError, "queue must be 1 to 2^20"); return -1; }
+    w->generic = 1;
+    w->q_cap = queue;
+    w->q = calloc(w->q_cap, sizeof(Item));
+    if (!w->q) { PyErr_NoMemory(); return -1; }
+    if (!w->sync_ready) {
+        pthread_mutex_init(&w->mu, NULL);
+        pthread_cond_init(&w->cv, NULL);
+        w->sync_ready = 1;
+    }
+    w->committed = -1;
+    w->last_seq = -1;
+    w->fd = -1;
+    w->par_min = par_min ? par_min : 1;
+    if (threads > 1) {
+        pthread_mutex_init(&w->pm, NULL);
+        pthread_cond_init(&w->pcv, NULL);
+        pthread_cond_init(&w->dcv, NULL);
+        w->pool_ready = 1;
+        for (int i = 0; i < threads - 1; i++) {
+            if (pthread_create(&w->helpers[i], NULL, helper_main, w) != 0) break;
+            w->n_helpers++;
+        }
+        if (!w->n_helpers) w->pool_ready = 0; /* no helper started: one thread does it all */
+    }
+    return 0;
+}
+
+/* submit(seq, blob): queue step seq's epoch (the blob is copied; the payloads it names are not) */
+static PyObject *StepWriter_submit(Writer *w, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "submit(seq, blob)"); return NULL; }
+    Item it;
+    memset(&it, 0, sizeof it);
+    it.seq = PyLong_AsLongLong(args[0]);
+    if (PyErr_Occurred()) return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[1], &b, PyBUF_SIMPLE) < 0) return NULL;
+    it.blob = malloc(b.len ? (size_t)b.len : 1);
+    if (!it.blob) { PyBuffer_Release(&b); return PyErr_NoMemory(); }
+    memcpy(it.blob, b.buf, (size_t)b.len);
+    it.blob_len = (size_t)b.len;
+    PyBuffer_Release(&b);
+    it.submit_ns = now_ns(CLOCK_MONOTONIC);
+    pthread_mutex_lock(&w->mu);
+    if (w->q_head - w->q_tail >= w->q_cap) {
+        pthread_mutex_unlock(&w->mu);
+        free(it.blob);
+        PyErr_SetString(PyExc_RuntimeError, "step writer queue is full (more epochs in flight than its queue holds)");
+        return NULL;
+    }
+    if (it.seq <= w->last_seq) {
+        pthread_mutex_unlock(&w->mu);
+        free(it.blob);
+        PyErr_Format(PyExc_ValueError, "step %lld submitted after step %lld: steps go in increasing order",
+                     (long long)it.seq, (long long)w->last_seq);
+        return NULL;
+    }
+    w->last_seq = it.seq;
+    w->q[w->q_head % w->q_cap] = it;
+    w->q_head++;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Writer_set_target(Writer *w, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"kind", "address", "fd", "end", "capacity", "soft_max", "segment_epochs", "next_epoch",
                              "fsync", "interval_ns", "synced_end", "durable_epoch", NULL};
@@ -572,6 +839,7 @@ static PyObject *Writer_set_target(Writer *w, PyObject *args, PyObject *kw) {
 static PyObject *Writer_submit(Writer *w, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "submit(seq, n_tokens, n_new, done)"); return NULL; }
     Item it;
+    memset(&it, 0, sizeof it);
     it.seq = PyLong_AsLongLong(args[0]);
     it.n_tokens = PyLong_AsLongLong(args[1]);
     it.n_new = PyLong_AsLongLong(args[2]);
@@ -632,7 +900,7 @@ static PyObject *Writer_run(Writer *w, PyObject *unused) {
             Item it = w->q[w->q_tail % w->q_cap];
             pthread_mutex_unlock(&w->mu);
             int64_t t0 = now_ns(CLOCK_MONOTONIC);
-            int rc = write_one(w, &it);
+            int rc = it.blob ? write_blob(w, &it) : write_one(w, &it);
             int64_t t1 = now_ns(CLOCK_MONOTONIC);
             if (rc == 0) rc = maybe_sync(w, t1);
             pthread_mutex_lock(&w->mu);
@@ -641,6 +909,7 @@ static PyObject *Writer_run(Writer *w, PyObject *unused) {
             if (grow_stats(w) == 0)
                 w->stats[w->n_stats++] = (Stat){it.seq, it.submit_ns, t0, t1, (int64_t)w->last_total, w->next_epoch - 1};
             w->q_tail++;
+            free(it.blob);
             __atomic_store_n(&w->committed_epoch, w->next_epoch - 1, __ATOMIC_RELAXED);
             __atomic_store_n(&w->committed, it.seq, __ATOMIC_RELEASE);
             pthread_cond_broadcast(&w->cv);
@@ -761,6 +1030,32 @@ static PyTypeObject WriterType = {
     .tp_doc = "Ring slots -> committed log epochs, GIL released (see the module's source header).",
 };
 
+static PyMethodDef StepWriter_methods[] = {
+    {"set_target", (PyCFunction)(void (*)(void))Writer_set_target, METH_VARARGS | METH_KEYWORDS,
+     "set_target(...): the segment to append to, as Writer.set_target"},
+    {"submit", (PyCFunction)(void (*)(void))StepWriter_submit, METH_FASTCALL, "submit(seq, blob)"},
+    {"fail", (PyCFunction)Writer_fail, METH_NOARGS, "mark the writer failed (the Python side failed a roll)"},
+    {"stop", (PyCFunction)Writer_stop, METH_NOARGS, "finish the queue, then run() returns 0"},
+    {"run", (PyCFunction)Writer_run, METH_NOARGS, "the writer loop, GIL released: 0 stopped, 1 roll, 2 failed"},
+    {"wait", (PyCFunction)(void (*)(void))Writer_wait, METH_FASTCALL, "wait(seq, timeout_s) -> committed seq"},
+    {"last_epoch", (PyCFunction)Writer_last_epoch, METH_NOARGS, "the epoch number of the last commit (0: none)"},
+    {"state", (PyCFunction)Writer_state, METH_NOARGS, "progress and the target's state, as a dict"},
+    {"error", (PyCFunction)Writer_error, METH_NOARGS, "(kind, errno, text, start, epoch) or None"},
+    {"stats", (PyCFunction)Writer_stats, METH_NOARGS, "int64 rows (seq, submit, start, commit ns, bytes, epoch)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject StepWriterType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "concordia_ft.core._slotlog.StepWriter",
+    .tp_basicsize = sizeof(Writer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)StepWriter_init,
+    .tp_dealloc = (destructor)Writer_dealloc,
+    .tp_methods = StepWriter_methods,
+    .tp_doc = "Step epochs (records blobs naming host payloads) -> committed log epochs, GIL released.",
+};
+
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer b;
@@ -787,12 +1082,18 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_slotlog", "Token-ep
 
 PyMODINIT_FUNC PyInit__slotlog(void) {
     crc_init();
-    if (PyType_Ready(&WriterType) < 0) return NULL;
+    if (PyType_Ready(&WriterType) < 0 || PyType_Ready(&StepWriterType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&WriterType);
     if (PyModule_AddObject(m, "Writer", (PyObject *)&WriterType) < 0) {
         Py_DECREF(&WriterType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&StepWriterType);
+    if (PyModule_AddObject(m, "StepWriter", (PyObject *)&StepWriterType) < 0) {
+        Py_DECREF(&StepWriterType);
         Py_DECREF(m);
         return NULL;
     }

@@ -326,6 +326,7 @@ class RecoveryLog:
         # the active segment handed to an external appender (core/slotlog.py: graph decode's C writer); while
         # leased, append() refuses, the interval syncer leaves the segment to the lessee, a compactor's seal waits
         self._leased = False
+        self._lease_waiters = 0  # threads waiting for the lease to end (a compaction's seal)
         self._lease_done = threading.Condition(self._mutex)
         if opts.fsync == "interval":
             self._syncer = threading.Thread(target=self._sync_loop, name="concordia-fsync", daemon=True)
@@ -672,6 +673,12 @@ class RecoveryLog:
             raise self._error(number, self._failure)
 
     @property
+    def lease_wanted(self) -> bool:
+        """True while a thread waits for the lease to end (a compaction sealing the active segment): a lessee
+        that can pause (the serving engine's step epochs) ends its lease and takes none until this is False."""
+        return self._lease_waiters > 0
+
+    @property
     def failed(self) -> str | None:
         """Why this writer appends nothing more (None while it is healthy)."""
         return self._failure
@@ -800,7 +807,11 @@ class RecoveryLog:
         with self._mutex:
             self._check_open()
             while self._leased:  # graph decode appends to the active segment: seal it once that is over
-                self._lease_done.wait()
+                self._lease_waiters += 1
+                try:
+                    self._lease_done.wait()
+                finally:
+                    self._lease_waiters -= 1
             self._check_open()
             if self._failure is not None:
                 raise LogError(f"the log {self.dir} is failed ({self._failure}); compaction waits for a reopen")

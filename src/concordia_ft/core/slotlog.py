@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict
@@ -29,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import CheckpointError, ConfigError
-from .format import encode_json
+from .format import REC_META, REC_PAGES, REC_RUNS, encode_json
 from .log import RecoveryLog, TailLease
 from .regions import RegionSpec
 
@@ -109,7 +110,7 @@ class SlotLogWriter:
         if lease is None:
             raise ConfigError(f"the log {log.dir} cannot be leased (a DAX segment, injected OS calls or a failed log)")
         self.log = log
-        self._image = tokens_image  # the C writer stores token ids into it: kept alive here
+        self._image: npt.NDArray[np.int64] | None = tokens_image  # the C writer stores token ids into it: kept alive
         try:
             self._w = _slotlog.Writer(
                 ring=int(ring_address), n_slots=int(n_slots), slot_bytes=int(slot_bytes),
@@ -211,4 +212,121 @@ class SlotLogWriter:
         return dict(self._w.state())
 
 
-__all__ = ["SENTINELS", "SlotLogWriter", "available", "crc32c", "meta_template", "status"]
+# ------------------------------------------------------------------------------------------ step epochs
+_BLOB_HEAD = struct.Struct("<II")
+_BLOB_ENTRY = struct.Struct("<HHIQQQQ")  # type, 0, name length, count, var length, payload address, payload bytes
+_PAD = bytes(8)
+
+
+def step_blob(records: list[tuple[int, bytes, bytes, int, int, int]]) -> bytes:
+    """The records of one step epoch for ``StepLogWriter.submit``: ``(type, name, var, count, payload address,
+    payload bytes)`` each, in file order (REC_PAGES / REC_RUNS with a host payload, REC_META last with none).
+    ``var`` is what follows the name in the record's descriptor (int64 pages, int64 (start, length) pairs, the
+    JSON); the writer lays the epoch out, checksums it and stores it as ``RecoveryLog.append`` would."""
+    parts = [_BLOB_HEAD.pack(len(records), 0)]
+    for rtype, name, var, count, address, nbytes in records:
+        parts.append(_BLOB_ENTRY.pack(rtype, 0, len(name), count, len(var), address, nbytes))
+        parts.append(name)
+        parts.append(var)
+        pad = -(len(name) + len(var)) % 8
+        if pad:
+            parts.append(_PAD[:pad])
+    return b"".join(parts)
+
+
+def pages_record(name: bytes, pages: npt.NDArray[np.int64], page_bytes: int, address: int
+                 ) -> tuple[int, bytes, bytes, int, int, int]:
+    """A region's pages (ascending) as one step-epoch record, RUNS or PAGES by core/epochs.py's rule."""
+    n = len(pages)
+    n_runs = 1 if n == 1 else 1 + int(np.count_nonzero(np.diff(pages) != 1))
+    if n > 1 and n_runs * 2 <= n:
+        from .tracking import pages_to_runs
+
+        return (REC_RUNS, name, pages_to_runs(pages).astype("<i8").tobytes(), n_runs, address, n * page_bytes)
+    return (REC_PAGES, name, pages.astype("<i8").tobytes(), n, address, n * page_bytes)
+
+
+def rows_record(name: bytes, rows: npt.NDArray[np.int64], pages_per_row: int, page_bytes: int, address: int
+                ) -> tuple[int, bytes, bytes, int, int, int]:
+    """Whole rows (ascending) of ``pages_per_row`` pages each: ``pages_record`` of their pages, computed from the
+    rows (a run per group of consecutive rows) without expanding them."""
+    if pages_per_row == 1:
+        return pages_record(name, rows, page_bytes, address)
+    n = len(rows)
+    brk = np.flatnonzero(np.diff(rows) != 1) + 1
+    first = np.concatenate(([0], brk))
+    count = np.diff(np.concatenate((first, [n])))
+    runs = np.empty((len(first), 2), dtype="<i8")
+    runs[:, 0] = rows[first] * pages_per_row
+    runs[:, 1] = count * pages_per_row
+    # n_runs * 2 <= n_pages always holds for rows of 2+ pages: core/epochs.py picks RUNS too
+    return (REC_RUNS, name, runs.tobytes(), len(first), address, n * pages_per_row * page_bytes)
+
+
+def meta_record(meta_json: bytes) -> tuple[int, bytes, bytes, int, int, int]:
+    return (REC_META, b"", meta_json, len(meta_json), 0, 0)
+
+
+class StepLogWriter(SlotLogWriter):
+    """The C writer (``_slotlog.StepWriter``) over one leased log tail, for epochs whose records the caller
+    describes (``step_blob``): the serving engine's step epochs (serve/stepepochs.py). The payloads are host
+    memory the caller keeps unchanged until ``wait(seq)`` returned; ``submit(seq, blob)`` copies only the blob.
+
+    ``threads`` > 1: a payload of ``parallel_min_bytes`` or more is cut into pieces that ``threads - 1`` helper
+    threads and the writer copy (into a mapped segment) and checksum together, the pieces' CRCs combined."""
+
+    def __init__(self, log: RecoveryLog, *, queue: int = 64, threads: int = 1,
+                 parallel_min_bytes: int = 1 << 20) -> None:
+        if not available():
+            raise ConfigError(f"the C epoch writer is {status()}")
+        assert _slotlog is not None
+        lease = log.lease_tail()
+        if lease is None:
+            raise ConfigError(f"the log {log.dir} cannot be leased (a DAX segment, injected OS calls or a failed log)")
+        self.log = log
+        self._image = None
+        try:
+            self._w = _slotlog.StepWriter(queue=int(queue), threads=int(threads),
+                                          parallel_min_bytes=int(parallel_min_bytes))
+            self._target(lease)
+        except BaseException:
+            log.end_lease({"next_epoch": lease.next_epoch, "end": lease.end, "segment_epochs": lease.segment_epochs,
+                           "synced_end": lease.synced_end, "durable_epoch": lease.durable_epoch})
+            raise
+        self.next_epoch = lease.next_epoch  # the number the next submitted step's epoch gets
+        self.lease_lost = False
+        self.submit = self._w.submit  # type: ignore[method-assign]
+        self.error = None
+        self._ended = False
+        self._thread = threading.Thread(target=self._loop, name="concordia-step-epochs-c", daemon=True)
+        self._thread.start()
+
+
+    def _target(self, lease: TailLease) -> None:
+        self.lease = lease
+        super()._target(lease)
+
+    def roll_if_needed(self, need: int) -> bool:
+        """Roll to the next segment now, on the calling thread, when an epoch of up to ``need`` bytes would not
+        fit the active one and the writer is idle (nothing queued): the writer's own thread would otherwise
+        roll, and take the GIL from a busy caller to do it. True when it rolled. A failed roll raises
+        ``CheckpointError`` (the lease is then over: ``lease_lost``)."""
+        st = self._w.state()
+        if st["queued"] or st["rolling"]:
+            return False
+        end, lease = int(st["end"]), self.lease
+        if need <= lease.capacity - end and not (int(st["segment_epochs"]) > 0 and end + need > lease.soft_max):
+            return False
+        try:
+            new = self.log.roll_leased(st, need)
+        except CheckpointError:
+            self.lease_lost = True
+            self._ended = True  # roll_leased ended the lease
+            self._w.fail()
+            raise
+        self._target(new)
+        return True
+
+
+__all__ = ["SENTINELS", "SlotLogWriter", "StepLogWriter", "available", "crc32c", "meta_record", "meta_template",
+           "pages_record", "rows_record", "status", "step_blob"]

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core.format import encode_json
 from ..errors import ConfigError, ContextLengthError, QueueFullError, RecoveryError
 from ..session import model_fingerprint
 from .blocks import BlockPool, blocks_for
@@ -62,6 +63,12 @@ class EngineOptions:
     # True: the epoch of step N is written by the runtime's background writer while step N+1 computes
     # (Runtime.checkpoint_async); step() then returns step N's output once its epoch is committed, one step late
     async_epochs: bool = False
+    # how a step's epoch is written: "runtime" (Runtime.checkpoint / checkpoint_async: a scan of the pool's dirty
+    # flags, the whole state as JSON, the log written on this thread or by the runtime's Python writer) or "c"
+    # (serve/stepepochs.py: the step's rows gathered on the device into a pinned ring before the sampler's sync,
+    # cached metadata fragments, the epoch laid out, checksummed and stored by the GIL-free C writer; steps that
+    # do not fit fall back to "runtime"); "auto": "c" where the C writer is built. Not logged (like async_epochs).
+    step_epochs: str = "runtime"
 
     @classmethod
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
@@ -95,6 +102,8 @@ class Request:
     collected: bool = False
     gen: torch.Generator | None = None
     _params_dict: dict[str, Any] | None = None
+    _frag_key: Any = None  # the cached JSON fragment of this request in the epoch metadata, and what it holds
+    _frag: bytes = b""
 
     @property
     def generated(self) -> list[int]:
@@ -174,12 +183,28 @@ class Engine:
         self.recovered_epoch: int | None = None
         self.recovered: Any = None  # the Runtime's Recovered (timings) after Engine.recover
         self._held: StepOutput | None = None  # async_epochs: the step whose epoch is being written
-        self._pending: Any = None  # ... and that epoch (a PendingEpoch)
+        self._pending: Any = None  # ... and that epoch (a PendingEpoch or a StepPending)
+        self._meta_static: bytes | None = None
         self.runtime = None
+        self.fast: Any = None  # StepEpochs (step_epochs="c")
+        self._fast_rows: Any = None  # this step's feeds when it may take the step-epoch path
+        if opts.step_epochs not in ("runtime", "c", "auto"):
+            raise ConfigError(f"step_epochs={opts.step_epochs!r}; use runtime, c or auto")
         if opts.checkpoint:
+            # step epochs on a GPU: 256 MiB mapped segments (a roll every ~70 steps of 32 rows at 0.6B dims, not
+            # every ~17; the next one is prepared ahead either way)
+            big = opts.step_epochs in ("c", "auto") and self.device.type == "cuda"
             self.runtime = _runtime if _runtime is not None else _rt.Runtime(
-                str(log_dir), fsync=opts.fsync, backend=opts.backend, on_compaction_error="warn")
+                str(log_dir), fsync=opts.fsync, backend=opts.backend, on_compaction_error="warn",
+                log_options={"mapped_segment_bytes": 256 << 20} if big else None)
             self._register(fresh=_recovering is None)
+            from . import stepepochs
+
+            if opts.step_epochs == "c" and not stepepochs.available():
+                raise ConfigError("step_epochs='c' needs the C epoch writer, which is not built here "
+                                  "(scripts/build_ext.sh, or pip install with a C compiler); use 'auto' or 'runtime'")
+            if opts.step_epochs == "c" or (opts.step_epochs == "auto" and stepepochs.available()):
+                self.fast = stepepochs.StepEpochs(self)
 
     def _register(self, *, fresh: bool) -> None:
         rt, geo = self.runtime, self.geo
@@ -312,16 +337,28 @@ class Engine:
             return self._step_async()
         out = self._advance()
         t1 = time.perf_counter()
+        if self._fast_ready(out.step):
+            p = self.fast.submit(out.step, self._meta_json())
+            out.epoch = p.wait()
+            out.epoch_bytes = int(p.stats.total_bytes)
+            out.checkpoint_s = time.perf_counter() - t1
+            return out
         out.epoch = self.checkpoint()
         out.checkpoint_s = time.perf_counter() - t1
         if self.runtime is not None and self.runtime.last_stats is not None:
             out.epoch_bytes = int(self.runtime.last_stats.total_bytes)
         return out
 
+    def _fast_ready(self, step: int) -> bool:
+        return self._fast_rows is not None and self.fast.ready(step)
+
     def _advance(self) -> StepOutput:
         self._admit()
         out = StepOutput(self.step_no + 1, None, {}, [])
         feeds = self._plan_feeds(self.order())
+        self._fast_rows = self.fast.plan(feeds) if self.fast is not None else None
+        if self._fast_rows is not None and not feeds:
+            self.fast.gather(out.step, self._fast_rows)
         if feeds:
             t0 = time.perf_counter()
             toks, out.graph = self._forward_and_sample(feeds)
@@ -353,7 +390,12 @@ class Engine:
         out = self._advance()  # its forward ran while the writer committed the previous step's epoch
         prev = self._release() if self._held is not None else StepOutput(out.step - 1, None, {}, [])
         t1 = time.perf_counter()
-        self._pending = self.runtime.checkpoint_async(meta={META_KEY: self._meta()})
+        if self._fast_ready(out.step):
+            self._pending = self.fast.submit(out.step, self._meta_json())
+        else:
+            if self.fast is not None:
+                self.fast.suspend()
+            self._pending = self.runtime.checkpoint_async(meta={META_KEY: self._meta()})
         out.checkpoint_s = time.perf_counter() - t1
         self._held = out
         return prev
@@ -376,6 +418,7 @@ class Engine:
         if self.graphs is not None and all(e - s == 1 and e == len(r.ids) for r, s, e in feeds):
             logits = self.graphs.run(feeds)  # a decode-only step: the static (graph) path, if a bucket holds it
             if logits is not None:
+                self._gather_rows()
                 toks = sample(logits, [r.params for r, _, _ in feeds], [r.gen for r, _, _ in feeds])
                 return list(toks), True
         dev = self.device
@@ -387,6 +430,7 @@ class Engine:
             h = self.decoder(input_ids=torch.as_tensor([ids], device=dev), position_ids=positions.unsqueeze(0),
                              use_cache=False, concordia_batch=batch).last_hidden_state
         self.pool.dirty.index_fill_(0, batch.write_slots, 1)
+        self._gather_rows()
         sampling = [i for i, (r, _, e) in enumerate(feeds) if e == len(r.ids)]
         result: list[int | None] = [None] * len(feeds)
         if not sampling:
@@ -397,6 +441,12 @@ class Engine:
         for i, t in zip(sampling, toks, strict=True):
             result[i] = t
         return result, False
+
+    def _gather_rows(self) -> None:
+        """Step epochs: the rows the forward just wrote go to the ring in stream order, before the sampler's
+        sync (which then covers the copy)."""
+        if self._fast_rows is not None:
+            self.fast.gather(self.step_no + 1, self._fast_rows)
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:
         if not r.params.ignore_eos and tok in r.params.eos_token_ids:
@@ -430,7 +480,52 @@ class Engine:
     def checkpoint(self) -> int | None:
         if self.runtime is None:
             return None
+        if self.fast is not None:
+            self.fast.suspend()  # the generic path appends: the step-epoch writer's lease ends first
         return int(self.runtime.checkpoint(meta={META_KEY: self._meta()}))
+
+    def _meta_json(self) -> bytes:
+        """``encode_json({META_KEY: self._meta()})`` up to key order and the time, from cached fragments: the
+        static part once, each request's once per state (running: its counters spliced in)."""
+        if self._meta_static is None:
+            self._meta_static = encode_json({
+                "version": META_VERSION, "geometry": self.geo.describe(), "fingerprint": self.fingerprint,
+                "options": {k: getattr(self.opts, k) for k in ("max_running", "max_waiting", "max_model_len",
+                                                               "max_batch_tokens", "keep_finished", "graphs")}})[1:-1]
+        parts = [b'{"%s":{' % META_KEY.encode(), self._meta_static,
+                 b',"step":%d,"next_seq":%d,"time":%s,"running":[' % (self.step_no, self._peek_seq(),
+                                                                     repr(time.time()).encode())]
+        frags = []
+        for r in self.running.values():
+            if r._frag_key != "running":
+                r._frag_key, r._frag = "running", encode_json({
+                    **self._common(r), "row": r.row, "admitted": r.admitted,
+                    "table": self.blocks.tables[r.id]})[:-1] + b',"n_tokens":'
+            frags.append(b'%s%d,"n_computed":%d}' % (r._frag, len(r.ids), r.n_computed))
+        parts.append(b",".join(frags))
+        parts.append(b'],"waiting":[')
+        frags = []
+        for r in self.waiting:
+            if r._frag_key != "waiting":
+                r._frag_key, r._frag = "waiting", encode_json({**self._common(r), "prompt": r.ids})
+            frags.append(r._frag)
+        parts.append(b",".join(frags))
+        parts.append(b'],"finished":[')
+        frags = []
+        for r in self.finished.values():
+            key = ("finished", r.collected)
+            if r._frag_key != key:
+                r._frag_key, r._frag = key, encode_json({**self._common(r), "generated": r.generated,
+                                                         "reason": r.finish_reason, "collected": r.collected})
+            frags.append(r._frag)
+        parts.append(b",".join(frags))
+        parts.append(b"]}}")
+        return b"".join(parts)
+
+    @staticmethod
+    def _common(r: Request) -> dict[str, Any]:
+        return {"id": r.id, "key": r.key, "digest": r.digest, "n_prompt": r.n_prompt, "seq": r.seq,
+                "params": r.params_dict(), "info": r.info}
 
     def _meta(self) -> dict[str, Any]:
         def common(r: Request) -> dict[str, Any]:
@@ -524,7 +619,11 @@ class Engine:
     def close(self) -> None:
         """Close the log (an epoch still being written is committed first)."""
         if self.runtime is not None:
-            self.runtime.close()
+            try:
+                if self.fast is not None:
+                    self.fast.close()  # commits what the C writer was given, ends its lease
+            finally:
+                self.runtime.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -1,0 +1,297 @@
+"""Step epochs: the C StepWriter (core/_slotlog.c) writes the bytes RecoveryLog.append writes for the same records
+(mapped DRAM and file segments, rolls included) and refuses malformed blobs; the serving engine's step-epoch path
+(EngineOptions step_epochs="c", serve/stepepochs.py) logs exactly the state the generic path logs (the replayed
+regions and metadata are equal after every step), clears the flags it logged, falls back to the generic path for
+steps that do not fit, and a SIGKILLed engine on it recovers token-exact (durable and pipelined)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from concordia_ft.core import slotlog
+from concordia_ft.core.format import encode_json
+from concordia_ft.core.log import RecoveryLog
+from concordia_ft.core.regions import RegionKind, RegionSpec
+from concordia_ft.core.replay import Outcome, replay
+from concordia_ft.core.tracking import RegionDelta
+from concordia_ft.errors import CheckpointError
+from concordia_ft.serve import Engine
+from llm_helpers import tiny_model
+from serve_workload import OPTIONS, drive, workload
+
+pytestmark = pytest.mark.skipif(not slotlog.available(), reason=f"C writer: {slotlog.status()}")
+
+PAGE = 4096
+
+
+def _specs() -> list[RegionSpec]:
+    return [RegionSpec("kv", RegionKind.PAGED, 64 * 3 * PAGE, PAGE, block_bytes=3 * PAGE),
+            RegionSpec("tokens", RegionKind.PAGED, 8 * 512, 512, block_bytes=512),
+            RegionSpec("rng", RegionKind.PAGED, 4 * 1024, 512, block_bytes=1024)]
+
+
+def _steps(n: int, seed: int = 3) -> list[tuple[list[RegionDelta], dict[str, object]]]:
+    """Random step deltas: a few kv rows (3 pages each, sometimes adjacent: RUNS), token pages, rng rows, or
+    none of some; the metadata."""
+    rng = np.random.default_rng(seed)
+    kv, tok, rg = _specs()
+    out = []
+    for i in range(n):
+        deltas = []
+        rows = np.sort(rng.choice(64, size=int(rng.integers(0, 9)), replace=False))
+        if i % 5 == 1:
+            rows = np.arange(10, 10 + int(rng.integers(1, 6)))  # consecutive rows: one run
+        if len(rows):
+            pages = (rows[:, None] * 3 + np.arange(3)).reshape(-1).astype(np.int64)
+            deltas.append(RegionDelta(kv, pages, memoryview(rng.integers(0, 256, len(pages) * PAGE, np.uint8))))
+        tp = np.sort(rng.choice(8, size=int(rng.integers(0, 3)), replace=False)).astype(np.int64)
+        if len(tp):
+            deltas.append(RegionDelta(tok, tp, memoryview(rng.integers(0, 256, len(tp) * 512, np.uint8))))
+        rr = np.sort(rng.choice(4, size=int(rng.integers(0, 3)), replace=False))
+        if len(rr):
+            rp = (rr[:, None] * 2 + np.arange(2)).reshape(-1).astype(np.int64)
+            deltas.append(RegionDelta(rg, rp, memoryview(rng.integers(0, 256, len(rp) * 512, np.uint8))))
+        out.append((deltas, {"s": {"step": i, "name": "a\"b", "xs": list(range(i % 7))}}))
+    return out
+
+
+def _blob(deltas: list[RegionDelta], meta: object, keep: list[np.ndarray]) -> bytes:
+    return slotlog.step_blob(_records(deltas, meta, keep))
+
+
+def _records(deltas: list[RegionDelta], meta: object, keep: list[np.ndarray]) -> list:
+    recs = []
+    for d in deltas:
+        a = np.frombuffer(d.payload, np.uint8).copy()
+        keep.append(a)
+        if d.spec.name == "kv":  # whole rows of 3 pages: the engine's record of its rows
+            recs.append(slotlog.rows_record(b"kv", d.pages[::3] // 3, 3, PAGE, int(a.ctypes.data)))
+        else:
+            recs.append(slotlog.pages_record(d.spec.name.encode(), d.pages, d.spec.page_bytes, int(a.ctypes.data)))
+    recs.append(slotlog.meta_record(encode_json(meta)))
+    return recs
+
+
+def _open(d: Path, backend: str, **kw: object) -> RecoveryLog:
+    log = RecoveryLog.open(d, {"backend": backend, "fsync": "never", **kw})
+    log.append(defs=_specs())
+    return log
+
+
+def _segments(d: Path) -> list[bytes]:
+    return [p.read_bytes()[4096:].rstrip(b"\0") for p in sorted(d.glob("incr.*.cft"))]  # after the header (ids)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("backend", ["dram", "file"])
+def test_step_writer_writes_the_bytes_append_writes(tmp_path: Path, backend: str, threads: int) -> None:
+    """threads=3: payloads of 8 KiB and more are copied and checksummed in pieces (CRCs combined)."""
+    root = Path("/dev/shm") if backend == "dram" else tmp_path
+    a, b = root / f"cft-step-a-{os.getpid()}", root / f"cft-step-b-{os.getpid()}"
+    kw = {"mapped_segment_bytes": 1 << 20, "segment_max_bytes": 1 << 20}  # rolls a few times
+    try:
+        la, lb = _open(a, backend, **kw), _open(b, backend, **kw)
+        steps = _steps(60)
+        w = slotlog.StepLogWriter(la, queue=8, threads=threads, parallel_min_bytes=8192)
+        keep: list[np.ndarray] = []
+        for i, (deltas, meta) in enumerate(steps):
+            w.submit(i, _blob(deltas, meta, keep))
+            if i % 4 == 3:
+                w.wait(i)
+            lb.append(deltas=deltas, meta=meta)
+        w.wait(len(steps) - 1)
+        assert la.last_epoch == lb.last_epoch == 61
+        w.stop()
+        la.append(meta={"after": 1})  # the log took the leased tail over
+        lb.append(meta={"after": 1})
+        la.close()
+        lb.close()
+        sa, sb = _segments(a), _segments(b)
+        assert len(sa) > 1 and sa == sb
+        ra, rb = replay(a), replay(b)
+        assert ra.outcome is rb.outcome is Outcome.OK and ra.epoch == 62
+        for name in ("kv", "tokens", "rng"):
+            assert bytes(ra.regions[name].data) == bytes(rb.regions[name].data)
+    finally:
+        shutil.rmtree(a, ignore_errors=True)
+        shutil.rmtree(b, ignore_errors=True)
+
+
+def test_a_malformed_blob_fails_the_step_not_the_log(tmp_path: Path) -> None:
+    log = _open(tmp_path / "log", "file")
+    w = slotlog.StepLogWriter(log)
+    keep: list[np.ndarray] = []
+    deltas, meta = _steps(1)[0]
+    w.submit(0, _blob(deltas, meta, keep))
+    w.wait(0)
+    bad = bytearray(_blob(deltas, meta, keep))
+    bad[8] = 9  # record type 9
+    w.submit(1, bytes(bad))
+    with pytest.raises(CheckpointError, match="malformed"):
+        w.wait(1)
+    with pytest.raises(CheckpointError):
+        w.stop()
+    with pytest.raises(ValueError, match="increasing order"):
+        _resubmit_out_of_order(log)  # (its first submit commits: epoch 3)
+    log.append(meta={"after": 1})  # the log is usable: epoch 4 (1: defs, 2: the good step, 3: {})
+    log.close()
+    r = replay(tmp_path / "log")
+    assert r.outcome is Outcome.OK and r.epoch == 4 and r.meta == {"after": 1}
+
+
+def _resubmit_out_of_order(log: RecoveryLog) -> None:
+    w = slotlog.StepLogWriter(log)
+    try:
+        w.submit(5, slotlog.step_blob([slotlog.meta_record(b"{}")]))
+        w.submit(5, slotlog.step_blob([slotlog.meta_record(b"{}")]))
+    finally:
+        w.stop()
+
+
+# ------------------------------------------------------------------------------------------- the engine
+def _state(log: Path) -> tuple[dict[str, bytes], dict[str, object], int]:
+    r = replay(log)
+    assert r.outcome is Outcome.OK
+    m = r.meta["concordia.serve"]
+    m.pop("time")
+    return {k: bytes(v.data) for k, v in r.regions.items()}, m, int(r.epoch)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_step_epochs_log_what_the_generic_path_logs(shm_dir: Path, pipelined: bool) -> None:
+    """Both paths side by side, step by step: after every step the two logs replay to the same regions (kv,
+    tokens, rng) and the same metadata; the step path's flags are clear after it logged them."""
+    opts = {**OPTIONS, "backend": "dram", "async_epochs": pipelined}
+    ga = Engine(tiny_model("llama"), shm_dir / "generic", {**opts, "step_epochs": "runtime"})
+    ca = Engine(tiny_model("llama"), shm_dir / "c", {**opts, "step_epochs": "c"})
+    arrivals = workload()
+    for e in (ga, ca):
+        for a in arrivals[:4]:
+            e.submit(a[2], a[3], request_id=a[1])
+    n = 0
+    while ga.has_work or ca.has_work:
+        for a in arrivals[4:]:
+            if a[0] == ga.step_no and ga.get(a[1]) is None:
+                for e in (ga, ca):
+                    e.submit(a[2], a[3], request_id=a[1])
+        og, oc = ga.step(), ca.step()
+        assert og.new_tokens == oc.new_tokens and og.epoch == oc.epoch
+        n += 1
+        if n % 6 == 0 and og.epoch is not None:  # compare what each log holds (everything handed out is in it)
+            ga.runtime.wait()  # (pipelined: the epoch in flight is committed first on both sides)
+            ca.fast.suspend()  # (the lease ends: the log files are complete; the next step leases again)
+            sg, sc = _state(shm_dir / "generic"), _state(shm_dir / "c")
+            assert sg[2] == sc[2] >= og.epoch
+            assert sg[1] == sc[1]
+            for k in ("kv", "tokens", "rng"):
+                assert sg[0][k] == sc[0][k], (k, n)
+        # the flags the step epoch logged are cleared (none left for the generic path to log again)
+        assert not ca.pool.dirty.any() and not ca.tokens_dirty.any() and not ca.rng.dirty.any()
+    assert ca.fast.steps > 0.7 * n, (ca.fast.steps, n)  # most steps took the C path
+    assert {r.id: r.generated for r in ga.finished.values()} == {r.id: r.generated for r in ca.finished.values()}
+    ga.close()
+    ca.close()
+    sg, sc = _state(shm_dir / "generic"), _state(shm_dir / "c")
+    assert sg[1] == sc[1] and sg[2] == sc[2]
+    assert all(sg[0][k] == sc[0][k] for k in ("kv", "tokens", "rng"))
+
+
+def test_meta_json_decodes_to_the_meta(shm_dir: Path) -> None:
+    eng = Engine(tiny_model("llama"), shm_dir / "log", {**OPTIONS, "step_epochs": "c", "keep_finished": 3})
+    seen = 0
+    def check(_out: object) -> None:
+        nonlocal seen
+        a = json.loads(eng._meta_json())["concordia.serve"]
+        b = json.loads(encode_json({"concordia.serve": eng._meta()}))["concordia.serve"]
+        a.pop("time")
+        b.pop("time")
+        assert a == b
+        seen += 1
+        if eng.finished:
+            eng.collect(next(iter(eng.finished)))  # a collected output's fragment changes
+    arrivals = workload()
+    while arrivals or eng.has_work:  # drive() without its result: outputs are evicted (keep_finished=3)
+        for a in [a for a in arrivals if a[0] <= eng.step_no]:
+            eng.submit(a[2], a[3], request_id=a[1])
+            arrivals.remove(a)
+        check(eng.step())
+    eng.close()
+    assert seen > 20
+
+
+def test_steps_that_do_not_fit_take_the_generic_path(shm_dir: Path) -> None:
+    from concordia_ft.serve.stepepochs import StepEpochs
+
+    eng = Engine(tiny_model("llama"), shm_dir / "log", {**OPTIONS, "step_epochs": "c"})
+    eng.fast = StepEpochs(eng, cap_rows=8)  # prefill chunks of 24 rows do not fit: generic for those
+    ref = drive(Engine(tiny_model("llama"), None, {**OPTIONS, "checkpoint": False}), workload())
+    got = drive(eng, workload())
+    assert got == ref
+    assert eng.fast.steps > 10 and eng.fast.fallbacks == 0  # fallbacks count gathered steps turned back only
+    generic = eng.runtime.last_stats  # the generic path ran too
+    assert generic is not None
+    eng.close()
+    rec = Engine.recover(shm_dir / "log", tiny_model("llama"), OPTIONS)
+    assert not rec.running and not rec.waiting and {r.id: r.generated for r in rec.finished.values()} == ref
+    rec.close()
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_sigkilled_engine_on_step_epochs_recovers_token_exact(shm_dir: Path, pipelined: bool) -> None:
+    from test_serve_engine import _run_child
+
+    ref = drive(Engine(tiny_model("llama"), None, {**OPTIONS, "checkpoint": False}), workload())
+    log = shm_dir / "log"
+    mode = "new-c-async" if pipelined else "new-c"
+    rc, _, before = _run_child(log, mode, kill_after_steps=11)
+    assert rc == -signal.SIGKILL
+    rc, have, middle = _run_child(log, mode.replace("new", "recover"), kill_after_steps=6)
+    assert rc == -signal.SIGKILL
+    for rid, toks in before.items():  # what the killed process handed out was logged
+        assert ref[rid][: len(toks)] == toks, rid
+        assert have.get(rid, 0) >= len(toks), rid
+    for rid, toks in middle.items():
+        n = have.get(rid, 0)
+        assert ref[rid][n: n + len(toks)] == toks, rid
+    eng = Engine.recover(log, tiny_model("llama"), {**OPTIONS, "step_epochs": "c", "async_epochs": pipelined})
+    got = drive(eng, workload())
+    assert eng.fast.steps > 0
+    eng.close()
+    assert got == ref
+
+
+def test_rolls_on_the_callers_thread_keep_the_log_whole(shm_dir: Path) -> None:
+    """roll_if_needed (the engine's thread rolls while the writer is idle): the log replays to the same state as
+    append's, with every epoch, over several segments."""
+    from concordia_ft.serve.stepepochs import _need
+
+    kw = {"mapped_segment_bytes": 1 << 20, "segment_max_bytes": 1 << 20}
+    la, lb = _open(shm_dir / "a", "dram", **kw), _open(shm_dir / "b", "dram", **kw)
+    w = slotlog.StepLogWriter(la, threads=2, parallel_min_bytes=8192)
+    keep: list[np.ndarray] = []
+    rolled = 0
+    needs: list[int] = []
+    for i, (deltas, meta) in enumerate(_steps(80, seed=9)):
+        recs = _records(deltas, meta, keep)
+        needs.append(_need(recs))
+        rolled += w.roll_if_needed(needs[-1])
+        w.submit(i, slotlog.step_blob(recs))
+        w.wait(i)  # idle before the next one: the caller rolls
+        lb.append(deltas=deltas, meta=meta)
+    w.stop()
+    assert (w.stats()[:, 4] <= np.array(needs)).all()  # _need bounds every epoch's bytes
+    assert rolled >= 3 and w.lease_lost is False
+    la.close()
+    lb.close()
+    ra, rb = replay(shm_dir / "a"), replay(shm_dir / "b")
+    assert ra.outcome is Outcome.OK and ra.epoch == rb.epoch == 81 and ra.meta == rb.meta
+    assert len(list((shm_dir / "a").glob("incr.*.cft"))) >= 4
+    for name in ("kv", "tokens", "rng"):
+        assert bytes(ra.regions[name].data) == bytes(rb.regions[name].data)
