@@ -32,6 +32,17 @@ class RecoveryOptions:
     threads: int | None = None  # replay's checksum and copy threads (None: automatic, 1: the calling thread)
     parallel_verify: bool = True  # False: payload checksums one after another on one thread
     pinned: bool = True  # GPU regions: replay into page-locked host memory, restored with one DMA per region
+    # paged GPU regions restored with keep_images=False: streamed from the log's mapped segments through a ring
+    # of ``ring_slots`` pinned slots of ``slot_bytes`` straight to the device (core/streamed.py), no host image
+    streamed: bool = True
+    ring_slots: int = 16
+    slot_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ring_slots, int) or self.ring_slots < 2:
+            raise ConfigError(f"RecoveryOptions.ring_slots={self.ring_slots!r}: use an int >= 2")
+        if not isinstance(self.slot_bytes, int) or self.slot_bytes < 64 << 10:
+            raise ConfigError(f"RecoveryOptions.slot_bytes={self.slot_bytes!r}: use an int >= 65536")
 
     @classmethod
     def coerce(cls, value: RecoveryOptions | Mapping[str, Any] | None) -> RecoveryOptions:
@@ -53,6 +64,7 @@ class Recovered:
     seconds: float = 0.0
     timings: ReplayTimings = field(default_factory=ReplayTimings)  # the replay's passes (verify may predate)
     restore_s: float = 0.0  # recover_into: copying the images into the registered buffers
+    streamed: dict[str, Any] = field(default_factory=dict)  # region -> StreamedStats of a streamed restore
 
     @property
     def regions(self) -> dict[str, npt.NDArray[np.uint8]]:

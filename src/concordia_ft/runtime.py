@@ -420,22 +420,71 @@ class Runtime:
                 if res is not None:
                     res.close()
                 res = replay(self.log_dir, options=self.recovery.replay_options(), materialize=False)
+            streamed: dict[str, Any] = {}
             try:
                 check_epoch(res)
                 names = plan_restore(res.specs, {n: t.spec for n, t in self._trackers.items()}, targets)
                 direct = not keep_images
-                res.materialize({n: a for n in names if (a := self._image_alloc(n, direct)) is not None})
+                sinks = self._stream_sinks(names, res) if direct and targets is None else {}
+                allocs = {n: a for n in names if n not in sinks and (a := self._image_alloc(n, direct)) is not None}
+                if sinks:
+                    assert res.pending is not None
+                    res.regions = res.pending.materialize(allocs, res.timings, skip=set(sinks))
+                    streamed = self._stream_restore(sinks, res)
+                else:
+                    res.materialize(allocs)
             finally:
                 res.close()
             rec = recovered(res, t0)
+            rec.streamed = streamed
             t1 = time.perf_counter()
             for name in names:
-                self._restore_one(name, rec.images[name], targets)
+                if name not in streamed:
+                    self._restore_one(name, rec.images[name], targets)
             rec.restore_s = time.perf_counter() - t1
             if not keep_images:
                 rec.images = {n: img for n, img in rec.images.items() if n not in names}
             rec.seconds = time.perf_counter() - t0
             return rec
+
+    def _stream_sinks(self, names: list[str], res: Any) -> dict[str, Any]:
+        """The regions restored straight from the mapped segments (their backend's sink), the rest by image."""
+        opts = self.recovery
+        if not opts.streamed or res.pending is None:
+            return {}
+        sinks = {}
+        for n in names:
+            tracker = self._trackers.get(n)
+            if tracker is None or tracker.spec != res.specs.get(n):
+                continue
+            sink = self._backends[n].stream_sink(tracker, slots=opts.ring_slots, slot_bytes=opts.slot_bytes)
+            if sink is not None:
+                sinks[n] = sink
+        return sinks
+
+    def _stream_restore(self, sinks: dict[str, Any], res: Any) -> dict[str, Any]:
+        """Stream each region's newest committed pages (verified by the replay's pass 1) into its buffer."""
+        from .core.streamed import run_streamed
+
+        out = {}
+        for name, sink in sinks.items():
+            t0 = time.perf_counter()
+            plan = res.pending.streamed_plan(name, sink.slot_bytes)
+            plan_s = time.perf_counter() - t0
+            try:
+                stats = run_streamed(plan, sink, threads=self.recovery.threads)
+            finally:
+                close = getattr(sink, "close", None)
+                if close is not None:
+                    close()
+            stats.plan_s = plan_s
+            stats.seconds += plan_s
+            out[name] = stats
+            tracker = self._trackers[name]
+            tracker.initialised = True  # type: ignore[attr-defined]  # the whole region holds committed bytes
+            self._needs_full.discard(name)
+            self._pending_defs.pop(name, None)
+        return out
 
     def _image_alloc(self, name: str, direct: bool) -> Any:
         """Where the replay writes a region restored into a registered buffer (the region's backend decides);

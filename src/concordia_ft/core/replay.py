@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +62,7 @@ from .options import coerce_options
 from .regions import RegionSpec
 from .segment import map_segment
 from .snapshot import RegionPages, region_pages
+from .streamed import StreamedPlan, plan_streamed
 
 __all__ = ["EpochSummary", "Outcome", "PendingImages", "RegionImage", "ReplayOptions", "ReplayResult",
            "ReplayTimings", "TailInfo", "replay"]
@@ -271,12 +272,22 @@ class PendingImages:
             raise LogError("this replay's segments were already released; replay the log again")
         return region_pages(self._state.specs, self._state.born, self._state.writes)
 
+    def streamed_plan(self, name: str, slot_bytes: int) -> StreamedPlan:
+        """The chunks that restore region ``name`` straight from the mapped segments (core/streamed.py);
+        their source views are valid until ``close``."""
+        if self._mappings is None:
+            raise LogError("this replay's segments were already released; replay the log again")
+        st = self._state
+        return plan_streamed(st.specs[name], st.born[name], st.writes, slot_bytes)
+
     def materialize(self, allocs: Mapping[str, ImageAlloc] | None, timings: ReplayTimings,
-                    pool: Executor | None = None) -> dict[str, RegionImage]:
+                    pool: Executor | None = None, skip: Collection[str] = ()) -> dict[str, RegionImage]:
+        """Images of every region but ``skip`` (those are restored another way, e.g. streamed)."""
         if self._mappings is None:
             raise LogError("this replay's segments were already released; replay the log again")
         t0 = time.perf_counter()
-        images, written = materialize_images(self._state.specs, self._state.born, self._state.writes,
+        specs = {n: sp for n, sp in self._state.specs.items() if n not in skip} if skip else self._state.specs
+        images, written = materialize_images(specs, self._state.born, self._state.writes,
                                              allocs=allocs, threads=self._options.workers, pool=pool,
                                              parallel_min_bytes=self._options.parallel_min_bytes)
         timings.copy_s += time.perf_counter() - t0

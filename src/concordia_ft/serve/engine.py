@@ -552,14 +552,19 @@ class Engine:
 
     # -- recovery ----------------------------------------------------------------------------------------
     @classmethod
-    def recover(cls, log_dir: str | Path, model: Any, options: EngineOptions | dict[str, Any] | None = None
-                ) -> Engine:
+    def recover(cls, log_dir: str | Path, model: Any, options: EngineOptions | dict[str, Any] | None = None,
+                *, recovery: Any = None, runtime_options: dict[str, Any] | None = None) -> Engine:
         """A new engine from the last committed step of ``log_dir``: every request continues where it was.
-        The log's checksums are verified (replay at open) before any restored byte is used."""
+        The log's checksums are verified (replay at open) before any restored byte is used. A GPU pool is
+        streamed from the log's segments to the device through a ring of pinned slots (``recovery``: the
+        Runtime's RecoveryOptions, or a dict of them; ``{"streamed": False}`` restores through a host image;
+        ``runtime_options``: more keyword arguments of the Runtime that continues the log)."""
         from ..runtime import open_to_recover
 
         opts = EngineOptions.coerce(options)
-        rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend)
+        rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
+                                runtime_options={**(runtime_options or {}),
+                                                 **({} if recovery is None else {"recovery": recovery})})
         try:
             if m.get("version") != META_VERSION:
                 raise RecoveryError(f"serve metadata version {m.get('version')}; this code reads {META_VERSION}")
