@@ -236,7 +236,7 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
         "first_token_all_s_without_capture": t_first - capture,
         "verify_s": r.timings.verify_s, "verify_gb": r.timings.verify_bytes / 1e9, "verify_threads": r.timings.threads,
         "recover_into_s": r.seconds, "image_copy_s": r.timings.copy_s, "image_restore_s": r.restore_s,
-        "pool_byte_equal": equal}
+        "pool_byte_equal": equal, **rec.recover_phases}
     if st is not None:
         row.update({"streamed_s": st.seconds, "streamed_gb": st.bytes / 1e9, "streamed_gbps": st.gbps,
                     "stream_plan_s": st.plan_s, "stream_fill_wait_s": st.fill_wait_s,
@@ -287,21 +287,6 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
                            "last_compaction_epoch": getattr(compactions, "epoch", None),
                            "max_batch_tokens": opts["max_batch_tokens"], "write_steps": steps,
                            "prefill_with_epochs_s": write_s, "h2d_pinned_gbps": h2d}
-    firsts: dict[str, dict[str, int]] = {}
-    for mode in modes:
-        name, _, threads = mode.partition(":")
-        recovery: dict[str, Any] = {"streamed": name == "streamed"}
-        if threads:
-            recovery["threads"] = int(threads)
-        fork = fork_log(d / "log", d / f"fork-{len(firsts)}")
-        got, firsts[mode] = recover_once(fork, model, device, backend, ref_pool, n, recovery)
-        shutil.rmtree(fork, ignore_errors=True)
-        row.update({f"{mode}.{k}": v for k, v in got.items()})
-        print(f"  recovery {dims} [{mode}]: {got} (+{time.perf_counter() - t_start:.1f} s)", flush=True)
-        torch.cuda.empty_cache() if device.startswith("cuda") else None
-    del ref_pool
-    shutil.rmtree(d, ignore_errors=True)
-    torch.cuda.empty_cache() if device.startswith("cuda") else None
     base = Engine(model, None, {**opts, "checkpoint": False})
     ids = {}
     for rid, seq in so_far.items():
@@ -316,6 +301,26 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     t_reprefill = time.perf_counter() - t0
     row["reprefill_first_token_all_s"] = t_reprefill
     row["reprefill_tokens"] = sum(len(s) for s in so_far.values())
+    print(f"  recovery {dims}: re-prefill of {row['reprefill_tokens']} tokens until every request's next token: "
+          f"{t_reprefill:.2f} s (+{time.perf_counter() - t_start:.1f} s)", flush=True)
+    del base
+    torch.cuda.empty_cache() if device.startswith("cuda") else None
+    firsts: dict[str, dict[str, int]] = {}
+    for mode in modes:
+        name, _, threads = mode.partition(":")
+        recovery: dict[str, Any] = {"streamed": name == "streamed"}
+        if threads:
+            recovery["threads"] = int(threads)
+        fork = fork_log(d / "log", d / f"fork-{len(firsts)}")
+        got, firsts[mode] = recover_once(fork, model, device, backend, ref_pool, n, recovery)
+        shutil.rmtree(fork, ignore_errors=True)
+        row.update({f"{mode}.{k}": v for k, v in got.items()})
+        brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in got.items()}
+        print(f"  recovery {dims} [{mode}]: {brief} (+{time.perf_counter() - t_start:.1f} s)", flush=True)
+        torch.cuda.empty_cache() if device.startswith("cuda") else None
+    del ref_pool
+    shutil.rmtree(d, ignore_errors=True)
+    torch.cuda.empty_cache() if device.startswith("cuda") else None
     for mode, first in firsts.items():
         row[f"{mode}.speedup"] = t_reprefill / row[f"{mode}.first_token_all_s"]
         row[f"{mode}.restore_gbps"] = pool_bytes / row[f"{mode}.recover_s"] / 1e9
@@ -323,7 +328,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     if len(firsts) > 1:
         a, b = list(firsts.values())[:2]
         row["same_next_token_across_modes"] = f"{sum(a[k] == b[k] for k in a)}/{n}"
-    del base, model
+    del model
     torch.cuda.empty_cache() if device.startswith("cuda") else None
     row["wall_s"] = time.perf_counter() - t_start
     return row
@@ -404,7 +409,6 @@ def main() -> int:
             modes = a.recovery_modes.split(",") + (["image"] if dims in a.image_dims.split(",") else [])
             recs.append({"part": "recovery", **bench_recovery(dims, a.device, dtype, n, prompt, 8, h2d, modes=modes,
                                                               batch_tokens=a.build_batch_tokens)})
-            print(recs[-1], flush=True)
             save()
     if thr:
         print_table("serve throughput: epoch every step vs none", thr,

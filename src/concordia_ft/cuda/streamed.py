@@ -39,14 +39,14 @@ class CudaSink:
         lanes = self.page_bytes // 8
         self.pages = self.flat.view(torch.int64).view(nbytes // self.page_bytes, lanes)
         per = self.slot_bytes // self.page_bytes
-        self.stream = torch.cuda.Stream(device=self.device)
+        self.stream: Any = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         self.host = torch.empty((self.slots, self.slot_bytes), dtype=torch.uint8, pin_memory=True)
         self.host_np: npt.NDArray[np.uint8] = self.host.numpy()
         self.index = torch.empty((self.slots, per), dtype=torch.int64, pin_memory=True)
         self.index_np: npt.NDArray[np.int64] = self.index.numpy()
         self.dev = torch.empty((self.slots, self.slot_bytes), dtype=torch.uint8, device=self.device)
         self.dev_index = torch.empty((self.slots, per), dtype=torch.int64, device=self.device)
-        self.events = [torch.cuda.Event() for _ in range(self.slots)]
+        self.events: list[Any] = [torch.cuda.Event() for _ in range(self.slots)]  # type: ignore[no-untyped-call]
         self.used = [False] * self.slots
         self._torch = torch
 
@@ -59,7 +59,8 @@ class CudaSink:
                 self.flat.zero_()
 
     def slot(self, i: int) -> npt.NDArray[np.uint8]:
-        return self.host_np[i]
+        row: npt.NDArray[np.uint8] = self.host_np[i]
+        return row
 
     def put(self, i: int, chunk: Chunk) -> None:
         torch = self._torch

@@ -182,6 +182,7 @@ class Engine:
         self._seq = itertools.count()
         self.recovered_epoch: int | None = None
         self.recovered: Any = None  # the Runtime's Recovered (timings) after Engine.recover
+        self.recover_phases: dict[str, float] = {}  # Engine.recover: seconds per phase
         self._held: StepOutput | None = None  # async_epochs: the step whose epoch is being written
         self._pending: Any = None  # ... and that epoch (a PendingEpoch or a StepPending)
         self._meta_static: bytes | None = None
@@ -562,6 +563,7 @@ class Engine:
         from ..runtime import open_to_recover
 
         opts = EngineOptions.coerce(options)
+        t0 = time.perf_counter()
         rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
                                 runtime_options={**(runtime_options or {}),
                                                  **({} if recovery is None else {"recovery": recovery})})
@@ -580,8 +582,13 @@ class Engine:
             logged = dict(m["options"])
             opts = EngineOptions(**{**opts.__dict__, **logged, "num_blocks": geo.num_blocks,
                                     "block_size": geo.block_size, "kv_dtype": geo.dtype})
+            t1 = time.perf_counter()
             eng = cls(model, log_dir, opts, _recovering=m, _runtime=rt)
+            t2 = time.perf_counter()
             eng._load(m)
+            # where recover() spent its time: the log's open (replay pass 1: every checksum), the engine (pool
+            # allocation), the restore (regions into the pool, requests from the metadata)
+            eng.recover_phases = {"open_s": t1 - t0, "construct_s": t2 - t1, "load_s": time.perf_counter() - t2}
         except BaseException:
             rt.close()
             raise
