@@ -196,6 +196,16 @@ def _log_facts(log: Path) -> dict[str, Any]:
             "incr_bytes": sum(f.stat().st_size for f in incr)}
 
 
+# how Engine.recover restores the pool: "streamed" (the default: streamed to the device through a pinned ring,
+# the pool's checksums run on the bytes as they are copied), "streamed_open" (streamed, every checksum run at
+# the log's open first: each byte read twice), "image" (the earlier path: a whole pinned host image, one DMA)
+RECOVERY_MODES: dict[str, dict[str, Any]] = {
+    "streamed": {"streamed": True},
+    "streamed_open": {"streamed": True, "defer_verify": ()},
+    "image": {"streamed": False, "defer_verify": ()},
+}
+
+
 def fork_log(src: Path, dst: Path) -> Path:
     """A copy of the log that a recovered engine may append to, leaving ``src`` as the crash left it: the
     segments are hard links except the last one (the one appended to), which is copied; the manifest is
@@ -241,7 +251,9 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
         row.update({"streamed_s": st.seconds, "streamed_gb": st.bytes / 1e9, "streamed_gbps": st.gbps,
                     "stream_plan_s": st.plan_s, "stream_fill_wait_s": st.fill_wait_s,
                     "stream_slot_wait_s": st.slot_wait_s, "stream_chunks": st.chunks,
-                    "stream_direct_chunks": st.direct_chunks, "stream_threads": st.threads})
+                    "stream_direct_chunks": st.direct_chunks, "stream_threads": st.threads,
+                    "stream_verified_gb": st.extra.get("verified_bytes", 0.0) / 1e9,
+                    "stream_verify_combine_s": st.extra.get("verify_combine_s", 0.0), "stream_finish_s": st.finish_s})
     first = {rid: t[0] for rid, t in out.new_tokens.items()}
     rec.close()
     del rec
@@ -308,7 +320,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     firsts: dict[str, dict[str, int]] = {}
     for mode in modes:
         name, _, threads = mode.partition(":")
-        recovery: dict[str, Any] = {"streamed": name == "streamed"}
+        recovery: dict[str, Any] = dict(RECOVERY_MODES[name])
         if threads:
             recovery["threads"] = int(threads)
         fork = fork_log(d / "log", d / f"fork-{len(firsts)}")
@@ -351,8 +363,9 @@ def main() -> int:
     ap.add_argument("--recovery-requests", type=int, default=64)
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--recovery-modes", default="streamed",
-                    help="comma-separated: streamed (the pool streamed to the device), image (through a host "
-                         "image, the earlier path); ':N' sets the replay threads, e.g. streamed:16")
+                    help="comma-separated: streamed (to the device through a pinned ring, checksums fused with "
+                         "the copy), streamed_open (the same, every checksum at the open first), image (through a "
+                         "host image, the earlier path); ':N' sets the replay threads, e.g. streamed:16")
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,
                     help="max_batch_tokens of the engine that writes the recovery log (larger prefill chunks)")

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import concordia_ft as cft
-from concordia_ft.core.replay import replay
+from concordia_ft.core.replay import ReplayOptions, replay
 from concordia_ft.core.streamed import HostSink, plan_streamed, run_streamed
-from concordia_ft.errors import ConfigError
+from concordia_ft.errors import ConfigError, LogCorruptError
 from concordia_ft.recovery import RecoveryOptions
 
 PAGE = 512
@@ -126,3 +126,73 @@ def test_a_slot_smaller_than_a_page_is_refused(shm_dir: Path) -> None:
 def test_recovery_options_refuse_a_one_slot_ring() -> None:
     with pytest.raises(ConfigError, match="ring_slots"):
         RecoveryOptions(ring_slots=1)
+
+
+# ------------------------------------------------------------------------------ deferred checksums
+def _damage(log: Path, where: str) -> None:
+    """Flip one byte of a 'kv' record: one whose pages the restore copies ("live") or one that is wholly
+    superseded (never copied, only checksummed)."""
+    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
+    assert res.pending is not None
+    plan = res.pending.streamed_plan("kv", 1 << 20)
+    copied = {plan.pieces[pid][0] for ch in plan.chunks for _, _, pid in ch.copies}
+    pick = [c for i, c in enumerate(plan.checks) if (i in copied) == (where == "live")]
+    assert pick, where
+    c = pick[len(pick) // 2]
+    path, offset, head, n = c.path, c.offset, bytes(c.data[:64]), c.data.nbytes
+    del plan, pick, c
+    res.close()
+    raw = bytearray(Path(path).read_bytes())
+    at = raw.find(head, offset)  # the payload's random bytes, after its epoch's header
+    assert at >= 0
+    raw[at + n // 2] ^= 0x20
+    Path(path).write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("where", ["live", "superseded"])
+def test_a_deferred_checksum_failure_is_raised_by_the_streamed_restore(shm_dir: Path, where: str) -> None:
+    log = shm_dir / "log"
+    _write_log(log, np.random.default_rng(3), steps=30)
+    _damage(log, where)
+    with pytest.raises(LogCorruptError):  # the reference: pass 1 checking every payload
+        replay(log)
+    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",), threads=2))
+    assert res.pending is not None and res.pending.deferred  # pass 1 let the kv records through unchecked
+    plan = res.pending.streamed_plan("kv", 16 << 10)
+    assert not res.pending.deferred  # handed to the plan
+    out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
+    with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
+        run_streamed(plan, HostSink(out, PAGE, slots=3, slot_bytes=16 << 10), threads=2)
+    res.close()
+
+
+def test_deferred_checks_of_an_undamaged_log_pass_and_cover_every_payload_byte(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    final = _write_log(log, np.random.default_rng(5), steps=30)
+    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
+    assert res.pending is not None
+    total = sum(c.data.nbytes for c in res.pending.deferred)
+    plan = res.pending.streamed_plan("kv", 8 << 10)
+    assert sum(n for _, _, n in plan.pieces) == total  # copied pieces + superseded pieces tile every record
+    assert plan.crc_only  # some bytes are only checksummed (superseded rows)
+    out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
+    st = run_streamed(plan, HostSink(out, PAGE, slots=4, slot_bytes=8 << 10), threads=3)
+    res.close()
+    assert st.extra["verified_bytes"] == total
+    assert np.array_equal(out[: final["kv"].nbytes], final["kv"])
+
+
+def test_a_runtime_with_deferred_checks_refuses_damage_before_restoring_or_appending(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    _write_log(log, np.random.default_rng(6), steps=30)
+    _damage(log, "live")
+    rt = cft.Runtime(log, fsync="never", page_bytes=PAGE, recovery={"defer_verify": ("kv",)})  # opens: kv unchecked
+    kv = np.zeros(96 * ROW, dtype=np.uint8)
+    rt.register("kv", kv, "paged", block_bytes=ROW, dirty_blocks=np.zeros(96, dtype=np.uint8))
+    rt.register("small", np.zeros(3 * PAGE, dtype=np.uint8), "dense")
+    with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
+        rt.checkpoint()  # nothing is appended after an unchecked epoch
+    with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
+        rt.recover_into(keep_images=False)  # a host region: checked before its image is built
+    assert not kv.any()
+    rt.close()

@@ -37,19 +37,29 @@ class RecoveryOptions:
     streamed: bool = True
     ring_slots: int = 16
     slot_bytes: int = 16 << 20
+    # regions whose page checksums are not run at the log's open but by their streamed restore, on the bytes as
+    # it copies them (every byte read once; still checked before the restore returns, so before any is used).
+    # None: the component decides (a serving engine defers its GPU KV pool); (): every checksum at open
+    defer_verify: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ring_slots, int) or self.ring_slots < 2:
             raise ConfigError(f"RecoveryOptions.ring_slots={self.ring_slots!r}: use an int >= 2")
         if not isinstance(self.slot_bytes, int) or self.slot_bytes < 64 << 10:
             raise ConfigError(f"RecoveryOptions.slot_bytes={self.slot_bytes!r}: use an int >= 65536")
+        if self.defer_verify is not None:
+            if isinstance(self.defer_verify, list):
+                object.__setattr__(self, "defer_verify", tuple(self.defer_verify))
+            if not isinstance(self.defer_verify, tuple) or not all(isinstance(n, str) for n in self.defer_verify):
+                raise ConfigError(f"RecoveryOptions.defer_verify={self.defer_verify!r}: use a tuple of region names")
 
     @classmethod
     def coerce(cls, value: RecoveryOptions | Mapping[str, Any] | None) -> RecoveryOptions:
         return coerce_options(cls, value, "recovery")
 
     def replay_options(self) -> ReplayOptions:
-        return ReplayOptions(threads=self.threads, parallel_verify=self.parallel_verify)
+        return ReplayOptions(threads=self.threads, parallel_verify=self.parallel_verify,
+                             defer=tuple(self.defer_verify or ()))
 
 
 @dataclass

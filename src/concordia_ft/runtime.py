@@ -234,6 +234,7 @@ class Runtime:
             t0 = time.perf_counter()
             self._drain()
             self._raise_compaction_failure()
+            self._check_deferred()
             tb = time.perf_counter()
             deltas: list[RegionDelta] = []
             for name, tracker in self._epoch_trackers():
@@ -296,6 +297,7 @@ class Runtime:
             t0 = time.perf_counter()
             self._drain()
             self._raise_compaction_failure()
+            self._check_deferred()
             t1 = time.perf_counter()
             frozen = freeze_meta(meta, copy_meta)
             plan = self._plan if self._plan is not None else self._build_plan()
@@ -429,10 +431,12 @@ class Runtime:
                 allocs = {n: a for n in names if n not in sinks and (a := self._image_alloc(n, direct)) is not None}
                 if sinks:
                     assert res.pending is not None
+                    plans = {n: res.pending.streamed_plan(n, sink.slot_bytes) for n, sink in sinks.items()}
+                    res.pending.check_deferred()  # the other regions' deferred checks, before their images
                     res.regions = res.pending.materialize(allocs, res.timings, skip=set(sinks))
-                    streamed = self._stream_restore(sinks, res)
+                    streamed = self._stream_restore(sinks, plans)
                 else:
-                    res.materialize(allocs)
+                    res.materialize(allocs)  # runs any deferred checks first
             finally:
                 res.close()
             rec = recovered(res, t0)
@@ -446,6 +450,13 @@ class Runtime:
                 rec.images = {n: img for n, img in rec.images.items() if n not in names}
             rec.seconds = time.perf_counter() - t0
             return rec
+
+    def _check_deferred(self) -> None:
+        """Checksums the open left to a restore (RecoveryOptions.defer_verify) run before anything is appended
+        after those epochs, restored or not (LogCorruptError if one fails)."""
+        res = self.log.replayed
+        if res is not None and res.pending is not None and res.pending.deferred:
+            res.pending.check_deferred()
 
     def _stream_sinks(self, names: list[str], res: Any) -> dict[str, Any]:
         """The regions restored straight from the mapped segments (their backend's sink), the rest by image."""
@@ -462,15 +473,15 @@ class Runtime:
                 sinks[n] = sink
         return sinks
 
-    def _stream_restore(self, sinks: dict[str, Any], res: Any) -> dict[str, Any]:
-        """Stream each region's newest committed pages (verified by the replay's pass 1) into its buffer."""
+    def _stream_restore(self, sinks: dict[str, Any], plans: dict[str, Any]) -> dict[str, Any]:
+        """Stream each region's newest committed pages into its buffer; checksums deferred from the open
+        (RecoveryOptions.defer_verify) are run on the way, and a failure raises before this returns."""
         from .core.streamed import run_streamed
 
         out = {}
         for name, sink in sinks.items():
-            t0 = time.perf_counter()
-            plan = res.pending.streamed_plan(name, sink.slot_bytes)
-            plan_s = time.perf_counter() - t0
+            plan = plans[name]
+            plan_s = 0.0
             try:
                 stats = run_streamed(plan, sink, threads=self.recovery.threads)
             finally:
@@ -507,6 +518,7 @@ class Runtime:
     # -------------------------------------------------------------------------------------- compaction
     def compact(self, *, wait: bool = True) -> CompactionResult | None:
         """Rewrite base + sealed suffix into a new base. ``wait=False`` runs it in a background thread."""
+        self._check_deferred()
         if wait:
             self._join_compactor()
             self._compaction_unreported = None  # this call reports for itself

@@ -32,18 +32,50 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LogCorruptError
+from .checksums import ChecksumItem, crc32c, crc32c_combine, crc32c_shift, first_mismatch
 from .images import PageWrite, default_threads
 from .regions import RegionSpec
 from .tracking import pages_to_runs
 
 
+@dataclass(frozen=True)
+class DeferredCheck:
+    """A page record's payload checksum that pass 1 left to the restore (``ReplayOptions.defer``)."""
+
+    seq: int  # the record's sequence number (``PageWrite.seq`` of its pages)
+    name: str
+    path: str
+    offset: int  # the epoch's offset in its segment
+    epoch: int
+    record: int
+    data: memoryview
+    expected: int
+
+    def error(self) -> LogCorruptError:
+        return LogCorruptError(self.path, self.offset, f"epoch {self.epoch} record {self.record} ({self.name!r}) "
+                               "payload checksum mismatch (found by the restore that reads it)")
+
+
+def first_bad_deferred(checks: Sequence[DeferredCheck], pool: Executor | None, workers: int,
+                       chunk_bytes: int = 8 << 20) -> DeferredCheck | None:
+    """The earliest deferred check that fails, or None."""
+    if not checks:
+        return None
+    items = [ChecksumItem((c.seq,), c.data, c.expected) for c in checks]
+    bad = first_mismatch(items, pool=pool, workers=workers if pool is not None else 1, chunk_bytes=chunk_bytes)
+    if bad is None:
+        return None
+    return next(c for c in checks if c.seq == bad.key[0])
+
+
+
 @dataclass
 class Chunk:
-    """What one ring slot carries: ``copies`` (source bytes, offset in the slot), packed without gaps; page
-    ``i`` of the slot goes to region page ``pages[i]``."""
+    """What one ring slot carries: ``copies`` (source bytes, offset in the slot, the verification piece they
+    are or -1), packed without gaps; page ``i`` of the slot goes to region page ``pages[i]``."""
 
-    copies: list[tuple[memoryview, int]]
+    copies: list[tuple[memoryview, int, int]]
     pages: npt.NDArray[np.int64]
     nbytes: int
     run_start: int = -1  # >= 0: ``pages`` is the single run [run_start, run_start + len(pages))
@@ -57,6 +89,12 @@ class StreamedPlan:
     copy_bytes: int  # bytes the chunks carry (the surviving pages)
     superseded_bytes: int  # payload bytes of older versions, never copied
     records: int  # committed writes of the region considered
+    # deferred checksums (ReplayOptions.defer) this restore runs: each record's payload is tiled by ``pieces``
+    # (check index, offset in the payload, length); a piece is checksummed as it is copied, or on its own
+    # (``crc_only``: the bytes of superseded versions) when nothing copies it
+    checks: list[DeferredCheck] = field(default_factory=list)
+    pieces: list[tuple[int, int, int]] = field(default_factory=list)
+    crc_only: list[tuple[int, memoryview]] = field(default_factory=list)
 
 
 @dataclass
@@ -77,9 +115,13 @@ class StreamedStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("nan")
 
 
-def plan_streamed(spec: RegionSpec, born: int, writes: Sequence[PageWrite], slot_bytes: int) -> StreamedPlan:
+def plan_streamed(spec: RegionSpec, born: int, writes: Sequence[PageWrite], slot_bytes: int,
+                  checks: Sequence[DeferredCheck] = ()) -> StreamedPlan:
     """The chunks that restore region ``spec`` from ``writes`` (oldest first; only those of ``spec.name`` with
-    ``seq >= born`` count): every page's newest version exactly once."""
+    ``seq >= born`` count): every page's newest version exactly once. ``checks``: the region's deferred
+    checksums, to run on the way (every byte of each such record: copied or not)."""
+    check_of = {c.seq: i for i, c in enumerate(checks)}
+    pieces: list[tuple[int, int, int]] = []
     pb = spec.page_bytes
     if slot_bytes < pb:
         raise ConfigError(f"slot_bytes={slot_bytes} is smaller than region {spec.name!r}'s {pb}-byte pages")
@@ -87,7 +129,7 @@ def plan_streamed(spec: RegionSpec, born: int, writes: Sequence[PageWrite], slot
     filled = np.zeros(spec.n_pages, dtype=bool)
     missing = spec.n_pages
     chunks: list[Chunk] = []
-    cur_copies: list[tuple[memoryview, int]] = []
+    cur_copies: list[tuple[memoryview, int, int]] = []
     cur_pages: list[npt.NDArray[np.int64]] = []
     cur_n = 0
     copy_bytes = superseded = records = 0
@@ -119,11 +161,16 @@ def plan_streamed(spec: RegionSpec, born: int, writes: Sequence[PageWrite], slot
             runs = np.array([[0, n_need]], dtype=np.int64)
         else:
             runs = pages_to_runs(np.flatnonzero(need).astype(np.int64))  # runs of positions in the payload
+        ci = check_of.get(w.seq, -1)
         for start, length in runs.tolist():
             pos = start
             while length:
                 take = min(length, per_slot - cur_n)
-                cur_copies.append((w.payload[pos * pb:(pos + take) * pb], cur_n * pb))
+                pid = -1
+                if ci >= 0:
+                    pid = len(pieces)
+                    pieces.append((ci, pos * pb, take * pb))
+                cur_copies.append((w.payload[pos * pb:(pos + take) * pb], cur_n * pb, pid))
                 cur_pages.append(w.pages[pos:pos + take])
                 cur_n += take
                 pos += take
@@ -131,7 +178,25 @@ def plan_streamed(spec: RegionSpec, born: int, writes: Sequence[PageWrite], slot
                 if cur_n == per_slot:
                     close_chunk()
     close_chunk()
-    return StreamedPlan(spec, chunks, missing, copy_bytes, superseded, records)
+    crc_only = _uncovered(checks, pieces)
+    return StreamedPlan(spec, chunks, missing, copy_bytes, superseded, records, list(checks), pieces, crc_only)
+
+
+def _uncovered(checks: Sequence[DeferredCheck], pieces: list[tuple[int, int, int]]
+               ) -> list[tuple[int, memoryview]]:
+    """Pieces for the bytes of each checked record that no copy reads (appended to ``pieces``)."""
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for ci, off, n in pieces:
+        covered.setdefault(ci, []).append((off, n))
+    out: list[tuple[int, memoryview]] = []
+    for ci, c in enumerate(checks):
+        pos = 0
+        for off, n in sorted(covered.get(ci, [])) + [(c.data.nbytes, 0)]:
+            if off > pos:
+                pieces.append((ci, pos, off - pos))
+                out.append((len(pieces) - 1, c.data[pos:off]))
+            pos = max(pos, off + n)
+    return out
 
 
 def _ascending_run(pages: npt.NDArray[np.int64]) -> bool:
@@ -159,10 +224,53 @@ class StreamSink(Protocol):
     def finish(self) -> None: ...
 
 
-def _fill(slot: npt.NDArray[np.uint8], chunk: Chunk) -> None:
-    for src, off in chunk.copies:
+VERIFY_STEP = 1 << 20  # checksum then copy this much at a time: the copy reads what the checksum left in cache
+
+
+def _fill(slot: npt.NDArray[np.uint8], chunk: Chunk, crcs: list[int]) -> None:
+    for src, off, pid in chunk.copies:
         n = src.nbytes
-        slot[off:off + n] = np.frombuffer(src, dtype=np.uint8)  # numpy releases the GIL for the copy
+        if pid < 0:
+            slot[off:off + n] = np.frombuffer(src, dtype=np.uint8)  # numpy releases the GIL for the copy
+            continue
+        crc = 0
+        for a in range(0, n, VERIFY_STEP):
+            part = src[a:a + VERIFY_STEP]
+            crc = crc32c(part, crc, release_gil=True)
+            slot[off + a:off + a + part.nbytes] = np.frombuffer(part, dtype=np.uint8)
+        crcs[pid] = crc
+
+
+def _crc_only(items: list[tuple[int, memoryview]], crcs: list[int]) -> None:
+    for pid, data in items:
+        crcs[pid] = crc32c(data, release_gil=data.nbytes >= 32 << 10)
+
+
+def _first_failed(plan: StreamedPlan, crcs: list[int]) -> DeferredCheck | None:
+    """Combine each checked record's piece checksums in payload order; the earliest record that fails."""
+    by_check: dict[int, list[tuple[int, int, int]]] = {}
+    for pid, (ci, off, n) in enumerate(plan.pieces):
+        by_check.setdefault(ci, []).append((off, n, crcs[pid]))
+    shifts: dict[int, int] = {}
+    failed = []
+    for ci, c in enumerate(plan.checks):
+        parts = sorted(by_check.get(ci, []))
+        if sum(n for _, n, _ in parts) != c.data.nbytes:
+            raise AssertionError(f"record {c.record} of epoch {c.epoch}: pieces do not tile its payload")
+        crc = 0
+        for i, (_, n, pc) in enumerate(parts):
+            if i == 0:
+                crc = pc
+                continue
+            op = shifts.get(n)
+            if op is None:
+                op = shifts[n] = crc32c_shift(n)
+            crc = crc32c_combine(crc, pc, n, op)
+        if not parts:
+            crc = crc32c(b"")
+        if crc != c.expected:
+            failed.append(c)
+    return min(failed, key=lambda c: c.seq) if failed else None
 
 
 def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = None,
@@ -171,6 +279,8 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
     t0 = time.perf_counter()
     workers = max(1, min(threads or default_threads(), sink.slots))
     stats = StreamedStats(bytes=plan.copy_bytes, chunks=len(plan.chunks), threads=workers)
+    crcs = [0] * len(plan.pieces)
+    crc_jobs: list[Future[None]] = []
     own = pool is None and workers > 1 and len(plan.chunks) > 1
     ex: Executor | None = ThreadPoolExecutor(workers, thread_name_prefix="concordia-restore") if own else pool
     try:
@@ -183,11 +293,13 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
         while k < len(chunks) or filling:
             while k < len(chunks) and free:
                 s = free.popleft()
-                fut = ex.submit(_fill, sink.slot(s), chunks[k]) if ex is not None else None
+                fut = ex.submit(_fill, sink.slot(s), chunks[k], crcs) if ex is not None else None
                 if fut is None:
-                    _fill(sink.slot(s), chunks[k])
+                    _fill(sink.slot(s), chunks[k], crcs)
                 filling.append((k, s, fut))
                 k += 1
+            if k == len(chunks) and plan.crc_only and not crc_jobs:  # superseded bytes: behind the last fill
+                crc_jobs = _submit_crc_only(plan.crc_only, crcs, ex, workers)
             kk, s, fut = filling.popleft()
             if fut is not None:
                 tw = time.perf_counter()
@@ -203,14 +315,33 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
                 sink.wait(sending[0])
                 stats.slot_wait_s += time.perf_counter() - tw
                 free.append(sending.popleft())
+        if plan.crc_only and not crc_jobs:  # no chunk at all
+            crc_jobs = _submit_crc_only(plan.crc_only, crcs, ex, workers)
         tf = time.perf_counter()
+        for f in crc_jobs:
+            f.result()
         sink.finish()
         stats.finish_s = time.perf_counter() - tf
+        if plan.checks:
+            tv = time.perf_counter()
+            bad = _first_failed(plan, crcs)
+            stats.extra["verify_combine_s"] = time.perf_counter() - tv
+            stats.extra["verified_bytes"] = float(sum(c.data.nbytes for c in plan.checks))
+            if bad is not None:
+                raise bad.error()
     finally:
         if own and ex is not None:
             ex.shutdown(wait=True)
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def _submit_crc_only(items: list[tuple[int, memoryview]], crcs: list[int], ex: Executor | None,
+                     workers: int) -> list[Future[None]]:
+    if ex is None:
+        _crc_only(items, crcs)
+        return []
+    return [ex.submit(_crc_only, items[i::workers], crcs) for i in range(workers)]
 
 
 class HostSink:

@@ -20,6 +20,7 @@ packed arithmetic of a step is the same in an uninterrupted engine and in one re
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import uuid
@@ -560,13 +561,19 @@ class Engine:
         streamed from the log's segments to the device through a ring of pinned slots (``recovery``: the
         Runtime's RecoveryOptions, or a dict of them; ``{"streamed": False}`` restores through a host image;
         ``runtime_options``: more keyword arguments of the Runtime that continues the log)."""
+        from ..recovery import RecoveryOptions
         from ..runtime import open_to_recover
 
         opts = EngineOptions.coerce(options)
+        rec_opts = RecoveryOptions.coerce(recovery)
+        if rec_opts.defer_verify is None:
+            # a GPU pool is streamed to the device with its checksums run on the bytes as they are copied (read
+            # once); a CPU pool is replayed into its own buffer after every checksum passed at the open
+            cuda = next(model.parameters()).device.type == "cuda"
+            rec_opts = dataclasses.replace(rec_opts, defer_verify=("kv",) if cuda and rec_opts.streamed else ())
         t0 = time.perf_counter()
         rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
-                                runtime_options={**(runtime_options or {}),
-                                                 **({} if recovery is None else {"recovery": recovery})})
+                                runtime_options={**(runtime_options or {}), "recovery": rec_opts})
         try:
             if m.get("version") != META_VERSION:
                 raise RecoveryError(f"serve metadata version {m.get('version')}; this code reads {META_VERSION}")
