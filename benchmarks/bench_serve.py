@@ -327,7 +327,13 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
         got, firsts[mode] = recover_once(fork, model, device, backend, ref_pool, n, recovery)
         shutil.rmtree(fork, ignore_errors=True)
         row.update({f"{mode}.{k}": v for k, v in got.items()})
-        brief = {k: round(v, 3) if isinstance(v, float) else v for k, v in got.items()}
+        short = {"recover_s": "rec", "first_token_all_s": "first", "graph_capture_s": "cap", "open_s": "open",
+                 "construct_s": "constr", "load_s": "load", "verify_s": "verify", "streamed_s": "stream",
+                 "streamed_gbps": "GB/s", "stream_plan_s": "plan", "stream_fill_wait_s": "fillw",
+                 "stream_slot_wait_s": "slotw", "stream_finish_s": "fin", "stream_verify_combine_s": "comb",
+                 "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks",
+                 "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal"}
+        brief = {short[k]: round(v, 3) if isinstance(v, float) else v for k, v in got.items() if k in short}
         print(f"  recovery {dims} [{mode}]: {brief} (+{time.perf_counter() - t_start:.1f} s)", flush=True)
         torch.cuda.empty_cache() if device.startswith("cuda") else None
     del ref_pool
