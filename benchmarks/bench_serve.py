@@ -294,7 +294,9 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     del eng
     facts = _log_facts(d / "log")
     print(f"  recovery {dims}: log {facts} (+{time.perf_counter() - t_start:.1f} s)", flush=True)
+    body = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name)
     row: dict[str, Any] = {"dims": dims, "requests": n, "tokens_each": prompt + decoded, "row_kib": row_bytes / 1024,
+                           "flop_per_kv_byte": 2 * body / row_bytes,
                            "pool_gb": pool_bytes / 1e9, "log_gb": facts["log_bytes"] / 1e9, **facts,
                            "last_compaction_epoch": getattr(compactions, "epoch", None),
                            "max_batch_tokens": opts["max_batch_tokens"], "write_steps": steps,
@@ -428,6 +430,18 @@ def main() -> int:
             modes = a.recovery_modes.split(",") + (["image"] if dims in a.image_dims.split(",") else [])
             recs.append({"part": "recovery", **bench_recovery(dims, a.device, dtype, n, prompt, 8, h2d, modes=modes,
                                                               batch_tokens=a.build_batch_tokens)})
+            save()
+    if len(recs) >= 2 and all("streamed.speedup" in r for r in recs[:2]):
+        import math
+
+        (x0, s0), (x1, s1) = [(r["flop_per_kv_byte"], r["streamed.speedup"]) for r in recs[:2]]
+        if x0 != x1 and s0 > 0 and s1 > 0:  # speedup ~ a power of the model's FLOP per byte of KV it restores
+            k = (math.log(s1) - math.log(s0)) / (math.log(x1) - math.log(x0))
+            cross = x0 * math.exp(-math.log(s0) / k) if k else float("nan")
+            for r in recs:
+                r["crossover_flop_per_kv_byte_estimate"] = cross
+            print(f"crossover (restore = re-prefill), interpolated from the two dims: {cross:.0f} FLOP per KV byte "
+                  f"(0.6B: {recs[0]['flop_per_kv_byte']:.0f}, 8B: {recs[1]['flop_per_kv_byte']:.0f})", flush=True)
             save()
     if thr:
         print_table("serve throughput: epoch every step vs none", thr,
