@@ -253,7 +253,8 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
                     "stream_slot_wait_s": st.slot_wait_s, "stream_chunks": st.chunks,
                     "stream_direct_chunks": st.direct_chunks, "stream_threads": st.threads,
                     "stream_verified_gb": st.extra.get("verified_bytes", 0.0) / 1e9,
-                    "stream_verify_combine_s": st.extra.get("verify_combine_s", 0.0), "stream_finish_s": st.finish_s})
+                    "stream_verify_combine_s": st.extra.get("verify_combine_s", 0.0), "stream_finish_s": st.finish_s,
+                    "stream_sink_setup_s": st.extra.get("sink_setup_s", 0.0)})
     first = {rid: t[0] for rid, t in out.new_tokens.items()}
     rec.close()
     del rec
@@ -333,7 +334,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
                  "construct_s": "constr", "load_s": "load", "verify_s": "verify", "streamed_s": "stream",
                  "streamed_gbps": "GB/s", "stream_plan_s": "plan", "stream_fill_wait_s": "fillw",
                  "stream_slot_wait_s": "slotw", "stream_finish_s": "fin", "stream_verify_combine_s": "comb",
-                 "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks",
+                 "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring",
                  "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal"}
         brief = {short[k]: round(v, 3) if isinstance(v, float) else v for k, v in got.items() if k in short}
         print(f"  recovery {dims} [{mode}]: {brief} (+{time.perf_counter() - t_start:.1f} s)", flush=True)

@@ -431,7 +431,11 @@ class Runtime:
                 allocs = {n: a for n in names if n not in sinks and (a := self._image_alloc(n, direct)) is not None}
                 if sinks:
                     assert res.pending is not None
-                    plans = {n: res.pending.streamed_plan(n, sink.slot_bytes) for n, sink in sinks.items()}
+                    plans = {}
+                    for n, sink in sinks.items():
+                        tp = time.perf_counter()
+                        plans[n] = res.pending.streamed_plan(n, sink.slot_bytes)
+                        sink.plan_s = time.perf_counter() - tp
                     res.pending.check_deferred()  # the other regions' deferred checks, before their images
                     res.regions = res.pending.materialize(allocs, res.timings, skip=set(sinks))
                     streamed = self._stream_restore(sinks, plans)
@@ -468,8 +472,10 @@ class Runtime:
             tracker = self._trackers.get(n)
             if tracker is None or tracker.spec != res.specs.get(n):
                 continue
+            t0 = time.perf_counter()
             sink = self._backends[n].stream_sink(tracker, slots=opts.ring_slots, slot_bytes=opts.slot_bytes)
             if sink is not None:
+                sink.setup_s = time.perf_counter() - t0  # the ring's allocation (pinned + device)
                 sinks[n] = sink
         return sinks
 
@@ -481,7 +487,7 @@ class Runtime:
         out = {}
         for name, sink in sinks.items():
             plan = plans[name]
-            plan_s = 0.0
+            plan_s = float(getattr(sink, "plan_s", 0.0))
             try:
                 stats = run_streamed(plan, sink, threads=self.recovery.threads)
             finally:
@@ -490,6 +496,7 @@ class Runtime:
                     close()
             stats.plan_s = plan_s
             stats.seconds += plan_s
+            stats.extra["sink_setup_s"] = float(getattr(sink, "setup_s", 0.0))
             out[name] = stats
             tracker = self._trackers[name]
             tracker.initialised = True  # type: ignore[attr-defined]  # the whole region holds committed bytes
