@@ -262,7 +262,10 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
 
 
 def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: int, decoded: int,
-                   h2d: float, *, modes: list[str], batch_tokens: int | None = None) -> dict[str, Any]:
+                   h2d: float, *, modes: list[str], batch_tokens: int | None = None, compact: bool = True,
+                   row: dict[str, Any] | None = None, progress: Any = None) -> dict[str, Any]:
+    """``row``: filled in as the run goes (``progress()`` after each part saves it), so a run cut short keeps
+    what it measured. ``compact=False``: the writing engine's log never compacts (all incremental segments)."""
     t_start = time.perf_counter()
     model = build(dims, device, dtype)
     vocab = int(model.config.vocab_size)
@@ -273,9 +276,15 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     probe = Engine(model, None, {**opts, "checkpoint": False})
     row_bytes, pool_bytes = probe.geo.row_bytes, probe.geo.nbytes
     del probe
-    d, backend = log_dir(2 * n * (prompt + new) * row_bytes)
+    d, backend = log_dir((2.0 if compact else 1.15) * n * (prompt + new) * row_bytes)
     opts["backend"] = backend
-    eng = Engine(model, d / "log", opts)
+    from concordia_ft.runtime import Runtime
+
+    # the engine's own Runtime, but with compaction as asked (a background compaction rewrites the whole pool
+    # every 256 MiB appended: the writer's cost, not the recovery's)
+    rt = Runtime(str(d / "log"), fsync="never", backend=backend, on_compaction_error="warn",
+                 **({} if compact else {"compact_after_bytes": None}))
+    eng = Engine(model, d / "log", opts, _runtime=rt)
     ps = prompts(n, prompt, vocab)
     for p in ps:
         eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
@@ -296,12 +305,14 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     facts = _log_facts(d / "log")
     print(f"  recovery {dims}: log {facts} (+{time.perf_counter() - t_start:.1f} s)", flush=True)
     body = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name)
-    row: dict[str, Any] = {"dims": dims, "requests": n, "tokens_each": prompt + decoded, "row_kib": row_bytes / 1024,
-                           "flop_per_kv_byte": 2 * body / row_bytes,
-                           "pool_gb": pool_bytes / 1e9, "log_gb": facts["log_bytes"] / 1e9, **facts,
-                           "last_compaction_epoch": getattr(compactions, "epoch", None),
-                           "max_batch_tokens": opts["max_batch_tokens"], "write_steps": steps,
-                           "prefill_with_epochs_s": write_s, "h2d_pinned_gbps": h2d}
+    row = {} if row is None else row
+    progress = progress or (lambda: None)
+    row.update({"dims": dims, "requests": n, "tokens_each": prompt + decoded, "row_kib": row_bytes / 1024,
+                "flop_per_kv_byte": 2 * body / row_bytes,
+                "pool_gb": pool_bytes / 1e9, "log_gb": facts["log_bytes"] / 1e9, **facts,
+                "writer_compacts": compact, "last_compaction_epoch": getattr(compactions, "epoch", None),
+                "max_batch_tokens": opts["max_batch_tokens"], "write_steps": steps,
+                "prefill_with_epochs_s": write_s, "h2d_pinned_gbps": h2d})
     base = Engine(model, None, {**opts, "checkpoint": False})
     ids = {}
     for rid, seq in so_far.items():
@@ -320,6 +331,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
           f"{t_reprefill:.2f} s (+{time.perf_counter() - t_start:.1f} s)", flush=True)
     del base
     torch.cuda.empty_cache() if device.startswith("cuda") else None
+    progress()
     firsts: dict[str, dict[str, int]] = {}
     for mode in modes:
         name, _, threads = mode.partition(":")
@@ -330,6 +342,9 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
         got, firsts[mode] = recover_once(fork, model, device, backend, ref_pool, n, recovery)
         shutil.rmtree(fork, ignore_errors=True)
         row.update({f"{mode}.{k}": v for k, v in got.items()})
+        row[f"{mode}.speedup"] = t_reprefill / got["first_token_all_s"]
+        row[f"{mode}.restore_gbps"] = pool_bytes / got["recover_s"] / 1e9
+        progress()
         short = {"recover_s": "rec", "first_token_all_s": "first", "graph_capture_s": "cap", "open_s": "open",
                  "construct_s": "constr", "load_s": "load", "verify_s": "verify", "streamed_s": "stream",
                  "streamed_gbps": "GB/s", "stream_plan_s": "plan", "stream_fill_wait_s": "fillw",
@@ -352,6 +367,10 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     del model
     torch.cuda.empty_cache() if device.startswith("cuda") else None
     row["wall_s"] = time.perf_counter() - t_start
+    print(f"SUMMARY {dims}: pool {pool_bytes / 1e9:.1f} GB, re-prefill {t_reprefill:.3f} s; " + "; ".join(
+        f"{m}: restored {row[f'{m}.recover_s']:.3f} s, first token {row[f'{m}.first_token_all_s']:.3f} s "
+        f"(capture {row[f'{m}.graph_capture_s']:.3f}), x{row[f'{m}.speedup']:.2f}, {row[f'{m}.restore_gbps']:.1f} GB/s, "
+        f"equal={row[f'{m}.pool_byte_equal']}" for m in firsts), flush=True)
     return row
 
 
@@ -378,6 +397,8 @@ def main() -> int:
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,
                     help="max_batch_tokens of the engine that writes the recovery log (larger prefill chunks)")
+    ap.add_argument("--no-build-compaction", action="store_true",
+                    help="the engine that writes the recovery log never compacts it (saves its background rewrites)")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--modes", default=",".join(EPOCHS), help=f"epoch modes, 'none' first (of {EPOCHS})")
     a = ap.parse_args()
@@ -403,10 +424,11 @@ def main() -> int:
     if modes[0] != "none" or any(m not in EPOCHS for m in modes):
         ap.error(f"--modes must start with 'none' and name modes of {EPOCHS}")
 
-    def save() -> None:
+    def save(quiet: bool = True) -> None:
         path = write_results("serve", thr + recs, baseline=[], notes=notes.format(p=p, g=g), out_dir=a.out,
                              tag=a.tag or ("cpu-quick" if a.quick else None))
-        print(f"wrote {path}", flush=True)
+        if not quiet:
+            print(f"wrote {path}", flush=True)
 
     if "throughput" in parts:
         dims = "tiny" if a.quick else "0.6b"
@@ -429,8 +451,9 @@ def main() -> int:
         for dims in (["tiny"] if a.quick else a.recovery_dims.split(",")):
             n, prompt = (8, 64) if a.quick else (a.recovery_requests, a.recovery_prompt)
             modes = a.recovery_modes.split(",") + (["image"] if dims in a.image_dims.split(",") else [])
-            recs.append({"part": "recovery", **bench_recovery(dims, a.device, dtype, n, prompt, 8, h2d, modes=modes,
-                                                              batch_tokens=a.build_batch_tokens)})
+            recs.append({"part": "recovery"})
+            bench_recovery(dims, a.device, dtype, n, prompt, 8, h2d, modes=modes, batch_tokens=a.build_batch_tokens,
+                           compact=not a.no_build_compaction, row=recs[-1], progress=save)
             save()
     if len(recs) >= 2 and all("streamed.speedup" in r for r in recs[:2]):
         import math
@@ -442,7 +465,7 @@ def main() -> int:
             for r in recs:
                 r["crossover_flop_per_kv_byte_estimate"] = cross
             print(f"crossover (restore = re-prefill), interpolated from the two dims: {cross:.0f} FLOP per KV byte "
-                  f"(0.6B: {recs[0]['flop_per_kv_byte']:.0f}, 8B: {recs[1]['flop_per_kv_byte']:.0f})", flush=True)
+                  f"({recs[0]['dims']}: {x0:.0f}, {recs[1]['dims']}: {x1:.0f})", flush=True)
             save()
     if thr:
         print_table("serve throughput: epoch every step vs none", thr,

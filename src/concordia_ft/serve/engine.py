@@ -142,7 +142,9 @@ class Engine:
         self.opts = opts = EngineOptions.coerce(options)
         if opts.checkpoint and log_dir is None:
             raise ConfigError("an engine that checkpoints needs a log directory (or options checkpoint=False)")
-        if _recovering is None and log_dir is not None and Path(log_dir).is_dir() and any(Path(log_dir).iterdir()):
+        fresh_dir = _runtime is None or _runtime.epoch is not None  # a Runtime handed in opened the dir itself
+        if (_recovering is None and log_dir is not None and fresh_dir and Path(log_dir).is_dir()
+                and any(Path(log_dir).iterdir())):
             raise ConfigError(f"{log_dir} already holds a log; continue it with Engine.recover(log_dir, model) "
                               "or pass an empty directory")
         self.model = model
