@@ -269,7 +269,9 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     t_start = time.perf_counter()
     model = build(dims, device, dtype)
     vocab = int(model.config.vocab_size)
-    new = decoded + 16
+    # budget: the requests prefilled first decode while the others prefill (16 steps of 8192 tokens for 64 x 2k),
+    # and none may finish before the log is cut: all n must be in flight
+    new = decoded + 64
     opts = options(n, prompt, new)
     if batch_tokens:
         opts["max_batch_tokens"] = batch_tokens
@@ -299,6 +301,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     print(f"  recovery {dims}: {n} x {prompt} prompts + {decoded} tokens written with epochs in {write_s:.1f} s, "
           f"{steps} steps (+{time.perf_counter() - t_start:.1f} s)", flush=True)
     so_far = {r.id: list(r.ids) for r in eng.running.values()}
+    assert len(so_far) == n, f"{n - len(so_far)} requests finished before the log was cut"
     ref_pool = eng.pool.arena  # the pool as the last committed epoch left it (kept for the byte comparison)
     eng.close()
     del eng
@@ -316,7 +319,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     base = Engine(model, None, {**opts, "checkpoint": False})
     ids = {}
     for rid, seq in so_far.items():
-        ids[base.submit(seq, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)).id] = rid
+        ids[base.submit(seq, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)).id] = rid
     t0 = time.perf_counter()
     got_tok: dict[str, int] = {}
     while len(got_tok) < n:
