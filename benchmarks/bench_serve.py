@@ -187,75 +187,194 @@ def h2d_gbps(device: str, nbytes: int = 1 << 30) -> float:
     return nbytes / min(times) / 1e9
 
 
+def _log_facts(log: Path) -> dict[str, Any]:
+    files = [f for f in log.iterdir() if f.is_file()]
+    base = [f for f in files if f.name.startswith("base.")]
+    incr = [f for f in files if f.name.startswith("incr.")]
+    return {"log_bytes": sum(f.stat().st_size for f in files), "base_segments": len(base),
+            "base_bytes": sum(f.stat().st_size for f in base), "incr_segments": len(incr),
+            "incr_bytes": sum(f.stat().st_size for f in incr)}
+
+
+# how Engine.recover restores the pool: "streamed" (the default: streamed to the device through a pinned ring,
+# the pool's checksums run on the bytes as they are copied), "streamed_open" (streamed, every checksum run at
+# the log's open first: each byte read twice), "image" (the earlier path: a whole pinned host image, one DMA)
+RECOVERY_MODES: dict[str, dict[str, Any]] = {
+    "streamed": {"streamed": True},
+    "streamed_open": {"streamed": True, "defer_verify": ()},
+    "image": {"streamed": False, "defer_verify": ()},
+}
+
+
+def fork_log(src: Path, dst: Path) -> Path:
+    """A copy of the log that a recovered engine may append to, leaving ``src`` as the crash left it: the
+    segments are hard links except the last one (the one appended to), which is copied; the manifest is
+    replaced by rename, never rewritten in place."""
+    dst.mkdir(parents=True)
+    segs = sorted(f.name for f in src.iterdir() if f.name.endswith(".cft"))
+    for f in src.iterdir():
+        if f.name == "LOCK" or not f.is_file():
+            continue
+        if f.name.endswith(".cft") and f.name != segs[-1]:
+            os.link(f, dst / f.name)
+        else:
+            shutil.copy2(f, dst / f.name)
+    return dst
+
+
+def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any, n: int,
+                 recovery: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+    """Engine.recover (model loaded) + one step: every request's next token. Returns timings and the tokens.
+    The recovered engine does not compact its log (a background compaction of the whole pool would run into the
+    next measurement; it starts after the first step's epoch committed, so it never delays the first token)."""
+    t0 = time.perf_counter()
+    rec = Engine.recover(log, model, {"backend": backend}, recovery=recovery,
+                         runtime_options={"compact_after_bytes": None})
+    sync(device)
+    t_restored = time.perf_counter() - t0
+    equal = bool(torch.equal(rec.pool.arena, ref_pool)) if ref_pool is not None else None
+    cap0 = rec.graphs.capture_s if rec.graphs is not None else 0.0
+    out = rec.step()
+    sync(device)
+    t_first = time.perf_counter() - t0
+    capture = (rec.graphs.capture_s if rec.graphs is not None else 0.0) - cap0
+    assert len(out.new_tokens) == n, f"{len(out.new_tokens)} of {n} requests got their next token"
+    r = rec.recovered
+    st = r.streamed.get("kv")
+    row: dict[str, Any] = {
+        "recover_s": t_restored, "first_token_all_s": t_first, "graph_capture_s": capture,
+        "first_token_all_s_without_capture": t_first - capture,
+        "verify_s": r.timings.verify_s, "verify_gb": r.timings.verify_bytes / 1e9, "verify_threads": r.timings.threads,
+        "recover_into_s": r.seconds, "image_copy_s": r.timings.copy_s, "image_restore_s": r.restore_s,
+        "pool_byte_equal": equal, **rec.recover_phases}
+    if st is not None:
+        row.update({"streamed_s": st.seconds, "streamed_gb": st.bytes / 1e9, "streamed_gbps": st.gbps,
+                    "stream_plan_s": st.plan_s, "stream_fill_wait_s": st.fill_wait_s,
+                    "stream_slot_wait_s": st.slot_wait_s, "stream_chunks": st.chunks,
+                    "stream_direct_chunks": st.direct_chunks, "stream_threads": st.threads,
+                    "stream_verified_gb": st.extra.get("verified_bytes", 0.0) / 1e9,
+                    "stream_verify_combine_s": st.extra.get("verify_combine_s", 0.0), "stream_finish_s": st.finish_s,
+                    "stream_sink_setup_s": st.extra.get("sink_setup_s", 0.0)})
+    first = {rid: t[0] for rid, t in out.new_tokens.items()}
+    rec.close()
+    del rec
+    return row, first
+
+
 def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: int, decoded: int,
-                   h2d: float) -> dict[str, Any]:
+                   h2d: float, *, modes: list[str], batch_tokens: int | None = None, compact: bool = True,
+                   row: dict[str, Any] | None = None, progress: Any = None) -> dict[str, Any]:
+    """``row``: filled in as the run goes (``progress()`` after each part saves it), so a run cut short keeps
+    what it measured. ``compact=False``: the writing engine's log never compacts (all incremental segments)."""
     t_start = time.perf_counter()
     model = build(dims, device, dtype)
     vocab = int(model.config.vocab_size)
-    new = decoded + 16
+    # budget: the requests prefilled first decode while the others prefill (16 steps of 8192 tokens for 64 x 2k),
+    # and none may finish before the log is cut: all n must be in flight
+    new = decoded + 64
     opts = options(n, prompt, new)
+    if batch_tokens:
+        opts["max_batch_tokens"] = batch_tokens
     probe = Engine(model, None, {**opts, "checkpoint": False})
     row_bytes, pool_bytes = probe.geo.row_bytes, probe.geo.nbytes
     del probe
-    d, backend = log_dir(2 * n * (prompt + new) * row_bytes)
+    d, backend = log_dir((2.0 if compact else 1.15) * n * (prompt + new) * row_bytes)
     opts["backend"] = backend
-    eng = Engine(model, d / "log", opts)
+    from concordia_ft.runtime import Runtime
+
+    # the engine's own Runtime, but with compaction as asked (a background compaction rewrites the whole pool
+    # every 256 MiB appended: the writer's cost, not the recovery's)
+    rt = Runtime(str(d / "log"), fsync="never", backend=backend, on_compaction_error="warn",
+                 **({} if compact else {"compact_after_bytes": None}))
+    eng = Engine(model, d / "log", opts, _runtime=rt)
     ps = prompts(n, prompt, vocab)
     for p in ps:
         eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
     t0 = time.perf_counter()
+    steps = 0
     while eng.waiting or min(len(r.generated) for r in eng.running.values()) < decoded:
         eng.step()
+        steps += 1
     sync(device)
     write_s = time.perf_counter() - t0
-    print(f"  recovery {dims}: {n} x {prompt} prompts + {decoded} tokens written with epochs in {write_s:.1f} s "
-          f"(+{time.perf_counter() - t_start:.1f} s)", flush=True)
+    compactions = eng.runtime.last_compaction if eng.runtime is not None else None
+    print(f"  recovery {dims}: {n} x {prompt} prompts + {decoded} tokens written with epochs in {write_s:.1f} s, "
+          f"{steps} steps (+{time.perf_counter() - t_start:.1f} s)", flush=True)
     so_far = {r.id: list(r.ids) for r in eng.running.values()}
+    assert len(so_far) == n, f"{n - len(so_far)} requests finished before the log was cut"
+    ref_pool = eng.pool.arena  # the pool as the last committed epoch left it (kept for the byte comparison)
     eng.close()
     del eng
-    torch.cuda.empty_cache() if device.startswith("cuda") else None
-    log_bytes = sum(f.stat().st_size for f in (d / "log").rglob("*") if f.is_file())
-
-    print(f"  recovery {dims}: log {log_bytes / 1e9:.1f} GB (+{time.perf_counter() - t_start:.1f} s)", flush=True)
-    t0 = time.perf_counter()
-    rec = Engine.recover(d / "log", model, {"backend": backend})
-    sync(device)
-    t_restored = time.perf_counter() - t0
-    out = rec.step()
-    sync(device)
-    t_first = time.perf_counter() - t0
-    assert len(out.new_tokens) == n, f"{len(out.new_tokens)} of {n} requests got their next token"
-    first = {rid: t[0] for rid, t in out.new_tokens.items()}
-    replay_s = float(getattr(rec.recovered, "seconds", 0.0))
-    restore_s = float(getattr(rec.recovered, "restore_s", 0.0))
-    rec.close()
-    del rec
-    torch.cuda.empty_cache() if device.startswith("cuda") else None
-    shutil.rmtree(d, ignore_errors=True)
-
-    print(f"  recovery {dims}: recovered in {t_restored:.2f} s, every next token at {t_first:.2f} s "
-          f"(+{time.perf_counter() - t_start:.1f} s)", flush=True)
+    facts = _log_facts(d / "log")
+    print(f"  recovery {dims}: log {facts} (+{time.perf_counter() - t_start:.1f} s)", flush=True)
+    body = sum(p.numel() for name, p in model.named_parameters() if "embed" not in name and "lm_head" not in name)
+    row = {} if row is None else row
+    progress = progress or (lambda: None)
+    row.update({"dims": dims, "requests": n, "tokens_each": prompt + decoded, "row_kib": row_bytes / 1024,
+                "flop_per_kv_byte": 2 * body / row_bytes,
+                "pool_gb": pool_bytes / 1e9, "log_gb": facts["log_bytes"] / 1e9, **facts,
+                "writer_compacts": compact, "last_compaction_epoch": getattr(compactions, "epoch", None),
+                "max_batch_tokens": opts["max_batch_tokens"], "write_steps": steps,
+                "prefill_with_epochs_s": write_s, "h2d_pinned_gbps": h2d})
     base = Engine(model, None, {**opts, "checkpoint": False})
     ids = {}
     for rid, seq in so_far.items():
-        ids[base.submit(seq, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)).id] = rid
+        ids[base.submit(seq, SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)).id] = rid
     t0 = time.perf_counter()
-    got: dict[str, int] = {}
-    while len(got) < n:
+    got_tok: dict[str, int] = {}
+    while len(got_tok) < n:
         o = base.step()
         for bid, t in o.new_tokens.items():
-            got.setdefault(ids[bid], t[0])
+            got_tok.setdefault(ids[bid], t[0])
     sync(device)
     t_reprefill = time.perf_counter() - t0
-    same = sum(first[k] == got[k] for k in first)
-    del base, model
+    row["reprefill_first_token_all_s"] = t_reprefill
+    row["reprefill_tokens"] = sum(len(s) for s in so_far.values())
+    print(f"  recovery {dims}: re-prefill of {row['reprefill_tokens']} tokens until every request's next token: "
+          f"{t_reprefill:.2f} s (+{time.perf_counter() - t_start:.1f} s)", flush=True)
+    del base
     torch.cuda.empty_cache() if device.startswith("cuda") else None
-    return {"dims": dims, "requests": n, "tokens_each": prompt + decoded, "row_kib": row_bytes / 1024,
-            "pool_gb": pool_bytes / 1e9, "log_gb": log_bytes / 1e9, "prefill_with_epochs_s": write_s,
-            "recover_s": t_restored, "replay_s": replay_s, "restore_s": restore_s,
-            "first_token_all_s": t_first, "reprefill_first_token_all_s": t_reprefill,
-            "speedup": t_reprefill / t_first, "restore_gbps": pool_bytes / max(t_restored, 1e-9) / 1e9,
-            "h2d_pinned_gbps": h2d, "same_next_token": f"{same}/{n}", "wall_s": time.perf_counter() - t_start}
+    progress()
+    firsts: dict[str, dict[str, int]] = {}
+    for mode in modes:
+        name, _, threads = mode.partition(":")
+        recovery: dict[str, Any] = dict(RECOVERY_MODES[name])
+        if threads:
+            recovery["threads"] = int(threads)
+        fork = fork_log(d / "log", d / f"fork-{len(firsts)}")
+        got, firsts[mode] = recover_once(fork, model, device, backend, ref_pool, n, recovery)
+        shutil.rmtree(fork, ignore_errors=True)
+        row.update({f"{mode}.{k}": v for k, v in got.items()})
+        row[f"{mode}.speedup"] = t_reprefill / got["first_token_all_s"]
+        row[f"{mode}.restore_gbps"] = pool_bytes / got["recover_s"] / 1e9
+        progress()
+        short = {"recover_s": "rec", "first_token_all_s": "first", "graph_capture_s": "cap", "open_s": "open",
+                 "construct_s": "constr", "load_s": "load", "verify_s": "verify", "streamed_s": "stream",
+                 "streamed_gbps": "GB/s", "stream_plan_s": "plan", "stream_fill_wait_s": "fillw",
+                 "stream_slot_wait_s": "slotw", "stream_finish_s": "fin", "stream_verify_combine_s": "comb",
+                 "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring",
+                 "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal"}
+        brief = {short[k]: round(v, 3) if isinstance(v, float) else v for k, v in got.items() if k in short}
+        print(f"  recovery {dims} [{mode}]: {brief} (+{time.perf_counter() - t_start:.1f} s)", flush=True)
+        torch.cuda.empty_cache() if device.startswith("cuda") else None
+    del ref_pool
+    shutil.rmtree(d, ignore_errors=True)
+    torch.cuda.empty_cache() if device.startswith("cuda") else None
+    for mode, first in firsts.items():
+        row[f"{mode}.speedup"] = t_reprefill / row[f"{mode}.first_token_all_s"]
+        row[f"{mode}.restore_gbps"] = pool_bytes / row[f"{mode}.recover_s"] / 1e9
+        row[f"{mode}.same_next_token_as_reprefill"] = f"{sum(first[k] == got_tok[k] for k in first)}/{n}"
+    if len(firsts) > 1:
+        a, b = list(firsts.values())[:2]
+        row["same_next_token_across_modes"] = f"{sum(a[k] == b[k] for k in a)}/{n}"
+    del model
+    torch.cuda.empty_cache() if device.startswith("cuda") else None
+    row["wall_s"] = time.perf_counter() - t_start
+    print(f"SUMMARY {dims}: pool {pool_bytes / 1e9:.1f} GB, re-prefill {t_reprefill:.3f} s; " + "; ".join(
+        f"{m}: restored {row[f'{m}.recover_s']:.3f} s, first token {row[f'{m}.first_token_all_s']:.3f} s "
+        f"(capture {row[f'{m}.graph_capture_s']:.3f}), x{row[f'{m}.speedup']:.2f}, {row[f'{m}.restore_gbps']:.1f} GB/s, "
+        f"equal={row[f'{m}.pool_byte_equal']}" for m in firsts), flush=True)
+    return row
 
 
 def main() -> int:
@@ -274,6 +393,15 @@ def main() -> int:
                     help="also run these concurrencies with graphs off (the eager step, for comparison)")
     ap.add_argument("--recovery-requests", type=int, default=64)
     ap.add_argument("--recovery-prompt", type=int, default=2000)
+    ap.add_argument("--recovery-modes", default="streamed",
+                    help="comma-separated: streamed (to the device through a pinned ring, checksums fused with "
+                         "the copy), streamed_open (the same, every checksum at the open first), image (through a "
+                         "host image, the earlier path); ':N' sets the replay threads, e.g. streamed:16")
+    ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
+    ap.add_argument("--build-batch-tokens", type=int, default=None,
+                    help="max_batch_tokens of the engine that writes the recovery log (larger prefill chunks)")
+    ap.add_argument("--no-build-compaction", action="store_true",
+                    help="the engine that writes the recovery log never compacts it (saves its background rewrites)")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--modes", default=",".join(EPOCHS), help=f"epoch modes, 'none' first (of {EPOCHS})")
     a = ap.parse_args()
@@ -299,10 +427,11 @@ def main() -> int:
     if modes[0] != "none" or any(m not in EPOCHS for m in modes):
         ap.error(f"--modes must start with 'none' and name modes of {EPOCHS}")
 
-    def save() -> None:
+    def save(quiet: bool = True) -> None:
         path = write_results("serve", thr + recs, baseline=[], notes=notes.format(p=p, g=g), out_dir=a.out,
                              tag=a.tag or ("cpu-quick" if a.quick else None))
-        print(f"wrote {path}", flush=True)
+        if not quiet:
+            print(f"wrote {path}", flush=True)
 
     if "throughput" in parts:
         dims = "tiny" if a.quick else "0.6b"
@@ -324,8 +453,22 @@ def main() -> int:
         h2d = h2d_gbps(a.device)
         for dims in (["tiny"] if a.quick else a.recovery_dims.split(",")):
             n, prompt = (8, 64) if a.quick else (a.recovery_requests, a.recovery_prompt)
-            recs.append({"part": "recovery", **bench_recovery(dims, a.device, dtype, n, prompt, 8, h2d)})
-            print(recs[-1], flush=True)
+            modes = a.recovery_modes.split(",") + (["image"] if dims in a.image_dims.split(",") else [])
+            recs.append({"part": "recovery"})
+            bench_recovery(dims, a.device, dtype, n, prompt, 8, h2d, modes=modes, batch_tokens=a.build_batch_tokens,
+                           compact=not a.no_build_compaction, row=recs[-1], progress=save)
+            save()
+    if len(recs) >= 2 and all("streamed.speedup" in r for r in recs[:2]):
+        import math
+
+        (x0, s0), (x1, s1) = [(r["flop_per_kv_byte"], r["streamed.speedup"]) for r in recs[:2]]
+        if x0 != x1 and s0 > 0 and s1 > 0:  # speedup ~ a power of the model's FLOP per byte of KV it restores
+            k = (math.log(s1) - math.log(s0)) / (math.log(x1) - math.log(x0))
+            cross = x0 * math.exp(-math.log(s0) / k) if k else float("nan")
+            for r in recs:
+                r["crossover_flop_per_kv_byte_estimate"] = cross
+            print(f"crossover (restore = re-prefill), interpolated from the two dims: {cross:.0f} FLOP per KV byte "
+                  f"({recs[0]['dims']}: {x0:.0f}, {recs[1]['dims']}: {x1:.0f})", flush=True)
             save()
     if thr:
         print_table("serve throughput: epoch every step vs none", thr,
@@ -333,9 +476,11 @@ def main() -> int:
                         f"tok_s_{m}", f"cost_{m}_pct")] + ["itl_p50_ms_none", "itl_p99_ms_none"] + [
                         f"itl_p50_ms_{m}" for m in modes[1:]] + ["bytes_per_step"])
     if recs:
+        m0 = a.recovery_modes.split(",")[0]
         print_table("serve recovery: restore vs re-prefill (model loaded)", recs,
-                    ["dims", "requests", "tokens_each", "log_gb", "recover_s", "first_token_all_s",
-                     "reprefill_first_token_all_s", "speedup", "restore_gbps", "h2d_pinned_gbps", "same_next_token"])
+                    ["dims", "requests", "tokens_each", "log_gb", f"{m0}.recover_s", f"{m0}.first_token_all_s",
+                     "reprefill_first_token_all_s", f"{m0}.speedup", f"{m0}.restore_gbps", "h2d_pinned_gbps",
+                     f"{m0}.pool_byte_equal"])
     return 0
 
 

@@ -49,6 +49,11 @@ class Backend(Protocol):
         ``direct``: no image is handed back to the caller, so replay may write into the buffer itself."""
         ...
 
+    def stream_sink(self, tracker: Tracker, *, slots: int, slot_bytes: int) -> Any:
+        """A sink (core/streamed.py) that restores ``tracker``'s buffer straight from the log's mapped segments,
+        or None: restore it from an image."""
+        ...
+
 
 class CpuBackend:
     name = "cpu"
@@ -78,6 +83,10 @@ class CpuBackend:
             return None
         target = cast("CpuTracker", tracker).buf  # this backend's trackers
         return lambda nbytes: target if nbytes == target.nbytes else np.empty(nbytes, dtype=np.uint8)
+
+    def stream_sink(self, tracker: Tracker, *, slots: int, slot_bytes: int) -> Any:
+        """None: host regions are replayed straight into their own buffer (``image_alloc``) already."""
+        return None
 
 
 class CudaBackend:
@@ -111,6 +120,18 @@ class CudaBackend:
     def image_alloc(self, tracker: Tracker, *, direct: bool, pinned: bool) -> ImageAlloc | None:
         """Page-locked host memory, so each region goes to the device in one DMA."""
         return pinned_or_pageable if pinned else None
+
+    def stream_sink(self, tracker: Tracker, *, slots: int, slot_bytes: int) -> Any:
+        """Paged regions (a KV pool: the bulk of a serving engine's state, and no detection state to re-base):
+        a ring of pinned slots DMA'd to the device (cuda/streamed.py)."""
+        if tracker.spec.kind is not RegionKind.PAGED:
+            return None
+        from .cuda.streamed import CudaSink, streamable
+
+        t = cast(Any, tracker).tensor
+        if not streamable(t, tracker.spec.nbytes, tracker.spec.page_bytes):
+            return None
+        return CudaSink(t, tracker.spec.nbytes, tracker.spec.page_bytes, slots=slots, slot_bytes=slot_bytes)
 
 
 def pinned_or_pageable(nbytes: int) -> Any:

@@ -32,13 +32,34 @@ class RecoveryOptions:
     threads: int | None = None  # replay's checksum and copy threads (None: automatic, 1: the calling thread)
     parallel_verify: bool = True  # False: payload checksums one after another on one thread
     pinned: bool = True  # GPU regions: replay into page-locked host memory, restored with one DMA per region
+    # paged GPU regions restored with keep_images=False: streamed from the log's mapped segments through a ring
+    # of ``ring_slots`` pinned slots of ``slot_bytes`` straight to the device (core/streamed.py), no host image
+    streamed: bool = True
+    ring_slots: int = 16
+    slot_bytes: int = 16 << 20
+    # regions whose page checksums are not run at the log's open but by their streamed restore, on the bytes as
+    # it copies them (every byte read once; still checked before the restore returns, so before any is used).
+    # None: the component decides (a serving engine defers its GPU KV pool); (): every checksum at open
+    defer_verify: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.ring_slots, int) or self.ring_slots < 2:
+            raise ConfigError(f"RecoveryOptions.ring_slots={self.ring_slots!r}: use an int >= 2")
+        if not isinstance(self.slot_bytes, int) or self.slot_bytes < 64 << 10:
+            raise ConfigError(f"RecoveryOptions.slot_bytes={self.slot_bytes!r}: use an int >= 65536")
+        if self.defer_verify is not None:
+            if isinstance(self.defer_verify, list):
+                object.__setattr__(self, "defer_verify", tuple(self.defer_verify))
+            if not isinstance(self.defer_verify, tuple) or not all(isinstance(n, str) for n in self.defer_verify):
+                raise ConfigError(f"RecoveryOptions.defer_verify={self.defer_verify!r}: use a tuple of region names")
 
     @classmethod
     def coerce(cls, value: RecoveryOptions | Mapping[str, Any] | None) -> RecoveryOptions:
         return coerce_options(cls, value, "recovery")
 
     def replay_options(self) -> ReplayOptions:
-        return ReplayOptions(threads=self.threads, parallel_verify=self.parallel_verify)
+        return ReplayOptions(threads=self.threads, parallel_verify=self.parallel_verify,
+                             defer=tuple(self.defer_verify or ()))
 
 
 @dataclass
@@ -53,6 +74,7 @@ class Recovered:
     seconds: float = 0.0
     timings: ReplayTimings = field(default_factory=ReplayTimings)  # the replay's passes (verify may predate)
     restore_s: float = 0.0  # recover_into: copying the images into the registered buffers
+    streamed: dict[str, Any] = field(default_factory=dict)  # region -> StreamedStats of a streamed restore
 
     @property
     def regions(self) -> dict[str, npt.NDArray[np.uint8]]:

@@ -234,6 +234,7 @@ class Runtime:
             t0 = time.perf_counter()
             self._drain()
             self._raise_compaction_failure()
+            self._check_deferred()
             tb = time.perf_counter()
             deltas: list[RegionDelta] = []
             for name, tracker in self._epoch_trackers():
@@ -296,6 +297,7 @@ class Runtime:
             t0 = time.perf_counter()
             self._drain()
             self._raise_compaction_failure()
+            self._check_deferred()
             t1 = time.perf_counter()
             frozen = freeze_meta(meta, copy_meta)
             plan = self._plan if self._plan is not None else self._build_plan()
@@ -420,22 +422,87 @@ class Runtime:
                 if res is not None:
                     res.close()
                 res = replay(self.log_dir, options=self.recovery.replay_options(), materialize=False)
+            streamed: dict[str, Any] = {}
             try:
                 check_epoch(res)
                 names = plan_restore(res.specs, {n: t.spec for n, t in self._trackers.items()}, targets)
                 direct = not keep_images
-                res.materialize({n: a for n in names if (a := self._image_alloc(n, direct)) is not None})
+                sinks = self._stream_sinks(names, res) if direct and targets is None else {}
+                allocs = {n: a for n in names if n not in sinks and (a := self._image_alloc(n, direct)) is not None}
+                if sinks:
+                    assert res.pending is not None
+                    plans = {}
+                    for n, sink in sinks.items():
+                        tp = time.perf_counter()
+                        plans[n] = res.pending.streamed_plan(n, sink.slot_bytes)
+                        sink.plan_s = time.perf_counter() - tp
+                    res.pending.check_deferred()  # the other regions' deferred checks, before their images
+                    res.regions = res.pending.materialize(allocs, res.timings, skip=set(sinks))
+                    streamed = self._stream_restore(sinks, plans)
+                else:
+                    res.materialize(allocs)  # runs any deferred checks first
             finally:
                 res.close()
             rec = recovered(res, t0)
+            rec.streamed = streamed
             t1 = time.perf_counter()
             for name in names:
-                self._restore_one(name, rec.images[name], targets)
+                if name not in streamed:
+                    self._restore_one(name, rec.images[name], targets)
             rec.restore_s = time.perf_counter() - t1
             if not keep_images:
                 rec.images = {n: img for n, img in rec.images.items() if n not in names}
             rec.seconds = time.perf_counter() - t0
             return rec
+
+    def _check_deferred(self) -> None:
+        """Checksums the open left to a restore (RecoveryOptions.defer_verify) run before anything is appended
+        after those epochs, restored or not (LogCorruptError if one fails)."""
+        res = self.log.replayed
+        if res is not None and res.pending is not None and res.pending.deferred:
+            res.pending.check_deferred()
+
+    def _stream_sinks(self, names: list[str], res: Any) -> dict[str, Any]:
+        """The regions restored straight from the mapped segments (their backend's sink), the rest by image."""
+        opts = self.recovery
+        if not opts.streamed or res.pending is None:
+            return {}
+        sinks = {}
+        for n in names:
+            tracker = self._trackers.get(n)
+            if tracker is None or tracker.spec != res.specs.get(n):
+                continue
+            t0 = time.perf_counter()
+            sink = self._backends[n].stream_sink(tracker, slots=opts.ring_slots, slot_bytes=opts.slot_bytes)
+            if sink is not None:
+                sink.setup_s = time.perf_counter() - t0  # the ring's allocation (pinned + device)
+                sinks[n] = sink
+        return sinks
+
+    def _stream_restore(self, sinks: dict[str, Any], plans: dict[str, Any]) -> dict[str, Any]:
+        """Stream each region's newest committed pages into its buffer; checksums deferred from the open
+        (RecoveryOptions.defer_verify) are run on the way, and a failure raises before this returns."""
+        from .core.streamed import run_streamed
+
+        out = {}
+        for name, sink in sinks.items():
+            plan = plans[name]
+            plan_s = float(getattr(sink, "plan_s", 0.0))
+            try:
+                stats = run_streamed(plan, sink, threads=self.recovery.threads)
+            finally:
+                close = getattr(sink, "close", None)
+                if close is not None:
+                    close()
+            stats.plan_s = plan_s
+            stats.seconds += plan_s
+            stats.extra["sink_setup_s"] = float(getattr(sink, "setup_s", 0.0))
+            out[name] = stats
+            tracker = self._trackers[name]
+            tracker.initialised = True  # type: ignore[attr-defined]  # the whole region holds committed bytes
+            self._needs_full.discard(name)
+            self._pending_defs.pop(name, None)
+        return out
 
     def _image_alloc(self, name: str, direct: bool) -> Any:
         """Where the replay writes a region restored into a registered buffer (the region's backend decides);
@@ -458,6 +525,7 @@ class Runtime:
     # -------------------------------------------------------------------------------------- compaction
     def compact(self, *, wait: bool = True) -> CompactionResult | None:
         """Rewrite base + sealed suffix into a new base. ``wait=False`` runs it in a background thread."""
+        self._check_deferred()
         if wait:
             self._join_compactor()
             self._compaction_unreported = None  # this call reports for itself

@@ -151,3 +151,67 @@ def test_step_epochs_with_graphs_log_the_generic_state_and_recover_token_exact(s
     assert drive(rec, workload()) == ref
     assert rec.fast.steps > 0
     rec.close()
+
+
+def _pool_log(shm: Path, model: torch.nn.Module, *, slots_reused: bool) -> tuple[Path, torch.Tensor, Engine]:
+    """A bf16 engine's log: prompts prefilled in chunks, decodes, requests that finish (their blocks reused by
+    later ones when ``slots_reused``); returns the log, a copy of the pool as it was at the last epoch and the
+    closed engine."""
+    eng = Engine(model, shm / "log", {"num_blocks": 48, "block_size": 16, "max_running": 8, "max_model_len": 256,
+                                      "max_batch_tokens": 320})
+    for i, p in enumerate(_prompts(8192)[:6]):
+        eng.submit(p, SamplingParams(max_new_tokens=12 + 6 * (i % 3), temperature=0.0, ignore_eos=True))
+    for _ in range(24 if slots_reused else 10):
+        if eng.has_work:
+            eng.step()
+        if slots_reused and len(eng.finished) >= 2 and not eng.waiting:
+            eng.submit(_prompts(8192)[0][:40], SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    torch.cuda.synchronize()
+    assert eng.running
+    pool = eng.pool.arena.clone()
+    eng.close()
+    return shm / "log", pool, eng
+
+
+@pytest.mark.parametrize("slots_reused", [False, True])
+def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees(shm: Path,
+                                                                                   slots_reused: bool) -> None:
+    model = _bf16_model()
+    log, pool, _ = _pool_log(shm, model, slots_reused=slots_reused)
+    copy = shm / "copy"
+    shutil.copytree(log, copy)
+    (copy / "LOCK").unlink(missing_ok=True)
+    # a tiny ring (3 slots of 64 KiB) so that chunks wrap it many times, some straight into place, some scattered
+    rec = Engine.recover(log, model, recovery={"ring_slots": 3, "slot_bytes": 64 << 10})
+    st = rec.recovered.streamed["kv"]
+    assert st.chunks > 6 and 0 < st.direct_chunks < st.chunks
+    assert torch.equal(rec.pool.arena, pool)
+    old = Engine.recover(copy, model, recovery={"streamed": False})
+    assert old.recovered.streamed == {}
+    assert torch.equal(old.pool.arena, pool)
+    a, b = rec.step(), old.step()
+    assert a.new_tokens == b.new_tokens and len(a.new_tokens) == len(rec.running) + len(a.finished)
+    rec.close()
+    old.close()
+
+
+def test_streamed_restore_refuses_a_damaged_kv_payload_before_anything_is_restored(shm: Path) -> None:
+    from concordia_ft.errors import LogCorruptError
+
+    model = _bf16_model()
+    log, _, _ = _pool_log(shm, model, slots_reused=False)
+    seg = sorted(log.glob("incr.*.cft"))[0]
+    data = bytearray(seg.read_bytes())
+    data[len(data) // 3] ^= 0x10  # inside a prefill epoch's KV rows
+    seg.write_bytes(bytes(data))
+    copy = shm / "copy"
+    shutil.copytree(log, copy)
+    (copy / "LOCK").unlink(missing_ok=True)
+    # the default: the pool's checksums run by the streamed restore, on the bytes it copies; Engine.recover
+    # raises, so no engine exists to serve a restored block
+    with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch \\(found by the restore"):
+        Engine.recover(log, model)
+    # every checksum at the open: refused before the pool even exists
+    with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch") as e:
+        Engine.recover(copy, model, recovery={"defer_verify": ()})
+    assert "found by the restore" not in str(e.value)

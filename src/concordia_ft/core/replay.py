@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,8 +62,9 @@ from .options import coerce_options
 from .regions import RegionSpec
 from .segment import map_segment
 from .snapshot import RegionPages, region_pages
+from .streamed import DeferredCheck, StreamedPlan, first_bad_deferred, plan_streamed
 
-__all__ = ["EpochSummary", "Outcome", "PendingImages", "RegionImage", "ReplayOptions", "ReplayResult",
+__all__ = ["DeferredCheck", "EpochSummary", "Outcome", "PendingImages", "RegionImage", "ReplayOptions", "ReplayResult",
            "ReplayTimings", "TailInfo", "replay"]
 
 
@@ -75,6 +76,12 @@ class ReplayOptions:
     parallel_verify: bool = True  # False: checksums on the calling thread, one payload after another
     chunk_bytes: int = 8 << 20  # checksum work unit: a larger payload is split and the pieces combined
     parallel_min_bytes: int = 16 << 20  # smaller segments are checksummed, smaller copies done, on one thread
+    # regions whose page payloads pass 1 does not checksum: their checks are handed to whoever uses the bytes
+    # (``PendingImages.deferred``), who runs each one before any byte of the region leaves (a streamed restore
+    # fuses them with its copy: every byte is read once). Pass 1 then applies epochs whose payload is damaged,
+    # so the result is only usable once the deferred checks passed; a writer's open (the Runtime) refuses any
+    # damage anyway, so for it the outcome is the same, the error comes later. Readers leave this empty.
+    defer: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
@@ -83,6 +90,8 @@ class ReplayOptions:
             raise ConfigError(f"ReplayOptions.chunk_bytes={self.chunk_bytes!r}: use an int >= 65536")
         if not isinstance(self.parallel_min_bytes, int) or self.parallel_min_bytes < 0:
             raise ConfigError(f"ReplayOptions.parallel_min_bytes={self.parallel_min_bytes!r}: use an int >= 0")
+        if not isinstance(self.defer, tuple) or not all(isinstance(n, str) for n in self.defer):
+            raise ConfigError(f"ReplayOptions.defer={self.defer!r}: use a tuple of region names")
 
     @property
     def workers(self) -> int:
@@ -167,6 +176,7 @@ class ReplayResult:
             return self.regions
         pending, self.pending = self.pending, None
         try:
+            pending.check_deferred()
             self.regions = pending.materialize(allocs, self.timings)
         finally:
             pending.close()
@@ -203,6 +213,7 @@ class _State:
         self.seq = 0
         self.meta: Any = None
         self.epoch: int | None = None
+        self.deferred: list[DeferredCheck] = []  # ReplayOptions.defer: checks not run yet
 
     def add(self, ep: DecodedEpoch, path: str) -> dict[str, int]:
         """Check every record of a verified epoch against the region geometry; nothing is copied yet."""
@@ -264,6 +275,34 @@ class PendingImages:
     def specs(self) -> Mapping[str, RegionSpec]:
         return self._state.specs
 
+    @property
+    def deferred(self) -> list[DeferredCheck]:
+        """Checks pass 1 left (``ReplayOptions.defer``) and nobody has run yet."""
+        return self._state.deferred
+
+    def take_deferred(self, name: str) -> list[DeferredCheck]:
+        """Hand region ``name``'s deferred checks to a caller who runs them (a streamed restore)."""
+        mine = [c for c in self._state.deferred if c.name == name]
+        self._state.deferred = [c for c in self._state.deferred if c.name != name]
+        return mine
+
+    def check_deferred(self, pool: Executor | None = None) -> None:
+        """Run every deferred check not handed out; LogCorruptError for the earliest that fails."""
+        checks, self._state.deferred = self._state.deferred, []
+        if not checks:
+            return
+        workers = self._options.workers
+        own = pool is None and workers > 1 and sum(c.data.nbytes for c in checks) >= self._options.parallel_min_bytes
+        ex = ThreadPoolExecutor(workers, thread_name_prefix="concordia-replay") if own else pool
+        try:
+            bad = first_bad_deferred(checks, ex, workers, self._options.chunk_bytes)
+        finally:
+            if own and ex is not None:
+                ex.shutdown(wait=False)
+        if bad is not None:
+            self._state.deferred = checks  # still not passed: anyone asking again gets the error again
+            raise bad.error()
+
     def region_pages(self) -> list[RegionPages]:
         """Each region's newest committed page versions, read in place from the mapped segments (valid
         until ``close``): what a streamed base is written from, without building an image."""
@@ -271,12 +310,26 @@ class PendingImages:
             raise LogError("this replay's segments were already released; replay the log again")
         return region_pages(self._state.specs, self._state.born, self._state.writes)
 
-    def materialize(self, allocs: Mapping[str, ImageAlloc] | None, timings: ReplayTimings,
-                    pool: Executor | None = None) -> dict[str, RegionImage]:
+    def streamed_plan(self, name: str, slot_bytes: int) -> StreamedPlan:
+        """The chunks that restore region ``name`` straight from the mapped segments (core/streamed.py);
+        their source views are valid until ``close``."""
         if self._mappings is None:
             raise LogError("this replay's segments were already released; replay the log again")
+        st = self._state
+        # the region's deferred checksums go with the plan: the streamed restore runs them as it copies
+        return plan_streamed(st.specs[name], st.born[name], st.writes, slot_bytes, self.take_deferred(name))
+
+    def materialize(self, allocs: Mapping[str, ImageAlloc] | None, timings: ReplayTimings,
+                    pool: Executor | None = None, skip: Collection[str] = ()) -> dict[str, RegionImage]:
+        """Images of every region but ``skip`` (those are restored another way, e.g. streamed)."""
+        if self._mappings is None:
+            raise LogError("this replay's segments were already released; replay the log again")
+        if any(c.name not in skip for c in self._state.deferred):
+            raise LogError("materialize: deferred checksums of the regions to build were not run; call "
+                           "check_deferred() first")
         t0 = time.perf_counter()
-        images, written = materialize_images(self._state.specs, self._state.born, self._state.writes,
+        specs = {n: sp for n, sp in self._state.specs.items() if n not in skip} if skip else self._state.specs
+        images, written = materialize_images(specs, self._state.born, self._state.writes,
                                              allocs=allocs, threads=self._options.workers, pool=pool,
                                              parallel_min_bytes=self._options.parallel_min_bytes)
         timings.copy_s += time.perf_counter() - t0
@@ -449,6 +502,7 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
             if materialize:
                 pending, result.pending = result.pending, None
                 try:
+                    pending.check_deferred(pool)
                     result.regions = pending.materialize(allocs, result.timings, pool)
                 finally:
                     pending.close()
@@ -495,8 +549,9 @@ def _replay_segment(st: _State, result: ReplayResult, seg: _Segment, manifest: M
     result.end_segment, result.end_offset = seg.name, SEGMENT_HEADER_BYTES
     epochs, stop = _walk(buf, SEGMENT_HEADER_BYTES)
     bad: tuple[int, str] | None = None  # (index in epochs, reason) of the first payload that fails its checksum
+    deferred: dict[int, list[int]] = {}  # epoch index -> records whose checksum is deferred (opts.defer)
     if verify:
-        bad = _first_bad_payload(epochs, pool, opts, result.timings)
+        bad = _first_bad_payload(epochs, pool, opts, result.timings, deferred)
     for i, ep in enumerate(epochs):
         if bad is not None and i == bad[0]:
             _stop(st, result, seg, ep.offset, EpochTail(TailKind.DAMAGED, bad[1]))
@@ -506,7 +561,12 @@ def _replay_segment(st: _State, result: ReplayResult, seg: _Segment, manifest: M
             raise LogCorruptError(path, pos, f"epoch {ep.epoch} follows epoch {st.epoch}: epochs are missing")
         if st.epoch is not None and ep.full and ep.epoch <= st.epoch:
             raise LogCorruptError(path, pos, f"base epoch {ep.epoch} does not advance past epoch {st.epoch}")
+        seq0 = st.seq
         pages = st.add(ep, path)
+        for r in deferred.get(i, ()):
+            ent = ep.entries[r]
+            st.deferred.append(DeferredCheck(seq0 + r + 1, ent.name, path, ep.offset, ep.epoch, r, ep.payload(ent),
+                                             ent.payload_crc))
         result.bytes_read += ep.total_bytes
         if header.kind != SEGMENT_BASE:
             result.suffix_bytes += ep.total_bytes
@@ -541,10 +601,18 @@ def _walk(buf: memoryview, pos: int) -> tuple[list[DecodedEpoch], tuple[int, Epo
 
 
 def _first_bad_payload(epochs: list[DecodedEpoch], pool: Executor | None, opts: ReplayOptions,
-                       timings: ReplayTimings) -> tuple[int, str] | None:
-    """(index, reason) of the earliest epoch with a payload that fails its checksum (its first such record)."""
-    items = [ChecksumItem((i, r), ep.payload(e), e.payload_crc)
-             for i, ep in enumerate(epochs) for r, e in enumerate(ep.entries) if e.payload_len]
+                       timings: ReplayTimings, deferred: dict[int, list[int]]) -> tuple[int, str] | None:
+    """(index, reason) of the earliest epoch with a payload that fails its checksum (its first such record).
+    Page records of ``opts.defer`` regions are not checked: they are listed in ``deferred`` instead."""
+    items = []
+    for i, ep in enumerate(epochs):
+        for r, e in enumerate(ep.entries):
+            if not e.payload_len:
+                continue
+            if opts.defer and e.rtype in (REC_PAGES, REC_RUNS) and e.name in opts.defer:
+                deferred.setdefault(i, []).append(r)
+            else:
+                items.append(ChecksumItem((i, r), ep.payload(e), e.payload_crc))
     timings.verify_bytes += sum(it.data.nbytes for it in items)
     bad = first_mismatch(items, pool=pool, workers=opts.workers if pool is not None else 1,
                          chunk_bytes=opts.chunk_bytes)

@@ -20,6 +20,7 @@ packed arithmetic of a step is the same in an uninterrupted engine and in one re
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 import uuid
@@ -141,7 +142,9 @@ class Engine:
         self.opts = opts = EngineOptions.coerce(options)
         if opts.checkpoint and log_dir is None:
             raise ConfigError("an engine that checkpoints needs a log directory (or options checkpoint=False)")
-        if _recovering is None and log_dir is not None and Path(log_dir).is_dir() and any(Path(log_dir).iterdir()):
+        fresh_dir = _runtime is None or _runtime.epoch is not None  # a Runtime handed in opened the dir itself
+        if (_recovering is None and log_dir is not None and fresh_dir and Path(log_dir).is_dir()
+                and any(Path(log_dir).iterdir())):
             raise ConfigError(f"{log_dir} already holds a log; continue it with Engine.recover(log_dir, model) "
                               "or pass an empty directory")
         self.model = model
@@ -182,6 +185,7 @@ class Engine:
         self._seq = itertools.count()
         self.recovered_epoch: int | None = None
         self.recovered: Any = None  # the Runtime's Recovered (timings) after Engine.recover
+        self.recover_phases: dict[str, float] = {}  # Engine.recover: seconds per phase
         self._held: StepOutput | None = None  # async_epochs: the step whose epoch is being written
         self._pending: Any = None  # ... and that epoch (a PendingEpoch or a StepPending)
         self._meta_static: bytes | None = None
@@ -552,14 +556,26 @@ class Engine:
 
     # -- recovery ----------------------------------------------------------------------------------------
     @classmethod
-    def recover(cls, log_dir: str | Path, model: Any, options: EngineOptions | dict[str, Any] | None = None
-                ) -> Engine:
+    def recover(cls, log_dir: str | Path, model: Any, options: EngineOptions | dict[str, Any] | None = None,
+                *, recovery: Any = None, runtime_options: dict[str, Any] | None = None) -> Engine:
         """A new engine from the last committed step of ``log_dir``: every request continues where it was.
-        The log's checksums are verified (replay at open) before any restored byte is used."""
+        The log's checksums are verified (replay at open) before any restored byte is used. A GPU pool is
+        streamed from the log's segments to the device through a ring of pinned slots (``recovery``: the
+        Runtime's RecoveryOptions, or a dict of them; ``{"streamed": False}`` restores through a host image;
+        ``runtime_options``: more keyword arguments of the Runtime that continues the log)."""
+        from ..recovery import RecoveryOptions
         from ..runtime import open_to_recover
 
         opts = EngineOptions.coerce(options)
-        rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend)
+        rec_opts = RecoveryOptions.coerce(recovery)
+        if rec_opts.defer_verify is None:
+            # a GPU pool is streamed to the device with its checksums run on the bytes as they are copied (read
+            # once); a CPU pool is replayed into its own buffer after every checksum passed at the open
+            cuda = next(model.parameters()).device.type == "cuda"
+            rec_opts = dataclasses.replace(rec_opts, defer_verify=("kv",) if cuda and rec_opts.streamed else ())
+        t0 = time.perf_counter()
+        rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
+                                runtime_options={**(runtime_options or {}), "recovery": rec_opts})
         try:
             if m.get("version") != META_VERSION:
                 raise RecoveryError(f"serve metadata version {m.get('version')}; this code reads {META_VERSION}")
@@ -575,8 +591,13 @@ class Engine:
             logged = dict(m["options"])
             opts = EngineOptions(**{**opts.__dict__, **logged, "num_blocks": geo.num_blocks,
                                     "block_size": geo.block_size, "kv_dtype": geo.dtype})
+            t1 = time.perf_counter()
             eng = cls(model, log_dir, opts, _recovering=m, _runtime=rt)
+            t2 = time.perf_counter()
             eng._load(m)
+            # where recover() spent its time: the log's open (replay pass 1: every checksum), the engine (pool
+            # allocation), the restore (regions into the pool, requests from the metadata)
+            eng.recover_phases = {"open_s": t1 - t0, "construct_s": t2 - t1, "load_s": time.perf_counter() - t2}
         except BaseException:
             rt.close()
             raise

@@ -1,0 +1,198 @@
+"""Streamed restore (core/streamed.py): the chunks of a verified log, pushed through a ring into a buffer, give
+exactly the bytes the image path gives: every page's newest committed version, superseded versions never
+copied, pages no write supplied as zeros, a region redefined since starting from zeros; on any slot size, any
+ring depth, one thread or several, and from a compacted log (a base + suffix). The device sink (cuda/streamed.py)
+is checked against the same reference on the GPU (tests/gpu/test_serve_gpu.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import concordia_ft as cft
+from concordia_ft.core.replay import ReplayOptions, replay
+from concordia_ft.core.streamed import HostSink, plan_streamed, run_streamed
+from concordia_ft.errors import ConfigError, LogCorruptError
+from concordia_ft.recovery import RecoveryOptions
+
+PAGE = 512
+ROW = 4 * PAGE  # a "row" of 4 pages, the paged region's block
+
+
+def _write_log(log: Path, rng: np.random.Generator, *, steps: int, compact_at: int | None = None,
+               redefine_at: int | None = None) -> dict[str, np.ndarray]:
+    """A paged region written the way the engine writes a KV pool (prefill runs, one row per request per
+    decode step, freed rows rewritten by a new owner), plus a dense one; returns the final bytes."""
+    rows = 96
+    kv = np.zeros(rows * ROW, dtype=np.uint8)
+    flags = np.zeros(rows, dtype=np.uint8)
+    small = np.zeros(3 * PAGE, dtype=np.uint8)
+    with cft.Runtime(log, fsync="never", compact_after_bytes=None, page_bytes=PAGE) as rt:
+        rt.register("kv", kv, "paged", block_bytes=ROW, dirty_blocks=flags, initially_zero=True)
+        rt.register("small", small, "dense")
+        for step in range(steps):
+            if step == 0:  # a prefill: two long runs
+                touched = list(range(0, 20)) + list(range(40, 57))
+            else:  # decodes: one row each of 6 requests, sometimes a freed row rewritten
+                touched = sorted({int(x) for x in rng.choice(rows - 5, 6, replace=False)})
+            for r in touched:
+                kv[r * ROW:(r + 1) * ROW] = rng.integers(1, 256, ROW, dtype=np.uint8)
+                flags[r] = 1
+            small[:] = rng.integers(0, 256, small.size, dtype=np.uint8)
+            rt.checkpoint(meta={"step": step})
+            if compact_at is not None and step == compact_at:
+                rt.compact()
+            if redefine_at is not None and step == redefine_at:
+                rt.unregister("kv")
+                kv[:] = 0
+                flags[:] = 0
+                kv[5 * ROW:6 * ROW] = 7
+                flags[5] = 1
+                rt.register("kv", kv, "paged", block_bytes=ROW, dirty_blocks=flags, initially_zero=False)
+    return {"kv": kv.copy(), "small": small.copy()}
+
+
+def _streamed(log: Path, name: str, *, slot_bytes: int, slots: int, threads: int) -> tuple[np.ndarray, object]:
+    res = replay(log, materialize=False)
+    assert res.pending is not None
+    spec = res.specs[name]
+    plan = res.pending.streamed_plan(name, slot_bytes)
+    out = np.full(spec.n_pages * spec.page_bytes, 0xAB, dtype=np.uint8)  # garbage: every byte must be written
+    stats = run_streamed(plan, HostSink(out, spec.page_bytes, slots=slots, slot_bytes=slot_bytes), threads=threads)
+    res.close()
+    return out[: spec.nbytes], (plan, stats)
+
+
+@pytest.mark.parametrize(("slot_bytes", "slots", "threads"), [(PAGE, 2, 1), (3 * PAGE, 3, 2), (64 << 10, 4, 3),
+                                                              (1 << 20, 2, 1)])
+@pytest.mark.parametrize("shape", ["plain", "compacted", "redefined"])
+def test_streamed_restore_equals_the_image_and_the_live_buffer(shm_dir: Path, slot_bytes: int, slots: int,
+                                                               threads: int, shape: str) -> None:
+    rng = np.random.default_rng(7)
+    log = shm_dir / "log"
+    kw = {"compact_at": 9} if shape == "compacted" else {"redefine_at": 12} if shape == "redefined" else {}
+    final = _write_log(log, rng, steps=20, **kw)
+    image = replay(log).regions["kv"].data
+    assert np.array_equal(image, final["kv"])  # the reference: the image path
+    got, (plan, stats) = _streamed(log, "kv", slot_bytes=slot_bytes, slots=slots, threads=threads)
+    assert np.array_equal(got, final["kv"])
+    assert plan.copy_bytes + plan.unfilled * PAGE == final["kv"].nbytes  # each live page copied exactly once
+    # rows no one wrote (zeros) are written by the sink, not by a chunk; a redefinition logged every row anew
+    assert (plan.unfilled > 0) == (shape != "redefined")
+    assert stats.bytes == plan.copy_bytes
+    assert all(c.nbytes <= slot_bytes for c in plan.chunks)
+
+
+def test_superseded_versions_are_never_copied(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    kv = np.zeros(8 * ROW, dtype=np.uint8)
+    flags = np.zeros(8, dtype=np.uint8)
+    with cft.Runtime(log, fsync="never", compact_after_bytes=None, page_bytes=PAGE) as rt:
+        rt.register("kv", kv, "paged", block_bytes=ROW, dirty_blocks=flags, initially_zero=True)
+        for v in (1, 2, 3):  # row 2 three times, row 6 once (in the first epoch)
+            kv[2 * ROW:3 * ROW] = v
+            flags[2] = 1
+            if v == 1:
+                kv[6 * ROW:7 * ROW] = 9
+                flags[6] = 1
+            rt.checkpoint()
+    res = replay(log, materialize=False)
+    assert res.pending is not None
+    plan = res.pending.streamed_plan("kv", 1 << 20)
+    assert plan.records == 3
+    assert plan.copy_bytes == 2 * ROW  # row 2's last version and row 6
+    assert plan.superseded_bytes == 2 * ROW  # row 2's first two versions
+    assert plan.unfilled == 6 * ROW // PAGE
+    out = np.full(8 * ROW, 0xAB, dtype=np.uint8)
+    run_streamed(plan, HostSink(out, PAGE, slots=2, slot_bytes=1 << 20), threads=1)
+    res.close()
+    assert np.array_equal(out, kv)
+    assert (out[2 * ROW:3 * ROW] == 3).all()
+
+
+def test_a_slot_smaller_than_a_page_is_refused(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    _write_log(log, np.random.default_rng(1), steps=2)
+    res = replay(log, materialize=False)
+    assert res.pending is not None
+    spec = res.specs["kv"]
+    with pytest.raises(ConfigError, match="smaller than region 'kv'"):
+        plan_streamed(spec, 0, [], PAGE - 1)
+    res.close()
+
+
+def test_recovery_options_refuse_a_one_slot_ring() -> None:
+    with pytest.raises(ConfigError, match="ring_slots"):
+        RecoveryOptions(ring_slots=1)
+
+
+# ------------------------------------------------------------------------------ deferred checksums
+def _damage(log: Path, where: str) -> None:
+    """Flip one byte of a 'kv' record: one whose pages the restore copies ("live") or one that is wholly
+    superseded (never copied, only checksummed)."""
+    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
+    assert res.pending is not None
+    plan = res.pending.streamed_plan("kv", 1 << 20)
+    copied = {plan.pieces[pid][0] for ch in plan.chunks for _, _, pid in ch.copies}
+    pick = [c for i, c in enumerate(plan.checks) if (i in copied) == (where == "live")]
+    assert pick, where
+    c = pick[len(pick) // 2]
+    path, offset, head, n = c.path, c.offset, bytes(c.data[:64]), c.data.nbytes
+    del plan, pick, c
+    res.close()
+    raw = bytearray(Path(path).read_bytes())
+    at = raw.find(head, offset)  # the payload's random bytes, after its epoch's header
+    assert at >= 0
+    raw[at + n // 2] ^= 0x20
+    Path(path).write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("where", ["live", "superseded"])
+def test_a_deferred_checksum_failure_is_raised_by_the_streamed_restore(shm_dir: Path, where: str) -> None:
+    log = shm_dir / "log"
+    _write_log(log, np.random.default_rng(3), steps=30)
+    _damage(log, where)
+    with pytest.raises(LogCorruptError):  # the reference: pass 1 checking every payload
+        replay(log)
+    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",), threads=2))
+    assert res.pending is not None and res.pending.deferred  # pass 1 let the kv records through unchecked
+    plan = res.pending.streamed_plan("kv", 16 << 10)
+    assert not res.pending.deferred  # handed to the plan
+    out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
+    with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
+        run_streamed(plan, HostSink(out, PAGE, slots=3, slot_bytes=16 << 10), threads=2)
+    res.close()
+
+
+def test_deferred_checks_of_an_undamaged_log_pass_and_cover_every_payload_byte(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    final = _write_log(log, np.random.default_rng(5), steps=30)
+    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
+    assert res.pending is not None
+    total = sum(c.data.nbytes for c in res.pending.deferred)
+    plan = res.pending.streamed_plan("kv", 8 << 10)
+    assert sum(n for _, _, n in plan.pieces) == total  # copied pieces + superseded pieces tile every record
+    assert plan.crc_only  # some bytes are only checksummed (superseded rows)
+    out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
+    st = run_streamed(plan, HostSink(out, PAGE, slots=4, slot_bytes=8 << 10), threads=3)
+    res.close()
+    assert st.extra["verified_bytes"] == total
+    assert np.array_equal(out[: final["kv"].nbytes], final["kv"])
+
+
+def test_a_runtime_with_deferred_checks_refuses_damage_before_restoring_or_appending(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    _write_log(log, np.random.default_rng(6), steps=30)
+    _damage(log, "live")
+    rt = cft.Runtime(log, fsync="never", page_bytes=PAGE, recovery={"defer_verify": ("kv",)})  # opens: kv unchecked
+    kv = np.zeros(96 * ROW, dtype=np.uint8)
+    rt.register("kv", kv, "paged", block_bytes=ROW, dirty_blocks=np.zeros(96, dtype=np.uint8))
+    rt.register("small", np.zeros(3 * PAGE, dtype=np.uint8), "dense")
+    with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
+        rt.checkpoint()  # nothing is appended after an unchecked epoch
+    with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
+        rt.recover_into(keep_images=False)  # a host region: checked before its image is built
+    assert not kv.any()
+    rt.close()
