@@ -175,7 +175,7 @@ def test_a_module_load_steps_the_block_aside_before_the_driver_loads(drv: Driver
     ring.start()  # what the executor's next submit does: relaunch
 
 
-@pytest.mark.parametrize("api", ["cuCtxSynchronize", "cuMemFree_v2", "cuMemFreeHost", "cuModuleGetFunction",
+@pytest.mark.parametrize("api", ["cuCtxSynchronize", "cuCtxSynchronize_v2", "cuMemFree_v2", "cuMemFreeHost", "cuModuleGetFunction",
                                  "cuLibraryGetKernel", "cuKernelGetFunction", "cuFuncGetAttribute",
                                  "cuGraphInstantiateWithFlags", "cuLibraryLoadData", "cuModuleUnload"])
 def test_every_blocking_call_steps_aside(api: str, drv: Driver, ng: guard.NativeGuard, ring: Ring) -> None:
