@@ -181,12 +181,16 @@ static const char *trace_names[CFT_TRACE_IDS];
 static char *unguarded_where[MAX_UNGUARDED]; /* the driver call in which an unguarded module load happened */
 static uint32_t unguarded_module[MAX_UNGUARDED];
 
+/* CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize_v2 (CUDA 13.0 headers), by number so that a wheel whose header
+   predates it still builds (the CPU test checks the number against the header it finds) */
+#define CFT_CBID_cuCtxSynchronize_v2 ((CUpti_CallbackId)800)
+
 /* hazard callbacks: entering one steps every executor aside until it returns */
 static const struct { CUpti_CallbackId cbid; const char *name; } HAZARD_APIS[] = {
     {CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize, "cuCtxSynchronize"},
     /* CUDA 13: cudart asks cuGetProcAddress for "cuCtxSynchronize" at version 13000 and gets this entry
        (PFN_cuCtxSynchronize_v13000 takes the context): cudaDeviceSynchronize / torch.cuda.synchronize */
-    {CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize_v2, "cuCtxSynchronize_v2"},
+    {CFT_CBID_cuCtxSynchronize_v2, "cuCtxSynchronize_v2"},
     {CUPTI_DRIVER_TRACE_CBID_cuMemFree_v2, "cuMemFree"},
     {CUPTI_DRIVER_TRACE_CBID_cuMemFreeHost, "cuMemFreeHost"},
     {CUPTI_DRIVER_TRACE_CBID_cuMemHostUnregister, "cuMemHostUnregister"},
