@@ -48,7 +48,10 @@ from concordia_ft.benchreport import median, write_results  # noqa: E402
 from concordia_ft.instrument import triton_hook  # noqa: E402
 
 
-def make_layer(batch: int, seq: int) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+def make_layers(n: int, batch: int, seq: int) -> tuple[Any, list[dict[str, Any]], tuple[Any, ...], dict[str, Any]]:
+    """n Qwen3 decoder layers (distinct random weights) and fwd(params, h, cos, sin): one layer's forward with
+    the given layer's parameters (torch.func.functional_call), so that one compiled graph serves every layer
+    of a stack (the parameters are its inputs) with no recompilation."""
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
@@ -56,20 +59,27 @@ def make_layer(batch: int, seq: int) -> tuple[Any, tuple[Any, ...], dict[str, An
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                       rope_theta=1_000_000.0, max_position_embeddings=40960)
     cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    layer = Qwen3DecoderLayer(cfg, layer_idx=0).to("cuda", torch.bfloat16).eval()
+    layers = []
+    for i in range(n):
+        torch.manual_seed(i)
+        with torch.device("cuda"):
+            layers.append(Qwen3DecoderLayer(cfg, layer_idx=0).to(torch.bfloat16).eval())
+    layer0 = layers[0]
+    params = [{k: v.detach() for k, v in lay.named_parameters()} for lay in layers]
     rot = Qwen3RotaryEmbedding(cfg).to("cuda")
+    torch.manual_seed(1234)
     x = torch.randn(batch, seq, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     pos = torch.arange(seq, device="cuda")[None].expand(batch, seq)
     cos, sin = rot(x, pos)
 
-    def fwd(h: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        o = layer(h, attention_mask=None, position_ids=pos, position_embeddings=(c, s))
+    def fwd(p: dict[str, Any], h: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        o = torch.func.functional_call(layer0, p, (h,), {"attention_mask": None, "position_ids": pos,
+                                                          "position_embeddings": (c, s)})
         return o[0] if isinstance(o, tuple) else o
 
     shape = {"batch": batch, "seq": seq, "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
              "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim}
-    return fwd, (x, cos, sin), shape
+    return fwd, params, (x, cos, sin), shape
 
 
 def _clear_inductor_memory_caches() -> None:
@@ -91,12 +101,17 @@ def _clear_inductor_memory_caches() -> None:
 
 
 def compile_variant(fwd: Any, inputs: tuple[Any, ...], tag: str) -> tuple[Any, Any, list[str]]:
+    """torch.compile a copy of fwd with a code object of its own: Dynamo keeps compiled code per code object,
+    so the plain and the instrumented variant never share (or replace) each other's cache entry."""
+    import types
+
     from torch._inductor.utils import run_and_get_code
 
-    torch._dynamo.reset()
     _clear_inductor_memory_caches()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_TMP, f"inductor-{tag}")
-    f = torch.compile(fwd, dynamic=False)
+    code = fwd.__code__.replace(co_name=f"{fwd.__name__}_{tag}")
+    g = types.FunctionType(code, fwd.__globals__, code.co_name, fwd.__defaults__, fwd.__closure__)
+    f = torch.compile(g, dynamic=False)
     with torch.no_grad():
         y, codes = run_and_get_code(f, *inputs)
     torch.cuda.synchronize()
@@ -220,6 +235,43 @@ def pause_kernel(k: Any, trigger: Any, fractions: tuple[float, ...]) -> dict[str
     return row
 
 
+def time_stack(fwd: Any, f_plain: Any, f_probe: Any, params: list[dict[str, Any]], xcs: tuple[Any, ...],
+               rounds: int, rep: int, tokens: int) -> list[dict[str, Any]]:
+    """A stack of len(params) layers: each variant's one compiled graph applied layer after layer (the probes
+    disarmed: a module global holds one control block per kernel, and every layer launches the same kernels),
+    eager beside it; tokens/s of the whole stack."""
+    from torch._dynamo.utils import counters
+
+    x, c, s = xcs
+
+    def stack(f: Any) -> Any:
+        def run() -> Any:
+            h = x
+            for p in params:
+                h = f(p, h, c, s)
+            return h
+        return run
+
+    fs = {"stack_eager": stack(fwd), "stack_compiled": stack(f_plain), "stack_compiled_probes": stack(f_probe)}
+    graphs0 = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        ys = {k: f() for k, f in fs.items()}
+    ts: dict[str, list[float]] = {k: [] for k in fs}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for k, f in fs.items():
+                ts[k].append(float(triton.testing.do_bench(f, warmup=3, rep=rep, return_mode="median")))
+    recompiles = counters["stats"]["unique_graphs"] - graphs0
+    out = []
+    for k, v in ts.items():
+        m = median(v)
+        out.append({"variant": k, "layers": len(params), "stack_ms": m, "tokens_per_s": tokens / (m / 1e3),
+                    "rounds_ms": v, "recompiles": recompiles,
+                    "output_equal_compiled": bool(torch.equal(ys[k], ys["stack_compiled"])),
+                    "finite": bool(torch.isfinite(ys[k]).all())})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default="benchmarks/results")
@@ -228,12 +280,16 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per variant per round")
     ap.add_argument("--budget-s", type=float, default=600.0, help="stop pausing kernels after this much wall")
+    ap.add_argument("--stack", type=int, default=0, help="also time a stack of this many layers (distinct "
+                                                         "weights, one compiled graph), with and without probes")
+    ap.add_argument("--no-pause", action="store_true", help="skip the per-kernel pauses")
     ns = ap.parse_args()
     t_start = time.perf_counter()
     from concordia_ft.instrument.inductor import ArmedLaunches, capture_launches
     from concordia_ft.instrument.pause import GpuPauseTrigger
 
-    fwd, inputs, shape = make_layer(ns.batch, ns.seq)
+    fwd, params, xcs, shape = make_layers(max(1, ns.stack), ns.batch, ns.seq)
+    inputs = (params[0], *xcs)
     tokens = ns.batch * ns.seq
     summary: dict[str, Any] = {"shape": shape, "tokens_per_call": tokens}
     rows: list[dict[str, Any]] = []
@@ -260,6 +316,10 @@ def main() -> int:
         reps = triton_hook.reports()
         inst = [k for k in k_probe if k in reps and reps[k].instrumented]
         refused = {k: reps[k].refused for k in k_probe if k in reps and not reps[k].instrumented}
+        plain_launches = capture_launches(f_plain, inputs)
+        plain_with_probes = [k.name for k in ArmedLaunches(plain_launches).launches]
+        if plain_with_probes:  # the baseline must really be the plain compile
+            raise RuntimeError(f"the plain variant runs kernels with probes: {plain_with_probes}")
         launches = capture_launches(f_probe, inputs)
         armed = ArmedLaunches(launches)
         if not armed.launches or len(armed.launches) != len(inst):
@@ -294,9 +354,13 @@ def main() -> int:
 
         variants = {"eager": fwd, "compiled": f_plain, "compiled_probes": f_probe,
                     "compiled_probes_armed": armed_call, "compiled_plus_reset": plain_reset_call}
+        from torch._dynamo.utils import counters
+
+        graphs0 = counters["stats"]["unique_graphs"]
         ts = time_alternating(variants, inputs, ns.rounds, ns.rep,
                               before={"compiled_probes": armed.disarm, "compiled_probes_armed": armed.arm})
         armed.disarm()
+        summary["recompiles_while_timing"] = counters["stats"]["unique_graphs"] - graphs0
         med = {k: median(v) for k, v in ts.items()}
         for k, v in ts.items():
             rows.append({"variant": k, "layer_ms": med[k], "tokens_per_s": tokens / (med[k] / 1e3),
@@ -318,8 +382,26 @@ def main() -> int:
               f"equal {summary['armed_output_equal_plain']}, all blocks done {summary['armed_all_blocks_done']}",
               flush=True)
         save()
+        if ns.stack > 1:
+            stack_rows = time_stack(fwd, f_plain, f_probe, params, xcs, ns.rounds, ns.rep, tokens)
+            rows.extend(stack_rows)
+            st = {r["variant"]: r for r in stack_rows}
+            summary.update(stack_layers=ns.stack,
+                           stack_ms_compiled=st["stack_compiled"]["stack_ms"],
+                           stack_ms_probes=st["stack_compiled_probes"]["stack_ms"],
+                           stack_probe_overhead_pct=100 * (st["stack_compiled_probes"]["stack_ms"]
+                                                           / st["stack_compiled"]["stack_ms"] - 1),
+                           stack_tokens_per_s_compiled=st["stack_compiled"]["tokens_per_s"],
+                           stack_tokens_per_s_probes=st["stack_compiled_probes"]["tokens_per_s"],
+                           recompiles_while_timing=summary["recompiles_while_timing"]
+                           + st["stack_compiled"]["recompiles"])
+            print(f"stack of {ns.stack}: compiled {summary['stack_ms_compiled']:.3f} ms "
+                  f"({summary['stack_tokens_per_s_compiled']:.0f} tok/s), probes disarmed "
+                  f"{summary['stack_ms_probes']:.3f} ms ({summary['stack_probe_overhead_pct']:+.2f}%), "
+                  f"recompiles {summary['recompiles_while_timing']}", flush=True)
+            save()
         trigger = GpuPauseTrigger()
-        for k in sorted(armed.launches, key=lambda k: -k.nblocks):
+        for k in ([] if ns.no_pause else sorted(armed.launches, key=lambda k: -k.nblocks)):
             if time.perf_counter() - t_start > ns.budget_s:
                 kernels.append({"variant": "pause", "kernel": k.name, "skipped": "out of the run's time budget"})
                 continue
