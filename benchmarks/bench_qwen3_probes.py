@@ -195,6 +195,10 @@ def pause_kernel(k: Any, trigger: Any, fractions: tuple[float, ...]) -> dict[str
         launch._launch()
 
     row["armed_kernel_us"] = 1e3 * ev_ms(full_armed, 7)
+    # a launch in which every block is done (they all leave at entry): what the blocks not started yet cost
+    # a pause, per block, beside the drain of the running ones
+    row["all_done_launch_us"] = 1e3 * ev_ms(launch._launch, 7)
+    row["skip_ns_per_block"] = 1e3 * row["all_done_launch_us"] / nblk
     side = torch.cuda.Stream()
     side_d = cd.Stream.borrow(side.cuda_stream)
     trials = []
@@ -224,10 +228,14 @@ def pause_kernel(k: Any, trigger: Any, fractions: tuple[float, ...]) -> dict[str
         trials.append({"after_blocks": thr, "done_seen_at_write": trig["done_seen"], "trigger_reached":
                        bool(trig["reached"]), "pending_after_pause": pending,
                        "mid_grid": 0 < pending < nblk, "pause_latency_us": 1e3 * flag.elapsed_time(e1),
+                       "latency_minus_skips_us": 1e3 * flag.elapsed_time(e1)
+                       - pending * row["skip_ns_per_block"] / 1e3,
                        "launch_to_write_us": 1e3 * e0.elapsed_time(flag), "bit_equal": bool(eq)})
     row["trials"] = trials
     lat = [t["pause_latency_us"] for t in trials if t["mid_grid"]]
     row["pause_latency_us_median"] = median(lat) if lat else None
+    drain = [t["latency_minus_skips_us"] for t in trials if t["mid_grid"]]
+    row["drain_us_median"] = median(drain) if drain else None
     ref = row.get("block_us_one_wave", row["block_us_from_waves"])
     row["latency_over_block"] = (row["pause_latency_us_median"] / ref) if lat and ref else None
     row["mid_grid_pauses"] = sum(1 for t in trials if t["mid_grid"])
