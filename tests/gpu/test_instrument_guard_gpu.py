@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_executor_stays_attached_through_a_users_workload_with_zero_hangs() -> None:
-    g = run_workload(guarded=True)
+    g = run_workload(guarded=True, step_timeout=15.0)  # a stuck step ends in 15 s (compile: its own 300 s)
     sync = next((r for r in g.get("rows", []) if r.get("step") == "synchronize"), {})
     print(json.dumps({"wall_s": g.get("wall_s"), "hangs": g.get("hangs"),
                       "synchronize": {k: v for k, v in sync.items() if k.startswith("sync")},
