@@ -291,6 +291,8 @@ def main() -> int:
     ap.add_argument("--stack", type=int, default=0, help="also time a stack of this many layers (distinct "
                                                          "weights, one compiled graph), with and without probes")
     ap.add_argument("--no-pause", action="store_true", help="skip the per-kernel pauses")
+    ap.add_argument("--pause-first", type=int, default=3, help="pause this many kernels (largest grids) before "
+                                                               "timing the stack, the rest after")
     ns = ap.parse_args()
     t_start = time.perf_counter()
     from concordia_ft.instrument.inductor import ArmedLaunches, capture_launches
@@ -390,7 +392,12 @@ def main() -> int:
               f"equal {summary['armed_output_equal_plain']}, all blocks done {summary['armed_all_blocks_done']}",
               flush=True)
         save()
-        if ns.stack > 1:
+        def do_stack() -> None:
+            if ns.stack <= 1:
+                return
+            if time.perf_counter() - t_start > ns.budget_s - 6:
+                summary["stack_skipped"] = "out of the run's time budget"
+                return
             stack_rows = time_stack(fwd, f_plain, f_probe, params, xcs, ns.rounds, ns.rep, tokens)
             rows.extend(stack_rows)
             st = {r["variant"]: r for r in stack_rows}
@@ -409,7 +416,12 @@ def main() -> int:
                   f"recompiles {summary['recompiles_while_timing']}", flush=True)
             save()
         trigger = GpuPauseTrigger()
-        for k in ([] if ns.no_pause else sorted(armed.launches, key=lambda k: -k.nblocks)):
+        order = [] if ns.no_pause else sorted(armed.launches, key=lambda k: -k.nblocks)
+        if not order[:ns.pause_first]:
+            do_stack()
+        for i, k in enumerate(order):
+            if i == ns.pause_first:  # the stack's tokens/s between the largest kernels' pauses and the rest
+                do_stack()
             if time.perf_counter() - t_start > ns.budget_s:
                 kernels.append({"variant": "pause", "kernel": k.name, "skipped": "out of the run's time budget"})
                 continue
@@ -421,6 +433,8 @@ def main() -> int:
             print("pause:", json.dumps({kk: v for kk, v in r.items() if kk not in ("trials", "config")})[:600],
                   flush=True)
             save()
+        if 0 < len(order) <= ns.pause_first:
+            do_stack()
         done_rows = [r for r in kernels if "trials" in r]
         summary.update(pause_kernels=len(done_rows),
                        pause_mid_grid_all=bool(done_rows) and all(r["mid_grid_pauses"] == len(r["trials"])
