@@ -327,14 +327,15 @@ def main() -> int:
         inst = [k for k in k_probe if k in reps and reps[k].instrumented]
         refused = {k: reps[k].refused for k in k_probe if k in reps and not reps[k].instrumented}
         plain_launches = capture_launches(f_plain, inputs)
-        plain_with_probes = [k.name for k in ArmedLaunches(plain_launches).launches]
+        plain_with_probes = ArmedLaunches(plain_launches, repeated="skip").with_probes
         if plain_with_probes:  # the baseline must really be the plain compile
             raise RuntimeError(f"the plain variant runs kernels with probes: {plain_with_probes}")
         launches = capture_launches(f_probe, inputs)
-        armed = ArmedLaunches(launches)
-        if not armed.launches or len(armed.launches) != len(inst):
-            raise RuntimeError(f"armed {len(armed.launches)} launches of {len(inst)} instrumented kernels "
-                               f"(captured {[k.name for k in launches]}, not armed {armed.skipped})")
+        armed = ArmedLaunches(launches, repeated="skip")  # a kernel launched twice per call stays disarmed
+        if not armed.launches or sorted(armed.with_probes) != sorted(inst):
+            raise RuntimeError(f"armed {len(armed.launches)} launches; kernels with probes {armed.with_probes}, "
+                               f"instrumented {inst} (captured {[k.name for k in launches]}, not armed "
+                               f"{armed.skipped})")
         same_size = torch.zeros_like(armed.arena)
         armed.arm()
         armed.reset()
@@ -346,6 +347,8 @@ def main() -> int:
                        kernels_refused=refused, kernels_unseen_by_hook=[k for k in k_probe if k not in reps],
                        deferred_votes=sum(1 for k in inst if reps[k].deferred_vote),
                        launches_per_call=len(launches), launches_armed=len(armed.launches),
+                       armed_share_of_launch_blocks=sum(k.nblocks for k in armed.launches)
+                       / max(1, sum(k.nblocks for k in launches)),
                        launches_not_armed=armed.skipped, static_launcher=all(k.static for k in launches),
                        armed_all_blocks_done=done == [k.nblocks for k in armed.launches],
                        armed_done_vs_blocks=[[d, k.nblocks] for d, k in zip(done, armed.launches, strict=True)],
@@ -416,7 +419,8 @@ def main() -> int:
                   f"recompiles {summary['recompiles_while_timing']}", flush=True)
             save()
         trigger = GpuPauseTrigger()
-        order = [] if ns.no_pause else sorted(armed.launches, key=lambda k: -k.nblocks)
+        unique = list({k.name: k for k in reversed(launches)}.values())  # each kernel once (its first launch)
+        order = [] if ns.no_pause else sorted(unique, key=lambda k: -k.nblocks)
         if not order[:ns.pause_first]:
             do_stack()
         for i, k in enumerate(order):

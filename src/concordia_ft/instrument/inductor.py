@@ -15,7 +15,8 @@ own control block in one device arena:
 - ``done_counts()``: blocks that recorded themselves, per launch (after an armed call: all of them).
 
 One control block per kernel, as the module global is per module: a kernel launched twice in one call of ``f``
-is refused (``InstrumentError``), since both launches would share its done bits.
+is refused (``InstrumentError``), since both launches would share its done bits, or with ``repeated="skip"``
+left disarmed and listed in ``skipped``.
 """
 
 from __future__ import annotations
@@ -103,7 +104,9 @@ def capture_launches(f: Callable[..., Any], inputs: Sequence[Any]) -> list[Kerne
 class ArmedLaunches:
     """Control blocks for the instrumented kernels among ``launches`` (one call of a compiled function)."""
 
-    def __init__(self, launches: Sequence[KernelLaunch]) -> None:
+    def __init__(self, launches: Sequence[KernelLaunch], *, repeated: str = "raise") -> None:
+        """repeated: what to do with a kernel launched more than once per call ("raise", or "skip": leave all
+        its launches disarmed, listed in ``skipped``)."""
         import torch  # noqa: TID251 - the GPU host side, like pause.py
 
         from .pause import _check, _drv
@@ -111,15 +114,14 @@ class ArmedLaunches:
         drv = _drv()
         self.launches: list[KernelLaunch] = []
         self.skipped: dict[str, str] = {}  # kernel -> why it is not armed (no probes: refused or not Triton's)
+        self.with_probes: list[str] = []  # kernels whose module has the global (armed or not)
         self._globals: list[int] = []
         offsets: list[int] = []
         words = 0
-        by_fn: dict[int, str] = {}
+        count: dict[int, int] = {}
         for k in launches:
-            if k.function in by_fn:
-                raise InstrumentError(f"{k.name} is launched more than once per call: its one module global "
-                                      "cannot give each launch its own done bits; arm such kernels per launch")
-            by_fn[k.function] = k.name
+            count[k.function] = count.get(k.function, 0) + 1
+        for k in launches:
             mod = _check(drv.cuFuncGetModule(k.function), f"cuFuncGetModule({k.name})")
             res = drv.cuModuleGetGlobal(mod, (SYMBOL_PREFIX + k.name).encode())
             if int(res[0]) != 0:
@@ -128,6 +130,15 @@ class ArmedLaunches:
             ptr, size = int(res[1]), int(res[2])
             if size != 8:
                 raise InstrumentError(f"{SYMBOL_PREFIX}{k.name} is {size} bytes, expected 8")
+            if k.name not in self.with_probes:
+                self.with_probes.append(k.name)
+            if count[k.function] > 1:
+                why = (f"launched {count[k.function]} times per call: its one module global cannot give each "
+                       "launch its own done bits")
+                if repeated != "skip":
+                    raise InstrumentError(f"{k.name} is {why}; arm such kernels per launch")
+                self.skipped[k.name] = why
+                continue
             self.launches.append(k)
             self._globals.append(ptr)
             offsets.append(words)
