@@ -39,6 +39,7 @@ class KernelLaunch:
     grid: tuple[int, int, int]
     function: int  # the CUfunction handle the launcher passed to the driver
     static: bool  # launched by Inductor's static CUDA launcher (else Triton's)
+    launcher: Any = None  # the Inductor launcher that made this launch (its globals hold the runner)
 
     @property
     def nblocks(self) -> int:
@@ -47,6 +48,8 @@ class KernelLaunch:
 
 def _launch_target(launcher: Any, runner: Any) -> tuple[int, str, bool]:
     """(CUfunction, kernel name, static?) of one Inductor launcher (torch 2.11-2.13 layouts)."""
+    while hasattr(runner, "__wrapped__"):  # a runner wrapped by ArmedLaunches
+        runner = runner.__wrapped__
     owner = getattr(runner, "__self__", None)
     fn = getattr(owner, "function", None) if owner is not None else None
     if fn is not None:  # StaticallyLaunched*Kernel.run, bound
@@ -80,7 +83,7 @@ def capture_launches(f: Callable[..., Any], inputs: Sequence[Any]) -> list[Kerne
             def rec(*rargs: Any, _inner: Any = inner, _launcher: Any = launcher) -> Any:
                 fn, name, static = _launch_target(_launcher, _inner)
                 grid = (int(rargs[0]), int(rargs[1]), int(rargs[2]))
-                seen.append(KernelLaunch(name or self.fn.__name__, self, cloned, grid, fn, static))
+                seen.append(KernelLaunch(name or self.fn.__name__, self, cloned, grid, fn, static, _launcher))
                 return _inner(*rargs)
 
             scope["runner"] = rec
@@ -105,8 +108,11 @@ class ArmedLaunches:
     """Control blocks for the instrumented kernels among ``launches`` (one call of a compiled function)."""
 
     def __init__(self, launches: Sequence[KernelLaunch], *, repeated: str = "raise") -> None:
-        """repeated: what to do with a kernel launched more than once per call ("raise", or "skip": leave all
-        its launches disarmed, listed in ``skipped``)."""
+        """repeated: what to do with a kernel launched more than once per call: "raise"; "skip" (leave all its
+        launches disarmed, listed in ``skipped``); or "per_launch": every launch gets its own control block and
+        the launcher's runner is wrapped so that, while armed, each launch is preceded on its stream by a
+        stream memory write (``cuStreamWriteValue64``) pointing the module global at that launch's block
+        (occurrences counted from ``reset()``)."""
         import torch  # noqa: TID251 - the GPU host side, like pause.py
 
         from .pause import _check, _drv
@@ -119,6 +125,9 @@ class ArmedLaunches:
         offsets: list[int] = []
         words = 0
         count: dict[int, int] = {}
+        self._repeat: dict[int, list[tuple[int, int, KernelLaunch]]] = {}  # fn -> (launch index, global, launch)
+        self._next: dict[int, int] = {}
+        self._armed = False
         for k in launches:
             count[k.function] = count.get(k.function, 0) + 1
         for k in launches:
@@ -132,7 +141,9 @@ class ArmedLaunches:
                 raise InstrumentError(f"{SYMBOL_PREFIX}{k.name} is {size} bytes, expected 8")
             if k.name not in self.with_probes:
                 self.with_probes.append(k.name)
-            if count[k.function] > 1:
+            if count[k.function] > 1 and repeated == "per_launch":
+                self._repeat.setdefault(k.function, []).append((len(self.launches), ptr, k))
+            elif count[k.function] > 1:
                 why = (f"launched {count[k.function]} times per call: its one module global cannot give each "
                        "launch its own done bits")
                 if repeated != "skip":
@@ -148,6 +159,38 @@ class ArmedLaunches:
                    torch.device("cuda"))
         self.arena = torch.zeros(max(words, ALIGN_WORDS), dtype=torch.int32, device=dev)
         self._offsets = offsets
+        if self._repeat:
+            from ..cuda import driver as cd
+
+            if not cd.device_attribute("CAN_USE_64_BIT_STREAM_MEM_OPS"):
+                raise InstrumentError("arming per launch needs 64-bit stream memory operations, which this "
+                                      "device or driver does not offer: use repeated='skip'")
+        for fn, occ in self._repeat.items():
+            self._wrap(fn, occ)
+
+    def _wrap(self, fn: int, occ: list[tuple[int, int, KernelLaunch]]) -> None:
+        from .pause import _check, _drv
+
+        launcher = occ[0][2].launcher
+        if launcher is None:
+            raise InstrumentError(f"{occ[0][2].name}: its launcher was not captured; cannot arm it per launch")
+        scope = launcher.__globals__
+        inner = scope["runner"]
+        drv = _drv()
+        ptrs = [(g, i) for i, g, _ in occ]
+        self._next[fn] = 0
+
+        def runner(*rargs: Any) -> Any:
+            if self._armed:
+                j = self._next[fn] % len(ptrs)
+                self._next[fn] = j + 1
+                g, i = ptrs[j]
+                _check(drv.cuStreamWriteValue64(int(rargs[3]), g, self.ctl(i).data_ptr(), 0),
+                       f"cuStreamWriteValue64({SYMBOL_PREFIX}{occ[0][2].name})")
+            return inner(*rargs)
+
+        runner.__wrapped__ = inner  # type: ignore[attr-defined]
+        scope["runner"] = runner
 
     def ctl(self, i: int) -> Any:
         """Launch ``i``'s control block (a view of the arena)."""
@@ -160,6 +203,7 @@ class ArmedLaunches:
         from .pause import _check, _drv
 
         drv = _drv()
+        self._armed = on
         for i, g in enumerate(self._globals):
             value = np.array([self.ctl(i).data_ptr() if on else 0], dtype=np.uint64)
             _check(drv.cuMemcpyHtoD(g, value.ctypes.data, 8), f"write {SYMBOL_PREFIX}{self.launches[i].name}")
@@ -169,6 +213,8 @@ class ArmedLaunches:
 
     def reset(self) -> None:
         self.arena.zero_()
+        for fn in self._next:
+            self._next[fn] = 0
 
     def done_counts(self) -> list[int]:
         """Blocks of each launch whose done bit is set."""
