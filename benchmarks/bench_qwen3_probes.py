@@ -331,23 +331,35 @@ def main() -> int:
         if plain_with_probes:  # the baseline must really be the plain compile
             raise RuntimeError(f"the plain variant runs kernels with probes: {plain_with_probes}")
         launches = capture_launches(f_probe, inputs)
+        def armed_once(a: Any) -> tuple[Any, list[int]]:
+            """One armed call: its output and the done blocks of every armed launch."""
+            a.arm()
+            a.reset()
+            try:
+                with torch.no_grad():
+                    y = f_probe(*inputs)
+                return y, a.done_counts()
+            finally:
+                a.disarm()
+
+        armed: Any = None
         try:  # a kernel launched twice per call: armed per launch by a stream write of its global
             armed = ArmedLaunches(launches, repeated="per_launch")
+            y_armed, done = armed_once(armed)
             summary["repeated_kernels"] = "per_launch"
         except Exception as e:  # noqa: BLE001 - fall back to leaving them disarmed, and say so
+            if armed is not None:
+                armed.disarm()
             armed = ArmedLaunches(launches, repeated="skip")
-            summary["repeated_kernels"] = f"skipped ({e})"
+            y_armed, done = armed_once(armed)
+            summary["repeated_kernels"] = f"skipped ({type(e).__name__}: {e})"[:400]
         if not armed.launches or sorted(armed.with_probes) != sorted(inst):
             raise RuntimeError(f"armed {len(armed.launches)} launches; kernels with probes {armed.with_probes}, "
                                f"instrumented {inst} (captured {[k.name for k in launches]}, not armed "
                                f"{armed.skipped})")
         same_size = torch.zeros_like(armed.arena)
-        armed.arm()
-        armed.reset()
-        with torch.no_grad():
-            y_armed = f_probe(*inputs)
-        done = armed.done_counts()
-        armed.disarm()
+        print(f"armed {len(armed.launches)}/{len(launches)} launches (repeated kernels: "
+              f"{summary['repeated_kernels'][:160]}); not armed {list(armed.skipped)}", flush=True)
         summary.update(kernels_plain=len(k_plain), kernels_probes=len(k_probe), kernels_instrumented=len(inst),
                        kernels_refused=refused, kernels_unseen_by_hook=[k for k in k_probe if k not in reps],
                        deferred_votes=sum(1 for k in inst if reps[k].deferred_vote),
