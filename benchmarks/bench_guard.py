@@ -87,9 +87,11 @@ def problems(g: dict[str, Any]) -> list[str]:
         if r.get("unguarded_loads", 0) or r.get("timeouts", 0):
             out.append(f"{name}: {r.get('unguarded_loads')} unguarded loads {r.get('unguarded')}, "
                        f"{r.get('timeouts')} timeouts")
-    calls = (g.get("guard") or {}).get("calls", {})
-    if calls.get("cuCtxSynchronize", 0) < 1:
-        out.append("cuCtxSynchronize never seen")
+    sync = steps.get("synchronize", {})
+    if sync.get("sync_calls", 0) < 1:  # torch.cuda.synchronize must reach a guarded driver entry
+        out.append(f"cuCtxSynchronize never seen: the synchronize call reached {sync.get('sync_driver_calls')}")
+    elif sync.get("sync_stepped_aside", 0) < 1:  # and the executor, resident at that moment, must have left
+        out.append("synchronize: the executor was resident but not stepped aside for the device-wide sync")
     return out
 
 

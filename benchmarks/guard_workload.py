@@ -104,9 +104,25 @@ def main() -> int:
         del big
         torch.cuda.empty_cache()  # cudaFree of the cached segment
 
+    extra: dict[str, dict[str, object]] = {}
+
+    def sync_calls(st: dict[str, object]) -> int:
+        calls = st.get("calls", {})
+        assert isinstance(calls, dict)
+        return int(calls.get("cuCtxSynchronize", 0)) + int(calls.get("cuCtxSynchronize_v2", 0))
+
     def synchronize() -> None:
-        torch.ones(8, device="cuda").mul_(3)
-        torch.cuda.synchronize()  # cuCtxSynchronize: waits for every stream, the executor's included
+        torch.ones(8, device="cuda").mul_(3)  # any first launches here, before the executor is resident again
+        attached()
+        before = ng.stats() if ng else {}
+        torch.cuda.synchronize()  # cuCtxSynchronize(_v2): waits for every stream, the executor's included
+        after = ng.stats() if ng else {}
+        if after:  # the synchronize call alone: which driver entry it reached, and that it stepped aside
+            tb, ta = before.get("trace_calls", {}), after.get("trace_calls", {})
+            extra["synchronize"] = {
+                "sync_calls": sync_calls(after) - sync_calls(before),
+                "sync_stepped_aside": after["stepped_aside"] - before["stepped_aside"],
+                "sync_driver_calls": {k: v - tb.get(k, 0) for k, v in ta.items() if v != tb.get(k, 0)}}
 
     def qwen3() -> None:
         from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -160,6 +176,7 @@ def main() -> int:
         if after:
             row["wait_ms_max"] = round(after["wait_ns_max"] / 1e6, 3)
             row["unguarded"] = after["unguarded"][len(before["unguarded"]):]
+        row.update(extra.get(name, {}))
         rows.append(row)
         print(json.dumps(row), flush=True)
     pulse["run"] = False
@@ -170,7 +187,7 @@ def main() -> int:
         return 2
     final = ng.stats() if ng else {}
     print(json.dumps({"native_guard": ng is not None, "hooks": hooks, "rows": rows,
-                      "guard": {k: v for k, v in final.items() if k != "unguarded"},
+                      "guard": {k: v for k, v in final.items() if k not in ("unguarded", "trace_calls")},
                       "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING", "(default: LAZY)")}), flush=True)
     return 0
 

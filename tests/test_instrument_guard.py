@@ -10,6 +10,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -175,7 +176,7 @@ def test_a_module_load_steps_the_block_aside_before_the_driver_loads(drv: Driver
     ring.start()  # what the executor's next submit does: relaunch
 
 
-@pytest.mark.parametrize("api", ["cuCtxSynchronize", "cuMemFree_v2", "cuMemFreeHost", "cuModuleGetFunction",
+@pytest.mark.parametrize("api", ["cuCtxSynchronize", "cuCtxSynchronize_v2", "cuMemFree_v2", "cuMemFreeHost", "cuModuleGetFunction",
                                  "cuLibraryGetKernel", "cuKernelGetFunction", "cuFuncGetAttribute",
                                  "cuGraphInstantiateWithFlags", "cuLibraryLoadData", "cuModuleUnload"])
 def test_every_blocking_call_steps_aside(api: str, drv: Driver, ng: guard.NativeGuard, ring: Ring) -> None:
@@ -328,3 +329,10 @@ def test_a_hazard_ending_keeps_the_executors_own_stop_request(lib: ctypes.CDLL, 
         assert r.stop == 0
     finally:
         ng.remove(h)
+
+
+def test_the_cuda13_synchronize_entry_has_the_number_the_library_uses() -> None:
+    # _interposer.c names cuCtxSynchronize_v2 by number (CFT_CBID_cuCtxSynchronize_v2): it must be the header's
+    src = (Path(ip.__file__).parent / "_interposer.c").read_text()
+    n = int(re.search(r"#define CFT_CBID_cuCtxSynchronize_v2 \(\(CUpti_CallbackId\)(\d+)\)", src)[1])
+    assert CBID["cuCtxSynchronize_v2"] == n

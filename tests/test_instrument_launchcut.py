@@ -239,3 +239,24 @@ def test_no_cut_without_a_driver() -> None:
         pass
     with pytest.raises(InstrumentError, match="no CUDA driver"):
         lc.LaunchCut(lib).arm([], only_sass=False)
+
+
+def test_a_cut_requested_ahead_lands_at_that_launch_and_not_before(lib: ctypes.CDLL) -> None:
+    settle(lib)
+    drv = Driver(lib)
+    cut = lc.LaunchCut(lib)
+    src = np.arange(64, dtype=np.int32)
+    dst = np.zeros(64, dtype=np.int32)
+    target = cut.launch_seq() + 3
+    cut.arm([(src.ctypes.data, dst.ctypes.data, src.nbytes)], only_sass=False, at_launch=target)
+    launch(lib, "first")
+    launch(lib, "second")
+    assert cut.wait(0.01) is None and drv.calls == []  # two launches passed: not yet theirs
+    launch(lib, "third")
+    info = cut.wait(1.0)
+    assert info is not None and info.state == "landed" and info.launch == target
+    assert info.kernel_before == "second" and info.kernel_after == "third"
+    assert np.array_equal(src, dst)
+    with pytest.raises(InstrumentError, match="issued already"):  # a launch number in the past is refused
+        cut.arm([(src.ctypes.data, dst.ctypes.data, src.nbytes)], only_sass=False, at_launch=target)
+    assert cut.wait(0.01) is not None and cut.info().launch == target  # and the refused arm changed nothing

@@ -6,6 +6,7 @@ cuBLAS's first call, and the watchdog must catch it: the test can fail."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -20,7 +21,11 @@ pytestmark = pytest.mark.gpu
 
 
 def test_executor_stays_attached_through_a_users_workload_with_zero_hangs() -> None:
-    g = run_workload(guarded=True)
+    g = run_workload(guarded=True, step_timeout=15.0)  # a stuck step ends in 15 s (compile: its own 300 s)
+    sync = next((r for r in g.get("rows", []) if r.get("step") == "synchronize"), {})
+    print(json.dumps({"wall_s": g.get("wall_s"), "hangs": g.get("hangs"),
+                      "synchronize": {k: v for k, v in sync.items() if k.startswith("sync")},
+                      "stepped_aside": [r.get("stepped_aside") for r in g.get("rows", [])]}))
     assert problems(g) == [], g
 
 

@@ -168,3 +168,34 @@ def test_paused_launch_finishes_in_a_fresh_process(tmp_path: Path) -> None:
     env = dict(os.environ)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert "BITEQ True" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_pause_written_by_the_gpu_at_a_block_count_lands_mid_grid_every_time() -> None:
+    """GpuPauseTrigger: the pause word is written from the GPU once half of the blocks finished, so every
+    trial pauses mid-grid (no host timer), with at least that many blocks done; resume is bit-equal."""
+    from concordia_ft.cuda import driver as cd
+    from concordia_ft.instrument.pause import GpuPauseTrigger
+
+    fn, grid, args, kw, out, _ = _softmax_case(262144)
+    want, _ = _uninterrupted(fn, grid, args, kw, out)
+    launch = PausableLaunch(fresh(fn), grid, args, kw)
+    trigger = GpuPauseTrigger()
+    side = torch.cuda.Stream()
+    for frac in (0.25, 0.5, 0.75):
+        after = int(frac * launch.nblocks)
+        out.fill_(float("nan"))
+        launch.ctl.zero_()
+        zeroed = torch.cuda.Event()
+        zeroed.record()
+        side.wait_event(zeroed)
+        trigger.arm(launch, after, cd.Stream.borrow(side.cuda_stream))
+        launch._launch()
+        torch.cuda.synchronize()
+        res = trigger.result()
+        pend = launch.pending()
+        assert res["reached"] == 1 and res["done_seen"] >= after, res
+        assert 0 < len(pend) <= launch.nblocks - after, (frac, len(pend), res)  # mid-grid, at that count
+        assert torch.isnan(out).any()
+        launch.resume()
+        launch.drain()
+        assert launch.pending() == [] and torch.equal(out, want)

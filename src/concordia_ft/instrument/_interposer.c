@@ -172,13 +172,25 @@ static __thread int tl_hazard = 0;        /* hazard calls open in this thread */
 static __thread int tl_launch_hazard = 0; /* this thread's current launch is a first launch */
 static __thread const char *tl_api_name = NULL; /* the driver call in progress (trace mode: every call) */
 static int trace_all = 0;
+/* trace mode: every driver call counted by callback id, with the name CUPTI gave it (a static string), so a
+   run says which entry a framework call really reached (cudaDeviceSynchronize under CUDA 13, for one) */
+#define CFT_TRACE_IDS 2048
+static uint64_t trace_counts[CFT_TRACE_IDS];
+static const char *trace_names[CFT_TRACE_IDS];
 #define MAX_UNGUARDED 32
 static char *unguarded_where[MAX_UNGUARDED]; /* the driver call in which an unguarded module load happened */
 static uint32_t unguarded_module[MAX_UNGUARDED];
 
+/* CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize_v2 (CUDA 13.0 headers), by number so that a wheel whose header
+   predates it still builds (the CPU test checks the number against the header it finds) */
+#define CFT_CBID_cuCtxSynchronize_v2 ((CUpti_CallbackId)800)
+
 /* hazard callbacks: entering one steps every executor aside until it returns */
 static const struct { CUpti_CallbackId cbid; const char *name; } HAZARD_APIS[] = {
     {CUPTI_DRIVER_TRACE_CBID_cuCtxSynchronize, "cuCtxSynchronize"},
+    /* CUDA 13: cudart asks cuGetProcAddress for "cuCtxSynchronize" at version 13000 and gets this entry
+       (PFN_cuCtxSynchronize_v13000 takes the context): cudaDeviceSynchronize / torch.cuda.synchronize */
+    {CFT_CBID_cuCtxSynchronize_v2, "cuCtxSynchronize_v2"},
     {CUPTI_DRIVER_TRACE_CBID_cuMemFree_v2, "cuMemFree"},
     {CUPTI_DRIVER_TRACE_CBID_cuMemFreeHost, "cuMemFreeHost"},
     {CUPTI_DRIVER_TRACE_CBID_cuMemHostUnregister, "cuMemHostUnregister"},
@@ -554,7 +566,14 @@ void cft_callback(void *userdata, CUpti_CallbackDomain domain, CUpti_CallbackId 
   }
   if (domain != CUPTI_CB_DOMAIN_DRIVER_API) return;
   const CUpti_CallbackData *cb = (const CUpti_CallbackData *)data;
-  if (trace_all) tl_api_name = cb->callbackSite == CUPTI_API_ENTER ? cb->functionName : NULL;
+  if (trace_all) {
+    tl_api_name = cb->callbackSite == CUPTI_API_ENTER ? cb->functionName : NULL;
+    if (cb->callbackSite == CUPTI_API_ENTER && cbid < CFT_TRACE_IDS) {
+      if (!__atomic_load_n(&trace_names[cbid], __ATOMIC_RELAXED))
+        __atomic_store_n(&trace_names[cbid], cb->functionName ? cb->functionName : "?", __ATOMIC_RELAXED);
+      __atomic_fetch_add(&trace_counts[cbid], 1, __ATOMIC_RELAXED);
+    }
+  }
   for (size_t i = 0; i < N_HAZARD_APIS; i++) {
     if (HAZARD_APIS[i].cbid != cbid) continue;
     if (cb->callbackSite == CUPTI_API_ENTER) {
@@ -824,6 +843,18 @@ size_t cft_snapshot(char *buf, size_t cap) {
     put_str(&o, HAZARD_APIS[i].name);
     put(&o, ":");
     put_u64(&o, hazard_calls[i]);
+  }
+  put(&o, "},\"trace_calls\":{");
+  int tfirst = 1;
+  for (size_t i = 0; i < CFT_TRACE_IDS; i++) {
+    uint64_t c = __atomic_load_n(&trace_counts[i], __ATOMIC_RELAXED);
+    const char *nm = __atomic_load_n(&trace_names[i], __ATOMIC_RELAXED);
+    if (!c || !nm) continue;
+    if (!tfirst) put(&o, ",");
+    tfirst = 0;
+    put_str(&o, nm);
+    put(&o, ":");
+    put_u64(&o, c);
   }
   put(&o, "},\"unguarded_loads\":");
   put_u64(&o, g_unguarded_loads);

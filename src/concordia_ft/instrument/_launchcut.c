@@ -46,6 +46,7 @@ static size_t cut_n;
 static uint64_t cut_generation; /* bumped by every arm: a host function of an older cut changes nothing */
 static uint64_t landed_generation;
 static uint64_t launch_seq, cut_seq;
+static uint64_t cut_at; /* the cut may only be taken by a launch numbered >= cut_at (0: the next one) */
 static char kernel_last[256], kernel_before[256], kernel_after[256], cut_api[64];
 static uintptr_t cut_stream;
 static memcpy_dtoh_async_fn p_memcpy;
@@ -202,7 +203,7 @@ void cft_cut_on_launch(uint32_t cbid, const void *params, const char *kernel) {
   const char *name = kernel ? kernel : (api && strcmp(api, "cuGraphLaunch") == 0 ? "<graph>" : "<unnamed>");
   pthread_mutex_lock(&cmu);
   launch_seq++;
-  int take = cut_state == CUT_ARMED && cuttable && !(cut_filter == 1 && sp_has(kernel));
+  int take = cut_state == CUT_ARMED && cuttable && launch_seq >= cut_at && !(cut_filter == 1 && sp_has(kernel));
   if (!take) {
     snprintf(kernel_last, sizeof kernel_last, "%s", name);
     pthread_mutex_unlock(&cmu);
@@ -253,13 +254,20 @@ static int resolve_driver(void) { /* under cmu */
 }
 
 /* Arm a cut: n copies; filter 0 = the next launch of any kernel (or graph), 1 = the next launch of a kernel
-   without safe points. Returns 1, 0 if a cut is already armed or in flight, -1 if the driver's functions are
-   not there, -2 out of memory. */
-int cft_cut_arm(const cft_cut_copy *copies, uint64_t n, int filter) {
+   without safe points; at_seq > 0: not before the launch numbered at_seq (launch numbers count every launch
+   call the interposer saw, 1-based: cft_cut_info's launch_seq is the last one), so a cut requested ahead lands
+   at a definite launch whatever the requesting thread's timing. Returns 1, 0 if a cut is already armed or in
+   flight, -1 if the driver's functions are not there, -2 out of memory, -3 if launch at_seq was issued
+   already (the cut cannot land there). */
+int cft_cut_arm_at(const cft_cut_copy *copies, uint64_t n, int filter, uint64_t at_seq) {
   pthread_mutex_lock(&cmu);
   if (cut_state == CUT_ARMED || cut_state == CUT_TAKEN || cut_state == CUT_ENQUEUED) {
     pthread_mutex_unlock(&cmu);
     return 0;
+  }
+  if (at_seq && at_seq <= launch_seq) {
+    pthread_mutex_unlock(&cmu);
+    return -3;
   }
   if (!resolve_driver()) {
     pthread_mutex_unlock(&cmu);
@@ -275,6 +283,7 @@ int cft_cut_arm(const cft_cut_copy *copies, uint64_t n, int filter) {
   cut_copies = c;
   cut_n = n;
   cut_filter = filter;
+  cut_at = at_seq;
   cut_generation++;
   cut_error = 0;
   cut_seq = 0;
@@ -283,6 +292,8 @@ int cft_cut_arm(const cft_cut_copy *copies, uint64_t n, int filter) {
   pthread_mutex_unlock(&cmu);
   return 1;
 }
+
+int cft_cut_arm(const cft_cut_copy *copies, uint64_t n, int filter) { return cft_cut_arm_at(copies, n, filter, 0); }
 
 /* Withdraw an armed cut that no launch took yet; returns 1 if withdrawn, 0 if it was not armed. */
 int cft_cut_cancel(void) {

@@ -32,6 +32,8 @@ class CutCopy(ctypes.Structure):
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.cft_cut_arm.restype = ctypes.c_int
     lib.cft_cut_arm.argtypes = [ctypes.POINTER(CutCopy), ctypes.c_uint64, ctypes.c_int]
+    lib.cft_cut_arm_at.restype = ctypes.c_int
+    lib.cft_cut_arm_at.argtypes = [ctypes.POINTER(CutCopy), ctypes.c_uint64, ctypes.c_int, ctypes.c_uint64]
     lib.cft_cut_wait.restype = ctypes.c_int
     lib.cft_cut_wait.argtypes = [ctypes.c_int64]
     lib.cft_cut_cancel.restype = ctypes.c_int
@@ -69,12 +71,21 @@ class LaunchCut:
         self.lib = bind(lib or ip.load())
         self._copies: Any = None
 
-    def arm(self, copies: Sequence[tuple[int, int, int]], *, only_sass: bool = True) -> None:
+    def arm(self, copies: Sequence[tuple[int, int, int]], *, only_sass: bool = True,
+            at_launch: int | None = None) -> None:
         """copies: (device address, pinned host address, bytes). only_sass: only a launch of a kernel without
-        safe points may cross (a rewritten kernel is paused inside instead); False: the next launch of any."""
+        safe points may cross (a rewritten kernel is paused inside instead); False: the next launch of any.
+        at_launch: the cut is not taken before the launch with this number (``launch_seq() + k`` is the k-th
+        launch from now), so it lands at a definite launch however late the program issues it."""
         arr = (CutCopy * max(1, len(copies)))(*[CutCopy(s, d, n) for s, d, n in copies])
         self._copies = arr
-        r = int(self.lib.cft_cut_arm(arr, len(copies), 1 if only_sass else 0))
+        at = int(at_launch or 0)
+        if at_launch is not None and at < 1:
+            raise InstrumentError(f"at_launch {at_launch}: launch numbers start at 1")
+        r = int(self.lib.cft_cut_arm_at(arr, len(copies), 1 if only_sass else 0, at))
+        if r == -3:
+            raise InstrumentError(f"launch {at} was issued already (the last was {self.launch_seq()}): the cut "
+                                  "cannot land there; ask for a later launch number")
         if r == 0:
             raise InstrumentError("a launch cut is already armed or in flight: wait() for it or cancel() it first")
         if r == -1:
@@ -89,6 +100,12 @@ class LaunchCut:
         if st not in (LANDED, FAILED):
             return None
         return self.info()
+
+    def launch_seq(self) -> int:
+        """The number of the last launch call the interposer saw in this process (0: none yet)."""
+        buf = ctypes.create_string_buffer(512)
+        self.lib.cft_cut_info(buf, len(buf))
+        return int(json.loads(buf.value.decode())["launch_seq"])
 
     def cancel(self) -> bool:
         return bool(self.lib.cft_cut_cancel())
@@ -128,15 +145,24 @@ class SassBoundary:
         self.last: CutInfo | None = None
         self.last_landed_s = 0.0  # request -> copies landed
         self.last_commit_s = 0.0  # landed -> epoch committed
+        self._requested_s = time.perf_counter()
 
-    def request(self) -> None:
-        self.cut.arm([(t.data_ptr(), m.data_ptr(), m.numel()) for t, m in self._pairs], only_sass=self.only_sass)
+    def request(self, at_launch: int | None = None) -> None:
+        """Arm the cut (``LaunchCut.arm``) and return at once; ``commit()`` waits for it and commits."""
+        self._requested_s = time.perf_counter()
+        self.cut.arm([(t.data_ptr(), m.data_ptr(), m.numel()) for t, m in self._pairs], only_sass=self.only_sass,
+                     at_launch=at_launch)
 
-    def checkpoint(self, timeout_s: float = 10.0, meta: Any = None) -> int:
-        """Cut at the next launch boundary, wait until the copies landed, commit them as one epoch; returns its
-        number. Raises InstrumentError when no launch crossed in ``timeout_s`` (the cut is withdrawn)."""
-        t0 = time.perf_counter()
-        self.request()
+    def checkpoint(self, timeout_s: float = 10.0, meta: Any = None, *, at_launch: int | None = None) -> int:
+        """Cut at the next launch boundary (``at_launch``: at the first accepted launch numbered at least that,
+        see ``LaunchCut.arm``), wait until the copies landed, commit them as one epoch; returns its number.
+        Raises InstrumentError when no launch crossed in ``timeout_s`` (the cut is withdrawn)."""
+        self.request(at_launch)
+        return self.commit(timeout_s, meta)
+
+    def commit(self, timeout_s: float = 10.0, meta: Any = None) -> int:
+        """The second half of ``checkpoint``: wait for the cut that ``request()`` armed to land, commit it."""
+        t0 = self._requested_s
         info = self.cut.wait(timeout_s)
         if info is None:
             if not self.cut.cancel():  # a launch took it meanwhile: it lands shortly

@@ -251,3 +251,87 @@ def finish_from_log(log_dir: str | Path, *, device: str = "cuda") -> dict[str, A
     if launch.pending():
         raise InstrumentError(f"{len(launch.pending())} blocks still pending after the resume launch")
     return tensors
+
+
+# ---------------------------------------------------------------------- a pause set by the GPU, at a block count
+TRIGGER_SOURCE = r"""
+static __device__ __forceinline__ unsigned long long cft_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+/* One block: count the done bits of a running launch's control block until at least `threshold` blocks
+   finished, then write its pause word. out: [done count seen, globaltimer at the write, 1 = reached the count
+   / 2 = timed out, globaltimer at start]. */
+extern "C" __global__ void cft_pause_after_blocks(const unsigned int *bitmap, unsigned int nwords,
+                                                  unsigned int threshold, unsigned int *pause_word,
+                                                  unsigned long long timeout_ns, unsigned long long *out) {
+  __shared__ unsigned int total;
+  __shared__ int stop;
+  unsigned long long t0 = cft_now();
+  const volatile unsigned int *bits = bitmap;
+  for (;;) {
+    if (threadIdx.x == 0) total = 0;
+    __syncthreads();
+    unsigned int c = 0;
+    for (unsigned int w = threadIdx.x; w < nwords; w += blockDim.x) c += __popc(bits[w]);
+    atomicAdd(&total, c);
+    __syncthreads();
+    if (threadIdx.x == 0) stop = total >= threshold ? 1 : (cft_now() - t0 > timeout_ns ? 2 : 0);
+    __syncthreads();
+    if (stop) break;
+  }
+  if (threadIdx.x == 0) {
+    atomicExch(pause_word, 1u);
+    __threadfence_system();
+    out[0] = total;
+    out[1] = cft_now();
+    out[2] = (unsigned long long)stop;
+    out[3] = t0;
+  }
+}
+"""
+
+
+class GpuPauseTrigger:
+    """Pauses a running ``PausableLaunch`` from the GPU at a definite point: a one-block kernel on its own
+    stream reads the launch's done bits while it runs and writes the pause word once at least ``after_blocks``
+    blocks have finished. The blocks running then finish, the blocks not yet started leave at entry: the pause
+    lands mid-grid by construction, not by a host timer (a host write takes ~50-100 us to arrive, longer than
+    many kernels). ``timeout_s`` bounds the spin if the count is never reached (the launch was not armed)."""
+
+    def __init__(self, device: int | None = None) -> None:
+        from ..cuda import nvrtc
+
+        self._mod = nvrtc.load_module(TRIGGER_SOURCE, "cft_pause_trigger", device=device)
+        self._fn = self._mod.function("cft_pause_after_blocks")
+        self._out: Any = None
+
+    def arm(self, launch: PausableLaunch, after_blocks: int, stream: Any, *, timeout_s: float = 1.0) -> None:
+        """Enqueue the trigger on ``stream`` (a ``cuda.driver.Stream``; not the launch's stream, which it must
+        run beside). Call after the launch's control block was zeroed on its stream and ``stream`` waits for
+        that, and before the launch itself."""
+        import ctypes
+
+        import torch
+
+        from ..cuda import driver
+
+        if not 0 < after_blocks <= launch.nblocks:
+            raise InstrumentError(f"after_blocks {after_blocks}: the launch has {launch.nblocks} blocks")
+        if self._out is None:
+            self._out = torch.zeros(4, dtype=torch.int64, device=launch.ctl.device)
+        nwords = (launch.nblocks + 31) // 32
+        args = driver.KernelArgs([(ctypes.c_uint64, launch.ctl.data_ptr() + CTL_BITMAP),
+                                  (ctypes.c_uint32, nwords), (ctypes.c_uint32, after_blocks),
+                                  (ctypes.c_uint64, launch.ctl.data_ptr() + CTL_PAUSE),
+                                  (ctypes.c_uint64, int(timeout_s * 1e9)), (ctypes.c_uint64, self._out.data_ptr())])
+        self._args = args  # alive until the launch has read them (the driver copies them at launch)
+        driver.launch(self._fn, 1, 256, args, stream, what="cft_pause_after_blocks")
+
+    def result(self) -> dict[str, int]:
+        """After the trigger ran: done blocks it saw when it wrote the pause word, the write's globaltimer (ns),
+        and whether it reached the count (else it timed out and paused anyway)."""
+        seen, t_write, how, t0 = (int(v) for v in self._out.cpu().tolist())
+        return {"done_seen": seen, "t_write_ns": t_write, "reached": int(how == 1), "spin_ns": t_write - t0}
