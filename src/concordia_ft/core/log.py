@@ -63,12 +63,22 @@ class LogOptions:
     # than that gets a segment of its own size).
     mapped: str = "auto"
     mapped_segment_bytes: int = 64 << 20
+    # a mapped log whose epochs are large (LoRA: 53 MB each) prepares its next segments to hold at least this
+    # many of the largest epoch that rolled (up to segment_max_bytes), so most epochs do not roll; 0: never grow
+    mapped_fit_epochs: int = 4
+    # CRC32C of placed payloads: "c" (core/_slotlog.c: one call, GIL released, pieces on threads), "python"
+    # (the crc32c package on a thread pool), "auto" = c where it is built
+    placed_crc: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mapped not in ("auto", "on", "off"):
             raise ConfigError(f"mapped={self.mapped!r}; use 'auto', 'on' or 'off'")
         if self.mapped == "on" and self.backend != "dram":
             raise ConfigError(f"mapped='on' needs backend 'dram' (tmpfs); the backend is {self.backend!r}")
+        if self.placed_crc not in ("auto", "c", "python"):
+            raise ConfigError(f"placed_crc={self.placed_crc!r}; use 'auto', 'c' or 'python'")
+        if self.mapped_fit_epochs < 0:
+            raise ConfigError(f"mapped_fit_epochs must be 0 or more, got {self.mapped_fit_epochs}")
         if self.mapped_segment_bytes < 1 << 20:
             raise ConfigError(f"mapped_segment_bytes must be at least 1 MiB, got {self.mapped_segment_bytes}")
         if self.fsync not in FSYNC_POLICIES:
@@ -523,6 +533,9 @@ class RecoveryLog:
         self._synced_end = seg.end
         if self._spare is not None:
             spare = self._spare
+            fit = self.options.mapped_fit_epochs * need
+            if fit > spare.capacity:  # large epochs: the next segments hold several of them
+                spare.grow(min(fit, max(self.options.segment_max_bytes, self.options.mapped_segment_bytes)))
             retire = isinstance(old, MappedSegment) and old.registered  # unregister + unmap off the append path
 
             def after() -> None:
@@ -581,15 +594,15 @@ class RecoveryLog:
 
     def _placed_append_now(self, number: int, defs: list[RegionSpec], drops: list[str], deltas: list[RegionDelta],
                            placed: dict[int, PlacedPayload], meta: Any) -> tuple[Any, int]:
-        from .checksums import crc32c_parallel
-
         perf = time.perf_counter
         t0 = perf()
+        rolled = 0.0
         plan = plan_epoch(number, self._segment.end, defs=defs, drops=drops, deltas=deltas, meta=meta,
                           payload_crcs=[0] * len(deltas))
         seg = self._segment
         if not isinstance(seg, MappedSegment) or plan.total_bytes > seg.room():
             self._roll(plan.total_bytes, defer=True)
+            rolled = 1.0
             seg = self._segment
             if not isinstance(seg, MappedSegment):
                 raise ConfigError("placed payloads need a mapped segment (backend 'dram', mapped on)")
@@ -613,8 +626,7 @@ class RecoveryLog:
                     views[i] = RegionDelta(d.spec, d.pages, seg.view(start + plan.payload_offsets[k], p.nbytes),
                                            d.scanned_bytes)
             t3 = perf()
-            pool = self._crc_workers()
-            crcs = [crc32c_parallel(views[i].payload, pool) for i in with_pages]
+            crcs = self._placed_crcs([views[i].payload for i in with_pages])
             plan = plan_epoch(number, start, defs=defs, drops=drops, deltas=views, meta=meta, payload_crcs=crcs)
             t4 = perf()
         except BaseException:
@@ -623,8 +635,25 @@ class RecoveryLog:
         in_place = [plan.payload_parts[k] for k, i in enumerate(with_pages) if i in placed]
         offset = self._write_epoch(number, plan.parts, in_place)
         self.last_placed_phases = {"roll": t1 - t0, "place": t2 - t1, "wait": t3 - t2, "crc": t4 - t3,
-                                   "write": perf() - t4}
+                                   "write": perf() - t4, "rolled": rolled,
+                                   "registered": 1.0 if seg.registered else 0.0}
         return plan, offset
+
+    def _placed_crcs(self, payloads: list[Any]) -> list[int]:
+        """CRC32C of each placed payload: in C with the GIL released once (``placed_crc``), else the pool."""
+        impl = self.options.placed_crc
+        if impl != "python":
+            from . import slotlog
+
+            if slotlog.native_crc_available():
+                return slotlog.crc32c_buffers(payloads, threads=min(8, os.cpu_count() or 1))
+            if impl == "c":
+                raise ConfigError(f"placed_crc='c', but the C extension is {slotlog.status()}; build it "
+                                  "(scripts/build_ext.sh) or use placed_crc='auto'")
+        from .checksums import crc32c_parallel
+
+        pool = self._crc_workers()
+        return [crc32c_parallel(p, pool) for p in payloads]
 
     def _crc_workers(self) -> Any:
         if self._crc_pool is None:
