@@ -63,8 +63,8 @@ class LogOptions:
     # than that gets a segment of its own size).
     mapped: str = "auto"
     mapped_segment_bytes: int = 64 << 20
-    # a mapped log whose epochs are large (LoRA: 53 MB each) prepares its next segments to hold at least this
-    # many of the largest epoch that rolled (up to segment_max_bytes), so most epochs do not roll; 0: never grow
+    # a mapped log whose epochs are large (LoRA: 53 MB each) prepares its next segments to hold this many of
+    # the largest epoch that rolled (at most 4 x mapped_segment_bytes), so most epochs do not roll; 0: never grow
     mapped_fit_epochs: int = 4
     # CRC32C of placed payloads: "c" (core/_slotlog.c: one call, GIL released, pieces on threads), "python"
     # (the crc32c package on a thread pool), "auto" = c where it is built
@@ -533,9 +533,13 @@ class RecoveryLog:
         self._synced_end = seg.end
         if self._spare is not None:
             spare = self._spare
-            fit = self.options.mapped_fit_epochs * need
-            if fit > spare.capacity:  # large epochs: the next segments hold several of them
-                spare.grow(min(fit, max(self.options.segment_max_bytes, self.options.mapped_segment_bytes)))
+            o = self.options
+            # large epochs: the next segments hold several of them (alignment padding included), up to 4x the
+            # configured capacity (a one-off huge epoch, e.g. weights logged once, does not make every spare huge)
+            fit = min(o.mapped_fit_epochs * (need + SEGMENT_HEADER_BYTES) + SEGMENT_HEADER_BYTES,
+                      4 * o.mapped_segment_bytes, max(o.segment_max_bytes, o.mapped_segment_bytes))
+            if o.mapped_fit_epochs and fit > spare.capacity:
+                spare.grow(fit)
             retire = isinstance(old, MappedSegment) and old.registered  # unregister + unmap off the append path
 
             def after() -> None:
