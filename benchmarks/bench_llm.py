@@ -195,12 +195,13 @@ def _warm_decode(model: Any, device: str, max_cache_len: int, lengths: list[int]
     """The serving process is warm before it takes the session over: one decode step on a THROWAWAY cache of
     the same shape (same context length, so the same attention kernels), nothing from the log."""
     from concordia_ft.integrations.transformers import ArenaKVCache
+    from concordia_ft.session import sdpa_backends
 
     p = next(model.parameters())
     cache = ArenaKVCache(model.config, max_cache_len, dtype=p.dtype, device=device)
     cache.set_lengths(lengths)
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    with torch.inference_mode():
+    with torch.inference_mode(), sdpa_backends("reproducible", device):  # the kernels the Session's steps use
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, logits_to_keep=1,
               **{kw: cache})
     sync(device)
