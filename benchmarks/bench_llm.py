@@ -281,6 +281,11 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
 
     def check(r: Any, name: str = "") -> None:  # the recovered state, byte for byte, before any new token
         checks[f"arena_bytes_equal_{name}"] = bool(torch.equal(r.cache.arena, live_arena))
+        # the rows of the committed tokens' KV (graph decode may have written a row past the last commit into
+        # the live arena before the session was abandoned: not state the log holds)
+        used = (r.n_tokens - 1) * r.cache.geometry.sections[0].row_bytes
+        checks[f"arena_committed_rows_equal_{name}"] = bool(torch.equal(
+            r.cache.arena.view(torch.uint8).flatten()[:used], live_arena.view(torch.uint8).flatten()[:used]))
         checks[f"ids_equal_{name}"] = r.ids == live_ids
 
     runs: dict[str, list[dict[str, Any]]] = {"new": [], "baseline": []}
@@ -323,6 +328,7 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
             row["first_recovery_total_ms"] = rs[0]["total_ms"]  # includes pinning the image memory
             row["first_recovery_copy_ms"] = rs[0]["copy_ms"]
         row["arena_bytes_equal"] = checks[f"arena_bytes_equal_{name}"]
+        row["arena_committed_rows_equal"] = checks[f"arena_committed_rows_equal_{name}"]
         row["ids_equal"] = checks[f"ids_equal_{name}"] and all(x["ids"][:-1] == live_ids for x in rs)
         rows.append(row)
     shutil.rmtree(d, ignore_errors=True)

@@ -360,3 +360,83 @@ def test_a_roll_waits_for_the_spare_being_prepared_instead_of_making_another(shm
     made = [c for c in pins.calls if c[2] != "concordia-spare-segment"]
     log.close()
     assert len(made) == 1, pins.calls  # only the first segment was registered on the appending thread
+
+
+class GatedPayload(HostPayload):
+    """A host payload placed like a DMA in flight: a thread copies it in chunks and writes each chunk's host word
+    after it (what the GPU's cuStreamWriteValue32 does for cuda.mapped.DevicePayload), so the log's C checksum
+    reads every chunk only once its word says it landed."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, data: np.ndarray, flags: np.ndarray, delay_s: float = 0.002) -> None:
+        super().__init__(memoryview(data))
+        self.data, self.flags, self.delay_s = data, flags, delay_s
+        n = data.nbytes
+        ends = list(range(self.CHUNK, n, self.CHUNK)) + [n]
+        self.gates = [(end, w, 1000 + w) for w, end in enumerate(ends)]
+        self.flags_address = int(flags.ctypes.data)
+        self._t: object = None
+
+    def place(self, address: int) -> None:
+        import ctypes
+        import threading
+        import time
+
+        self.placed_at = address
+        dst = np.frombuffer((ctypes.c_char * self.nbytes).from_address(address), dtype=np.uint8)
+        dst[:] = 0xAB  # what is there before the copy lands: a checksum read early would see it
+
+        def copy() -> None:
+            done = 0
+            for end, w, tag in self.gates:
+                time.sleep(self.delay_s)
+                dst[done:end] = self.data[done:end]
+                self.flags[w] = tag
+                done = end
+
+        t = threading.Thread(target=copy)
+        t.start()
+        self._t = t
+
+    def wait(self) -> None:
+        self._t.join()  # type: ignore[attr-defined]
+
+
+def test_gated_payloads_are_checksummed_as_their_copy_lands(shm: Path) -> None:
+    from concordia_ft.core import slotlog
+
+    if not slotlog.native_crc_available():
+        pytest.skip(f"the C extension is {slotlog.status()}")
+    rng = np.random.default_rng(4)
+    specs = [RegionSpec(name=f"g{i}", kind=RegionKind.DENSE, nbytes=n, page_bytes=PAGE)
+             for i, n in enumerate(((5 << 20) + 3 * PAGE, 3 << 20))]
+    log = RecoveryLog.open(shm / "log", _opts(mapped_segment_bytes=32 << 20))
+    flags = np.zeros(64, dtype=np.uint32)
+    datas = [rng.integers(0, 256, sp.nbytes, dtype=np.uint8) for sp in specs]
+    log.append(defs=specs, deltas=[RegionDelta(sp, np.arange(sp.n_pages, dtype=np.int64), GatedPayload(d, flags))
+                                   for sp, d in zip(specs, datas, strict=True)])  # type: ignore[arg-type]
+    assert log.last_placed_phases["gated"] == 1.0
+    log.close()
+    r = replay(shm / "log")  # every payload CRC written equals the one replay computes from the file
+    assert r.outcome is Outcome.OK and r.epoch == 1
+    for sp, d in zip(specs, datas, strict=True):
+        assert np.array_equal(r.regions[sp.name].data, d)
+
+
+def test_a_gate_that_never_opens_gives_up_instead_of_hanging() -> None:
+    from concordia_ft.core import slotlog
+
+    if not slotlog.native_crc_available():
+        pytest.skip(f"the C extension is {slotlog.status()}")
+    buf = np.ones(3 << 20, dtype=np.uint8)
+    flags = np.zeros(4, dtype=np.uint32)
+    flags[0] = 7
+    gates = [(0, 1 << 20, 0, 7), (0, 3 << 20, 1, 9)]  # the first chunk landed, the second never does
+    assert slotlog.crc32c_buffers([buf], threads=2, flags_address=int(flags.ctypes.data), gates=gates,
+                                  timeout_s=0.2) is None
+    flags[1] = 9
+    import crc32c
+
+    assert slotlog.crc32c_buffers([buf], threads=2, flags_address=int(flags.ctypes.data),
+                                  gates=gates) == [crc32c.crc32c(buf.tobytes())]

@@ -1128,7 +1128,38 @@ typedef struct {
     size_t nbufs, npieces, piece;
     uint32_t *crcs;
     size_t next; /* atomic: the next piece to take */
+    /* gates (optional): piece bytes of buffer gate_buf[g] below gate_end[g] are there once the host word
+     * flags[gate_flag[g]] equals tag (a DMA in flight, the GPU's stream writes the word after each chunk) */
+    const volatile uint32_t *flags;
+    size_t ngates;
+    const size_t *gate_buf, *gate_end, *gate_flag;
+    const uint32_t *gate_tag;
+    int64_t timeout_ns;
+    int failed; /* atomic: a gate did not open in time */
 } CrcTeam;
+
+static int crc_gate_wait(CrcTeam *t, size_t b, size_t end) {
+    for (size_t g = 0; g < t->ngates; g++) {
+        if (t->gate_buf[g] != b || t->gate_end[g] < end) continue;
+        const volatile uint32_t *w = t->flags + t->gate_flag[g];
+        uint32_t tag = t->gate_tag[g];
+        if (*w == tag) return 0;
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        int64_t deadline = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + t->timeout_ns;
+        while (*w != tag) {
+            if (__atomic_load_n(&t->failed, __ATOMIC_RELAXED)) return -1;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            if ((int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec > deadline) return -1;
+#ifdef SLOTLOG_X86
+            _mm_pause();
+#endif
+        }
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        return 0;
+    }
+    return 0; /* no gate covers it: the bytes are there already */
+}
 
 static void *crc_team_work(void *arg) {
     CrcTeam *t = (CrcTeam *)arg;
@@ -1139,6 +1170,10 @@ static void *crc_team_work(void *arg) {
         while (b + 1 < t->nbufs && t->first[b + 1] <= k) b++;
         size_t off = (k - t->first[b]) * t->piece;
         size_t len = t->lens[b] - off < t->piece ? t->lens[b] - off : t->piece;
+        if (t->ngates && crc_gate_wait(t, b, off + len) != 0) {
+            __atomic_store_n(&t->failed, 1, __ATOMIC_RELAXED);
+            break;
+        }
         t->crcs[k] = crc32c(0, t->bufs[b] + off, len);
     }
     return NULL;
@@ -1146,16 +1181,64 @@ static void *crc_team_work(void *arg) {
 
 static PyObject *py_crc32c_buffers(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *seq;
+    PyObject *seq, *gates_obj = NULL;
     int threads = 8;
     Py_ssize_t piece = 1 << 20;
-    if (!PyArg_ParseTuple(args, "O|in", &seq, &threads, &piece)) return NULL;
+    unsigned long long flags_addr = 0;
+    long long timeout_ns = 2000000000LL;
+    if (!PyArg_ParseTuple(args, "O|inKOL", &seq, &threads, &piece, &flags_addr, &gates_obj, &timeout_ns))
+        return NULL;
+    size_t ngates = 0;
+    size_t *gate_buf = NULL, *gate_end = NULL, *gate_flag = NULL;
+    uint32_t *gate_tag = NULL;
+    if (gates_obj && gates_obj != Py_None) {
+        PyObject *gf = PySequence_Fast(gates_obj, "crc32c_buffers: gates are (buffer, end, flag, tag) tuples");
+        if (!gf) return NULL;
+        ngates = (size_t)PySequence_Fast_GET_SIZE(gf);
+        gate_buf = (size_t *)calloc(ngates + 1, sizeof(size_t));
+        gate_end = (size_t *)calloc(ngates + 1, sizeof(size_t));
+        gate_flag = (size_t *)calloc(ngates + 1, sizeof(size_t));
+        gate_tag = (uint32_t *)calloc(ngates + 1, sizeof(uint32_t));
+        int bad = !gate_buf || !gate_end || !gate_flag || !gate_tag;
+        for (size_t g = 0; !bad && g < ngates; g++) {
+            Py_ssize_t gb, ge, gl;
+            unsigned int gt;
+            if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(gf, (Py_ssize_t)g), "nnnI", &gb, &ge, &gl, &gt) || gb < 0 ||
+                ge < 0 || gl < 0)
+                bad = 1;
+            else {
+                gate_buf[g] = (size_t)gb;
+                gate_end[g] = (size_t)ge;
+                gate_flag[g] = (size_t)gl;
+                gate_tag[g] = (uint32_t)gt;
+            }
+        }
+        Py_DECREF(gf);
+        if (bad || (ngates && !flags_addr)) {
+            free(gate_buf);
+            free(gate_end);
+            free(gate_flag);
+            free(gate_tag);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "crc32c_buffers: bad gates or no flags address");
+            return NULL;
+        }
+    }
     if (piece < 4096 || threads < 1) {
         PyErr_SetString(PyExc_ValueError, "crc32c_buffers: piece must be >= 4096 and threads >= 1");
+        free(gate_buf);
+        free(gate_end);
+        free(gate_flag);
+        free(gate_tag);
         return NULL;
     }
     PyObject *fast = PySequence_Fast(seq, "crc32c_buffers: a sequence of buffers");
-    if (!fast) return NULL;
+    if (!fast) {
+        free(gate_buf);
+        free(gate_end);
+        free(gate_flag);
+        free(gate_tag);
+        return NULL;
+    }
     Py_ssize_t nb = PySequence_Fast_GET_SIZE(fast);
     Py_buffer *views = (Py_buffer *)calloc((size_t)(nb ? nb : 1), sizeof(Py_buffer));
     const uint8_t **bufs = (const uint8_t **)calloc((size_t)(nb ? nb : 1), sizeof(*bufs));
@@ -1182,7 +1265,9 @@ static PyObject *py_crc32c_buffers(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    CrcTeam team = {bufs, lens, first, (size_t)nb, npieces, (size_t)piece, crcs, 0};
+    CrcTeam team = {bufs, lens, first, (size_t)nb, npieces, (size_t)piece, crcs, 0,
+                    (const volatile uint32_t *)(uintptr_t)flags_addr, ngates, gate_buf, gate_end, gate_flag,
+                    gate_tag, (int64_t)timeout_ns, 0};
     size_t nthreads = (size_t)threads < npieces ? (size_t)threads : npieces;
     Py_BEGIN_ALLOW_THREADS
     pthread_t tids[64];
@@ -1204,6 +1289,11 @@ static PyObject *py_crc32c_buffers(PyObject *self, PyObject *args) {
         out[b] = c;
     }
     Py_END_ALLOW_THREADS
+    if (team.failed) { /* a gate never opened: the caller waits for its copies and checksums again */
+        result = Py_None;
+        Py_INCREF(result);
+        goto done;
+    }
     result = PyList_New(nb);
     if (!result) goto done;
     for (Py_ssize_t b = 0; b < nb; b++) {
@@ -1222,6 +1312,10 @@ done:
     free(first);
     free(out);
     free(crcs);
+    free(gate_buf);
+    free(gate_end);
+    free(gate_flag);
+    free(gate_tag);
     Py_DECREF(fast);
     return result;
 }

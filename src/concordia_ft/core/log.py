@@ -625,12 +625,19 @@ class RecoveryLog:
             for k, i in enumerate(with_pages):
                 p = placed.get(i)
                 if p is not None:
-                    p.wait()
                     d = deltas[i]
                     views[i] = RegionDelta(d.spec, d.pages, seg.view(start + plan.payload_offsets[k], p.nbytes),
                                            d.scanned_bytes)
+            # payloads whose DMA lands in gated chunks are checksummed while it is in flight (core/_slotlog.c)
+            crcs = self._gated_crcs([views[i].payload for i in with_pages], [placed.get(i) for i in with_pages])
+            gated = crcs is not None
+            for i in with_pages:
+                p = placed.get(i)
+                if p is not None:
+                    p.wait()
             t3 = perf()
-            crcs = self._placed_crcs([views[i].payload for i in with_pages])
+            if crcs is None:
+                crcs = self._placed_crcs([views[i].payload for i in with_pages])
             plan = plan_epoch(number, start, defs=defs, drops=drops, deltas=views, meta=meta, payload_crcs=crcs)
             t4 = perf()
         except BaseException:
@@ -639,9 +646,34 @@ class RecoveryLog:
         in_place = [plan.payload_parts[k] for k, i in enumerate(with_pages) if i in placed]
         offset = self._write_epoch(number, plan.parts, in_place)
         self.last_placed_phases = {"roll": t1 - t0, "place": t2 - t1, "wait": t3 - t2, "crc": t4 - t3,
-                                   "write": perf() - t4, "rolled": rolled,
+                                   "write": perf() - t4, "rolled": rolled, "gated": 1.0 if gated else 0.0,
                                    "registered": 1.0 if seg.registered else 0.0}
         return plan, offset
+
+    def _gated_crcs(self, views: list[Any], payloads: list[Any]) -> list[int] | None:
+        """CRC32C of the placed payloads as their DMA lands, when every one of them announces its chunks
+        (``gates``: cuda.mapped.DevicePayload, large copies) and the C checksum is on; else None."""
+        if self.options.placed_crc == "python" or not payloads:
+            return None
+        gates: list[tuple[int, int, int, int]] = []
+        addr = 0
+        for b, p in enumerate(payloads):
+            if p is None:
+                continue  # a host payload in the same epoch: its bytes are there already
+            g = getattr(p, "gates", None)
+            if not g:
+                return None
+            if addr and p.flags_address != addr:
+                return None
+            addr = p.flags_address
+            gates.extend((b, end, word, tag) for end, word, tag in g)
+        if not gates:
+            return None
+        from . import slotlog
+
+        if not slotlog.native_crc_available():
+            return None
+        return slotlog.crc32c_buffers(views, threads=min(8, os.cpu_count() or 1), flags_address=addr, gates=gates)
 
     def _placed_crcs(self, payloads: list[Any]) -> list[int]:
         """CRC32C of each placed payload: in C with the GIL released once (``placed_crc``), else the pool."""
@@ -650,7 +682,9 @@ class RecoveryLog:
             from . import slotlog
 
             if slotlog.native_crc_available():
-                return slotlog.crc32c_buffers(payloads, threads=min(8, os.cpu_count() or 1))
+                out = slotlog.crc32c_buffers(payloads, threads=min(8, os.cpu_count() or 1))
+                assert out is not None  # no gates: it never gives up
+                return out
             if impl == "c":
                 raise ConfigError(f"placed_crc='c', but the C extension is {slotlog.status()}; build it "
                                   "(scripts/build_ext.sh) or use placed_crc='auto'")
