@@ -63,8 +63,8 @@ class LogOptions:
     # than that gets a segment of its own size).
     mapped: str = "auto"
     mapped_segment_bytes: int = 64 << 20
-    # a mapped log whose epochs are large (LoRA: 53 MB each) prepares its next segments to hold this many of
-    # the largest epoch that rolled (at most 4 x mapped_segment_bytes), so most epochs do not roll; 0: never grow
+    # a mapped log whose large epochs recur (LoRA: 53 MB each, every one rolls) prepares its next segments to
+    # hold this many of them (at most 4 x mapped_segment_bytes), so most epochs do not roll; 0: never grow
     mapped_fit_epochs: int = 4
     # CRC32C of placed payloads: "c" (core/_slotlog.c: one call, GIL released, pieces on threads), "python"
     # (the crc32c package on a thread pool), "auto" = c where it is built
@@ -333,6 +333,7 @@ class RecoveryLog:
         self._deferred: list[Any] = []  # work _roll(defer=True) left for after the epoch (_run_deferred)
         # the phases of the last placed append (seconds): roll, place (DMA issued), wait (DMA done), crc, write
         self.last_placed_phases: dict[str, float] = {}
+        self._last_roll_need = 0  # the epoch size that made the last roll (mapped_fit_epochs)
         # the active segment handed to an external appender (core/slotlog.py: graph decode's C writer); while
         # leased, append() refuses, the interval syncer leaves the segment to the lessee, a compactor's seal waits
         self._leased = False
@@ -531,6 +532,7 @@ class RecoveryLog:
         self._segment = seg
         self._segment_epochs = 0
         self._synced_end = seg.end
+        prev_need, self._last_roll_need = self._last_roll_need, need
         if self._spare is not None:
             spare = self._spare
             o = self.options
@@ -538,7 +540,10 @@ class RecoveryLog:
             # configured capacity (a one-off huge epoch, e.g. weights logged once, does not make every spare huge)
             fit = min(o.mapped_fit_epochs * (need + SEGMENT_HEADER_BYTES) + SEGMENT_HEADER_BYTES,
                       4 * o.mapped_segment_bytes, max(o.segment_max_bytes, o.mapped_segment_bytes))
-            if o.mapped_fit_epochs and fit > spare.capacity:
+            large = o.mapped_segment_bytes // 4
+            # only when large epochs recur (two rolls in a row for one): a session's one prefill epoch must not
+            # leave every later segment preallocated 4x larger (replay then reads their zero tails)
+            if o.mapped_fit_epochs and need > large and prev_need > large and fit > spare.capacity:
                 spare.grow(fit)
             retire = isinstance(old, MappedSegment) and old.registered  # unregister + unmap off the append path
 
