@@ -212,8 +212,11 @@ def _recover_once(model: Any, log: Path, backend: str, device: str, recovery: di
                   check: Any = None) -> dict[str, Any]:
     """One timed recovery + first token. ``check(session)``, when given, runs between the two, and that
     recovery's first-token time is then not meaningful (the caller does not time it)."""
+    import gc
+
     from concordia_ft.session import Session
 
+    gc.collect()  # the previous recovery's session (reference cycles) gives its arena and pinned images back first
     sync(device)
     t0 = time.perf_counter()
     r = Session.recover(log, model, backend=backend, runtime_options={**RT_OPTS, "recovery": recovery})
