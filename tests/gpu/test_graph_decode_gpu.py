@@ -131,8 +131,9 @@ def test_c_writer_on_a_file_log_rolls_and_counts_toward_compaction(shm: Path, fs
     ref = Session(model, shm / "ref", max_cache_len=200, decode="eager")
     want = ref.generate(prompt_ids(12), max_new_tokens=160, eos_token_ids=())
     ref.close()
-    opts = {"compact_after_bytes": 512 << 10, "background_compaction": False,
-            "log_options": {"segment_max_bytes": 1 << 20, "fsync_interval_ms": 5}}
+    # Runtime's own arguments (passing them again in log_options is a TypeError: what failed on the H200)
+    opts = {"compact_after_bytes": 512 << 10, "background_compaction": False, "segment_max_bytes": 1 << 20,
+            "fsync_interval_ms": 5}
     s = Session(model, shm / "log", max_cache_len=200, decode="graph", fsync=fsync, runtime_options=opts)
     out = s.generate(prompt_ids(12), max_new_tokens=160, eos_token_ids=())
     st = s._graph.stats if s._graph is not None else None
