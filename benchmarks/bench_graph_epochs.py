@@ -40,6 +40,7 @@ import bench_llm  # noqa: E402
 from concordia_ft.benchreport import percentile, print_table, save_figure, write_results  # noqa: E402
 
 MODES = ("graph_plain", "graph_durable", "graph_pipelined", "graph_durable_py", "graph_pipelined_py", "eager")
+SDPA = "reproducible"  # Session(sdpa=): "reproducible" keeps every mode off cuDNN attention (not run-to-run exact)
 SKIP = 4  # first tokens of a run not counted (the eager prefill token, capture, the writer's start)
 
 
@@ -52,7 +53,7 @@ def decode_once(model: Any, root: Path, mode: str, prompt: torch.Tensor, new: in
     kw: dict[str, Any] = {"decode": "eager"} if mode in ("eager", "graph_plain") else {
         "decode": "graph", "durability": durability}
     s = Session(model, d / "log", max_cache_len=prompt.shape[1] + new + 8, backend="dram",
-                runtime_options=bench_llm.RT_OPTS, **kw)
+                runtime_options=bench_llm.RT_OPTS, sdpa=SDPA, **kw)
     if mode == "graph_plain":
         s.decode = "auto"
         s._graph = GraphDecoder(s, with_epoch=False)
@@ -250,12 +251,16 @@ def main() -> int:
     ap.add_argument("--only", default="decode,epoch256")
     ap.add_argument("--modes", default=",".join(MODES), help="decode modes to run (graph_plain is the reference)")
     ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--sdpa", default="reproducible", choices=("reproducible", "default"),
+                    help="Session(sdpa=): 'default' lets torch pick cuDNN attention (then no two runs need agree)")
     ap.add_argument("--plot", default=None, help="only draw this results JSON as a PNG beside it")
     a = ap.parse_args()
     if a.plot:
         print("wrote", plot(Path(a.plot)))
         return 0
     only = set(a.only.split(","))
+    global SDPA
+    SDPA = a.sdpa
     root = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="cft-bench-graph-"))
     rows: list[dict[str, Any]] = []
     baseline: list[dict[str, Any]] = []
@@ -282,7 +287,8 @@ def main() -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     path = write_results("graph_epochs", rows, baseline=baseline, out_dir=a.out_dir,
-                         notes="issue 10: graph decode with in-graph token epochs; payloads DMA'd into the log")
+                         notes="issue 10: graph decode with in-graph token epochs; payloads DMA'd into the log; "
+                         f"Session(sdpa={SDPA!r}): tokens_equal_eager compares every run with the first eager run")
     print("wrote", path)
     try:
         print("wrote", plot(path))

@@ -43,6 +43,7 @@ from concordia_ft.benchreport import median, print_table, write_results  # noqa:
 
 RT_OPTS = {"compact_after_bytes": None}  # no background compaction while timing
 LORA_ROUNDS = 3
+LORA_STEPS = 8
 
 
 def qwen3_06b():
@@ -194,12 +195,13 @@ def _warm_decode(model: Any, device: str, max_cache_len: int, lengths: list[int]
     """The serving process is warm before it takes the session over: one decode step on a THROWAWAY cache of
     the same shape (same context length, so the same attention kernels), nothing from the log."""
     from concordia_ft.integrations.transformers import ArenaKVCache
+    from concordia_ft.session import sdpa_backends
 
     p = next(model.parameters())
     cache = ArenaKVCache(model.config, max_cache_len, dtype=p.dtype, device=device)
     cache.set_lengths(lengths)
     kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    with torch.inference_mode():
+    with torch.inference_mode(), sdpa_backends("reproducible", device):  # the kernels the Session's steps use
         model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=device), use_cache=True, logits_to_keep=1,
               **{kw: cache})
     sync(device)
@@ -210,8 +212,11 @@ def _recover_once(model: Any, log: Path, backend: str, device: str, recovery: di
                   check: Any = None) -> dict[str, Any]:
     """One timed recovery + first token. ``check(session)``, when given, runs between the two, and that
     recovery's first-token time is then not meaningful (the caller does not time it)."""
+    import gc
+
     from concordia_ft.session import Session
 
+    gc.collect()  # the previous recovery's session (reference cycles) gives its arena and pinned images back first
     sync(device)
     t0 = time.perf_counter()
     r = Session.recover(log, model, backend=backend, runtime_options={**RT_OPTS, "recovery": recovery})
@@ -241,7 +246,7 @@ def _recover_once(model: Any, log: Path, backend: str, device: str, recovery: di
 
 
 def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick: bool,
-                   threads: int | None = None) -> list[dict[str, Any]]:
+                   threads: int | None = None, reps: int | None = None) -> list[dict[str, Any]]:
     """A 2k-token session abandoned mid-answer, recovered ``reps`` times with the new path (parallel checksums,
     pinned images, one DMA per region) and the baseline path, interleaved in one process. The first recovery
     of the new path is reported apart: it also pins the image memory (torch's pinned cache then reuses it)."""
@@ -249,7 +254,7 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
     from concordia_ft.session import Session
 
     n_prompt, n_new = (1000, 24) if quick else (2000, 48)
-    reps = 2 if quick else 6
+    reps = reps or (2 if quick else 6)
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, model.config.vocab_size, (1, n_prompt), generator=g)
     d = Path(tempfile.mkdtemp(dir=log_root))
@@ -279,6 +284,11 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
 
     def check(r: Any, name: str = "") -> None:  # the recovered state, byte for byte, before any new token
         checks[f"arena_bytes_equal_{name}"] = bool(torch.equal(r.cache.arena, live_arena))
+        # the rows of the committed tokens' KV (graph decode may have written a row past the last commit into
+        # the live arena before the session was abandoned: not state the log holds)
+        used = (r.n_tokens - 1) * r.cache.geometry.sections[0].row_bytes
+        checks[f"arena_committed_rows_equal_{name}"] = bool(torch.equal(
+            r.cache.arena.view(torch.uint8).flatten()[:used], live_arena.view(torch.uint8).flatten()[:used]))
         checks[f"ids_equal_{name}"] = r.ids == live_ids
 
     runs: dict[str, list[dict[str, Any]]] = {"new": [], "baseline": []}
@@ -321,6 +331,7 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
             row["first_recovery_total_ms"] = rs[0]["total_ms"]  # includes pinning the image memory
             row["first_recovery_copy_ms"] = rs[0]["copy_ms"]
         row["arena_bytes_equal"] = checks[f"arena_bytes_equal_{name}"]
+        row["arena_committed_rows_equal"] = checks[f"arena_committed_rows_equal_{name}"]
         row["ids_equal"] = checks[f"ids_equal_{name}"] and all(x["ids"][:-1] == live_ids for x in rs)
         rows.append(row)
     shutil.rmtree(d, ignore_errors=True)
@@ -328,7 +339,11 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
 
 
 # -------------------------------------------------------------------------------------------------- LoRA
-LORA_MODES = ("none", "sync", "async")
+LORA_MODES = ("none", "sync", "async", "async_old")
+# async_old: today's placed append before this work, in the same run: CRC32C on the crc32c package's thread pool
+# and 64 MiB mapped segments (a 53 MB epoch rolls every time); async: CRC in C with the GIL released, segments
+# that hold several epochs (LogOptions.placed_crc, mapped_fit_epochs)
+OLD_PLACED = {"placed_crc": "python", "mapped_fit_epochs": 0}
 BACKPRESSURE_WAIT_S = 50e-6  # a checkpoint call that waited longer than this for the previous epoch "waited"
 
 
@@ -366,13 +381,15 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
     rt_cpu = Runtime(str(d / "cpu-log"), fsync="never", backend=backend, **RT_OPTS)
     for n, m in mirrors.items():
         rt_cpu.register(f"lora.{n}", m, kind="dense")
-    rounds, per_round = (1, 3) if quick else (LORA_ROUNDS, 8)
+    rounds, per_round = (1, 3) if quick else (LORA_ROUNDS, LORA_STEPS)
     wall: dict[str, list[float]] = {m: [] for m in LORA_MODES}  # whole train_step, checkpoint call included
     compute: dict[str, list[float]] = {m: [] for m in LORA_MODES}  # train_step before its checkpoint call
     call: dict[str, list[float]] = {m: [] for m in LORA_MODES}  # the checkpoint call on the training thread
-    handles: list[Any] = []
+    handles: dict[str, list[Any]] = {"async": [], "async_old": []}
     cpu_ms, pages, losses = [], [], []
-    phases: list[dict[str, float]] = []
+    phases: dict[str, list[dict[str, float]]] = {"async": [], "async_old": []}
+    opts = t.runtime.log.options
+    new_placed = {k: getattr(opts, k) for k in OLD_PLACED}
     gpu_detect, gpu_append, cpu_stage, cpu_append = [], [], [], []
 
     def batch(k: int) -> dict[str, torch.Tensor]:
@@ -382,7 +399,9 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
         first_pages = t.train_step(batch(0)).pages  # the base epoch (weights immutable): sync, not timed
         for _ in range(rounds):
             for mode in LORA_MODES:
-                t.async_checkpoint = mode == "async"
+                t.async_checkpoint = mode.startswith("async")
+                for k, v in (OLD_PLACED if mode == "async_old" else new_placed).items():
+                    setattr(opts, k, v)
                 t.train_step(batch(t.step), checkpoint=mode != "none")  # warm-up of this mode, not timed
                 for _ in range(per_round):  # back to back, as a training loop runs (no device sync between)
                     s0 = time.perf_counter()
@@ -392,13 +411,13 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
                     compute[mode].append(res.step_s)
                     call[mode].append(res.checkpoint_s)
                     losses.append(res.loss)
-                    if mode == "async":
-                        handles.append(t.runtime.in_flight)
+                    if mode.startswith("async"):
+                        handles[mode].append(t.runtime.in_flight)
                         # the previous async epoch has finished (this step's checkpoint waited for it): its
                         # placed append's phases (a mapped DRAM log), when it took that path
                         ph = getattr(t.runtime.log, "last_placed_phases", {})
-                        if ph and len(handles) > 1:
-                            phases.append(dict(ph))
+                        if ph and len(handles[mode]) > 1:
+                            phases[mode].append(dict(ph))
                     if mode != "sync":
                         continue
                     pages.append(res.pages)
@@ -417,8 +436,9 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
                     cpu_stage.append(1e3 * (c_staged - c0 + cst.detect_seconds))
                     cpu_append.append(1e3 * cst.append_seconds)
                 t.wait()  # the last async epoch commits before the next mode's steps are timed
-        astats = [h.stats for h in handles]
-        call_only = [h.call_seconds for h in handles]
+        astats = [h.stats for h in handles["async"]]
+        ostats = [h.stats for h in handles["async_old"]]
+        call_only = [h.call_seconds for h in handles["async"]]
         snapshot_bytes = t.runtime.snapshot_device_bytes
         plan = getattr(t.runtime, "_plan", None)  # how the async epochs staged the dense regions (None before)
         batches = "; ".join(f"{type(b).__name__} {','.join(names)}"
@@ -429,11 +449,16 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
         t.close()
         rt_cpu.close()
         shutil.rmtree(d, ignore_errors=True)
-    assert np.isfinite(losses).all() and all(st is not None for st in astats), "an async epoch did not commit"
+    assert np.isfinite(losses).all() and all(st is not None for st in astats + ostats), "an async epoch failed"
     ms = {m: 1e3 * median(wall[m]) for m in LORA_MODES}
     per_s = {m: len(wall[m]) / sum(wall[m]) for m in LORA_MODES}
     waits = [st.backpressure_seconds for st in astats]
     latency = [1e3 * st.commit_latency_seconds for st in astats]
+    latency_old = [1e3 * st.commit_latency_seconds for st in ostats]
+
+    def phase_medians(rows: list[dict[str, float]]) -> dict[str, float]:
+        return {k: (1e3 if k not in ("rolled", "registered") else 1.0) * median([p[k] for p in rows])
+                for k in rows[0]} if rows else {}
     return [{
         "case": f"LoRA SFT {what} r=8 all proj, AdamW", "adapter_params": t.n_adapter_params,
         "adapter_pages": -(-t.n_adapter_params * 4 // 4096), "dirty_pages_per_step": median(pages),
@@ -461,7 +486,18 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
         # the async epochs' log append into a mapped DRAM log, by phase (medians, ms): plan + roll to a new
         # segment, DMA issued, DMA waited for (includes the GPU finishing the step and its snapshot), CRC32C of
         # the placed bytes, header + commit marker
-        "async_append_phases_ms": {k: 1e3 * median([p[k] for p in phases]) for k in phases[0]} if phases else {},
+        "async_append_phases_ms": phase_medians(phases["async"]),
+        "async_old_append_phases_ms": phase_medians(phases["async_old"]),
+        "async_rolled_fraction": sum(p.get("rolled", 0) for p in phases["async"]) / max(1, len(phases["async"])),
+        "async_old_rolled_fraction": (sum(p.get("rolled", 0) for p in phases["async_old"])
+                                      / max(1, len(phases["async_old"]))),
+        "commit_latency_ms_async_old": median(latency_old), "commit_latency_ms_async_old_max": max(latency_old),
+        "commit_latency_ms_async_p90": percentile(latency, 90),
+        "commit_latency_ms_async_old_p90": percentile(latency_old, 90),
+        "commit_latency_old_over_new_x": median(latency_old) / max(1e-9, median(latency)),
+        "log_append_ms_async_old_background": median([1e3 * st.append_seconds for st in ostats]),
+        "target_3ms_met_commit_latency": median(latency) <= 3.0,
+        "commit_latency_ms_lists": {"async": latency, "async_old": latency_old},
         "find_stage_ms_gpu": median(gpu_detect), "find_stage_ms_cpu_path": median(cpu_stage),
         "log_append_ms_gpu": median(gpu_append), "log_append_ms_cpu_path": median(cpu_append),
         "steps_per_mode": len(wall["none"]), "losses_first_last": [losses[0], losses[-1]],
@@ -477,11 +513,14 @@ def main() -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--only", default="decode,base,recovery,lora")
     ap.add_argument("--lora-rounds", type=int, default=3, help="interleaved rounds of the LoRA modes (8 steps each)")
+    ap.add_argument("--name", default="llm", help="results file name: <out>/<name>-<device>.json")
+    ap.add_argument("--lora-steps", type=int, default=8, help="timed steps per mode and round")
+    ap.add_argument("--recovery-reps", type=int, default=None, help="timed recoveries per path (default 6)")
     ap.add_argument("--recovery-threads", type=int, default=None,
                     help="replay threads of the new recovery path (default: min(8, CPUs))")
     a = ap.parse_args()
-    global LORA_ROUNDS
-    LORA_ROUNDS = a.lora_rounds
+    global LORA_ROUNDS, LORA_STEPS
+    LORA_ROUNDS, LORA_STEPS = a.lora_rounds, a.lora_steps
     work = Path(tempfile.mkdtemp(prefix="cft-llm-"))
     log_root, backend = log_place(work, 3 << 30)
     print(f"device {a.device}, log backend {backend} in {log_root}", flush=True)
@@ -497,7 +536,8 @@ def main() -> int:
             elif part == "base":
                 rows += bench_base(model, log_root, backend, a.device)
             elif part == "recovery":
-                rows += bench_recovery(model, log_root, backend, a.device, a.quick, a.recovery_threads)
+                rows += bench_recovery(model, log_root, backend, a.device, a.quick, a.recovery_threads,
+                                       a.recovery_reps)
             elif part == "lora":
                 del model
                 model = None
@@ -516,7 +556,7 @@ def main() -> int:
              "token and its epoch) is inside the timer; the new path's first recovery also pins its image "
              "memory and is reported apart (first_recovery_total_ms). "
              f"errors: {errors or 'none'}")
-    path = write_results("llm", rows, baseline=[{"case": "checkpoint none / CPU path: columns *_no_ckpt and "
+    path = write_results(a.name, rows, baseline=[{"case": "checkpoint none / CPU path: columns *_no_ckpt and "
                                                  "delta_ms_cpu_path of the rows"}], notes=notes, out_dir=a.out)
     print(f"wrote {path}")
     for r in rows:

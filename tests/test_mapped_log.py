@@ -34,7 +34,7 @@ def shm() -> Iterator[Path]:
 
 
 def _opts(**kw: object) -> LogOptions:
-    return LogOptions(fsync="never", backend="dram", mapped_segment_bytes=2 << 20, **kw)  # type: ignore[arg-type]
+    return LogOptions(**{"fsync": "never", "backend": "dram", "mapped_segment_bytes": 2 << 20, **kw})  # type: ignore[arg-type]
 
 
 class Recording(HostPayload):
@@ -264,3 +264,179 @@ def test_a_first_open_killed_before_its_manifest_leaves_an_empty_log(shm: Path, 
     log.close()
     r = replay(d)
     assert r.outcome is Outcome.OK and r.epoch == 1 and r.meta == "first"
+
+
+@pytest.mark.parametrize("impl", ["c", "python"])
+def test_placed_crc_in_c_and_on_the_pool_write_the_same_epochs(shm: Path, impl: str) -> None:
+    """The placed append's CRC32Cs (core/_slotlog.c's crc32c_buffers, or the crc32c package on a pool) are what
+    replay's own check recomputes: several payloads of odd sizes, pieces crossing every boundary."""
+    from concordia_ft.core import slotlog
+
+    if impl == "c" and not slotlog.native_crc_available():
+        pytest.skip(f"the C extension is {slotlog.status()}")
+    rng = np.random.default_rng(11)
+    specs = [RegionSpec(name=f"d{i}", kind=RegionKind.DENSE, nbytes=n, page_bytes=PAGE)
+             for i, n in enumerate((3 * PAGE + 5, 5 << 20, (17 << 20) + 123))]
+    log = RecoveryLog.open(shm / "log", _opts(placed_crc=impl, mapped_segment_bytes=64 << 20))
+    want = {}
+    for e in range(2):
+        deltas = []
+        for sp in specs:
+            data = rng.integers(0, 256, sp.n_pages * PAGE, dtype=np.uint8)
+            data[sp.nbytes:] = 0  # a region's tail page is zero-padded in the payload
+            want[sp.name] = data[: sp.nbytes].copy()
+            deltas.append(RegionDelta(sp, np.arange(sp.n_pages, dtype=np.int64), HostPayload(memoryview(data))))
+        log.append(defs=specs if e == 0 else [], deltas=deltas)  # type: ignore[arg-type]
+    log.close()
+    r = replay(shm / "log")
+    assert r.outcome is Outcome.OK and r.epoch == 2
+    for name, data in want.items():
+        assert np.array_equal(r.regions[name].data, data), name
+
+
+def test_c_crc_of_buffers_equals_the_package() -> None:
+    import crc32c
+
+    from concordia_ft.core import slotlog
+
+    if not slotlog.native_crc_available():
+        pytest.skip(f"the C extension is {slotlog.status()}")
+    rng = np.random.default_rng(3)
+    bufs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes()
+            for n in (0, 1, 7, 4096, 65535, 65536, 65537, (1 << 20) + 3, 3 << 20)]
+    for threads in (1, 3, 8):
+        for piece in (4096, 5000, 1 << 20):
+            assert slotlog.crc32c_buffers(bufs, threads=threads, piece=piece) == [crc32c.crc32c(b) for b in bufs]
+    with pytest.raises(ValueError):
+        slotlog.crc32c_buffers(bufs, piece=100)
+
+
+@pytest.mark.parametrize("fit", [0, 4])
+def test_large_epochs_get_segments_that_hold_several(shm: Path, fit: int) -> None:
+    """1.25 MiB epochs with 1 MiB mapped segments: each rolls unless the log grows its spares to hold
+    ``mapped_fit_epochs`` of them; either way the log replays every epoch."""
+    import time
+
+    rng = np.random.default_rng(8)
+    log = RecoveryLog.open(shm / "log", _opts(mapped_segment_bytes=1 << 20, mapped_fit_epochs=fit))
+    log.set_mapping_registrar(PinLog())
+    big = RegionSpec(name="big", kind=RegionKind.DENSE, nbytes=1280 << 10, page_bytes=PAGE)
+    n = 10
+    for e in range(n):
+        data = rng.integers(0, 256, big.nbytes, dtype=np.uint8)
+        log.append(defs=[big] if e == 0 else [], deltas=[RegionDelta(
+            big, np.arange(big.n_pages, dtype=np.int64), HostPayload(memoryview(data)))])  # type: ignore[arg-type]
+        time.sleep(0.02)
+    segments = len(log.manifest.incr)
+    log.close()
+    if fit:
+        assert segments <= 6, segments  # the first, 2 rolls before large epochs recur, then 3 epochs a segment
+    else:
+        assert segments == n + 1, segments  # the empty first one, then every epoch in its own
+    r = replay(shm / "log")
+    assert r.outcome is Outcome.OK and r.epoch == n
+    assert np.array_equal(r.regions["big"].data, data)
+
+
+def test_a_roll_waits_for_the_spare_being_prepared_instead_of_making_another(shm: Path) -> None:
+    """A slow registration (the driver pinning a big segment): the epoch that rolls meanwhile takes the spare
+    when it is ready; no second segment is created and registered beside it."""
+    import time
+
+    class SlowPins(PinLog):
+        def __call__(self, address: int, nbytes: int) -> PinLog.Handle:
+            time.sleep(0.3)
+            return super().__call__(address, nbytes)
+
+    pins = SlowPins()
+    log = RecoveryLog.open(shm / "log", _opts(mapped_segment_bytes=1 << 20, mapped_fit_epochs=0))
+    log.set_mapping_registrar(pins)  # the active segment now; the spare on its thread, 0.3 s
+    big = RegionSpec(name="big", kind=RegionKind.DENSE, nbytes=768 << 10, page_bytes=PAGE)
+    data = np.ones(big.nbytes, dtype=np.uint8)
+    log.append(defs=[big], deltas=[RegionDelta(big, np.arange(big.n_pages, dtype=np.int64),
+                                               HostPayload(memoryview(data)))])  # type: ignore[arg-type]
+    log.append(deltas=[RegionDelta(big, np.arange(big.n_pages, dtype=np.int64),
+                                   HostPayload(memoryview(data)))])  # type: ignore[arg-type]  # rolls
+    made = [c for c in pins.calls if c[2] != "concordia-spare-segment"]
+    log.close()
+    assert len(made) == 1, pins.calls  # only the first segment was registered on the appending thread
+
+
+class GatedPayload(HostPayload):
+    """A host payload placed like a DMA in flight: a thread copies it in chunks and writes each chunk's host word
+    after it (what the GPU's cuStreamWriteValue32 does for cuda.mapped.DevicePayload), so the log's C checksum
+    reads every chunk only once its word says it landed."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, data: np.ndarray, flags: np.ndarray, delay_s: float = 0.002) -> None:
+        super().__init__(memoryview(data))
+        self.data, self.flags, self.delay_s = data, flags, delay_s
+        n = data.nbytes
+        ends = list(range(self.CHUNK, n, self.CHUNK)) + [n]
+        self.gates = [(end, w, 1000 + w) for w, end in enumerate(ends)]
+        self.flags_address = int(flags.ctypes.data)
+        self._t: object = None
+
+    def place(self, address: int) -> None:
+        import ctypes
+        import threading
+        import time
+
+        self.placed_at = address
+        dst = np.frombuffer((ctypes.c_char * self.nbytes).from_address(address), dtype=np.uint8)
+        dst[:] = 0xAB  # what is there before the copy lands: a checksum read early would see it
+
+        def copy() -> None:
+            done = 0
+            for end, w, tag in self.gates:
+                time.sleep(self.delay_s)
+                dst[done:end] = self.data[done:end]
+                self.flags[w] = tag
+                done = end
+
+        t = threading.Thread(target=copy)
+        t.start()
+        self._t = t
+
+    def wait(self) -> None:
+        self._t.join()  # type: ignore[attr-defined]
+
+
+def test_gated_payloads_are_checksummed_as_their_copy_lands(shm: Path) -> None:
+    from concordia_ft.core import slotlog
+
+    if not slotlog.native_crc_available():
+        pytest.skip(f"the C extension is {slotlog.status()}")
+    rng = np.random.default_rng(4)
+    specs = [RegionSpec(name=f"g{i}", kind=RegionKind.DENSE, nbytes=n, page_bytes=PAGE)
+             for i, n in enumerate(((5 << 20) + 3 * PAGE, 3 << 20))]
+    log = RecoveryLog.open(shm / "log", _opts(mapped_segment_bytes=32 << 20))
+    flags = np.zeros(64, dtype=np.uint32)
+    datas = [rng.integers(0, 256, sp.nbytes, dtype=np.uint8) for sp in specs]
+    log.append(defs=specs, deltas=[RegionDelta(sp, np.arange(sp.n_pages, dtype=np.int64), GatedPayload(d, flags))
+                                   for sp, d in zip(specs, datas, strict=True)])  # type: ignore[arg-type]
+    assert log.last_placed_phases["gated"] == 1.0
+    log.close()
+    r = replay(shm / "log")  # every payload CRC written equals the one replay computes from the file
+    assert r.outcome is Outcome.OK and r.epoch == 1
+    for sp, d in zip(specs, datas, strict=True):
+        assert np.array_equal(r.regions[sp.name].data, d)
+
+
+def test_a_gate_that_never_opens_gives_up_instead_of_hanging() -> None:
+    from concordia_ft.core import slotlog
+
+    if not slotlog.native_crc_available():
+        pytest.skip(f"the C extension is {slotlog.status()}")
+    buf = np.ones(3 << 20, dtype=np.uint8)
+    flags = np.zeros(4, dtype=np.uint32)
+    flags[0] = 7
+    gates = [(0, 1 << 20, 0, 7), (0, 3 << 20, 1, 9)]  # the first chunk landed, the second never does
+    assert slotlog.crc32c_buffers([buf], threads=2, flags_address=int(flags.ctypes.data), gates=gates,
+                                  timeout_s=0.2) is None
+    flags[1] = 9
+    import crc32c
+
+    assert slotlog.crc32c_buffers([buf], threads=2, flags_address=int(flags.ctypes.data),
+                                  gates=gates) == [crc32c.crc32c(buf.tobytes())]

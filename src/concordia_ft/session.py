@@ -24,6 +24,7 @@ and that token's KV is computed on the next step in both runs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import time
@@ -49,6 +50,22 @@ from .integrations.generation import (
     should_stop,
 )
 from .integrations.transformers import ArenaKVCache, dtype_name, parse_dtype, plan_arena
+
+SDPA_CHOICES = ("reproducible", "default")
+
+
+def sdpa_backends(choice: str, device: Any) -> contextlib.AbstractContextManager[Any]:
+    """The attention kernels a Session's steps (prefill, eager decode, the graph's capture) may use.
+    "reproducible" on CUDA: torch's choice among flash, memory-efficient and math attention, never cuDNN
+    attention, which torch 2.11 prefers on Hopper and which is not run-to-run reproducible at bf16 (two eager runs
+    of one session diverged at token ~15 on the H200: integrations/LLM.md), so a recovered or pipelined session
+    regenerates exactly the tokens a run without the crash would have, and graph decode equals eager decode.
+    "default", or a CPU: unchanged."""
+    if choice == "default" or torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 META_KEY = "concordia.session"
 # 2: the sampler is the device-independent ``sampler`` region (integrations/generation.py), the settings are a
@@ -120,6 +137,7 @@ class Session:
                  log_weights: bool = False, block_bytes: int = 4096, system_prompt: str | None = None,
                  runtime_options: dict[str, Any] | None = None, async_checkpoint: bool = False,
                  decode: str = "auto", durability: str = "durable", pipeline_depth: int = 2,
+                 sdpa: str = "reproducible",
                  _recovering: dict[str, Any] | None = None, _runtime: Any = None) -> None:
         from . import runtime as _rt
         from .integrations.graph_decode import DURABILITY
@@ -138,6 +156,10 @@ class Session:
                               "committed) or 'pipelined' (commits lag at most pipeline_depth tokens)")
         if pipeline_depth < 1:
             raise ConfigError(f"pipeline_depth={pipeline_depth} must be >= 1")
+        if sdpa not in SDPA_CHOICES:
+            raise ConfigError(f"sdpa={sdpa!r}; use 'reproducible' (no cuDNN attention: the same tokens every run, "
+                              "graph decode equal to eager) or 'default' (whatever torch picks)")
+        self.sdpa = sdpa
         # graph decode (integrations/graph_decode.py): on CUDA the decode step is a captured CUDA graph whose
         # token epochs are gathered by the GPU and committed by a writer thread; eager decode otherwise
         self.decode, self.durability, self.pipeline_depth = decode, durability, int(pipeline_depth)
@@ -370,7 +392,7 @@ class Session:
         # is its prefill anyway; a resume() after a recovery gets its first token from one eager step (~40 ms
         # at Qwen3-0.6B dims) instead of after the capture (~100 ms), and captures before its second
         first = self._graph is None or self._graph.graph is None
-        with torch.inference_mode():
+        with torch.inference_mode(), sdpa_backends(self.sdpa, self.device):
             while not g.done:
                 t0 = time.perf_counter()
                 cached = int(self.cache.get_seq_length())
@@ -527,7 +549,8 @@ class Session:
     def recover(cls, log_dir: str | Path, model: Any, tokenizer: Any = None, *, fsync: str = "never",
                 backend: str = "file", checkpoint_every: int = 1,
                 runtime_options: dict[str, Any] | None = None, async_checkpoint: bool = False,
-                decode: str = "auto", durability: str = "durable", pipeline_depth: int = 2) -> Session:
+                decode: str = "auto", durability: str = "durable", pipeline_depth: int = 2,
+                sdpa: str = "reproducible") -> Session:
         """Rebuild the session from the last committed epoch (in a fresh process); then call resume()."""
         from .runtime import open_to_recover
 
@@ -551,7 +574,7 @@ class Session:
                                     f"{m['arena_nbytes']}: recover with the same model configuration")
             s = cls(model, log_dir, tokenizer, checkpoint_every, log_weights=bool(m.get("log_weights")),
                     async_checkpoint=async_checkpoint, decode=decode, durability=durability,
-                    pipeline_depth=pipeline_depth, _recovering=m, _runtime=rt)
+                    pipeline_depth=pipeline_depth, sdpa=sdpa, _recovering=m, _runtime=rt)
             s._load(m)
             if s.gen is not None and not s.gen.done:
                 s._rules_for(s.gen.settings)  # e.g. stop_strings without the tokenizer: refused here, log closed

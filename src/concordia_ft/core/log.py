@@ -63,12 +63,22 @@ class LogOptions:
     # than that gets a segment of its own size).
     mapped: str = "auto"
     mapped_segment_bytes: int = 64 << 20
+    # a mapped log whose large epochs recur (LoRA: 53 MB each, every one rolls) prepares its next segments to
+    # hold this many of them (at most 4 x mapped_segment_bytes), so most epochs do not roll; 0: never grow
+    mapped_fit_epochs: int = 4
+    # CRC32C of placed payloads: "c" (core/_slotlog.c: one call, GIL released, pieces on threads), "python"
+    # (the crc32c package on a thread pool), "auto" = c where it is built
+    placed_crc: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mapped not in ("auto", "on", "off"):
             raise ConfigError(f"mapped={self.mapped!r}; use 'auto', 'on' or 'off'")
         if self.mapped == "on" and self.backend != "dram":
             raise ConfigError(f"mapped='on' needs backend 'dram' (tmpfs); the backend is {self.backend!r}")
+        if self.placed_crc not in ("auto", "c", "python"):
+            raise ConfigError(f"placed_crc={self.placed_crc!r}; use 'auto', 'c' or 'python'")
+        if self.mapped_fit_epochs < 0:
+            raise ConfigError(f"mapped_fit_epochs must be 0 or more, got {self.mapped_fit_epochs}")
         if self.mapped_segment_bytes < 1 << 20:
             raise ConfigError(f"mapped_segment_bytes must be at least 1 MiB, got {self.mapped_segment_bytes}")
         if self.fsync not in FSYNC_POLICIES:
@@ -323,6 +333,7 @@ class RecoveryLog:
         self._deferred: list[Any] = []  # work _roll(defer=True) left for after the epoch (_run_deferred)
         # the phases of the last placed append (seconds): roll, place (DMA issued), wait (DMA done), crc, write
         self.last_placed_phases: dict[str, float] = {}
+        self._last_roll_need = 0  # the epoch size that made the last roll (mapped_fit_epochs)
         # the active segment handed to an external appender (core/slotlog.py: graph decode's C writer); while
         # leased, append() refuses, the interval syncer leaves the segment to the lessee, a compactor's seal waits
         self._leased = False
@@ -521,8 +532,19 @@ class RecoveryLog:
         self._segment = seg
         self._segment_epochs = 0
         self._synced_end = seg.end
+        prev_need, self._last_roll_need = self._last_roll_need, need
         if self._spare is not None:
             spare = self._spare
+            o = self.options
+            # large epochs: the next segments hold several of them (alignment padding included), up to 4x the
+            # configured capacity (a one-off huge epoch, e.g. weights logged once, does not make every spare huge)
+            fit = min(o.mapped_fit_epochs * (need + SEGMENT_HEADER_BYTES) + SEGMENT_HEADER_BYTES,
+                      4 * o.mapped_segment_bytes, max(o.segment_max_bytes, o.mapped_segment_bytes))
+            large = o.mapped_segment_bytes // 4
+            # only when large epochs recur (two rolls in a row for one): a session's one prefill epoch must not
+            # leave every later segment preallocated 4x larger (replay then reads their zero tails)
+            if o.mapped_fit_epochs and need > large and prev_need > large and fit > spare.capacity:
+                spare.grow(fit)
             retire = isinstance(old, MappedSegment) and old.registered  # unregister + unmap off the append path
 
             def after() -> None:
@@ -581,15 +603,15 @@ class RecoveryLog:
 
     def _placed_append_now(self, number: int, defs: list[RegionSpec], drops: list[str], deltas: list[RegionDelta],
                            placed: dict[int, PlacedPayload], meta: Any) -> tuple[Any, int]:
-        from .checksums import crc32c_parallel
-
         perf = time.perf_counter
         t0 = perf()
+        rolled = 0.0
         plan = plan_epoch(number, self._segment.end, defs=defs, drops=drops, deltas=deltas, meta=meta,
                           payload_crcs=[0] * len(deltas))
         seg = self._segment
         if not isinstance(seg, MappedSegment) or plan.total_bytes > seg.room():
             self._roll(plan.total_bytes, defer=True)
+            rolled = 1.0
             seg = self._segment
             if not isinstance(seg, MappedSegment):
                 raise ConfigError("placed payloads need a mapped segment (backend 'dram', mapped on)")
@@ -608,13 +630,19 @@ class RecoveryLog:
             for k, i in enumerate(with_pages):
                 p = placed.get(i)
                 if p is not None:
-                    p.wait()
                     d = deltas[i]
                     views[i] = RegionDelta(d.spec, d.pages, seg.view(start + plan.payload_offsets[k], p.nbytes),
                                            d.scanned_bytes)
+            # payloads whose DMA lands in gated chunks are checksummed while it is in flight (core/_slotlog.c)
+            crcs = self._gated_crcs([views[i].payload for i in with_pages], [placed.get(i) for i in with_pages])
+            gated = crcs is not None
+            for i in with_pages:
+                p = placed.get(i)
+                if p is not None:
+                    p.wait()
             t3 = perf()
-            pool = self._crc_workers()
-            crcs = [crc32c_parallel(views[i].payload, pool) for i in with_pages]
+            if crcs is None:
+                crcs = self._placed_crcs([views[i].payload for i in with_pages])
             plan = plan_epoch(number, start, defs=defs, drops=drops, deltas=views, meta=meta, payload_crcs=crcs)
             t4 = perf()
         except BaseException:
@@ -623,8 +651,52 @@ class RecoveryLog:
         in_place = [plan.payload_parts[k] for k, i in enumerate(with_pages) if i in placed]
         offset = self._write_epoch(number, plan.parts, in_place)
         self.last_placed_phases = {"roll": t1 - t0, "place": t2 - t1, "wait": t3 - t2, "crc": t4 - t3,
-                                   "write": perf() - t4}
+                                   "write": perf() - t4, "rolled": rolled, "gated": 1.0 if gated else 0.0,
+                                   "registered": 1.0 if seg.registered else 0.0}
         return plan, offset
+
+    def _gated_crcs(self, views: list[Any], payloads: list[Any]) -> list[int] | None:
+        """CRC32C of the placed payloads as their DMA lands, when every one of them announces its chunks
+        (``gates``: cuda.mapped.DevicePayload, large copies) and the C checksum is on; else None."""
+        if self.options.placed_crc == "python" or not payloads:
+            return None
+        gates: list[tuple[int, int, int, int]] = []
+        addr = 0
+        for b, p in enumerate(payloads):
+            if p is None:
+                continue  # a host payload in the same epoch: its bytes are there already
+            g = getattr(p, "gates", None)
+            if not g:
+                return None
+            if addr and p.flags_address != addr:
+                return None
+            addr = p.flags_address
+            gates.extend((b, end, word, tag) for end, word, tag in g)
+        if not gates:
+            return None
+        from . import slotlog
+
+        if not slotlog.native_crc_available():
+            return None
+        return slotlog.crc32c_buffers(views, threads=min(8, os.cpu_count() or 1), flags_address=addr, gates=gates)
+
+    def _placed_crcs(self, payloads: list[Any]) -> list[int]:
+        """CRC32C of each placed payload: in C with the GIL released once (``placed_crc``), else the pool."""
+        impl = self.options.placed_crc
+        if impl != "python":
+            from . import slotlog
+
+            if slotlog.native_crc_available():
+                out = slotlog.crc32c_buffers(payloads, threads=min(8, os.cpu_count() or 1))
+                assert out is not None  # no gates: it never gives up
+                return out
+            if impl == "c":
+                raise ConfigError(f"placed_crc='c', but the C extension is {slotlog.status()}; build it "
+                                  "(scripts/build_ext.sh) or use placed_crc='auto'")
+        from .checksums import crc32c_parallel
+
+        pool = self._crc_workers()
+        return [crc32c_parallel(p, pool) for p in payloads]
 
     def _crc_workers(self) -> Any:
         if self._crc_pool is None:

@@ -187,11 +187,23 @@ class SparePreparer:
             self._thread = threading.Thread(target=self._make, name="concordia-spare-segment", daemon=True)
             self._thread.start()
 
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def grow(self, capacity: int) -> None:
+        """Make the spares prepared from now on at least ``capacity`` bytes (a log whose epochs are large: a
+        segment then holds several of them, so most epochs do not roll)."""
+        with self._lock:
+            self._capacity = max(self._capacity, int(capacity))
+
     def _make(self) -> None:
         path = self._dir / f"spare.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             path.unlink(missing_ok=True)
-            seg = MappedSegment(path, self._capacity, create_with=b"", register=self._register, io=self._io)
+            with self._lock:
+                capacity = self._capacity
+            seg = MappedSegment(path, capacity, create_with=b"", register=self._register, io=self._io)
         except BaseException as e:  # noqa: BLE001 - the roll then creates its segment itself
             self.error = e
             with self._lock:
@@ -218,7 +230,11 @@ class SparePreparer:
         """The prepared segment renamed to ``path`` with ``header`` written, or None when none is ready (or it is
         smaller than ``capacity``)."""
         with self._lock:
-            seg, self._spare = self._spare, None
+            seg, self._spare, making = self._spare, None, self._thread
+        if seg is None and making is not None:  # being prepared: finishing it is quicker than starting anew
+            making.join()
+            with self._lock:
+                seg, self._spare = self._spare, None
         if seg is None:
             return None
         if seg.capacity < capacity:

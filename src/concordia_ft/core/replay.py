@@ -444,8 +444,15 @@ def unborn_segment(path: Path) -> bool:
 
 
 def _all_zero(buf: memoryview, start: int) -> bool:
-    rest = np.frombuffer(buf[start:], dtype=np.uint8)
-    return not rest.any()
+    """Every byte from ``start`` is zero (a preallocated segment's unused tail): the bulk read as 8-byte words."""
+    n = len(buf) - start
+    head = (-start) % 8 if n > 8 else n
+    if np.frombuffer(buf[start:start + head], dtype=np.uint8).any():
+        return False
+    mid = (n - head) // 8 * 8
+    if mid and np.frombuffer(buf[start + head:start + head + mid], dtype=np.uint64).any():
+        return False
+    return not np.frombuffer(buf[start + head + mid:], dtype=np.uint8).any()
 
 
 def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Sequence[str] | None = None,

@@ -13,6 +13,7 @@ waits, checksums the placed bytes and writes the header and commit marker after 
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from . import driver
@@ -40,6 +41,49 @@ def register_host_range(address: int, nbytes: int) -> HostRegistration:
     return HostRegistration(address, nbytes)
 
 
+class _Gates:
+    """Host words the GPU writes after each chunk of a payload's DMA (``cuStreamWriteValue32`` into page-locked,
+    device-mapped memory): the log's C checksum reads a chunk once its word holds the chunk's tag, so the CRC32C
+    runs while the rest of the copy is in flight. One process-wide ring of words; each chunk gets a fresh tag."""
+
+    WORDS = 4096
+
+    def __init__(self) -> None:
+        from .memory import PinnedBuffer
+
+        self.buf = PinnedBuffer(4 * self.WORDS)
+        self.buf.view()[:] = bytes(4 * self.WORDS)
+        self.next_word = 0
+        self.next_tag = 1
+        self.lock = threading.Lock()
+
+    def take(self, n: int) -> list[tuple[int, int]]:
+        """``n`` (word index, tag) pairs."""
+        with self.lock:
+            out = []
+            for _ in range(n):
+                out.append((self.next_word, self.next_tag))
+                self.next_word = (self.next_word + 1) % self.WORDS
+                self.next_tag = self.next_tag % 0xFFFFFFFF + 1
+            return out
+
+
+_GATES: _Gates | None = None
+_GATES_OFF = False
+GATE_CHUNK = 8 << 20  # DMA chunk (a word written after each); a payload of fewer than 2 is one plain copy
+GATE_MAX_CHUNKS = 32
+
+
+def _gates() -> _Gates | None:
+    global _GATES, _GATES_OFF
+    if _GATES is None and not _GATES_OFF:
+        try:
+            _GATES = _Gates()
+        except Exception:  # noqa: BLE001 - no mapped pinned memory: plain copies
+            _GATES_OFF = True
+    return _GATES
+
+
 class DevicePayload:
     """``nbytes`` bytes at device address ``ptr`` (valid in stream order on ``stream``), to be DMA'd into a host
     address the log picks. ``pad`` zero bytes follow the device bytes (a region that is not a whole number of
@@ -52,16 +96,43 @@ class DevicePayload:
         self.keep = keep
         self._address = 0
 
+    gates: list[tuple[int, int, int]] | None = None  # (end offset, word, tag) of each chunk, once placed
+    flags_address = 0
+
     def place(self, address: int) -> None:
-        driver.memcpy_dtoh_async(address, self.ptr, self.copy_bytes, self.stream)
+        global _GATES_OFF
         self._address = address
+        if self.pad:  # the zero tail is not part of the copy: written now, beside it
+            import ctypes
+
+            ctypes.memset(address + self.copy_bytes, 0, self.pad)
+        n = self.copy_bytes
+        g = _gates() if n >= 2 * GATE_CHUNK else None
+        if g is None:
+            driver.memcpy_dtoh_async(address, self.ptr, n, self.stream)
+            return
+        chunk = max(GATE_CHUNK, -(-n // GATE_MAX_CHUNKS))
+        chunk = -(-chunk // 4096) * 4096
+        ends = list(range(chunk, n, chunk)) + [n]
+        words = g.take(len(ends))
+        drv = driver.bindings()
+        done, gates = 0, []
+        try:
+            for end, (word, tag) in zip(ends, words, strict=True):
+                driver.memcpy_dtoh_async(address + done, self.ptr + done, end - done, self.stream)
+                done = end
+                driver.check(drv.cuStreamWriteValue32(self.stream.handle, g.buf.device_ptr + 4 * word, tag, 0),
+                             "cuStreamWriteValue32")
+                gates.append((end if end < n else self.nbytes, word, tag))  # the zero tail is there already
+        except Exception:  # noqa: BLE001 - stream memory operations refused: the rest as one plain copy
+            _GATES_OFF = True
+            if done < n:
+                driver.memcpy_dtoh_async(address + done, self.ptr + done, n - done, self.stream)
+            return
+        self.gates, self.flags_address = gates, g.buf.host_ptr
 
     def wait(self) -> None:
         self.stream.synchronize()
-        if self.pad and self._address:
-            import ctypes
-
-            ctypes.memset(self._address + self.copy_bytes, 0, self.pad)
 
 
 __all__ = ["DevicePayload", "HostRegistration", "register_host_range"]
