@@ -369,12 +369,13 @@ class GatedPayload(HostPayload):
 
     CHUNK = 1 << 20
 
-    def __init__(self, data: np.ndarray, flags: np.ndarray, delay_s: float = 0.002) -> None:
+    def __init__(self, data: np.ndarray, flags: np.ndarray, first_word: int = 0, delay_s: float = 0.002) -> None:
         super().__init__(memoryview(data))
         self.data, self.flags, self.delay_s = data, flags, delay_s
         n = data.nbytes
         ends = list(range(self.CHUNK, n, self.CHUNK)) + [n]
-        self.gates = [(end, w, 1000 + w) for w, end in enumerate(ends)]
+        # every chunk of every payload has its own word and tag, as cuda.mapped's allocator hands them out
+        self.gates = [(end, first_word + i, 1000 + first_word + i) for i, end in enumerate(ends)]
         self.flags_address = int(flags.ctypes.data)
         self._t: object = None
 
@@ -414,8 +415,9 @@ def test_gated_payloads_are_checksummed_as_their_copy_lands(shm: Path) -> None:
     log = RecoveryLog.open(shm / "log", _opts(mapped_segment_bytes=32 << 20))
     flags = np.zeros(64, dtype=np.uint32)
     datas = [rng.integers(0, 256, sp.nbytes, dtype=np.uint8) for sp in specs]
-    log.append(defs=specs, deltas=[RegionDelta(sp, np.arange(sp.n_pages, dtype=np.int64), GatedPayload(d, flags))
-                                   for sp, d in zip(specs, datas, strict=True)])  # type: ignore[arg-type]
+    log.append(defs=specs, deltas=[RegionDelta(sp, np.arange(sp.n_pages, dtype=np.int64),
+                                               GatedPayload(d, flags, 32 * i))  # type: ignore[arg-type]
+                                   for i, (sp, d) in enumerate(zip(specs, datas, strict=True))])
     assert log.last_placed_phases["gated"] == 1.0
     log.close()
     r = replay(shm / "log")  # every payload CRC written equals the one replay computes from the file
