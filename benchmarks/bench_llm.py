@@ -39,7 +39,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
 
-from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
+from concordia_ft.benchreport import median, percentile, print_table, write_results  # noqa: E402
 
 RT_OPTS = {"compact_after_bytes": None}  # no background compaction while timing
 LORA_ROUNDS = 3
@@ -208,18 +208,50 @@ def _warm_decode(model: Any, device: str, max_cache_len: int, lengths: list[int]
     del cache
 
 
-def _recover_once(model: Any, log: Path, backend: str, device: str, recovery: dict[str, Any],
-                  check: Any = None) -> dict[str, Any]:
+RECOVERY_MODES = {
+    # the path measured last session (176 ms at 6b9add9): checksums at the log's open, the first token from one
+    # eager decode step (the graph captured before the second)
+    "today": {"recovery": {"defer_verify": ()}, "standby": False},
+    # a Standby made before the timer (arena allocated, decode graph captured: the capture is reported apart),
+    # the KV checksums run while the streamed restore copies (the Session default)
+    "standby": {"recovery": {}, "standby": True},
+    # the same standby, every checksum at the open (to choose the default by measurement)
+    "standby_verify_at_open": {"recovery": {"defer_verify": ()}, "standby": True},
+    # the standby with the log's segments reopened as plain files (no mapped tail to fault in and register with
+    # the driver, no spare prepared beside the restore): what reopening the writer's mapped tail costs
+    "standby_file_log": {"recovery": {}, "standby": True, "log_options": {"mapped": "off"}},
+    # before parallel checksums and pinned images (session 5's baseline)
+    "baseline": {"recovery": {**BASELINE_RECOVERY, "defer_verify": ()}, "standby": False},
+}
+
+
+def _recover_once(model: Any, log: Path, backend: str, device: str, mode: dict[str, Any], max_len: int,
+                  check: Any = None, profile: Path | None = None) -> dict[str, Any]:
     """One timed recovery + first token. ``check(session)``, when given, runs between the two, and that
     recovery's first-token time is then not meaningful (the caller does not time it)."""
     import gc
 
-    from concordia_ft.session import Session
+    from concordia_ft.session import Session, Standby
 
     gc.collect()  # the previous recovery's session (reference cycles) gives its arena and pinned images back first
+    standby = None
+    capture_ms = setup_ms = None
+    if mode["standby"]:  # warm-up, before the timer (a serving engine captures its graphs at start)
+        standby = Standby(model, max_cache_len=max_len)
+        setup_ms = 1e3 * standby.setup_s
+        capture_ms = 1e3 * standby.capture_s if standby.decoder is not None else None
     sync(device)
+    prof = None
+    if profile is not None:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
-    r = Session.recover(log, model, backend=backend, runtime_options={**RT_OPTS, "recovery": recovery})
+    rt_opts: dict[str, Any] = {**RT_OPTS, "recovery": mode["recovery"]}
+    if mode.get("log_options"):
+        rt_opts["log_options"] = mode["log_options"]
+    r = Session.recover(log, model, backend=backend, runtime_options=rt_opts, standby=standby)
     t1 = time.perf_counter()
     if check is not None:
         check(r)
@@ -230,29 +262,68 @@ def _recover_once(model: Any, log: Path, backend: str, device: str, recovery: di
         first.append(time.perf_counter())
         raise _Abandon
 
-    try:
-        r.resume(on_token=first_token)  # decode one token, commit its epoch, then on_token
-    except _Abandon:
-        pass
+    if check is None:
+        try:
+            r.resume(on_token=first_token)  # decode one token, commit its epoch, then on_token
+        except _Abandon:
+            pass
+    else:
+        first.append(time.perf_counter())
+    if prof is not None:
+        prof.disable()
+        import io
+        import pstats
+
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats("cumulative").print_stats(60)
+        st.sort_stats("tottime").print_stats(30)
+        profile.write_text(buf.getvalue())
     tm = r.recovered.timings
+    graph = r._graph is not None and r._graph.stats.epochs > 0
+    ph = r.recovery_phases
     out = {"recover_ms": 1e3 * (t1 - t0), "verify_ms": 1e3 * tm.verify_s, "copy_ms": 1e3 * tm.copy_s,
            "restore_ms": 1e3 * r.recovered.restore_s, "first_token_ms": 1e3 * (first[0] - t1),
-           "decode_step_ms": 1e3 * r.stats.step_s[-1], "checkpoint_ms": 1e3 * r.stats.checkpoint_s[-1],
            "total_ms": 1e3 * (first[0] - t0), "verify_bytes": tm.verify_bytes, "copy_bytes": tm.copy_bytes,
-           "threads": tm.threads, "ids": r.ids}
-    out["other_ms"] = out["recover_ms"] - out["verify_ms"] - out["copy_ms"] - out["restore_ms"]
-    r.runtime.close()
+           "threads": tm.threads, "ids": r.ids, "first_token_graph": graph,
+           "open_ms": 1e3 * ph["open_s"], "construct_ms": 1e3 * ph["construct_s"], "load_ms": 1e3 * ph["load_s"],
+           "recover_into_ms": 1e3 * ph["recover_into_s"], "check_ms": 1e3 * ph["check_s"],
+           "standby_capture_ms": capture_ms, "standby_setup_ms": setup_ms}
+    st = ph.get("streamed.kv")
+    if st is not None:
+        out.update({"stream_ms": 1e3 * st["seconds"], "stream_fill_wait_ms": 1e3 * st["fill_wait_s"],
+                    "stream_setup_ms": 1e3 * st.get("sink_setup_s", 0.0), "stream_plan_ms": 1e3 * st["plan_s"],
+                    "stream_verified_bytes": st.get("verified_bytes", 0.0), "stream_bytes": st["bytes"]})
+    if check is None:
+        if graph:
+            gs = r._graph.stats
+            out["decode_step_ms"] = 1e3 * gs.token_s[0] if gs.token_s else None
+            out["checkpoint_ms"] = 1e3 * gs.commit_s[0] if gs.commit_s else None
+        else:
+            out["decode_step_ms"] = 1e3 * r.stats.step_s[-1]
+            out["checkpoint_ms"] = 1e3 * r.stats.checkpoint_s[-1]
+    # open = verify + the rest of the log's open (segments reopened, the writer's tail mapped); the rest of
+    # recover: fingerprint + geometry checks, the Session object (arena, registration), recover_into
+    out["other_ms"] = out["recover_ms"] - out["verify_ms"] - out["copy_ms"] - out["restore_ms"] - out.get(
+        "stream_ms", 0.0)
+    if check is not None:
+        out["session"] = r  # the caller resumes it to the end and closes it
+    else:
+        r.close()
     return out
 
 
 def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick: bool,
-                   threads: int | None = None, reps: int | None = None) -> list[dict[str, Any]]:
-    """A 2k-token session abandoned mid-answer, recovered ``reps`` times with the new path (parallel checksums,
-    pinned images, one DMA per region) and the baseline path, interleaved in one process. The first recovery
-    of the new path is reported apart: it also pins the image memory (torch's pinned cache then reuses it)."""
+                   threads: int | None = None, reps: int | None = None, modes: tuple[str, ...] | None = None,
+                   profile_dir: Path | None = None) -> list[dict[str, Any]]:
+    """A 2k-token session abandoned mid-answer, recovered ``reps`` times by each mode (RECOVERY_MODES),
+    interleaved in one process. The first recovery of the process is reported apart (it also pins the image
+    memory / the ring: torch's pinned cache then reuses it). After the timed reps, one untimed recovery per
+    mode checks the state byte for byte and resumes to the end: the tokens must equal an uninterrupted run's."""
     from concordia_ft.core.replay import replay
     from concordia_ft.session import Session
 
+    modes = modes or ("today", "standby", "standby_verify_at_open", "standby_file_log")
     n_prompt, n_new = (1000, 24) if quick else (2000, 48)
     reps = reps or (2 if quick else 6)
     g = torch.Generator().manual_seed(2)
@@ -260,6 +331,11 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
     d = Path(tempfile.mkdtemp(dir=log_root))
     log = d / "log"
     max_len = n_prompt + n_new + 16
+    # the uninterrupted run (graph decode, as the recovered sessions continue)
+    ref = Session(model, d / "ref", max_cache_len=max_len, backend=backend, runtime_options=RT_OPTS)
+    want = ref.generate(prompt, max_new_tokens=n_new, eos_token_ids=())
+    ref.close()
+    shutil.rmtree(d / "ref", ignore_errors=True)
     s = Session(model, log, max_cache_len=max_len, backend=backend, runtime_options=RT_OPTS)
     count = [0]
 
@@ -274,13 +350,13 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
         pass
     live_arena = s.cache.arena.clone()  # what recovery must reproduce, byte for byte
     live_ids, lengths = s.ids, s.cache.lengths()
-    s.runtime.close()
+    s.close()
     del s
     log_bytes = sum(f.stat().st_size for f in log.rglob("*") if f.is_file())
     probe = replay(log, materialize=False, collect_summaries=True)
     n_epochs = len(probe.epochs)
     probe.close()
-    checks: dict[str, bool] = {}
+    checks: dict[str, Any] = {}
 
     def check(r: Any, name: str = "") -> None:  # the recovered state, byte for byte, before any new token
         checks[f"arena_bytes_equal_{name}"] = bool(torch.equal(r.cache.arena, live_arena))
@@ -291,8 +367,7 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
             r.cache.arena.view(torch.uint8).flatten()[:used], live_arena.view(torch.uint8).flatten()[:used]))
         checks[f"ids_equal_{name}"] = r.ids == live_ids
 
-    runs: dict[str, list[dict[str, Any]]] = {"new": [], "baseline": []}
-    new_opts: dict[str, Any] = {} if threads is None else {"threads": threads}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
 
     def fresh_copy() -> Path:  # every recovery appends its first token's epoch: each one gets the same log
         dst = d / "rep"
@@ -301,38 +376,63 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
         (dst / "LOCK").unlink(missing_ok=True)
         return dst
 
-    # the new path's first recovery is the first pinned allocation of this size in the process (cold); it is
-    # reported apart, not in the median
-    for k in range(reps + 1):
-        for name, opts in (("new", new_opts), ("baseline", BASELINE_RECOVERY)):
-            if name == "baseline" and k == 0:
-                continue
+    def mode_opts(name: str) -> dict[str, Any]:
+        m = dict(RECOVERY_MODES[name])
+        rec = dict(m["recovery"])
+        if threads is not None and name != "baseline":
+            rec["threads"] = threads
+        m["recovery"] = rec
+        return m
+
+    # the process's first recovery pins its ring / image memory (cold): reported apart, not in the medians
+    _warm_decode(model, device, max_len, lengths)
+    cold = _recover_once(model, fresh_copy(), backend, device, mode_opts(modes[0]), max_len)
+    for _ in range(reps):
+        for name in modes:
             rep_log = fresh_copy()
             _warm_decode(model, device, max_len, lengths)  # before the timer: the model is loaded and warm
-            runs[name].append(_recover_once(model, rep_log, backend, device, opts))
-    for name, opts in (("new", new_opts), ("baseline", BASELINE_RECOVERY)):  # untimed: the state checks
-        _recover_once(model, fresh_copy(), backend, device, opts, check=lambda r, n=name: check(r, n))
+            runs[name].append(_recover_once(model, rep_log, backend, device, mode_opts(name), max_len))
+    if profile_dir is not None and "standby" in modes:  # one more, under cProfile (not in the medians)
+        _warm_decode(model, device, max_len, lengths)
+        _recover_once(model, fresh_copy(), backend, device, mode_opts("standby"), max_len,
+                      profile=profile_dir / "recovery_standby_profile.txt")
+    for name in modes:  # untimed: the state checks, then the rest of the answer
+        x = _recover_once(model, fresh_copy(), backend, device, mode_opts(name), max_len,
+                          check=lambda r, n=name: check(r, n))
+        r = x["session"]
+        out = r.resume()
+        checks[f"tokens_equal_uninterrupted_{name}"] = out == want
+        checks[f"resumed_in_graph_{name}"] = r._graph is not None and r._graph.stats.epochs > 0
+        r.close()
     rows = []
-    for name, rs in runs.items():
-        timed = rs[1:] if name == "new" else rs
+    for name, timed in runs.items():
         row: dict[str, Any] = {
             "case": f"recover {n_prompt + n_new // 2}-token session (model loaded and warm)",
-            "mode": (("parallel CRC + pinned images" if device.startswith("cuda") else "parallel CRC + in-place replay")
-                     if name == "new" else "baseline: serial CRC, pageable images"),
+            "mode": name, "recovery_options": RECOVERY_MODES[name]["recovery"],
+            "log_options": RECOVERY_MODES[name].get("log_options", {}),
             "log_bytes": log_bytes, "epochs_in_log": n_epochs, "reps": len(timed)}
-        for key in ("total_ms", "recover_ms", "verify_ms", "copy_ms", "restore_ms", "other_ms", "first_token_ms",
-                    "decode_step_ms", "checkpoint_ms"):
-            row[key] = median(x[key] for x in timed)
+        for key in ("total_ms", "recover_ms", "open_ms", "verify_ms", "check_ms", "construct_ms", "load_ms",
+                    "recover_into_ms", "copy_ms", "restore_ms", "stream_ms", "stream_fill_wait_ms",
+                    "stream_setup_ms", "stream_plan_ms", "other_ms", "first_token_ms", "decode_step_ms",
+                    "checkpoint_ms", "standby_capture_ms", "standby_setup_ms"):
+            vals = [x[key] for x in timed if x.get(key) is not None]
+            row[key] = median(vals) if vals else None
+        row["total_ms_p90"] = percentile([x["total_ms"] for x in timed], 90)
+        row["total_plus_capture_ms"] = (row["total_ms"] + row["standby_capture_ms"]
+                                        if row["standby_capture_ms"] is not None else row["total_ms"])
         row["verify_gb_s"] = log_bytes / 1e6 / max(1e-9, row["verify_ms"])
-        row["copy_gb_s"] = median(x["copy_bytes"] for x in timed) / 1e6 / max(1e-9, row["copy_ms"])
-        row["threads"] = rs[0]["threads"]
+        row["stream_verified_bytes"] = timed[0].get("stream_verified_bytes")
+        row["stream_bytes"] = timed[0].get("stream_bytes")
+        row["first_token_graph"] = all(x["first_token_graph"] for x in timed)
+        row["threads"] = timed[0]["threads"]
         row["reps_total_ms"] = [round(x["total_ms"], 2) for x in timed]
-        if name == "new":
-            row["first_recovery_total_ms"] = rs[0]["total_ms"]  # includes pinning the image memory
-            row["first_recovery_copy_ms"] = rs[0]["copy_ms"]
+        if name == modes[0]:
+            row["first_recovery_total_ms"] = cold["total_ms"]  # includes pinning the ring / image memory
         row["arena_bytes_equal"] = checks[f"arena_bytes_equal_{name}"]
         row["arena_committed_rows_equal"] = checks[f"arena_committed_rows_equal_{name}"]
-        row["ids_equal"] = checks[f"ids_equal_{name}"] and all(x["ids"][:-1] == live_ids for x in rs)
+        row["ids_equal"] = checks[f"ids_equal_{name}"] and all(x["ids"][:-1] == live_ids for x in timed)
+        row["tokens_equal_uninterrupted"] = checks[f"tokens_equal_uninterrupted_{name}"]
+        row["resumed_in_graph"] = checks[f"resumed_in_graph_{name}"]
         rows.append(row)
     shutil.rmtree(d, ignore_errors=True)
     return rows
@@ -518,6 +618,9 @@ def main() -> int:
     ap.add_argument("--recovery-reps", type=int, default=None, help="timed recoveries per path (default 6)")
     ap.add_argument("--recovery-threads", type=int, default=None,
                     help="replay threads of the new recovery path (default: min(8, CPUs))")
+    ap.add_argument("--recovery-modes", default="today,standby,standby_verify_at_open,standby_file_log",
+                    help=f"recovery modes, interleaved (of {', '.join(RECOVERY_MODES)}); the first is the baseline")
+    ap.add_argument("--profile-dir", default=None, help="write a cProfile of one standby recovery here")
     a = ap.parse_args()
     global LORA_ROUNDS, LORA_STEPS
     LORA_ROUNDS, LORA_STEPS = a.lora_rounds, a.lora_steps
@@ -537,7 +640,8 @@ def main() -> int:
                 rows += bench_base(model, log_root, backend, a.device)
             elif part == "recovery":
                 rows += bench_recovery(model, log_root, backend, a.device, a.quick, a.recovery_threads,
-                                       a.recovery_reps)
+                                       a.recovery_reps, tuple(a.recovery_modes.split(",")),
+                                       Path(a.profile_dir) if a.profile_dir else None)
             elif part == "lora":
                 del model
                 model = None
@@ -553,8 +657,11 @@ def main() -> int:
              f"process; log backend {backend}, fsync never. Recovery: before each timed recovery the model runs "
              "one decode step on a throwaway cache of the same shape (a serving process that has loaded and "
              "warmed its model); everything that depends on the log (open, verify, copy, restore, the first "
-             "token and its epoch) is inside the timer; the new path's first recovery also pins its image "
-             "memory and is reported apart (first_recovery_total_ms). "
+             "token and its epoch) is inside the timer; a Standby (arena + decode graph captured) is made "
+             "before the timer (standby_capture_ms / standby_setup_ms report it; total_plus_capture_ms adds "
+             "the capture); the process's first recovery also pins its ring / image memory and is reported "
+             "apart (first_recovery_total_ms). After the timed reps one untimed recovery per mode checks the "
+             "arena and ids byte for byte and resumes to the end (tokens_equal_uninterrupted). "
              f"errors: {errors or 'none'}")
     path = write_results(a.name, rows, baseline=[{"case": "checkpoint none / CPU path: columns *_no_ckpt and "
                                                  "delta_ms_cpu_path of the rows"}], notes=notes, out_dir=a.out)

@@ -137,7 +137,7 @@ class Session:
                  log_weights: bool = False, block_bytes: int = 4096, system_prompt: str | None = None,
                  runtime_options: dict[str, Any] | None = None, async_checkpoint: bool = False,
                  decode: str = "auto", durability: str = "durable", pipeline_depth: int = 2,
-                 sdpa: str = "reproducible",
+                 sdpa: str = "reproducible", standby: Standby | None = None,
                  _recovering: dict[str, Any] | None = None, _runtime: Any = None) -> None:
         from . import runtime as _rt
         from .integrations.graph_decode import DURABILITY
@@ -180,9 +180,13 @@ class Session:
         if _recovering is not None:
             max_cache_len, block_bytes = int(_recovering["max_cache_len"]), int(_recovering["block_bytes"])
             self.kv_dtype = parse_dtype(_recovering["kv_dtype"])
-        # recovering: recover_into overwrites every byte of the arena, so it is not zeroed first
-        self.cache = ArenaKVCache(model.config, max_cache_len, dtype=self.kv_dtype, device=self.device,
-                                  block_bytes=block_bytes, zeroed=_recovering is None)
+        if standby is not None:  # the warm arena (and decode graph) of a Standby: allocated before this session
+            self.cache = standby._take(model, max_cache_len, self.kv_dtype, block_bytes, sdpa=sdpa,
+                                       fresh=_recovering is None)
+        else:
+            # recovering: recover_into overwrites every byte of the arena, so it is not zeroed first
+            self.cache = ArenaKVCache(model.config, max_cache_len, dtype=self.kv_dtype, device=self.device,
+                                      block_bytes=block_bytes, zeroed=_recovering is None)
         self.max_cache_len = max_cache_len
         self.tokens = np.zeros(-(-(max_cache_len + 1) * 8 // TOKEN_BLOCK_BYTES) * TOKEN_BLOCK_BYTES // 8, np.int64)
         self.tokens_dirty = np.zeros(self.tokens.nbytes // TOKEN_BLOCK_BYTES, np.uint8)
@@ -206,6 +210,7 @@ class Session:
         # recovering: the caller checked the model against the log's fingerprint and _load() takes that one
         self.fingerprint = model_fingerprint(model) if _recovering is None else str(_recovering["fingerprint"])
         self.stats = SessionStats()
+        self.recovery_phases: dict[str, Any] = {}  # Session.recover: where its time went (seconds)
         fwd = inspect.signature(model.forward).parameters
         self._logits_to_keep = "logits_to_keep" in fwd
         self._cache_kw = "cache" if "cache" in fwd else "past_key_values"  # transformers renamed it in 5.x
@@ -214,6 +219,10 @@ class Session:
             str(self.log_dir), fsync=fsync, backend=backend,
             **{"on_compaction_error": "warn", **(runtime_options or {})})  # a failed compaction never stops a chat
         self._register(fresh=_recovering is None)
+        if standby is not None and standby.decoder is not None and decode != "eager":
+            # the graph captured at warm-up reads and writes this arena: the first token needs no capture
+            self._graph = standby._take_decoder()
+            self._graph.bind(self, durability=durability, pipeline_depth=self.pipeline_depth)
 
     # -- registration ----------------------------------------------------------------------------------------
     def _register(self, *, fresh: bool) -> None:
@@ -550,12 +559,19 @@ class Session:
                 backend: str = "file", checkpoint_every: int = 1,
                 runtime_options: dict[str, Any] | None = None, async_checkpoint: bool = False,
                 decode: str = "auto", durability: str = "durable", pipeline_depth: int = 2,
-                sdpa: str = "reproducible") -> Session:
-        """Rebuild the session from the last committed epoch (in a fresh process); then call resume()."""
+                sdpa: str = "reproducible", standby: Standby | None = None) -> Session:
+        """Rebuild the session from the last committed epoch (in a fresh process); then call resume().
+
+        ``standby``: a warm ``Standby`` (arena allocated, decode graph captured at warm-up) to restore into; the
+        first token of ``resume()`` is then one graph replay. ``recovery_phases`` of the result says where the
+        time went (seconds)."""
         from .runtime import open_to_recover
 
+        perf = time.perf_counter
+        t0 = perf()
         rt, m = open_to_recover(log_dir, META_KEY, "concordia_ft.Session", fsync=fsync, backend=backend,
-                                runtime_options=runtime_options)
+                                runtime_options=_recovery_defaults(runtime_options))
+        t1 = perf()
         try:
             if m.get("version") not in READS_VERSIONS:
                 raise RecoveryError(f"session metadata version {m.get('version')}; this version of concordia_ft "
@@ -572,15 +588,29 @@ class Session:
             if geo.nbytes != int(m["arena_nbytes"]):
                 raise RecoveryError(f"the model's KV arena would be {geo.nbytes} bytes; the log's is "
                                     f"{m['arena_nbytes']}: recover with the same model configuration")
+            t2 = perf()
             s = cls(model, log_dir, tokenizer, checkpoint_every, log_weights=bool(m.get("log_weights")),
                     async_checkpoint=async_checkpoint, decode=decode, durability=durability,
-                    pipeline_depth=pipeline_depth, sdpa=sdpa, _recovering=m, _runtime=rt)
+                    pipeline_depth=pipeline_depth, sdpa=sdpa, standby=standby, _recovering=m, _runtime=rt)
+            t3 = perf()
             s._load(m)
+            t4 = perf()
             if s.gen is not None and not s.gen.done:
                 s._rules_for(s.gen.settings)  # e.g. stop_strings without the tokenizer: refused here, log closed
         except BaseException:
             rt.close()
             raise
+        t5 = perf()
+        tm = s.recovered.timings
+        s.recovery_phases = {
+            "open_s": t1 - t0, "open_verify_s": tm.verify_s, "check_s": t2 - t1, "construct_s": t3 - t2,
+            "load_s": t4 - t3, "recover_into_s": s.recovered.seconds, "rules_s": t5 - t4, "total_s": t5 - t0,
+            "graph_ready": s._graph is not None and s._graph.graph is not None}
+        for name, st in s.recovered.streamed.items():
+            s.recovery_phases[f"streamed.{name}"] = {
+                "seconds": st.seconds, "bytes": st.bytes, "plan_s": st.plan_s, "fill_wait_s": st.fill_wait_s,
+                "slot_wait_s": st.slot_wait_s, "finish_s": st.finish_s, "threads": st.threads,
+                "chunks": st.chunks, **st.extra}
         return s
 
     def _load(self, m: dict[str, Any]) -> None:
@@ -629,6 +659,135 @@ class Session:
         self.close()
 
 
+class Standby:
+    """A serving process's warm, empty session slot: the KV arena allocated and (on CUDA, where graph decode is
+    eligible) the decode step captured as a CUDA graph on it, before any log is read.
+
+    ``Session.recover(log_dir, model, standby=sb)`` restores the log into THIS arena (same tensor, same length
+    counters), so the graph captured here stays valid and the first token after the recovery is one graph
+    replay (~5 ms at Qwen3-0.6B dims on the H200) instead of one eager step (~40-50 ms); the capture (~80-100 ms)
+    is paid here, at warm-up, as a serving engine captures its decode graphs at start. ``Session(model, dir,
+    standby=sb)`` starts a new session on it (the arena is zeroed first). A standby serves one session: the
+    session owns the arena and the graph from then on (``consumed``). Its geometry (``max_cache_len``,
+    ``block_bytes``, KV dtype) must be the log's; a mismatch raises ConfigError before anything is restored.
+
+    ``capture=False`` (or a CPU model, sampling-only use) keeps only the arena. ``capture_s`` is the capture's
+    time, ``setup_s`` the whole warm-up's (arena, ring, capture)."""
+
+    def __init__(self, model: Any, *, max_cache_len: int = DEFAULT_MAX_CACHE_LEN, block_bytes: int = 4096,
+                 kv_dtype: Any = None, durability: str = "durable", pipeline_depth: int = 2,
+                 sdpa: str = "reproducible", capture: bool = True) -> None:
+        from .integrations.graph_decode import DURABILITY
+
+        t0 = time.perf_counter()
+        if sdpa not in SDPA_CHOICES:
+            raise ConfigError(f"sdpa={sdpa!r}; use one of {', '.join(SDPA_CHOICES)}")
+        if durability not in DURABILITY:
+            raise ConfigError(f"durability={durability!r}; use one of {', '.join(DURABILITY)}")
+        p = next(model.parameters())
+        self.model, self.device = model, p.device
+        self.kv_dtype = p.dtype if kv_dtype is None else (parse_dtype(kv_dtype) if isinstance(kv_dtype, str)
+                                                          else kv_dtype)
+        self.sdpa = sdpa
+        self.cache: ArenaKVCache | None = ArenaKVCache(model.config, int(max_cache_len), dtype=self.kv_dtype,
+                                                       device=self.device, block_bytes=int(block_bytes))
+        self.geometry = self.cache.geometry
+        self.decoder: Any = None
+        self.why_no_graph: str | None = None  # why no graph was captured (None: it was)
+        self.capture_s = 0.0
+        if not capture:
+            self.why_no_graph = "capture=False"
+        else:
+            self.why_no_graph = self._capture(durability, int(pipeline_depth))
+        self.consumed = False
+        self.setup_s = time.perf_counter() - t0
+
+    def _capture(self, durability: str, depth: int) -> str | None:
+        from .integrations.graph_decode import GraphDecoder, cache_ineligible
+
+        assert self.cache is not None
+        why = cache_ineligible(self.model, self.cache)
+        if why is not None:
+            return why
+        try:
+            dec = GraphDecoder.standalone(self.model, self.cache, durability=durability, pipeline_depth=depth)
+        except Exception as e:  # noqa: BLE001 - no kernel: the session decodes eagerly (or captures later)
+            return f"{type(e).__name__}: {e}"
+        try:
+            with torch.inference_mode(), sdpa_backends(self.sdpa, self.device):
+                dec.capture(0, 0)  # position-independent: the graph reads the position from a device tensor
+        except Exception as e:  # noqa: BLE001
+            dec.close()
+            return f"{type(e).__name__}: {e}"
+        self.decoder = dec
+        self.capture_s = dec.stats.capture_s
+        return None
+
+    def _take(self, model: Any, max_cache_len: int, kv_dtype: Any, block_bytes: int, *, sdpa: str,
+              fresh: bool) -> ArenaKVCache:
+        """The arena, handed to the session being built (checked against its geometry first)."""
+        if self.consumed or self.cache is None:
+            raise ConfigError("this Standby already serves a session; make one Standby per session")
+        if model is not self.model:
+            raise ConfigError("the Standby was warmed up with another model object; pass the same model")
+        want = plan_arena(model.config, int(max_cache_len), dtype=kv_dtype, block_bytes=int(block_bytes))
+        if want != self.geometry:
+            raise ConfigError(
+                f"the Standby's arena (max_cache_len={self.geometry.max_cache_len}, block_bytes="
+                f"{self.geometry.block_bytes}, {self.geometry.dtype}) is not this session's (max_cache_len="
+                f"{want.max_cache_len}, block_bytes={want.block_bytes}, {want.dtype}); make the Standby with the "
+                "session's geometry")
+        if self.decoder is not None and sdpa != self.sdpa:
+            raise ConfigError(f"the Standby captured its graph with sdpa={self.sdpa!r}; this session asks for "
+                              f"sdpa={sdpa!r}")
+        cache, self.cache = self.cache, None
+        self.consumed = True
+        if fresh:  # a new session starts from a zeroed arena (the capture's warm-up wrote rows)
+            cache.arena.zero_()
+            cache.dirty_blocks.zero_()
+            cache.set_lengths([0] * len(cache.layers))
+            cache.mark_clean([0] * len(cache.layers))
+        return cache
+
+    def _take_decoder(self) -> Any:
+        dec, self.decoder = self.decoder, None
+        return dec
+
+    def close(self) -> None:
+        """Free an unused standby's graph and ring (a session that took it frees them itself)."""
+        if self.decoder is not None:
+            self.decoder.close()
+            self.decoder = None
+        self.cache = None
+
+
+# The regions whose payload checksums a Session's recovery runs while it streams them to the device (their
+# bytes read once, checked before the restore returns, so before any token), instead of at the log's open; the
+# rest (token ids, sampler, metadata) are checked at the open. Where nothing is streamed (a CPU session, or
+# RecoveryOptions(streamed=False)) the deferred checks run before the images are built: the same checks, in
+# the same order relative to any use. See integrations/LLM.md "Recovery time".
+SESSION_DEFER_VERIFY = ("kv",)
+
+
+def _recovery_defaults(runtime_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``runtime_options`` with the Session's recovery defaults where the caller did not choose."""
+    from .recovery import RecoveryOptions
+
+    opts = dict(runtime_options or {})
+    rec = opts.get("recovery")
+    if isinstance(rec, RecoveryOptions):
+        if rec.defer_verify is None:
+            import dataclasses
+
+            opts["recovery"] = dataclasses.replace(rec, defer_verify=SESSION_DEFER_VERIFY)
+        return opts
+    rec = dict(rec or {})
+    if rec.get("defer_verify") is None:
+        rec["defer_verify"] = SESSION_DEFER_VERIFY
+    opts["recovery"] = rec
+    return opts
+
+
 def _stat(st: Any, key: str) -> float:
     if st is None:
         return 0
@@ -657,4 +816,4 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-__all__ = ["GenerationSettings", "Session", "model_fingerprint"]
+__all__ = ["GenerationSettings", "Session", "Standby", "model_fingerprint"]

@@ -85,9 +85,19 @@ def graph_ineligible(session: Any, rules: Any) -> str | None:
         return "logits processors (repetition penalty, ...) read the whole token sequence (a growing shape)"
     if len(rules.criteria):
         return "stopping criteria beyond eos and max_new_tokens (stop strings) run on the host per token"
-    if any(sl.kind != "full" for sl in session.cache.geometry.slots):
+    return cache_ineligible(session.model, session.cache)
+
+
+def cache_ineligible(model: Any, cache: Any) -> str | None:
+    """Why ``model`` cannot decode on ``cache`` (an ArenaKVCache) in graph mode whatever the settings (None:
+    it can)."""
+    import inspect
+
+    if cache.arena.device.type != "cuda":
+        return "the model is not on a CUDA device"
+    if any(sl.kind != "full" for sl in cache.geometry.slots):
         return "sliding-window layers roll their window in place (every row moves each token)"
-    if not session._logits_to_keep:
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
         return "the model's forward has no logits_to_keep"
     return None
 
@@ -257,6 +267,30 @@ class GraphDecoder:
 
     def __init__(self, session: Any, *, durability: str = "durable", pipeline_depth: int = 2,
                  with_epoch: bool = True, writer: str = "auto") -> None:
+        self._setup(session.model, session.cache, durability=durability, pipeline_depth=pipeline_depth,
+                    with_epoch=with_epoch, writer=writer, kv_page_bytes=session.runtime.table["kv"].page_bytes,
+                    cache_kw=session._cache_kw, cache_position_kw=session._cache_position_kw)
+        self.bind(session)
+
+    @classmethod
+    def standalone(cls, model: Any, cache: Any, *, durability: str = "durable", pipeline_depth: int = 2,
+                   writer: str = "auto") -> GraphDecoder:
+        """A decoder of ``model`` on ``cache`` before any session exists (a ``Standby``: captured at warm-up,
+        then ``bind``-ed to the session that recovers into the same arena). Its ring pages are the Session's
+        arena pages (``min(block_bytes, 4096)``)."""
+        import inspect
+
+        self = cls.__new__(cls)
+        fwd = inspect.signature(model.forward).parameters
+        self._setup(model, cache, durability=durability, pipeline_depth=pipeline_depth, with_epoch=True,
+                    writer=writer, kv_page_bytes=min(cache.geometry.block_bytes, 4096),
+                    cache_kw="cache" if "cache" in fwd else "past_key_values",
+                    cache_position_kw="cache_position" in fwd)
+        self.session = None
+        return self
+
+    def _setup(self, model: Any, cache: Any, *, durability: str, pipeline_depth: int, with_epoch: bool,
+               writer: str, kv_page_bytes: int, cache_kw: str, cache_position_kw: bool) -> None:
         if writer not in WRITERS:
             raise ConfigError(f"writer={writer!r}; use one of {', '.join(WRITERS)}")
         self.writer = writer
@@ -267,24 +301,23 @@ class GraphDecoder:
         from ..cuda import driver
         from ..cuda.graphs import TokenEpochKernel, TokenRing, max_row_pages
 
-        self.session = s = session
         self.durability, self.depth, self.with_epoch = durability, int(pipeline_depth), with_epoch
-        dev = s.device
+        self.model, self.cache = model, cache
+        self.max_cache_len = int(cache.geometry.max_cache_len)
+        dev = cache.arena.device
         self.device_index = int(dev.index or 0)
         self._driver = driver
-        cache = s.cache
         geo = cache.geometry
-        self.kv_spec: RegionSpec = s.runtime.table["kv"]
-        self.tok_spec: RegionSpec = s.runtime.table["tokens"]
         sec = geo.sections[0]
         self.row_bytes = sec.row_bytes
+        self.page_bytes = int(kv_page_bytes)
         self.ids = torch.zeros((1, 1), dtype=torch.long, device=dev)
         self.pos = torch.zeros((1,), dtype=torch.long, device=dev)
         self.seq = torch.zeros((1,), dtype=torch.long, device=dev)
         self.tok = torch.zeros((1,), dtype=torch.long, device=dev)
         # slots: two replays in flight, the writer's lag, the one it is writing, one spare
         self.n_slots = IN_FLIGHT + self.depth + 2
-        pb = self.kv_spec.page_bytes
+        pb = self.page_bytes
         self.ring = TokenRing(self.n_slots, max_row_pages(sec.row_bytes, pb), pb)
         self.kernel = TokenEpochKernel(arena_ptr=int(cache.arena.data_ptr()), section_start=sec.start_bytes,
                                        row_bytes=sec.row_bytes, page_bytes=pb, pos_ptr=int(self.pos.data_ptr()),
@@ -293,16 +326,41 @@ class GraphDecoder:
         self.events = [torch.cuda.Event() for _ in range(self.n_slots)]
         self.graph: Any = None
         self.next_seq = 0
-        self.tokens_image = np.zeros_like(s.tokens)
         self.stats = GraphStats()
-        kw: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1, s._cache_kw: cache}
-        if s._cache_position_kw:
+        kw: dict[str, Any] = {"use_cache": True, "logits_to_keep": 1, cache_kw: cache}
+        if cache_position_kw:
             kw["cache_position"] = self.pos
         self._kw = kw
 
+    def bind(self, session: Any, *, durability: str | None = None, pipeline_depth: int | None = None) -> None:
+        """Decode for ``session``, whose cache must be this decoder's (the captured graph reads and writes that
+        arena and its length counters): its regions' specs, a token image of its size, fresh per-session stats
+        (the capture time is kept)."""
+        if session.cache is not self.cache or session.model is not self.model:
+            raise ConfigError("a graph decoder decodes the model and the arena it was captured on; this session "
+                              "has another cache or model")
+        if durability is not None:
+            if durability not in DURABILITY:
+                raise ConfigError(f"durability={durability!r}; use one of {', '.join(DURABILITY)}")
+            self.durability = durability
+        if pipeline_depth is not None:
+            if not 1 <= pipeline_depth <= self.n_slots - IN_FLIGHT - 2:
+                raise ConfigError(f"pipeline_depth={pipeline_depth}: this decoder's ring of {self.n_slots} slots "
+                                  f"holds a lag of 1 .. {self.n_slots - IN_FLIGHT - 2} tokens")
+            self.depth = int(pipeline_depth)
+        self.kv_spec: RegionSpec = session.runtime.table["kv"]
+        self.tok_spec: RegionSpec = session.runtime.table["tokens"]
+        if self.kv_spec.page_bytes != self.page_bytes:
+            raise ConfigError(f"the session's KV region has {self.kv_spec.page_bytes}-byte pages; this decoder's "
+                              f"ring holds {self.page_bytes}-byte pages")
+        self.session = session
+        self.tokens_image = np.zeros_like(session.tokens)
+        capture_s = self.stats.capture_s
+        self.stats = GraphStats(capture_s=capture_s)
+
     # -- the step ----------------------------------------------------------------------------------------
     def _step(self) -> None:
-        out = self.session.model(input_ids=self.ids, **self._kw)
+        out = self.model(input_ids=self.ids, **self._kw)
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)  # the eager loop's exact ops
         self.tok.copy_(torch.argmax(logits, dim=-1))
         self.kernel.launch(self._driver.Stream.from_torch(self.device_index))
@@ -318,10 +376,10 @@ class GraphDecoder:
     def capture(self, last_token: int, length: int) -> None:
         """Warm the step on a side stream (state restored after), then capture it."""
         t0 = time.perf_counter()
-        cache = self.session.cache
+        cache = self.cache
         saved = cache._full_lengths.clone()
         self._set_state(last_token, length)
-        warm = max(0, min(2, self.session.max_cache_len - 1 - length))
+        warm = max(0, min(2, self.max_cache_len - 1 - length))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode():
@@ -508,4 +566,4 @@ class GraphDecoder:
         self.ring.close()
 
 
-__all__ = ["DURABILITY", "GraphDecoder", "GraphStats", "graph_ineligible"]
+__all__ = ["DURABILITY", "GraphDecoder", "GraphStats", "cache_ineligible", "graph_ineligible"]
