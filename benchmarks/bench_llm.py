@@ -217,6 +217,8 @@ RECOVERY_MODES = {
     "standby": {"recovery": {}, "standby": True},
     # the same standby, every checksum at the open (to choose the default by measurement)
     "standby_verify_at_open": {"recovery": {"defer_verify": ()}, "standby": True},
+    # the standby with 16 replay / restore threads (the H200 host has 16 cores; the default is min(8, CPUs))
+    "standby_16_threads": {"recovery": {"threads": 16}, "standby": True},
     # the standby with the log's segments reopened as plain files (no mapped tail to fault in and register with
     # the driver, no spare prepared beside the restore): what reopening the writer's mapped tail costs
     "standby_file_log": {"recovery": {}, "standby": True, "log_options": {"mapped": "off"}},
@@ -323,7 +325,7 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
     from concordia_ft.core.replay import replay
     from concordia_ft.session import Session
 
-    modes = modes or ("today", "standby", "standby_verify_at_open", "standby_file_log")
+    modes = modes or ("today", "standby", "standby_verify_at_open", "standby_16_threads", "standby_file_log")
     n_prompt, n_new = (1000, 24) if quick else (2000, 48)
     reps = reps or (2 if quick else 6)
     g = torch.Generator().manual_seed(2)
@@ -379,7 +381,7 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
     def mode_opts(name: str) -> dict[str, Any]:
         m = dict(RECOVERY_MODES[name])
         rec = dict(m["recovery"])
-        if threads is not None and name != "baseline":
+        if threads is not None and name != "baseline" and "threads" not in rec:
             rec["threads"] = threads
         m["recovery"] = rec
         return m
@@ -391,7 +393,10 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
         for name in modes:
             rep_log = fresh_copy()
             _warm_decode(model, device, max_len, lengths)  # before the timer: the model is loaded and warm
-            runs[name].append(_recover_once(model, rep_log, backend, device, mode_opts(name), max_len))
+            x = _recover_once(model, rep_log, backend, device, mode_opts(name), max_len)
+            runs[name].append(x)
+            print(f"rep {name}: " + " ".join(f"{k}={v:.2f}" for k, v in x.items() if isinstance(v, float)),
+                  flush=True)  # what a run killed at its time limit still leaves
     if profile_dir is not None and "standby" in modes:  # one more, under cProfile (not in the medians)
         _warm_decode(model, device, max_len, lengths)
         _recover_once(model, fresh_copy(), backend, device, mode_opts("standby"), max_len,
@@ -618,7 +623,7 @@ def main() -> int:
     ap.add_argument("--recovery-reps", type=int, default=None, help="timed recoveries per path (default 6)")
     ap.add_argument("--recovery-threads", type=int, default=None,
                     help="replay threads of the new recovery path (default: min(8, CPUs))")
-    ap.add_argument("--recovery-modes", default="today,standby,standby_verify_at_open,standby_file_log",
+    ap.add_argument("--recovery-modes", default="today,standby,standby_verify_at_open,standby_16_threads,standby_file_log",
                     help=f"recovery modes, interleaved (of {', '.join(RECOVERY_MODES)}); the first is the baseline")
     ap.add_argument("--profile-dir", default=None, help="write a cProfile of one standby recovery here")
     a = ap.parse_args()
