@@ -78,7 +78,9 @@ def test_recovery_into_a_standby_decodes_its_first_token_from_the_warm_graph(shm
     ptr = sb.cache.arena.data_ptr()
     r = Session.recover(shm / "log", model, durability=durability, standby=sb)
     assert r.cache.arena.data_ptr() == ptr and r.recovery_phases["graph_ready"]
-    assert r.ids == ids
+    # pipelined: the epochs of up to pipeline_depth shown tokens may be missing (a kill; here the writer is let
+    # finish, so usually none are)
+    assert r.ids == ids[:len(r.ids)] and len(r.ids) >= len(ids) - (2 if durability == "pipelined" else 0)
     used = (r.n_tokens - 1) * r.cache.geometry.sections[0].row_bytes
     assert torch.equal(r.cache.arena[:used], live[:used])  # the committed rows, byte for byte
     shown: list[int] = []
