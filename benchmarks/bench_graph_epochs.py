@@ -93,13 +93,17 @@ def decode_once(model: Any, root: Path, mode: str, prompt: torch.Tensor, new: in
 
 def bench_decode(root: Path, new: int, rounds: int, modes: tuple[str, ...] = MODES) -> list[dict[str, Any]]:
     model = bench_llm.build(bench_llm.qwen3_06b(), "cuda")
+    print("model built", flush=True)
     prompt = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(1))
     decode_once(model, root, "graph_durable", prompt, 8)  # warm: kernels, modules, pinned memory
     decode_once(model, root, "eager", prompt, 8)
     per: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for _ in range(rounds):
         for m in modes:
-            per[m].append(decode_once(model, root, m, prompt, new))
+            r = decode_once(model, root, m, prompt, new)
+            per[m].append(r)
+            print(f"run {m}: " + " ".join(f"{k}={v:.4f}" for k, v in r.items() if isinstance(v, float)),
+                  flush=True)  # what a run killed at its time limit still leaves
     ref = per["eager" if "eager" in per else modes[0]][0]["_tokens"]
     rows = []
     for m in modes:

@@ -208,22 +208,28 @@ def _warm_decode(model: Any, device: str, max_cache_len: int, lengths: list[int]
     del cache
 
 
+OLD_SEGMENTS = {"mapped_segment_bytes": 64 << 20}  # the log's default, a Session's before SESSION_MAPPED_SEGMENT_BYTES
 RECOVERY_MODES = {
-    # the path measured last session (176 ms at 6b9add9): checksums at the log's open, the first token from one
-    # eager decode step (the graph captured before the second)
-    "today": {"recovery": {"defer_verify": ()}, "standby": False},
-    # a Standby made before the timer (arena allocated, decode graph captured: the capture is reported apart),
-    # the KV checksums run while the streamed restore copies (the Session default)
+    # the path measured last session (176 ms at 6b9add9): a log of 64 MiB mapped segments, checksums at the log's
+    # open, the first token from one eager decode step (the graph captured before the second)
+    "today": {"recovery": {"defer_verify": ()}, "standby": False, "write_log_options": OLD_SEGMENTS,
+              "log_options": OLD_SEGMENTS},
+    # the Session defaults: a Standby made before the timer (arena allocated, decode graph captured, restore
+    # memory cached: reported apart), 8 MiB segments, the KV checksums run while the streamed restore copies
     "standby": {"recovery": {}, "standby": True},
-    # the same standby, every checksum at the open (to choose the default by measurement)
+    # the same, every checksum at the open (to choose the default by measurement)
     "standby_verify_at_open": {"recovery": {"defer_verify": ()}, "standby": True},
+    # the same standby on a log of 64 MiB segments: what the segment size costs the open
+    "standby_64mib_log": {"recovery": {}, "standby": True, "write_log_options": OLD_SEGMENTS,
+                          "log_options": OLD_SEGMENTS},
     # the standby with 16 replay / restore threads (the H200 host has 16 cores; the default is min(8, CPUs))
     "standby_16_threads": {"recovery": {"threads": 16}, "standby": True},
     # the standby with the log's segments reopened as plain files (no mapped tail to fault in and register with
-    # the driver, no spare prepared beside the restore): what reopening the writer's mapped tail costs
+    # the driver, no spare prepared beside the restore)
     "standby_file_log": {"recovery": {}, "standby": True, "log_options": {"mapped": "off"}},
     # before parallel checksums and pinned images (session 5's baseline)
-    "baseline": {"recovery": {**BASELINE_RECOVERY, "defer_verify": ()}, "standby": False},
+    "baseline": {"recovery": {**BASELINE_RECOVERY, "defer_verify": ()}, "standby": False,
+                 "write_log_options": OLD_SEGMENTS, "log_options": OLD_SEGMENTS},
 }
 
 
@@ -259,9 +265,8 @@ def _recover_once(model: Any, log: Path, backend: str, device: str, mode: dict[s
         check(r)
     first: list[float] = []
 
-    def first_token(tok: int) -> None:
-        sync(device)
-        first.append(time.perf_counter())
+    def first_token(tok: int) -> None:  # the token is on the host (read after its step): no device sync, which
+        first.append(time.perf_counter())  # would also wait for the graph replay queued behind it
         raise _Abandon
 
     if check is None:
@@ -325,42 +330,56 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
     from concordia_ft.core.replay import replay
     from concordia_ft.session import Session
 
-    modes = modes or ("today", "standby", "standby_verify_at_open", "standby_16_threads", "standby_file_log")
+    modes = modes or ("today", "standby", "standby_verify_at_open", "standby_64mib_log")
     n_prompt, n_new = (1000, 24) if quick else (2000, 48)
     reps = reps or (2 if quick else 6)
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, model.config.vocab_size, (1, n_prompt), generator=g)
     d = Path(tempfile.mkdtemp(dir=log_root))
-    log = d / "log"
     max_len = n_prompt + n_new + 16
     # the uninterrupted run (graph decode, as the recovered sessions continue)
     ref = Session(model, d / "ref", max_cache_len=max_len, backend=backend, runtime_options=RT_OPTS)
     want = ref.generate(prompt, max_new_tokens=n_new, eos_token_ids=())
     ref.close()
     shutil.rmtree(d / "ref", ignore_errors=True)
-    s = Session(model, log, max_cache_len=max_len, backend=backend, runtime_options=RT_OPTS)
-    count = [0]
+    logs: dict[str, dict[str, Any]] = {}  # per write options: the abandoned log and the live state it must give
 
-    def stop_at_half(tok: int) -> None:
-        count[0] += 1
-        if count[0] == n_new // 2:
-            raise _Abandon  # the process "dies" here: nothing more is written
+    def write(key: str, log_options: dict[str, Any]) -> dict[str, Any]:
+        log = d / f"log-{key}"
+        opts = {**RT_OPTS, "log_options": log_options} if log_options else RT_OPTS
+        s = Session(model, log, max_cache_len=max_len, backend=backend, runtime_options=opts)
+        count = [0]
 
-    try:
-        s.generate(prompt, max_new_tokens=n_new, eos_token_ids=(), on_token=stop_at_half)
-    except _Abandon:
-        pass
-    live_arena = s.cache.arena.clone()  # what recovery must reproduce, byte for byte
-    live_ids, lengths = s.ids, s.cache.lengths()
-    s.close()
-    del s
-    log_bytes = sum(f.stat().st_size for f in log.rglob("*") if f.is_file())
-    probe = replay(log, materialize=False, collect_summaries=True)
-    n_epochs = len(probe.epochs)
-    probe.close()
+        def stop_at_half(tok: int) -> None:
+            count[0] += 1
+            if count[0] == n_new // 2:
+                raise _Abandon  # the process "dies" here: nothing more is written
+
+        try:
+            s.generate(prompt, max_new_tokens=n_new, eos_token_ids=(), on_token=stop_at_half)
+        except _Abandon:
+            pass
+        live = {"log": log, "arena": s.cache.arena.clone(), "ids": s.ids, "lengths": s.cache.lengths()}
+        s.close()
+        live["log_bytes"] = sum(f.stat().st_size for f in log.rglob("*") if f.is_file())
+        live["segments"] = sorted(f.name for f in log.iterdir() if f.suffix == ".cft")
+        probe = replay(log, materialize=False, collect_summaries=True)
+        live["epochs"] = len(probe.epochs)
+        probe.close()
+        return live
+
+    for name in modes:
+        wo = RECOVERY_MODES[name].get("write_log_options") or {}
+        key = "-".join(f"{k}={v}" for k, v in sorted(wo.items())) or "default"
+        if key not in logs:
+            logs[key] = write(key, wo)
+        RECOVERY_MODES[name]["_log"] = key
+    lengths = next(iter(logs.values()))["lengths"]
     checks: dict[str, Any] = {}
 
     def check(r: Any, name: str = "") -> None:  # the recovered state, byte for byte, before any new token
+        live = logs[RECOVERY_MODES[name]["_log"]]
+        live_arena, live_ids = live["arena"], live["ids"]
         checks[f"arena_bytes_equal_{name}"] = bool(torch.equal(r.cache.arena, live_arena))
         # the rows of the committed tokens' KV (graph decode may have written a row past the last commit into
         # the live arena before the session was abandoned: not state the log holds)
@@ -371,10 +390,10 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
 
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
 
-    def fresh_copy() -> Path:  # every recovery appends its first token's epoch: each one gets the same log
+    def fresh_copy(name: str) -> Path:  # every recovery appends its first token's epoch: each gets the same log
         dst = d / "rep"
         shutil.rmtree(dst, ignore_errors=True)
-        shutil.copytree(log, dst)
+        shutil.copytree(logs[RECOVERY_MODES[name]["_log"]]["log"], dst)
         (dst / "LOCK").unlink(missing_ok=True)
         return dst
 
@@ -388,10 +407,10 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
 
     # the process's first recovery pins its ring / image memory (cold): reported apart, not in the medians
     _warm_decode(model, device, max_len, lengths)
-    cold = _recover_once(model, fresh_copy(), backend, device, mode_opts(modes[0]), max_len)
+    cold = _recover_once(model, fresh_copy(modes[0]), backend, device, mode_opts(modes[0]), max_len)
     for _ in range(reps):
         for name in modes:
-            rep_log = fresh_copy()
+            rep_log = fresh_copy(name)
             _warm_decode(model, device, max_len, lengths)  # before the timer: the model is loaded and warm
             x = _recover_once(model, rep_log, backend, device, mode_opts(name), max_len)
             runs[name].append(x)
@@ -399,10 +418,10 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
                   flush=True)  # what a run killed at its time limit still leaves
     if profile_dir is not None and "standby" in modes:  # one more, under cProfile (not in the medians)
         _warm_decode(model, device, max_len, lengths)
-        _recover_once(model, fresh_copy(), backend, device, mode_opts("standby"), max_len,
+        _recover_once(model, fresh_copy("standby"), backend, device, mode_opts("standby"), max_len,
                       profile=profile_dir / "recovery_standby_profile.txt")
     for name in modes:  # untimed: the state checks, then the rest of the answer
-        x = _recover_once(model, fresh_copy(), backend, device, mode_opts(name), max_len,
+        x = _recover_once(model, fresh_copy(name), backend, device, mode_opts(name), max_len,
                           check=lambda r, n=name: check(r, n))
         r = x["session"]
         out = r.resume()
@@ -415,7 +434,10 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
             "case": f"recover {n_prompt + n_new // 2}-token session (model loaded and warm)",
             "mode": name, "recovery_options": RECOVERY_MODES[name]["recovery"],
             "log_options": RECOVERY_MODES[name].get("log_options", {}),
-            "log_bytes": log_bytes, "epochs_in_log": n_epochs, "reps": len(timed)}
+            "write_log_options": RECOVERY_MODES[name].get("write_log_options", {}),
+            "log_bytes": logs[RECOVERY_MODES[name]["_log"]]["log_bytes"],
+            "log_segments": logs[RECOVERY_MODES[name]["_log"]]["segments"],
+            "epochs_in_log": logs[RECOVERY_MODES[name]["_log"]]["epochs"], "reps": len(timed)}
         for key in ("total_ms", "recover_ms", "open_ms", "verify_ms", "check_ms", "construct_ms", "load_ms",
                     "recover_into_ms", "copy_ms", "restore_ms", "stream_ms", "stream_fill_wait_ms",
                     "stream_setup_ms", "stream_plan_ms", "other_ms", "first_token_ms", "decode_step_ms",
@@ -425,7 +447,7 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
         row["total_ms_p90"] = percentile([x["total_ms"] for x in timed], 90)
         row["total_plus_capture_ms"] = (row["total_ms"] + row["standby_capture_ms"]
                                         if row["standby_capture_ms"] is not None else row["total_ms"])
-        row["verify_gb_s"] = log_bytes / 1e6 / max(1e-9, row["verify_ms"])
+        row["verify_gb_s"] = row["log_bytes"] / 1e6 / max(1e-9, row["verify_ms"])
         row["stream_verified_bytes"] = timed[0].get("stream_verified_bytes")
         row["stream_bytes"] = timed[0].get("stream_bytes")
         row["first_token_graph"] = all(x["first_token_graph"] for x in timed)
@@ -435,6 +457,7 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
             row["first_recovery_total_ms"] = cold["total_ms"]  # includes pinning the ring / image memory
         row["arena_bytes_equal"] = checks[f"arena_bytes_equal_{name}"]
         row["arena_committed_rows_equal"] = checks[f"arena_committed_rows_equal_{name}"]
+        live_ids = logs[RECOVERY_MODES[name]["_log"]]["ids"]
         row["ids_equal"] = checks[f"ids_equal_{name}"] and all(x["ids"][:-1] == live_ids for x in timed)
         row["tokens_equal_uninterrupted"] = checks[f"tokens_equal_uninterrupted_{name}"]
         row["resumed_in_graph"] = checks[f"resumed_in_graph_{name}"]
@@ -623,7 +646,7 @@ def main() -> int:
     ap.add_argument("--recovery-reps", type=int, default=None, help="timed recoveries per path (default 6)")
     ap.add_argument("--recovery-threads", type=int, default=None,
                     help="replay threads of the new recovery path (default: min(8, CPUs))")
-    ap.add_argument("--recovery-modes", default="today,standby,standby_verify_at_open,standby_16_threads,standby_file_log",
+    ap.add_argument("--recovery-modes", default="today,standby,standby_verify_at_open,standby_64mib_log",
                     help=f"recovery modes, interleaved (of {', '.join(RECOVERY_MODES)}); the first is the baseline")
     ap.add_argument("--profile-dir", default=None, help="write a cProfile of one standby recovery here")
     a = ap.parse_args()

@@ -217,7 +217,7 @@ class Session:
         self._cache_position_kw = "cache_position" in fwd
         self.runtime = _runtime if _runtime is not None else _rt.Runtime(
             str(self.log_dir), fsync=fsync, backend=backend,
-            **{"on_compaction_error": "warn", **(runtime_options or {})})  # a failed compaction never stops a chat
+            **{"on_compaction_error": "warn", **_session_log_defaults(runtime_options)})  # a failed compaction never stops a chat
         self._register(fresh=_recovering is None)
         if standby is not None and standby.decoder is not None and decode != "eager":
             # the graph captured at warm-up reads and writes this arena: the first token needs no capture
@@ -570,7 +570,7 @@ class Session:
         perf = time.perf_counter
         t0 = perf()
         rt, m = open_to_recover(log_dir, META_KEY, "concordia_ft.Session", fsync=fsync, backend=backend,
-                                runtime_options=_recovery_defaults(runtime_options))
+                                runtime_options=_recovery_defaults(_session_log_defaults(runtime_options)))
         t1 = perf()
         try:
             if m.get("version") not in READS_VERSIONS:
@@ -671,8 +671,10 @@ class Standby:
     session owns the arena and the graph from then on (``consumed``). Its geometry (``max_cache_len``,
     ``block_bytes``, KV dtype) must be the log's; a mismatch raises ConfigError before anything is restored.
 
+    On CUDA it also leaves the streamed restore's ring memory (256 MiB pinned + its device twin, the default
+    ``RecoveryOptions`` ring) in torch's caching allocators, so the recovery does not page-lock memory.
     ``capture=False`` (or a CPU model, sampling-only use) keeps only the arena. ``capture_s`` is the capture's
-    time, ``setup_s`` the whole warm-up's (arena, ring, capture)."""
+    time, ``setup_s`` the whole warm-up's (arena, ring, capture, warm replay, restore memory)."""
 
     def __init__(self, model: Any, *, max_cache_len: int = DEFAULT_MAX_CACHE_LEN, block_bytes: int = 4096,
                  kv_dtype: Any = None, durability: str = "durable", pipeline_depth: int = 2,
@@ -699,6 +701,11 @@ class Standby:
             self.why_no_graph = "capture=False"
         else:
             self.why_no_graph = self._capture(durability, int(pipeline_depth))
+        if self.device.type == "cuda":
+            from .recovery import RecoveryOptions
+
+            ro = RecoveryOptions()
+            self._warm_restore_memory(ro.ring_slots, ro.slot_bytes)
         self.consumed = False
         self.setup_s = time.perf_counter() - t0
 
@@ -716,12 +723,32 @@ class Standby:
         try:
             with torch.inference_mode(), sdpa_backends(self.sdpa, self.device):
                 dec.capture(0, 0)  # position-independent: the graph reads the position from a device tensor
+                # one replay now, so the first replay after a recovery does not pay for the graph's upload; its
+                # row and ring slot are overwritten before they are read, the counters are put back
+                saved = self.cache._full_lengths.clone()
+                dec.graph.replay()
+                self.cache._full_lengths.copy_(saved)
+                dec._set_state(0, 0)
+                torch.cuda.current_stream().synchronize()
         except Exception as e:  # noqa: BLE001
             dec.close()
             return f"{type(e).__name__}: {e}"
         self.decoder = dec
         self.capture_s = dec.stats.capture_s
         return None
+
+    def _warm_restore_memory(self, slots: int, slot_bytes: int) -> None:
+        """Leave blocks of the streamed restore's ring (cuda/streamed.py: pinned host slots + their device twins
+        and page lists) in torch's caching allocators, so the recovery does not page-lock 256 MiB (~100 ms on
+        the H200 host). Done after the capture: capturing a CUDA graph empties torch's caches first."""
+        pb = min(self.geometry.block_bytes, 4096)
+        slot_bytes = max(pb, slot_bytes // pb * pb)
+        per = slot_bytes // pb
+        held = [torch.empty((slots, slot_bytes), dtype=torch.uint8, pin_memory=True),
+                torch.empty((slots, per), dtype=torch.int64, pin_memory=True),
+                torch.empty((slots, slot_bytes), dtype=torch.uint8, device=self.device),
+                torch.empty((slots, per), dtype=torch.int64, device=self.device)]
+        del held
 
     def _take(self, model: Any, max_cache_len: int, kv_dtype: Any, block_bytes: int, *, sdpa: str,
               fresh: bool) -> ArenaKVCache:
@@ -767,6 +794,25 @@ class Standby:
 # RecoveryOptions(streamed=False)) the deferred checks run before the images are built: the same checks, in
 # the same order relative to any use. See integrations/LLM.md "Recovery time".
 SESSION_DEFER_VERIFY = ("kv",)
+
+
+# Mapped DRAM segments of a Session's log: 8 MiB, not the log's 64 MiB default. A session's steady epochs are one
+# token's KV rows (118 KB at Qwen3-0.6B dims: ~70 per segment); a prefill larger than a segment gets a segment of
+# its own size either way. What the size costs is paid at every open of the log and by every live session:
+# reopening the writer's tail (its unused preallocated tail is deallocated, the capacity allocated and faulted in
+# again, then registered with the driver), replay's check that the tails past the last epoch are zeros, and the
+# tmpfs held by each session's tail + prepared spare. On the H200 a 64 MiB tail made the log's open ~45 ms of a
+# 2k-token recovery (integrations/LLM.md "Recovery time").
+SESSION_MAPPED_SEGMENT_BYTES = 8 << 20
+
+
+def _session_log_defaults(runtime_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``runtime_options`` with the Session's log defaults where the caller did not choose."""
+    opts = dict(runtime_options or {})
+    log_opts = dict(opts.get("log_options") or {})
+    log_opts.setdefault("mapped_segment_bytes", SESSION_MAPPED_SEGMENT_BYTES)
+    opts["log_options"] = log_opts
+    return opts
 
 
 def _recovery_defaults(runtime_options: dict[str, Any] | None) -> dict[str, Any]:
