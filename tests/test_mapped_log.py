@@ -23,6 +23,7 @@ from support import PYTHON, subprocess_env
 
 pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a tmpfs at /dev/shm")
 PAGE = 4096
+SPARE_THREADS = ("concordia-spare-segment", "concordia-segment-worker")  # a thread per spare; the worker (ahead)
 SPEC = RegionSpec(name="r", kind=RegionKind.PAGED, nbytes=64 * PAGE, page_bytes=PAGE, block_bytes=PAGE)
 
 
@@ -221,7 +222,7 @@ def test_segments_are_registered_and_the_next_one_is_prepared_off_the_append_pat
     deadline = time.monotonic() + 20
     while len(pins.live) < 2 and time.monotonic() < deadline:  # the spare, registered on its own thread
         time.sleep(0.01)
-    assert len(pins.live) == 2 and any(name == "concordia-spare-segment" for *_, name in pins.calls)
+    assert len(pins.live) == 2 and any(name in SPARE_THREADS for *_, name in pins.calls)
     assert [p.name for p in (shm / "log").iterdir() if p.name.endswith(".tmp")]  # the spare, not yet named
     big = RegionSpec(name="big", kind=RegionKind.DENSE, nbytes=1536 << 10, page_bytes=PAGE)
     datas = []
@@ -311,24 +312,35 @@ def test_c_crc_of_buffers_equals_the_package() -> None:
         slotlog.crc32c_buffers(bufs, piece=100)
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("fit", [0, 4])
-def test_large_epochs_get_segments_that_hold_several(shm: Path, fit: int) -> None:
+def test_large_epochs_get_segments_that_hold_several(shm: Path, fit: int, ahead: bool) -> None:
     """1.25 MiB epochs with 1 MiB mapped segments: each rolls unless the log grows its spares to hold
-    ``mapped_fit_epochs`` of them; either way the log replays every epoch."""
+    ``mapped_fit_epochs`` of them; either way the log replays every epoch. ``mapped_ahead``: the worker sizes
+    the spare from the epochs seen, so from the third epoch on every roll takes a ready spare (registered on
+    the worker, never on the appending thread)."""
+    import threading
     import time
 
     rng = np.random.default_rng(8)
-    log = RecoveryLog.open(shm / "log", _opts(mapped_segment_bytes=1 << 20, mapped_fit_epochs=fit))
-    log.set_mapping_registrar(PinLog())
+    log = RecoveryLog.open(shm / "log", _opts(mapped_segment_bytes=1 << 20, mapped_fit_epochs=fit,
+                                              mapped_ahead=ahead))
+    pins = PinLog()
+    log.set_mapping_registrar(pins)
     big = RegionSpec(name="big", kind=RegionKind.DENSE, nbytes=1280 << 10, page_bytes=PAGE)
     n = 10
+    on_path = []  # registrations on the appending thread, per epoch
     for e in range(n):
         data = rng.integers(0, 256, big.nbytes, dtype=np.uint8)
+        before = len([c for c in pins.calls if c[2] == threading.current_thread().name])
         log.append(defs=[big] if e == 0 else [], deltas=[RegionDelta(
             big, np.arange(big.n_pages, dtype=np.int64), HostPayload(memoryview(data)))])  # type: ignore[arg-type]
-        time.sleep(0.02)
+        on_path.append(len([c for c in pins.calls if c[2] == threading.current_thread().name]) - before)
+        time.sleep(0.05)
     segments = len(log.manifest.incr)
     log.close()
+    if ahead:  # the spare is sized from two epochs seen: from the third epoch on no roll makes a segment
+        assert on_path[2:] == [0] * (n - 2), on_path
     if fit:
         assert segments <= 6, segments  # the first, 2 rolls before large epochs recur, then 3 epochs a segment
     else:
@@ -357,7 +369,7 @@ def test_a_roll_waits_for_the_spare_being_prepared_instead_of_making_another(shm
                                                HostPayload(memoryview(data)))])  # type: ignore[arg-type]
     log.append(deltas=[RegionDelta(big, np.arange(big.n_pages, dtype=np.int64),
                                    HostPayload(memoryview(data)))])  # type: ignore[arg-type]  # rolls
-    made = [c for c in pins.calls if c[2] != "concordia-spare-segment"]
+    made = [c for c in pins.calls if c[2] not in SPARE_THREADS]
     log.close()
     assert len(made) == 1, pins.calls  # only the first segment was registered on the appending thread
 

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import CheckpointError, ConfigError, LogCorruptError, LogError, LogLockedError
-from .epochs import plan_epoch
+from .epochs import RecordCache, assemble_epoch, layout_epoch, plan_epoch
 from .format import SEGMENT_BASE, SEGMENT_HEADER_BYTES, SEGMENT_INCR, SegmentHeader
 from .manifest import SEGMENT_RE, DirSyncError, Manifest, fsync_dir, store_manifest
 from .mapped import MappedSegment, Registrar, SparePreparer
@@ -66,6 +66,12 @@ class LogOptions:
     # a mapped log whose large epochs recur (LoRA: 53 MB each, every one rolls) prepares its next segments to
     # hold this many of them (at most 4 x mapped_segment_bytes), so most epochs do not roll; 0: never grow
     mapped_fit_epochs: int = 4
+    # a mapped log pinned with the driver (set_mapping_registrar): one worker thread keeps the next segment ready
+    # (sized from the epochs seen, created, faulted in, registered) and retires sealed ones, so a roll is a
+    # rename + header + manifest; a placed epoch is laid out once, its dense regions' page records reused.
+    # False: the path before it (a thread per spare and per retired segment, started on the append path; a
+    # spare too small for the epoch discarded there; two layout passes per epoch)
+    mapped_ahead: bool = True
     # CRC32C of placed payloads: "c" (core/_slotlog.c: one call, GIL released, pieces on threads), "python"
     # (the crc32c package on a thread pool), "auto" = c where it is built
     placed_crc: str = "auto"
@@ -334,6 +340,7 @@ class RecoveryLog:
         # the phases of the last placed append (seconds): roll, place (DMA issued), wait (DMA done), crc, write
         self.last_placed_phases: dict[str, float] = {}
         self._last_roll_need = 0  # the epoch size that made the last roll (mapped_fit_epochs)
+        self._record_cache: RecordCache = {}  # page records of dense regions (mapped_ahead placed epochs)
         # the active segment handed to an external appender (core/slotlog.py: graph decode's C writer); while
         # leased, append() refuses, the interval syncer leaves the segment to the lessee, a compactor's seal waits
         self._leased = False
@@ -445,6 +452,8 @@ class RecoveryLog:
             if self._leased:
                 raise ConfigError(f"the log {self.dir} is being appended by graph decode's token-epoch writer; "
                                   "append after that generate() returned")
+            if self._spare is not None:
+                self._spare.ahead = self.options.mapped_ahead
             # a payload that is still on a device (cuda.mapped.DevicePayload): DMA'd into the log's own pages
             placed = {i: d.payload for i, d in enumerate(deltas) if hasattr(d.payload, "place")}
             try:
@@ -465,6 +474,9 @@ class RecoveryLog:
                 raise self._error(number, f.text) from f.__cause__
             self.last_epoch = number
             self._segment_epochs += 1
+            spare = self._spare
+            if spare is not None and spare.ahead and isinstance(self._segment, MappedSegment):
+                spare.after_epoch(plan.total_bytes)  # the next spare, sized from the epochs seen
             return AppendResult(number, self._segment.path.name, offset, plan.total_bytes, plan.payload_bytes,
                                 plan.n_pages, plan.region_pages)
 
@@ -533,7 +545,11 @@ class RecoveryLog:
         self._segment_epochs = 0
         self._synced_end = seg.end
         prev_need, self._last_roll_need = self._last_roll_need, need
-        if self._spare is not None:
+        if self._spare is not None and self._spare.ahead:  # the worker retires it and prepares the next
+            if isinstance(old, MappedSegment) and old.registered:
+                self._spare.retire(old)
+                return
+        elif self._spare is not None:
             spare = self._spare
             o = self.options
             # large epochs: the next segments hold several of them (alignment padding included), up to 4x the
@@ -580,8 +596,12 @@ class RecoveryLog:
             self._register = register
             self._segment.register(register)
             if prepare_spare:
-                cap = min(self.options.mapped_segment_bytes, self.options.segment_max_bytes)
-                self._spare = SparePreparer(self.dir, cap, register, io=self._io)
+                o = self.options
+                cap = min(o.mapped_segment_bytes, o.segment_max_bytes)
+                self._spare = SparePreparer(
+                    self.dir, cap, register, io=self._io, ahead=o.mapped_ahead, fit_epochs=o.mapped_fit_epochs,
+                    max_capacity=min(4 * o.mapped_segment_bytes, max(o.segment_max_bytes, o.mapped_segment_bytes)),
+                    header_bytes=SEGMENT_HEADER_BYTES)
                 self._spare.start()
 
     def _placed_append(self, number: int, defs: list[RegionSpec], drops: list[str], deltas: list[RegionDelta],
@@ -606,8 +626,19 @@ class RecoveryLog:
         perf = time.perf_counter
         t0 = perf()
         rolled = 0.0
-        plan = plan_epoch(number, self._segment.end, defs=defs, drops=drops, deltas=deltas, meta=meta,
-                          payload_crcs=[0] * len(deltas))
+        ahead = self._spare is not None and self._spare.ahead
+        with_pages = [i for i, d in enumerate(deltas) if len(d.pages)]
+        pages_of = [(deltas[i].spec, deltas[i].pages) for i in with_pages]
+        cache = self._record_cache if ahead else None
+
+        def lay_out(start: int) -> Any:
+            if ahead:  # once: the offsets now, the head from the CRCs later (assemble_epoch)
+                return layout_epoch(number, start, defs=defs, drops=drops, pages_of=pages_of, meta=meta,
+                                    record_cache=cache)
+            return plan_epoch(number, start, defs=defs, drops=drops, deltas=deltas, meta=meta,
+                              payload_crcs=[0] * len(deltas))
+
+        plan = lay_out(self._segment.end)
         seg = self._segment
         if not isinstance(seg, MappedSegment) or plan.total_bytes > seg.room():
             self._roll(plan.total_bytes, defer=True)
@@ -615,35 +646,47 @@ class RecoveryLog:
             seg = self._segment
             if not isinstance(seg, MappedSegment):
                 raise ConfigError("placed payloads need a mapped segment (backend 'dram', mapped on)")
-            plan = plan_epoch(number, seg.end, defs=defs, drops=drops, deltas=deltas, meta=meta,
-                              payload_crcs=[0] * len(deltas))
+            plan = lay_out(seg.end)
         start = seg.end
-        with_pages = [i for i, d in enumerate(deltas) if len(d.pages)]
+        offsets = list(plan.payload_offsets)
         views: list[RegionDelta] = list(deltas)
+        quiet = self._spare.quiet if ahead else None  # the worker's driver (un)registration waits for the DMA
         t1 = perf()
+        dma = 0.0
         try:
-            for k, i in enumerate(with_pages):
-                p = placed.get(i)
-                if p is not None:
-                    p.place(seg.address + start + plan.payload_offsets[k])
-            t2 = perf()
-            for k, i in enumerate(with_pages):
-                p = placed.get(i)
-                if p is not None:
-                    d = deltas[i]
-                    views[i] = RegionDelta(d.spec, d.pages, seg.view(start + plan.payload_offsets[k], p.nbytes),
-                                           d.scanned_bytes)
-            # payloads whose DMA lands in gated chunks are checksummed while it is in flight (core/_slotlog.c)
-            crcs = self._gated_crcs([views[i].payload for i in with_pages], [placed.get(i) for i in with_pages])
-            gated = crcs is not None
-            for i in with_pages:
-                p = placed.get(i)
-                if p is not None:
-                    p.wait()
+            if quiet is not None:
+                quiet.acquire()
+            try:
+                for k, i in enumerate(with_pages):
+                    p = placed.get(i)
+                    if p is not None:
+                        p.place(seg.address + start + offsets[k])
+                t2 = perf()
+                for k, i in enumerate(with_pages):
+                    p = placed.get(i)
+                    if p is not None:
+                        d = deltas[i]
+                        views[i] = RegionDelta(d.spec, d.pages, seg.view(start + offsets[k], p.nbytes),
+                                               d.scanned_bytes)
+                # payloads whose DMA lands in gated chunks are checksummed while it is in flight (core/_slotlog.c)
+                crcs = self._gated_crcs([views[i].payload for i in with_pages], [placed.get(i) for i in with_pages])
+                gated = crcs is not None
+                for i in with_pages:
+                    p = placed.get(i)
+                    if p is not None:
+                        p.wait()
+                        took = getattr(p, "copy_seconds", None)
+                        dma += float(took()) if callable(took) else 0.0
+            finally:
+                if quiet is not None:
+                    quiet.release()
             t3 = perf()
             if crcs is None:
                 crcs = self._placed_crcs([views[i].payload for i in with_pages])
-            plan = plan_epoch(number, start, defs=defs, drops=drops, deltas=views, meta=meta, payload_crcs=crcs)
+            if ahead:
+                plan = assemble_epoch(plan, [views[i] for i in with_pages], crcs)
+            else:
+                plan = plan_epoch(number, start, defs=defs, drops=drops, deltas=views, meta=meta, payload_crcs=crcs)
             t4 = perf()
         except BaseException:
             seg.cut(start, start + plan.total_bytes)  # nothing of this epoch stays behind
@@ -651,8 +694,8 @@ class RecoveryLog:
         in_place = [plan.payload_parts[k] for k, i in enumerate(with_pages) if i in placed]
         offset = self._write_epoch(number, plan.parts, in_place)
         self.last_placed_phases = {"roll": t1 - t0, "place": t2 - t1, "wait": t3 - t2, "crc": t4 - t3,
-                                   "write": perf() - t4, "rolled": rolled, "gated": 1.0 if gated else 0.0,
-                                   "registered": 1.0 if seg.registered else 0.0}
+                                   "write": perf() - t4, "dma": dma, "rolled": rolled,
+                                   "gated": 1.0 if gated else 0.0, "registered": 1.0 if seg.registered else 0.0}
         return plan, offset
 
     def _gated_crcs(self, views: list[Any], payloads: list[Any]) -> list[int] | None:
@@ -936,6 +979,8 @@ class RecoveryLog:
         """Sync (unless ``fsync="never"``), close, release the lock. Raises ``CheckpointError`` when the final
         sync fails, or when the log failed in the background and no call has raised that yet."""
         err: CheckpointError | None = None
+        if self._spare is not None:
+            self._spare.stop()  # the worker finishes what it does (closing joins it)
         with self._mutex:
             if self._closed:
                 return

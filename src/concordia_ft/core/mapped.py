@@ -169,27 +169,178 @@ class MappedSegment:
 
 
 class SparePreparer:
-    """Prepares the next segment file (created, preallocated, faulted in, registered) on a background thread,
-    under a ``.tmp`` name that ``remove_orphans`` deletes if the process dies first; ``take`` renames it."""
+    """Prepares the next segment file (created, preallocated, faulted in, registered) off the append path, under
+    a ``.tmp`` name that ``remove_orphans`` deletes if the process dies first; ``take`` renames it.
 
-    def __init__(self, directory: Path, capacity: int, register: Registrar | None, *, io: OsCalls = REAL_OS) -> None:
+    Two ways (``ahead``, ``LogOptions.mapped_ahead``):
+
+    - ``ahead`` (the default): ONE worker thread, started once, does all of it between epochs. The log reports
+      each epoch's size (``after_epoch``); the worker sizes the spare from the sizes seen (``target_capacity``),
+      keeps one ready (created, preallocated, faulted in, registered) and retires sealed segments (driver
+      unregistration, unmap), so a roll on the append path is a rename of the ready spare, its header and the
+      manifest: no creation, no page fault, no registration, no thread start. Driver (un)registration waits for
+      ``quiet`` (held by the log while a placed epoch's DMA is in flight), so it never runs beside one.
+    - not ``ahead`` (the path before it): a thread per spare, started by the roll (``start``), and one per
+      retired segment (``retire``); a spare too small for the epoch that rolls is discarded on the append path.
+    """
+
+    RECENT = 4  # epoch sizes the sizing looks at
+
+    def __init__(self, directory: Path, capacity: int, register: Registrar | None, *, io: OsCalls = REAL_OS,
+                 ahead: bool = False, fit_epochs: int = 0, max_capacity: int = 0, header_bytes: int = 4096) -> None:
         self._dir, self._capacity, self._register, self._io = directory, capacity, register, io
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._spare: MappedSegment | None = None
         self._thread: threading.Thread | None = None
         self._retiring: list[threading.Thread] = []
         self.error: BaseException | None = None
+        # ahead: the worker's state (all under _lock)
+        self.ahead = ahead
+        self.quiet = threading.Lock()  # held by the log while a placed epoch's DMA is in flight
+        self._base, self._fit, self._header = capacity, fit_epochs, header_bytes
+        self._max = max(max_capacity, capacity)
+        self._sizes: list[int] = []  # the last epochs' sizes (bytes)
+        self._want = capacity  # the capacity the spare should have
+        self._making = False
+        self._make_failed = False  # a failed make is not retried before the next epoch
+        self._to_close: list[tuple[MappedSegment, bool]] = []  # (segment, unlink it): retire or discard
+        self._stopping = False
+        self._worker: threading.Thread | None = None
+        self.stats = {"made": 0, "retired": 0, "discarded": 0}
 
+    # ---------------------------------------------------------------------------------- sizing
+    def target_capacity(self, sizes: Sequence[int]) -> int:
+        """The capacity a spare gets after epochs of ``sizes`` bytes (the last few): the configured one, raised
+        to hold one typical epoch (the second largest of the last ``RECENT``: a one-off huge epoch, e.g. weights
+        logged once, does not count), and, when such epochs are large (over a quarter of the configured
+        capacity), ``fit_epochs`` of them, at most ``max_capacity``."""
+        cap = self._base
+        if len(sizes) < 2:
+            return cap
+        typical = sorted(sizes)[-2]
+        one = typical + 2 * self._header + 8 * 4096  # an epoch planned at another offset pads up to a page more
+        if self._fit and typical > self._base // 4:
+            cap = max(cap, min(self._fit * (typical + self._header) + self._header, self._max))
+        return max(cap, one)
+
+    @property
+    def capacity(self) -> int:
+        return self._want if self.ahead else self._capacity
+
+    # --------------------------------------------------------------------------- the worker (ahead)
+    def after_epoch(self, epoch_bytes: int) -> None:
+        """An epoch of ``epoch_bytes`` was appended: size the spare for what comes next and have the worker make
+        it if the one ready is smaller (or none is)."""
+        with self._cond:
+            self._sizes = (self._sizes + [int(epoch_bytes)])[-self.RECENT:]
+            self._want = self.target_capacity(self._sizes)
+            self._make_failed = False
+            self._request_make()
+
+    def _request_make(self) -> None:
+        """(Under the lock.) Have the worker make a spare if the one ready is smaller than wanted (or none is):
+        ``_making`` is set here, by the requester, so a roll right after waits for that spare instead of making
+        one of its own before the worker thread got to run."""
+        if self._making or self._make_failed or self._stopping:
+            return
+        if self._spare is None or self._spare.capacity < self._want:
+            self._making = True
+            self._start_worker()
+            self._cond.notify_all()
+
+    def _start_worker(self) -> None:
+        if self._worker is None and not self._stopping:
+            self._worker = threading.Thread(target=self._work, name="concordia-segment-worker", daemon=True)
+            self._worker.start()
+
+    def _pending(self) -> bool:
+        return bool(self._to_close) or self._making
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._pending():
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                closing, self._to_close = self._to_close, []
+            for seg, unlink in closing:
+                self._close_segment(seg, unlink)
+            with self._cond:
+                making, want = self._making, self._want
+            if making:  # a roll meanwhile waits for this spare (or takes a smaller one still ready that fits)
+                self._make_spare(want)
+        with self._cond:
+            closing, self._to_close = self._to_close, []
+        for seg, unlink in closing:
+            self._close_segment(seg, unlink)
+
+    def _make_spare(self, capacity: int) -> None:
+        """Make a spare of ``capacity`` bytes (``_making`` is set); it replaces a smaller one still ready."""
+        seg = None
+        try:
+            path = self._dir / f"spare.{os.getpid()}.{threading.get_ident()}.{self.stats['made']}.tmp"
+            path.unlink(missing_ok=True)
+            seg = MappedSegment(path, capacity, create_with=b"", io=self._io)
+            if self._register is not None:
+                with self.quiet:  # never beside a placed epoch's DMA
+                    seg.register(self._register)
+            self.stats["made"] += 1
+        except BaseException as e:  # noqa: BLE001 - the roll then creates its segment itself
+            self.error = e
+            if seg is not None:
+                self._close_segment(seg, True)
+                seg = None
+        with self._cond:
+            if seg is not None and self._spare is not None:  # the smaller one (or one the other mode made)
+                self._to_close.append((self._spare, True))
+                self.stats["discarded"] += 1
+            if seg is not None:
+                self._spare = seg
+            self._making = False
+            if seg is None:
+                self._make_failed = True
+            else:
+                self._request_make()  # wanted larger meanwhile
+            self._cond.notify_all()
+
+    def _close_segment(self, seg: MappedSegment, unlink: bool) -> None:
+        p = seg.path
+        try:
+            if seg.registered:
+                with self.quiet:
+                    seg.close(quietly=True)
+            else:
+                seg.close(quietly=True)
+        except OSError:
+            pass  # a sealed segment is synced already, a spare holds nothing: nothing of it is at stake
+        if unlink:
+            self._io.unlink_quietly(p)
+        else:
+            self.stats["retired"] += 1
+
+    def stop(self) -> None:
+        """Tell the worker to finish (without waiting: ``close`` joins it)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    # ------------------------------------------------------------------------- thread per spare
     def start(self) -> None:
+        if self.ahead:
+            with self._cond:
+                self._request_make()
+            return
         with self._lock:
             if self._spare is not None or self._thread is not None:
                 return
             self._thread = threading.Thread(target=self._make, name="concordia-spare-segment", daemon=True)
             self._thread.start()
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
 
     def grow(self, capacity: int) -> None:
         """Make the spares prepared from now on at least ``capacity`` bytes (a log whose epochs are large: a
@@ -210,11 +361,20 @@ class SparePreparer:
                 self._thread = None
             return
         with self._lock:
+            if self._spare is not None:  # the worker's (the other mode) meanwhile: one is enough
+                self._to_close.append((self._spare, True))
             self._spare, self._thread = seg, None
 
     def retire(self, seg: MappedSegment) -> None:
-        """Close a sealed segment (driver unregistration, unmap, hole punch of its unused tail) on a background
-        thread: a roll does not wait for it (the bytes are synced already; only this process's view goes)."""
+        """Close a sealed segment (driver unregistration, unmap, hole punch of its unused tail) off the append
+        path: a roll does not wait for it (the bytes are synced already; only this process's view goes)."""
+        if self.ahead:
+            with self._cond:
+                self._to_close.append((seg, False))
+                self._start_worker()
+                self._cond.notify_all()
+            return
+
         def close() -> None:
             try:
                 seg.close(quietly=True)
@@ -229,17 +389,34 @@ class SparePreparer:
     def take(self, path: Path, header: bytes, capacity: int) -> MappedSegment | None:
         """The prepared segment renamed to ``path`` with ``header`` written, or None when none is ready (or it is
         smaller than ``capacity``)."""
-        with self._lock:
-            seg, self._spare, making = self._spare, None, self._thread
-        if seg is None and making is not None:  # being prepared: finishing it is quicker than starting anew
-            making.join()
+        if self.ahead:
+            with self._cond:
+                # one being prepared (and none ready that fits): finishing it beats creating one here
+                while self._making and not self._stopping and (self._spare is None
+                                                               or self._spare.capacity < capacity):
+                    self._cond.wait()
+                seg = self._spare
+                if seg is None:
+                    return None
+                self._spare = None
+                if seg.capacity < capacity:  # discarded by the worker, not here
+                    self._to_close.append((seg, True))
+                    self.stats["discarded"] += 1
+                    self._start_worker()
+                    self._cond.notify_all()
+                    return None
+        else:
             with self._lock:
-                seg, self._spare = self._spare, None
-        if seg is None:
-            return None
-        if seg.capacity < capacity:
-            self._discard(seg)
-            return None
+                seg, self._spare, making = self._spare, None, self._thread
+            if seg is None and making is not None:  # being prepared: finishing it is quicker than starting anew
+                making.join()
+                with self._lock:
+                    seg, self._spare = self._spare, None
+            if seg is None:
+                return None
+            if seg.capacity < capacity:
+                self._discard(seg)
+                return None
         self._io.replace(seg.path, path)
         seg.path = path
         seg.append([header])
@@ -251,6 +428,10 @@ class SparePreparer:
         self._io.unlink_quietly(p)
 
     def close(self) -> None:
+        self.stop()
+        w = self._worker
+        if w is not None and w is not threading.current_thread():
+            w.join(timeout=60)
         t = self._thread
         if t is not None:
             t.join(timeout=30)
@@ -258,6 +439,9 @@ class SparePreparer:
             r.join(timeout=30)
         with self._lock:
             seg, self._spare = self._spare, None
+            closing, self._to_close = self._to_close, []
+        for s, unlink in closing:
+            self._close_segment(s, unlink)
         if seg is not None:
             self._discard(seg)
 
