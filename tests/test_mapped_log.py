@@ -454,3 +454,157 @@ def test_a_gate_that_never_opens_gives_up_instead_of_hanging() -> None:
 
     assert slotlog.crc32c_buffers([buf], threads=2, flags_address=int(flags.ctypes.data),
                                   gates=gates) == [crc32c.crc32c(buf.tobytes())]
+
+
+# ------------------------------------------------------------------------------ the prepared-spare path
+_SPARE_CHILD = r'''
+import os, signal, sys, threading
+from pathlib import Path
+import numpy as np
+from concordia_ft.core.log import LogOptions, RecoveryLog
+from concordia_ft.core.mapped import HostPayload
+from concordia_ft.core.oscalls import OsCalls
+from concordia_ft.core.regions import RegionKind, RegionSpec
+from concordia_ft.core.tracking import RegionDelta
+mode, d = sys.argv[1], sys.argv[2]
+spec = RegionSpec(name="big", kind=RegionKind.DENSE, nbytes=1536 << 10, page_bytes=4096)
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+class Pins:  # bookkeeping registrar (the CUDA one is cuMemHostRegister)
+    n = 0
+    def __call__(self, address, nbytes):
+        if threading.current_thread().name == "concordia-segment-worker":
+            Pins.n += 1
+            if mode == "register" and Pins.n == 2:
+                die()  # the second spare: created and faulted in, being registered
+        return self
+    def close(self):
+        pass
+class KillingOS(OsCalls):
+    took = False
+    def replace(self, src, dst):
+        super().replace(src, dst)
+        if Path(src).name.startswith("spare."):
+            KillingOS.took = True
+            if mode == "rename":
+                die()  # the spare renamed to the next segment's name; no header, not in the manifest
+        elif Path(dst).name == "MANIFEST" and KillingOS.took and mode == "manifest":
+            die()  # the manifest names the new segment; no epoch in it yet
+log = RecoveryLog.open(d, LogOptions(fsync="never", backend="dram", mapped_segment_bytes=2 << 20,
+                                     mapped_fit_epochs=0), io=KillingOS())
+log.set_mapping_registrar(Pins())
+for e in range(1, 6):
+    data = np.random.default_rng(e).integers(0, 256, spec.nbytes, dtype=np.uint8)
+    log.append(defs=[spec] if e == 1 else [], deltas=[RegionDelta(spec, np.arange(spec.n_pages, dtype=np.int64),
+                                                                  HostPayload(memoryview(data)))], meta=e)
+    print("E", e, flush=True)
+    if e == 1:
+        import time
+        t0 = time.monotonic()
+        while log._spare._spare is None and time.monotonic() - t0 < 20:  # the first spare is ready
+            time.sleep(0.01)
+print("not killed", flush=True)
+'''
+
+
+def _epoch_data(e: int) -> np.ndarray:
+    return np.random.default_rng(e).integers(0, 256, 1536 << 10, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("mode,committed", [("register", 2), ("rename", 1), ("manifest", 1)])
+def test_sigkill_on_the_prepared_spare_path_keeps_the_committed_epochs(shm: Path, mode: str, committed: int) -> None:
+    """A real process SIGKILLed (1.5 MiB epochs, 2 MiB mapped segments: every epoch after the first rolls onto the
+    spare the segment worker prepared): ``register``: while the worker prepares the next spare (created,
+    faulted in, being registered); ``rename``: as a roll took the spare (renamed to the next segment's name, no
+    header yet, not in the manifest); ``manifest``: once the manifest names it, before its first epoch. Replay
+    gives the last committed epoch; a spare or segment file left behind is never taken as committed data (the
+    open removes it as an orphan) and the log goes on after the committed epochs."""
+    d = shm / "log"
+    p = subprocess.run([PYTHON, "-c", _SPARE_CHILD, mode, str(d)], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=120)
+    assert p.returncode == -signal.SIGKILL, (p.stdout, p.stderr[-2000:])
+    left = sorted(q.name for q in d.iterdir())
+    r = replay(d)
+    assert r.outcome is Outcome.OK and r.epoch == committed and r.meta == committed, (mode, r.outcome, r.tail)
+    assert np.array_equal(r.regions["big"].data, _epoch_data(committed))
+    named = set(r.manifest.segments())  # type: ignore[union-attr]
+    debris = [n for n in left if n.endswith(".tmp") or (n.endswith(".cft") and n not in named)]
+    if mode == "register":
+        spares = [n for n in left if n.startswith("spare.") and n.endswith(".tmp")]
+        assert spares, left  # the spare being prepared is on disk
+        # left behind holding a valid segment with the next epoch (a copy of this log with epoch 3 appended):
+        # still not committed data, since the manifest does not name it
+        scratch = shm / "scratch"
+        shutil.copytree(d, scratch)
+        for n in spares:
+            (scratch / n).unlink()
+        other = RecoveryLog.open(scratch, _opts(mapped_fit_epochs=0))
+        other.append(deltas=[RegionDelta(SPEC_BIG, np.arange(SPEC_BIG.n_pages, dtype=np.int64),
+                                         HostPayload(memoryview(_epoch_data(3))))], meta=3)  # type: ignore[arg-type]
+        seg_bytes = (scratch / other.manifest.incr[-1]).read_bytes()
+        other.close()
+        assert replay(scratch).epoch == 3
+        (d / spares[0]).write_bytes(seg_bytes)
+        assert replay(d).epoch == committed
+    elif mode == "rename":
+        assert debris, left  # the renamed spare: a segment name the manifest does not hold
+    log = RecoveryLog.open(d, _opts(mapped_fit_epochs=0))
+    assert log.last_epoch == committed
+    assert set(debris) <= set(log.report.removed_orphans), (debris, log.report.removed_orphans)
+    assert not [q for q in d.iterdir() if q.name.endswith(".tmp")]
+    log.set_mapping_registrar(PinLog())
+    nxt = _epoch_data(100)
+    for e in (committed + 1, committed + 2):
+        log.append(deltas=[RegionDelta(SPEC_BIG, np.arange(SPEC_BIG.n_pages, dtype=np.int64),
+                                       HostPayload(memoryview(nxt)))], meta=e)  # type: ignore[arg-type]
+    log.close()
+    r = replay(d)
+    assert r.outcome is Outcome.OK and r.epoch == committed + 2 and r.meta == committed + 2
+    assert np.array_equal(r.regions["big"].data, nxt)
+
+
+SPEC_BIG = RegionSpec(name="big", kind=RegionKind.DENSE, nbytes=1536 << 10, page_bytes=PAGE)
+
+
+def test_damage_in_segments_from_prepared_spares_is_found(shm: Path) -> None:
+    """Epochs in segments the worker prepared (each epoch rolls onto the ready spare): a flipped payload byte
+    in the last epoch is a damaged tail (the writer refuses to append after it); in an earlier, sealed one it
+    is corruption; and the spare's preallocated zero tail after the last epoch is no epoch."""
+    from concordia_ft.errors import LogCorruptError
+
+    d = shm / "log"
+    log = RecoveryLog.open(d, _opts(mapped_fit_epochs=0))
+    pins = PinLog()
+    log.set_mapping_registrar(pins)
+    for e in range(1, 5):
+        log.append(defs=[SPEC_BIG] if e == 1 else [], deltas=[RegionDelta(
+            SPEC_BIG, np.arange(SPEC_BIG.n_pages, dtype=np.int64), HostPayload(memoryview(_epoch_data(e))))],
+            meta=e)  # type: ignore[arg-type]
+    made = log._spare.stats["made"]  # type: ignore[union-attr]
+    incr = list(log.manifest.incr)
+    log.close()
+    assert made >= 3 and len(incr) >= 4, (made, incr)
+    r = replay(d)
+    # the preallocated tail of the last segment (a prepared spare's) reads as zeros: no epoch, no tail
+    assert r.outcome is Outcome.OK and r.epoch == 4 and r.trailing_zero_bytes > 0 and r.tail is None
+    clean = shm / "clean"
+    shutil.copytree(d, clean)
+
+    def flip(name: str, before_end: int) -> None:
+        """Flip a byte ``before_end`` bytes before the end of the segment's last epoch (its last nonzero byte:
+        the commit marker; the preallocated tail after it is zeros)."""
+        raw = np.fromfile(d / name, dtype=np.uint8)
+        at = int(np.flatnonzero(raw)[-1]) - before_end
+        raw[at] ^= 0x40
+        raw.tofile(d / name)
+
+    flip(incr[-1], 64 << 10)  # inside the last epoch's payload
+    r = replay(d)
+    assert r.outcome is Outcome.DAMAGED_TAIL and r.epoch == 3 and r.meta == 3
+    with pytest.raises(LogCorruptError):
+        RecoveryLog.open(d, _opts())
+    shutil.rmtree(d)
+    shutil.copytree(clean, d)
+    flip(incr[-2], 64 << 10)  # epoch 3, in a sealed segment
+    with pytest.raises(LogCorruptError):
+        replay(d)

@@ -626,7 +626,8 @@ class RecoveryLog:
         perf = time.perf_counter
         t0 = perf()
         rolled = 0.0
-        ahead = self._spare is not None and self._spare.ahead
+        spare = self._spare
+        ahead = spare is not None and spare.ahead
         with_pages = [i for i, d in enumerate(deltas) if len(d.pages)]
         pages_of = [(deltas[i].spec, deltas[i].pages) for i in with_pages]
         cache = self._record_cache if ahead else None
@@ -650,7 +651,7 @@ class RecoveryLog:
         start = seg.end
         offsets = list(plan.payload_offsets)
         views: list[RegionDelta] = list(deltas)
-        quiet = self._spare.quiet if ahead else None  # the worker's driver (un)registration waits for the DMA
+        quiet = spare.quiet if spare is not None and ahead else None  # driver (un)registration waits for the DMA
         t1 = perf()
         dma = 0.0
         try:

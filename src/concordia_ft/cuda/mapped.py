@@ -151,7 +151,7 @@ class DevicePayload:
         if t is None:
             return 0.0
         try:
-            return t[0].elapsed_ms(t[1]) / 1e3
+            return float(t[0].elapsed_ms(t[1])) / 1e3
         except Exception:  # noqa: BLE001 - a measurement only
             return 0.0
         finally:
