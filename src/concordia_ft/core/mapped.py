@@ -236,6 +236,9 @@ class SparePreparer:
             self._sizes = (self._sizes + [int(epoch_bytes)])[-self.RECENT:]
             self._want = self.target_capacity(self._sizes)
             self._make_failed = False
+            if self._to_close:
+                self._start_worker()
+                self._cond.notify_all()
             self._request_make()
 
     def _request_make(self) -> None:
@@ -368,11 +371,9 @@ class SparePreparer:
     def retire(self, seg: MappedSegment) -> None:
         """Close a sealed segment (driver unregistration, unmap, hole punch of its unused tail) off the append
         path: a roll does not wait for it (the bytes are synced already; only this process's view goes)."""
-        if self.ahead:
+        if self.ahead:  # the worker closes it after the epoch that rolled (after_epoch): nothing runs beside it
             with self._cond:
                 self._to_close.append((seg, False))
-                self._start_worker()
-                self._cond.notify_all()
             return
 
         def close() -> None:
