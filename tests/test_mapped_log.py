@@ -608,3 +608,24 @@ def test_damage_in_segments_from_prepared_spares_is_found(shm: Path) -> None:
     flip(incr[-2], 64 << 10)  # epoch 3, in a sealed segment
     with pytest.raises(LogCorruptError):
         replay(d)
+
+
+def test_spares_are_sized_from_the_epochs_seen(tmp_path: Path) -> None:
+    """The worker's sizing: the configured capacity until two epochs were seen; a one-off huge epoch (weights
+    logged once) does not count; recurring large epochs get spares that hold ``fit_epochs`` of them (at most
+    the cap); recurring epochs larger than the cap still get a spare that holds one."""
+    from concordia_ft.core.mapped import SparePreparer
+
+    mib = 1 << 20
+    sp = SparePreparer(tmp_path, 64 * mib, None, ahead=True, fit_epochs=4, max_capacity=256 * mib)
+    assert sp.target_capacity([]) == sp.target_capacity([1000 * mib]) == 64 * mib
+    assert sp.target_capacity([1000 * mib, 100_000]) == 64 * mib  # the prefill / weights epoch alone
+    lora = 53 * mib
+    cap = sp.target_capacity([1000 * mib, lora, lora, lora])
+    assert 4 * lora < cap <= 256 * mib
+    huge = 300 * mib
+    cap = sp.target_capacity([huge, huge])
+    assert huge < cap < huge + 2 * mib  # one of them (past the cap): every roll still takes a ready spare
+    small = SparePreparer(tmp_path, 64 * mib, None, ahead=True, fit_epochs=0, max_capacity=256 * mib)
+    assert small.target_capacity([lora, lora]) == 64 * mib  # fits one already
+    assert small.target_capacity([80 * mib, 80 * mib]) > 80 * mib
