@@ -533,6 +533,9 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool,
     if "none" in modes:
         row["steps_per_s_none"] = per_s["none"]
     row["commit_latency_ms_lists"] = latency
+    # each epoch's append phases (ms; rolled/gated/registered as 0/1), for the tail
+    row["append_phases_ms_lists"] = {m: [{k: round(v * (1 if k in ("rolled", "registered", "gated") else 1e3), 3)
+                                          for k, v in p.items()} for p in phases[m]] for m in amodes}
     row["step_wall_ms_lists"] = {m: [1e3 * x for x in wall[m]] for m in modes}
     row["checkpoint_call_ms_lists"] = {m: [1e3 * x for x in call[m]] for m in modes if m != "none"}
     return [row]

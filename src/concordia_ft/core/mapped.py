@@ -54,6 +54,32 @@ def _punch_hole(io: OsCalls, fd: int, offset: int, length: int) -> bool:
         return False
 
 
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, without touching its bytes
+_LIBC: Any = None
+
+
+def populate(address: int, nbytes: int, zero_from: int) -> None:
+    """Fault the mapping [address, address + nbytes) in, with the GIL released (ctypes foreign calls release
+    it): madvise(MADV_POPULATE_WRITE), or where the kernel refuses that, a memset of the bytes from
+    ``zero_from`` on (zeros there already: the preallocated, hole-punched tail); bytes before it are committed
+    epochs, left alone (a reopened segment: its pages exist, the first stores take minor faults only)."""
+    global _LIBC
+    if nbytes <= 0:
+        return
+    try:
+        if _LIBC is None:
+            lib = ctypes.CDLL(None, use_errno=True)
+            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            lib.madvise.restype = ctypes.c_int
+            _LIBC = lib
+        if int(_LIBC.madvise(address, nbytes, MADV_POPULATE_WRITE)) == 0:
+            return
+    except (OSError, AttributeError):
+        pass
+    if nbytes > zero_from:
+        ctypes.memset(address + zero_from, 0, nbytes - zero_from)
+
+
 class MappedSegment:
     """A fixed-capacity segment on tmpfs, mapped MAP_SHARED and faulted in up front. Appends are stores into the
     mapping (memcpy); ``append_placed`` skips the parts the caller already placed there. ``sync`` is a no-op on
@@ -79,7 +105,10 @@ class MappedSegment:
             # allocate the tmpfs pages now: no page fault on the first store, and a full tmpfs is an ENOSPC here
             # instead of a SIGBUS on a store into a page that cannot be allocated
             io.fallocate(self._fd, FALLOC_FL_KEEP_SIZE, 0, self.capacity)
-            self._map = mmap.mmap(self._fd, self.capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            # mapped without MAP_POPULATE: Python's mmap() holds the GIL while the kernel faults every page in
+            # (134 ms for 512 MiB), stalling every other thread -- the training loop, the epoch writer -- when the
+            # segment worker prepares a spare; the pages are faulted in below with the GIL released
+            self._map = mmap.mmap(self._fd, self.capacity, flags=mmap.MAP_SHARED,
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             io.close_quietly(self._fd)
@@ -89,6 +118,7 @@ class MappedSegment:
         self._view = memoryview(self._map)
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self.address = ctypes.addressof(self._anchor)  # host address of byte 0 of the file
+        populate(self.address, self.capacity, self.end)
         self._registration: Registration | None = None
         if register is not None:
             self.register(register)
