@@ -302,6 +302,11 @@ class SparePreparer:
                 self._close_segment(seg, unlink)
             with self._cond:
                 making, want = self._making, self._want
+                if self._spare is None and len(self._sizes) >= 2:
+                    # none ready at all: first one that holds a typical epoch (quick to make), then the larger
+                    # one that holds several while this one stays usable
+                    one = sorted(self._sizes)[-2] + 2 * self._header + 8 * 4096
+                    want = min(want, max(self._base, one))
             if making:  # a roll meanwhile waits for this spare (or takes a smaller one still ready that fits)
                 self._make_spare(want)
         with self._cond:
