@@ -338,7 +338,8 @@ class RecoveryLog:
         self._crc_pool: Any = None
         self._deferred: list[Any] = []  # work _roll(defer=True) left for after the epoch (_run_deferred)
         # the phases of the last placed append (seconds): roll, place (DMA issued), wait (DMA done), crc, write
-        self.last_placed_phases: dict[str, float] = {}
+        self._phases: dict[str, float] = {}
+        self._timed: list[Any] = []  # the last placed epoch's payloads whose copy time the GPU measured
         self._last_roll_need = 0  # the epoch size that made the last roll (mapped_fit_epochs)
         self._record_cache: RecordCache = {}  # page records of dense regions (mapped_ahead placed epochs)
         # the active segment handed to an external appender (core/slotlog.py: graph decode's C writer); while
@@ -613,6 +614,18 @@ class RecoveryLog:
         finally:
             self._run_deferred()
 
+    @property
+    def last_placed_phases(self) -> dict[str, float]:
+        """The phases of the last placed append (seconds): roll (lay out, + roll to the next segment), place
+        (DMA issued), wait (until the payloads are there: ``crc_wait`` the CRC of the gated chunks as they land,
+        then ``sync`` the streams), crc (what is left of the CRC + the head), write (header + commit marker);
+        ``dma``: the copies themselves on the GPU (events, read here, off the append path); rolled, gated,
+        registered: 0/1."""
+        if self._timed:
+            timed, self._timed = self._timed, []
+            self._phases["dma"] = sum(float(p.copy_seconds()) for p in timed)
+        return self._phases
+
     def _run_deferred(self) -> None:
         work, self._deferred = self._deferred, []
         for fn in work:
@@ -653,7 +666,7 @@ class RecoveryLog:
         views: list[RegionDelta] = list(deltas)
         quiet = spare.quiet if spare is not None and ahead else None  # driver (un)registration waits for the DMA
         t1 = perf()
-        dma = 0.0
+        timed: list[Any] = []
         try:
             if quiet is not None:
                 quiet.acquire()
@@ -672,12 +685,13 @@ class RecoveryLog:
                 # payloads whose DMA lands in gated chunks are checksummed while it is in flight (core/_slotlog.c)
                 crcs = self._gated_crcs([views[i].payload for i in with_pages], [placed.get(i) for i in with_pages])
                 gated = crcs is not None
+                tc = perf()
                 for i in with_pages:
                     p = placed.get(i)
                     if p is not None:
                         p.wait()
-                        took = getattr(p, "copy_seconds", None)
-                        dma += float(took()) if callable(took) else 0.0
+                        if hasattr(p, "copy_seconds"):
+                            timed.append(p)
             finally:
                 if quiet is not None:
                     quiet.release()
@@ -694,9 +708,14 @@ class RecoveryLog:
             raise
         in_place = [plan.payload_parts[k] for k, i in enumerate(with_pages) if i in placed]
         offset = self._write_epoch(number, plan.parts, in_place)
-        self.last_placed_phases = {"roll": t1 - t0, "place": t2 - t1, "wait": t3 - t2, "crc": t4 - t3,
-                                   "write": perf() - t4, "dma": dma, "rolled": rolled,
-                                   "gated": 1.0 if gated else 0.0, "registered": 1.0 if seg.registered else 0.0}
+        self._phases = {"roll": t1 - t0, "place": t2 - t1, "wait": t3 - t2, "crc_wait": tc - t2, "sync": t3 - tc,
+                        "crc": t4 - t3, "write": perf() - t4, "dma": 0.0, "rolled": rolled,
+                        "gated": 1.0 if gated else 0.0, "registered": 1.0 if seg.registered else 0.0}
+        for stale in self._timed:  # never read: their events go back to the pool unread
+            drop = getattr(stale, "drop_timing", None)
+            if drop is not None:
+                drop()
+        self._timed = timed
         return plan, offset
 
     def _gated_crcs(self, views: list[Any], payloads: list[Any]) -> list[int] | None:

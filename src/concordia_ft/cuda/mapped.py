@@ -151,10 +151,18 @@ class DevicePayload:
         if t is None:
             return 0.0
         try:
+            driver.ensure_context(self.stream.device)  # the log may ask from another thread
             return float(t[0].elapsed_ms(t[1])) / 1e3
         except Exception:  # noqa: BLE001 - a measurement only
             return 0.0
         finally:
+            _TIMING.give(t[0])
+            _TIMING.give(t[1])
+
+    def drop_timing(self) -> None:
+        """Give the timing events back unread (no driver call)."""
+        t, self._timing = self._timing, None
+        if t is not None:
             _TIMING.give(t[0])
             _TIMING.give(t[1])
 
