@@ -291,6 +291,15 @@ class SparePreparer:
         return bool(self._to_close) or self._making
 
     def _work(self) -> None:
+        try:
+            self._work_loop()
+        finally:  # stopped (or died): nothing is being made any more, so a roll must not wait for it
+            with self._cond:
+                self._making = False
+                self._worker = None if not self._stopping else self._worker
+                self._cond.notify_all()
+
+    def _work_loop(self) -> None:
         while True:
             with self._cond:
                 while not self._stopping and not self._pending():
@@ -351,8 +360,8 @@ class SparePreparer:
                     seg.close(quietly=True)
             else:
                 seg.close(quietly=True)
-        except OSError:
-            pass  # a sealed segment is synced already, a spare holds nothing: nothing of it is at stake
+        except Exception:  # noqa: BLE001 - a sealed segment is synced already, a spare holds nothing: nothing
+            pass  # of it is at stake (an unregistration that fails only leaks this process's pin)
         if unlink:
             self._io.unlink_quietly(p)
         else:
