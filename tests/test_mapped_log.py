@@ -662,3 +662,34 @@ def test_preparing_a_segment_does_not_hold_the_gil(shm: Path) -> None:
         stop.set()
         t.join()
     assert made and max(made) < 0.06, f"a {1e3 * max(made):.0f} ms stall while the segment was made"
+
+
+def test_an_epoch_laid_out_once_with_cached_page_records_is_byte_identical() -> None:
+    """``layout_epoch`` + ``assemble_epoch`` (a placed epoch's single layout pass, page records of read-only
+    pages arrays reused) give exactly ``plan_epoch``'s bytes; a writable pages array is never cached, and a
+    different array for the same region is encoded afresh."""
+    from concordia_ft.core.epochs import assemble_epoch, layout_epoch, plan_epoch
+
+    rng = np.random.default_rng(12)
+    dense = RegionSpec(name="d", kind=RegionKind.DENSE, nbytes=40 * PAGE + 5, page_bytes=PAGE)
+    fixed = np.arange(dense.n_pages, dtype=np.int64)
+    fixed.flags.writeable = False
+    cache: dict = {}
+    for e, start in enumerate((4096, 4096 + 777, 3 * 4096 + 5)):
+        sparse = np.sort(rng.choice(64, size=9, replace=False)).astype(np.int64)  # writable: not cached
+        deltas = [RegionDelta(dense, fixed, rng.integers(0, 256, dense.n_pages * PAGE, dtype=np.uint8).data),
+                  RegionDelta(SPEC, sparse, rng.integers(0, 256, len(sparse) * PAGE, dtype=np.uint8).data)]
+        meta = {"step": e, "loss": 1.0 / (e + 1)}
+        ref = plan_epoch(e + 1, start, defs=[dense, SPEC] if e == 0 else [], drops=[], deltas=deltas, meta=meta)
+        lay = layout_epoch(e + 1, start, defs=[dense, SPEC] if e == 0 else [], drops=[],
+                           pages_of=[(d.spec, d.pages) for d in deltas], meta=meta, record_cache=cache)
+        import crc32c
+
+        got = assemble_epoch(lay, deltas, [crc32c.crc32c(bytes(d.payload)) for d in deltas])
+        assert b"".join(bytes(p) for p in got.parts) == b"".join(bytes(p) for p in ref.parts)
+        assert got.total_bytes == ref.total_bytes and got.payload_offsets == ref.payload_offsets
+        assert list(cache) == [("d", PAGE)]  # only the read-only array's record
+    other = np.arange(dense.n_pages - 1, dtype=np.int64)
+    other.flags.writeable = False
+    lay = layout_epoch(9, 4096, defs=[], drops=[], pages_of=[(dense, other)], record_cache=cache)
+    assert lay.records[0][5] == dense.n_pages - 1  # not the cached record of the other array
