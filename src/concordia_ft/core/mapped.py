@@ -26,6 +26,7 @@ import ctypes
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,6 +53,62 @@ def _punch_hole(io: OsCalls, fd: int, offset: int, length: int) -> bool:
         return True
     except OSError:
         return False
+
+
+PREPARE_PIECE = 8 << 20  # a segment prepared beside epochs is allocated and faulted in in pieces of this size
+
+
+class QuietGate:
+    """What keeps the segment worker's heavy work away from a placed epoch: the log holds it from placing the
+    payloads to the end of their CRC (``acquire``/``release``), the worker around each piece of a spare's
+    preparation and each driver (un)registration (``with gate:``). A waiting epoch goes first: the worker takes
+    the gate only while no epoch waits for it, so an epoch waits at most for the one piece in progress."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting = 0
+
+    def acquire(self) -> None:
+        self._waiting += 1  # (the GIL makes += atomic enough: a miscount only costs the worker one piece)
+        try:
+            self._lock.acquire()
+        finally:
+            self._waiting -= 1
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> None:
+        while True:
+            while self._waiting:
+                time.sleep(0.0002)
+            self._lock.acquire()
+            if not self._waiting:
+                return
+            self._lock.release()  # an epoch came meanwhile: it goes first
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+class _NoGate:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_GATE = _NoGate()
+
+
+def _pieces(nbytes: int, gate: QuietGate | None) -> list[tuple[int, int]]:
+    """[(offset, length)]: the whole range at once, or ``PREPARE_PIECE`` pieces when a ``gate`` is given (the
+    segment worker's: each piece waits while a placed epoch's DMA and CRC run, and the kernel's mm lock, which a
+    long fault-in holds, is given up between pieces -- the CRC's thread creation needs it)."""
+    if gate is None or nbytes <= PREPARE_PIECE:
+        return [(0, nbytes)]
+    return [(o, min(PREPARE_PIECE, nbytes - o)) for o in range(0, nbytes, PREPARE_PIECE)]
 
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, without touching its bytes
@@ -86,7 +143,8 @@ class MappedSegment:
     tmpfs (the stores are in the page cache, like a pwrite: a killed process loses nothing that returned)."""
 
     def __init__(self, path: Path, capacity: int, *, create_with: bytes | None = None, end: int | None = None,
-                 register: Registrar | None = None, io: OsCalls = REAL_OS) -> None:
+                 register: Registrar | None = None, io: OsCalls = REAL_OS,
+                 gate: QuietGate | None = None) -> None:
         self.path = path
         self.durable = True  # as durable as a file segment on the same tmpfs
         self._io = io
@@ -104,7 +162,9 @@ class MappedSegment:
                 io.ftruncate(self._fd, self.capacity)
             # allocate the tmpfs pages now: no page fault on the first store, and a full tmpfs is an ENOSPC here
             # instead of a SIGBUS on a store into a page that cannot be allocated
-            io.fallocate(self._fd, FALLOC_FL_KEEP_SIZE, 0, self.capacity)
+            for off, n in _pieces(self.capacity, gate):
+                with gate or _NO_GATE:
+                    io.fallocate(self._fd, FALLOC_FL_KEEP_SIZE, off, n)
             # mapped without MAP_POPULATE: Python's mmap() holds the GIL while the kernel faults every page in
             # (134 ms for 512 MiB), stalling every other thread -- the training loop, the epoch writer -- when the
             # segment worker prepares a spare; the pages are faulted in below with the GIL released
@@ -118,7 +178,9 @@ class MappedSegment:
         self._view = memoryview(self._map)
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self.address = ctypes.addressof(self._anchor)  # host address of byte 0 of the file
-        populate(self.address, self.capacity, self.end)
+        for off, n in _pieces(self.capacity, gate):
+            with gate or _NO_GATE:
+                populate(self.address + off, n, max(0, self.end - off))
         self._registration: Registration | None = None
         if register is not None:
             self.register(register)
@@ -227,7 +289,7 @@ class SparePreparer:
         self.error: BaseException | None = None
         # ahead: the worker's state (all under _lock)
         self.ahead = ahead
-        self.quiet = threading.Lock()  # held by the log while a placed epoch's DMA is in flight
+        self.quiet = QuietGate()  # held by the log while a placed epoch's DMA and CRC run
         self._base, self._fit, self._header = capacity, fit_epochs, header_bytes
         self._max = max(max_capacity, capacity)
         self._sizes: list[int] = []  # the last epochs' sizes (bytes)
@@ -311,11 +373,6 @@ class SparePreparer:
                 self._close_segment(seg, unlink)
             with self._cond:
                 making, want = self._making, self._want
-                if self._spare is None and len(self._sizes) >= 2:
-                    # none ready at all: first one that holds a typical epoch (quick to make), then the larger
-                    # one that holds several while this one stays usable
-                    one = sorted(self._sizes)[-2] + 2 * self._header + 8 * 4096
-                    want = min(want, max(self._base, one))
             if making:  # a roll meanwhile waits for this spare (or takes a smaller one still ready that fits)
                 self._make_spare(want)
         with self._cond:
@@ -329,7 +386,7 @@ class SparePreparer:
         try:
             path = self._dir / f"spare.{os.getpid()}.{threading.get_ident()}.{self.stats['made']}.tmp"
             path.unlink(missing_ok=True)
-            seg = MappedSegment(path, capacity, create_with=b"", io=self._io)
+            seg = MappedSegment(path, capacity, create_with=b"", io=self._io, gate=self.quiet)
             if self._register is not None:
                 with self.quiet:  # never beside a placed epoch's DMA
                     seg.register(self._register)
