@@ -467,11 +467,20 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
 
 
 # -------------------------------------------------------------------------------------------------- LoRA
-LORA_MODES = ("none", "sync", "async", "async_old")
-# async_old: today's placed append before this work, in the same run: CRC32C on the crc32c package's thread pool
-# and 64 MiB mapped segments (a 53 MB epoch rolls every time); async: CRC in C with the GIL released, segments
-# that hold several epochs (LogOptions.placed_crc, mapped_fit_epochs)
-OLD_PLACED = {"placed_crc": "python", "mapped_fit_epochs": 0}
+LORA_MODES = ("none", "sync", "async", "async_prev", "async_old")
+ASYNC_MODES = ("async", "async_prev", "async_old")
+# The async modes share one log, switched per mode (LogOptions fields, read at each append):
+# - async: this version: a segment worker keeps the next segment ready (sized from the epochs seen, registered,
+#   faulted in) and retires sealed ones, a roll is a rename + header + manifest; each epoch laid out once
+# - async_prev: the path before it (mapped_ahead off: a thread per spare and per retired segment started on the
+#   append path, two layout passes), with the C CRC and segments that hold several epochs
+# - async_old: today's placed append before both: CRC32C on the crc32c package's thread pool, 64 MiB segments
+#   (a 53 MB epoch rolls every time), mapped_ahead off
+MODE_OPTS: dict[str, dict[str, Any]] = {
+    "async_prev": {"mapped_ahead": False},
+    "async_old": {"placed_crc": "python", "mapped_fit_epochs": 0, "mapped_ahead": False},
+}
+OLD_PLACED = MODE_OPTS["async_old"]
 BACKPRESSURE_WAIT_S = 50e-6  # a checkpoint call that waited longer than this for the previous epoch "waited"
 
 
@@ -484,8 +493,10 @@ def lora_config(device: str, quick: bool) -> tuple[Any, int, str]:
     return cfg, 256, "qwen2.5-0.5b"
 
 
-def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[dict[str, Any]]:
-    """Step time with no checkpoint, sync epochs and async epochs, interleaved rounds in one process.
+def bench_lora(log_root: Path, backend: str, device: str, quick: bool,
+               modes: tuple[str, ...] = LORA_MODES) -> list[dict[str, Any]]:
+    """Step time with no checkpoint, sync epochs and async epochs (three paths), interleaved rounds in one
+    process.
 
     step delta = how long checkpointing holds the training step up: the checkpoint call's wall time on the
     training thread, and the difference of whole-step wall times (train_step including its checkpoint) against
@@ -510,14 +521,15 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
     for n, m in mirrors.items():
         rt_cpu.register(f"lora.{n}", m, kind="dense")
     rounds, per_round = (1, 3) if quick else (LORA_ROUNDS, LORA_STEPS)
-    wall: dict[str, list[float]] = {m: [] for m in LORA_MODES}  # whole train_step, checkpoint call included
-    compute: dict[str, list[float]] = {m: [] for m in LORA_MODES}  # train_step before its checkpoint call
-    call: dict[str, list[float]] = {m: [] for m in LORA_MODES}  # the checkpoint call on the training thread
-    handles: dict[str, list[Any]] = {"async": [], "async_old": []}
+    wall: dict[str, list[float]] = {m: [] for m in modes}  # whole train_step, checkpoint call included
+    compute: dict[str, list[float]] = {m: [] for m in modes}  # train_step before its checkpoint call
+    call: dict[str, list[float]] = {m: [] for m in modes}  # the checkpoint call on the training thread
+    amodes = [m for m in modes if m in ASYNC_MODES]
+    handles: dict[str, list[Any]] = {m: [] for m in amodes}
     cpu_ms, pages, losses = [], [], []
-    phases: dict[str, list[dict[str, float]]] = {"async": [], "async_old": []}
+    phases: dict[str, list[dict[str, float]]] = {m: [] for m in amodes}
     opts = t.runtime.log.options
-    new_placed = {k: getattr(opts, k) for k in OLD_PLACED}
+    defaults = {k: getattr(opts, k) for o in MODE_OPTS.values() for k in o}
     gpu_detect, gpu_append, cpu_stage, cpu_append = [], [], [], []
 
     def batch(k: int) -> dict[str, torch.Tensor]:
@@ -526,9 +538,9 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
     try:
         first_pages = t.train_step(batch(0)).pages  # the base epoch (weights immutable): sync, not timed
         for _ in range(rounds):
-            for mode in LORA_MODES:
+            for mode in modes:
                 t.async_checkpoint = mode.startswith("async")
-                for k, v in (OLD_PLACED if mode == "async_old" else new_placed).items():
+                for k, v in {**defaults, **MODE_OPTS.get(mode, {})}.items():
                     setattr(opts, k, v)
                 t.train_step(batch(t.step), checkpoint=mode != "none")  # warm-up of this mode, not timed
                 for _ in range(per_round):  # back to back, as a training loop runs (no device sync between)
@@ -564,74 +576,97 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool) -> list[d
                     cpu_stage.append(1e3 * (c_staged - c0 + cst.detect_seconds))
                     cpu_append.append(1e3 * cst.append_seconds)
                 t.wait()  # the last async epoch commits before the next mode's steps are timed
-        astats = [h.stats for h in handles["async"]]
-        ostats = [h.stats for h in handles["async_old"]]
-        call_only = [h.call_seconds for h in handles["async"]]
+                if mode.startswith("async") and t.runtime.log.last_placed_phases:
+                    phases[mode].append(dict(t.runtime.log.last_placed_phases))  # the mode's last epoch
+        stats = {m: [h.stats for h in handles[m]] for m in amodes}
+        call_only = [h.call_seconds for h in handles.get("async", [])]
         snapshot_bytes = t.runtime.snapshot_device_bytes
         plan = getattr(t.runtime, "_plan", None)  # how the async epochs staged the dense regions (None before)
         batches = "; ".join(f"{type(b).__name__} {','.join(names)}"
                             + (f": {len(b.copies)} D2D copies" if hasattr(b, "copies") else "")
                             for _, names, b in (plan.batches if plan is not None else []))
         lora_regions = ",".join(sorted(sp.name for sp in t.runtime.table if sp.kind.value != "immutable"))
+        spare = getattr(t.runtime.log, "_spare", None)
+        worker = dict(spare.stats) if spare is not None else {}
     finally:
         t.close()
         rt_cpu.close()
         shutil.rmtree(d, ignore_errors=True)
-    assert np.isfinite(losses).all() and all(st is not None for st in astats + ostats), "an async epoch failed"
-    ms = {m: 1e3 * median(wall[m]) for m in LORA_MODES}
-    per_s = {m: len(wall[m]) / sum(wall[m]) for m in LORA_MODES}
-    waits = [st.backpressure_seconds for st in astats]
-    latency = [1e3 * st.commit_latency_seconds for st in astats]
-    latency_old = [1e3 * st.commit_latency_seconds for st in ostats]
+    assert np.isfinite(losses).all() and all(st is not None for m in amodes for st in stats[m]), \
+        "an async epoch failed"
+    ms = {m: 1e3 * median(wall[m]) for m in modes}
+    per_s = {m: len(wall[m]) / sum(wall[m]) for m in modes}
+    latency = {m: [1e3 * st.commit_latency_seconds for st in stats[m]] for m in amodes}
 
     def phase_medians(rows: list[dict[str, float]]) -> dict[str, float]:
-        return {k: (1e3 if k not in ("rolled", "registered") else 1.0) * median([p[k] for p in rows])
+        return {k: (1e3 if k not in ("rolled", "registered", "gated") else 1.0) * median([p[k] for p in rows])
                 for k in rows[0]} if rows else {}
-    return [{
+
+    def rolled(m: str) -> float:
+        return sum(p.get("rolled", 0) for p in phases[m]) / max(1, len(phases[m]))
+
+    row: dict[str, Any] = {
         "case": f"LoRA SFT {what} r=8 all proj, AdamW", "adapter_params": t.n_adapter_params,
-        "adapter_pages": -(-t.n_adapter_params * 4 // 4096), "dirty_pages_per_step": median(pages),
-        "async_dirty_pages_per_step": median([st.pages for st in astats]),
+        "adapter_pages": -(-t.n_adapter_params * 4 // 4096), "modes": list(modes),
         "total_pages": total_pages, "first_epoch_pages": first_pages,
-        "step_ms": 1e3 * median(compute["none"] + compute["sync"] + compute["async"]),  # before the checkpoint
-        # the step delta: the checkpoint call on the training thread
-        "delta_ms_gpu_handlers": 1e3 * median(call["sync"]), "delta_ms_async": 1e3 * median(call["async"]),
-        "delta_ms_async_p90": 1e3 * percentile(call["async"], 90),
-        "async_checkpoint_async_call_ms": 1e3 * median(call_only),  # Runtime.checkpoint_async alone
+        "step_ms": 1e3 * median([x for m in modes for x in compute[m]]),  # before the checkpoint
         "lora_regions": lora_regions, "async_dense_batches": batches,
-        "delta_ms_cpu_path": median(cpu_ms), "speedup_x": median(cpu_ms) / max(1e-9, 1e3 * median(call["sync"])),
-        "async_vs_sync_x": median(call["sync"]) / max(1e-12, median(call["async"])),
-        # the step delta: whole steps against no checkpoint (train_step wall, medians), and steps/s
-        "step_wall_ms_none": ms["none"], "step_wall_ms_sync": ms["sync"], "step_wall_ms_async": ms["async"],
-        "step_delta_ms_sync": ms["sync"] - ms["none"], "step_delta_ms_async": ms["async"] - ms["none"],
-        "steps_per_s_none": per_s["none"], "steps_per_s_sync": per_s["sync"], "steps_per_s_async": per_s["async"],
-        "target_0.5ms_met_async_call": 1e3 * median(call["async"]) <= 0.5,
-        # async: background work, durability, backpressure, memory
-        "commit_latency_ms_async": median(latency), "commit_latency_ms_async_max": max(latency),
-        "find_stage_ms_async_background": median([1e3 * st.detect_seconds for st in astats]),
-        "log_append_ms_async_background": median([1e3 * st.append_seconds for st in astats]),
-        "backpressure_waits": sum(w > BACKPRESSURE_WAIT_S for w in waits), "async_epochs": len(waits),
-        "backpressure_max_ms": 1e3 * max(waits), "snapshot_device_mib": snapshot_bytes / 2**20,
-        # the async epochs' log append into a mapped DRAM log, by phase (medians, ms): plan + roll to a new
-        # segment, DMA issued, DMA waited for (includes the GPU finishing the step and its snapshot), CRC32C of
-        # the placed bytes, header + commit marker
-        "async_append_phases_ms": phase_medians(phases["async"]),
-        "async_old_append_phases_ms": phase_medians(phases["async_old"]),
-        "async_rolled_fraction": sum(p.get("rolled", 0) for p in phases["async"]) / max(1, len(phases["async"])),
-        "async_old_rolled_fraction": (sum(p.get("rolled", 0) for p in phases["async_old"])
-                                      / max(1, len(phases["async_old"]))),
-        "commit_latency_ms_async_old": median(latency_old), "commit_latency_ms_async_old_max": max(latency_old),
-        "commit_latency_ms_async_p90": percentile(latency, 90),
-        "commit_latency_ms_async_old_p90": percentile(latency_old, 90),
-        "commit_latency_old_over_new_x": median(latency_old) / max(1e-9, median(latency)),
-        "log_append_ms_async_old_background": median([1e3 * st.append_seconds for st in ostats]),
-        "target_3ms_met_commit_latency": median(latency) <= 3.0,
-        "commit_latency_ms_lists": {"async": latency, "async_old": latency_old},
-        "find_stage_ms_gpu": median(gpu_detect), "find_stage_ms_cpu_path": median(cpu_stage),
-        "log_append_ms_gpu": median(gpu_append), "log_append_ms_cpu_path": median(cpu_append),
-        "steps_per_mode": len(wall["none"]), "losses_first_last": [losses[0], losses[-1]],
-        "step_wall_ms_lists": {m: [1e3 * x for x in wall[m]] for m in LORA_MODES},
-        "checkpoint_call_ms_lists": {m: [1e3 * x for x in call[m]] for m in ("sync", "async")},
-    }]
+        "step_wall_ms_none": ms.get("none"), "steps_per_mode": per_round * rounds,
+        "losses_first_last": [losses[0], losses[-1]],
+        "segment_worker": worker,
+    }
+    for m in amodes:
+        lat, waits = latency[m], [st.backpressure_seconds for st in stats[m]]
+        row.update({
+            # the commit latency: the checkpoint_async call -> the epoch committed (the crash loss window)
+            f"commit_latency_ms_{m}": median(lat), f"commit_latency_ms_{m}_p90": percentile(lat, 90),
+            f"commit_latency_ms_{m}_max": max(lat),
+            # the training thread: the checkpoint call, and whole steps against no checkpoint
+            f"delta_ms_{m}": 1e3 * median(call[m]), f"delta_ms_{m}_p90": 1e3 * percentile(call[m], 90),
+            f"step_wall_ms_{m}": ms[m], f"steps_per_s_{m}": per_s[m],
+            f"find_stage_ms_{m}_background": median([1e3 * st.detect_seconds for st in stats[m]]),
+            f"log_append_ms_{m}_background": median([1e3 * st.append_seconds for st in stats[m]]),
+            f"backpressure_waits_{m}": sum(w > BACKPRESSURE_WAIT_S for w in waits),
+            f"backpressure_max_ms_{m}": 1e3 * max(waits),
+            # the log append into a mapped DRAM log, by phase (medians, ms): roll = lay out (+ roll to the next
+            # segment), place = DMA issued, wait = DMA waited for (with the CRC of the chunks as they land; it
+            # includes the GPU finishing the step and its snapshot), dma = the copies on the GPU (events),
+            # crc = what is left of the CRC + the head, write = header + commit marker
+            f"{m}_append_phases_ms": phase_medians(phases[m]), f"{m}_rolled_fraction": rolled(m),
+        })
+        if "none" in modes:
+            row[f"step_delta_ms_{m}"] = ms[m] - ms["none"]
+    if "async" in amodes:
+        lat = latency["async"]
+        row.update({"async_checkpoint_async_call_ms": 1e3 * median(call_only),
+                    "async_epochs": len(lat), "snapshot_device_mib": snapshot_bytes / 2**20,
+                    "async_dirty_pages_per_step": median([st.pages for st in stats["async"]]),
+                    "target_0.5ms_met_async_call": 1e3 * median(call["async"]) <= 0.5,
+                    "target_3ms_met_commit_latency": median(lat) <= 3.0,
+                    "target_3ms_met_commit_latency_p90": percentile(lat, 90) <= 3.0})
+        for base in ("async_prev", "async_old"):
+            if base in amodes:
+                row[f"commit_latency_{base}_over_new_x"] = median(latency[base]) / max(1e-9, median(lat))
+    if "sync" in modes:
+        row.update({
+            "dirty_pages_per_step": median(pages), "delta_ms_gpu_handlers": 1e3 * median(call["sync"]),
+            "delta_ms_cpu_path": median(cpu_ms), "speedup_x": median(cpu_ms) / max(1e-9, 1e3 * median(call["sync"])),
+            "step_wall_ms_sync": ms["sync"], "steps_per_s_sync": per_s["sync"],
+            "find_stage_ms_gpu": median(gpu_detect), "find_stage_ms_cpu_path": median(cpu_stage),
+            "log_append_ms_gpu": median(gpu_append), "log_append_ms_cpu_path": median(cpu_append)})
+        if "none" in modes:
+            row["step_delta_ms_sync"] = ms["sync"] - ms["none"]
+        if "async" in amodes:
+            row["async_vs_sync_x"] = median(call["sync"]) / max(1e-12, median(call["async"]))
+    if "none" in modes:
+        row["steps_per_s_none"] = per_s["none"]
+    row["commit_latency_ms_lists"] = latency
+    # each epoch's append phases (ms; rolled/gated/registered as 0/1), for the tail
+    row["append_phases_ms_lists"] = {m: [{k: round(v * (1 if k in ("rolled", "registered", "gated") else 1e3), 3)
+                                          for k, v in p.items()} for p in phases[m]] for m in amodes}
+    row["step_wall_ms_lists"] = {m: [1e3 * x for x in wall[m]] for m in modes}
+    row["checkpoint_call_ms_lists"] = {m: [1e3 * x for x in call[m]] for m in modes if m != "none"}
+    return [row]
 
 
 def main() -> int:
@@ -643,6 +678,8 @@ def main() -> int:
     ap.add_argument("--lora-rounds", type=int, default=3, help="interleaved rounds of the LoRA modes (8 steps each)")
     ap.add_argument("--name", default="llm", help="results file name: <out>/<name>-<device>.json")
     ap.add_argument("--lora-steps", type=int, default=8, help="timed steps per mode and round")
+    ap.add_argument("--lora-modes", default=",".join(LORA_MODES),
+                    help=f"LoRA modes, interleaved in this order (of {','.join(LORA_MODES)})")
     ap.add_argument("--recovery-reps", type=int, default=None, help="timed recoveries per path (default 6)")
     ap.add_argument("--recovery-threads", type=int, default=None,
                     help="replay threads of the new recovery path (default: min(8, CPUs))")
@@ -674,7 +711,11 @@ def main() -> int:
                 del model
                 model = None
                 torch.cuda.empty_cache() if a.device.startswith("cuda") else None
-                rows += bench_lora(log_root, backend, a.device, a.quick)
+                lora_modes = tuple(m for m in a.lora_modes.split(",") if m)
+                bad = [m for m in lora_modes if m not in LORA_MODES]
+                if bad:
+                    raise SystemExit(f"unknown LoRA modes {bad}; use some of {','.join(LORA_MODES)}")
+                rows += bench_lora(log_root, backend, a.device, a.quick, lora_modes)
         except Exception as e:  # noqa: BLE001 - record and go on: one broken part must not hide the others
             errors.append(f"{part}: {type(e).__name__}: {e}")
             traceback.print_exc()

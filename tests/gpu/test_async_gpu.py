@@ -394,3 +394,34 @@ def test_async_epochs_dma_snapshots_straight_into_the_mapped_dram_log(shm_dir: P
     assert rec.epoch == 6
     for name, want in states[-1].items():
         assert np.array_equal(rec.regions[name], _host(want)), (seed, name)
+
+
+def test_large_async_epochs_roll_into_prepared_spares_and_replay_exact(shm_dir: Path) -> None:
+    """24 MiB dense epochs (gated DMA chunks) into 32 MiB mapped segments: the segment worker keeps the next
+    segment ready (sized from the epochs seen, registered, faulted in), so the epochs that roll take it; the DMA
+    time the GPU's events measure is part of the wait; every recovered state is exactly the one at its call."""
+    seed = _seed()
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(6 << 20, device="cuda", generator=g)
+    rt = cft.Runtime(shm_dir / "log", fsync="never", backend="dram", compact_after_bytes=None,
+                     log_options={"mapped_segment_bytes": 32 << 20})
+    rt.register("a", a, "dense")
+    phases = []
+    for step in range(8):
+        if step:
+            a.mul_(1.01).add_(torch.randn(a.numel(), device="cuda", generator=g))
+        want = _host(a.clone())
+        rt.checkpoint_async({"step": step}).wait()
+        phases.append(dict(rt.log.last_placed_phases))
+        if step in (3, 7):
+            rec = cft.recover(shm_dir / "log")
+            assert rec.epoch == step + 1 and np.array_equal(rec.regions["a"], want), (seed, step)
+    spare = rt.log._spare
+    assert spare is not None and spare.ahead and spare.stats["made"] >= 2, (seed, spare and spare.stats)
+    assert len(rt.log.manifest.incr) >= 3  # it rolled
+    for p in phases[1:]:
+        assert p["gated"] == 1.0 and p["registered"] == 1.0, (seed, p)
+        assert 0 < p["dma"] <= p["place"] + p["wait"] + 1e-3, (seed, p)
+    rt.close()
+    rec = cft.recover(shm_dir / "log")
+    assert rec.epoch == 8 and np.array_equal(rec.regions["a"], want), seed

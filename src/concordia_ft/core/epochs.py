@@ -65,10 +65,28 @@ class EpochPlan:
 _Record = tuple[int, bytes, bytes, int, int, int]
 
 
+# a region's page record kept for the next epoch that hands the SAME read-only pages array (a dense region's
+# pages are one fixed array: core/mapped.py's placed epochs then skip re-encoding thousands of page numbers)
+RecordCache = dict[tuple[str, int], tuple[Any, int, int, int, _Record]]
+
+
+def _cached_record(cache: RecordCache | None, spec: RegionSpec, pages: npt.NDArray[np.int64]) -> _Record | None:
+    if cache is None:
+        return None
+    hit = cache.get((spec.name, spec.page_bytes))
+    if hit is None or hit[0] is not pages:
+        return None
+    _, n, first, last, rec = hit
+    # the array is the same object and read-only (checked when it was cached); its ends are checked again
+    return rec if n == len(pages) and first == int(pages[0]) and last == int(pages[-1]) else None
+
+
 def _records(epoch: int, defs: list[RegionSpec], drops: list[str],
-             pages_of: list[tuple[RegionSpec, npt.NDArray[np.int64]]], meta: Any) -> list[_Record]:
+             pages_of: list[tuple[RegionSpec, npt.NDArray[np.int64]]], meta: Any,
+             cache: RecordCache | None = None) -> list[_Record]:
     """The epoch's records in file order; a region's pages go in a RUNS record when they form at most half
-    as many runs as pages, a PAGES record otherwise."""
+    as many runs as pages, a PAGES record otherwise. ``cache``: page records of read-only pages arrays, reused
+    while the same array object comes again."""
     records: list[_Record] = []
     for spec in defs:
         records.append((REC_REGION, spec.name.encode(), encode_json(spec.describe()), 0, -1, 0))
@@ -78,13 +96,16 @@ def _records(epoch: int, defs: list[RegionSpec], drops: list[str],
         n = len(pages)
         if not n:
             continue
-        nbytes = n * spec.page_bytes
-        n_runs = 1 if n == 1 else 1 + int(np.count_nonzero(np.diff(pages) != 1))
-        if n > 1 and n_runs * 2 <= n:
-            records.append((REC_RUNS, spec.name.encode(), pages_to_runs(pages).astype("<i8").tobytes(), n_runs,
-                            nbytes, n))
-        else:
-            records.append((REC_PAGES, spec.name.encode(), pages.astype("<i8").tobytes(), n, nbytes, n))
+        hit = _cached_record(cache, spec, pages)
+        if hit is not None:
+            records.append(hit)
+            continue
+        if cache is not None and not pages.flags.writeable and pages.base is None:
+            count = len(records)
+            _page_record(records, spec, pages)
+            cache[(spec.name, spec.page_bytes)] = (pages, n, int(pages[0]), int(pages[-1]), records[count])
+            continue
+        _page_record(records, spec, pages)
     if meta is not None:
         try:
             meta_json = encode_json(meta)
@@ -94,6 +115,17 @@ def _records(epoch: int, defs: list[RegionSpec], drops: list[str],
                               "arrays with .tolist()) and checkpoint again") from None
         records.append((REC_META, b"", meta_json, 0, -1, 0))
     return records
+
+
+def _page_record(records: list[_Record], spec: RegionSpec, pages: npt.NDArray[np.int64]) -> None:
+    n = len(pages)
+    nbytes = n * spec.page_bytes
+    n_runs = 1 if n == 1 else 1 + int(np.count_nonzero(np.diff(pages) != 1))
+    if n > 1 and n_runs * 2 <= n:
+        records.append((REC_RUNS, spec.name.encode(), pages_to_runs(pages).astype("<i8").tobytes(), n_runs,
+                        nbytes, n))
+    else:
+        records.append((REC_PAGES, spec.name.encode(), pages.astype("<i8").tobytes(), n, nbytes, n))
 
 
 @dataclass
@@ -138,11 +170,11 @@ class EpochLayout:
 
 def layout_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: list[str],
                  pages_of: list[tuple[RegionSpec, npt.NDArray[np.int64]]], meta: Any = None,
-                 full: bool = False) -> EpochLayout:
+                 full: bool = False, record_cache: RecordCache | None = None) -> EpochLayout:
     """Lay out one epoch that will start at file offset ``start_offset`` from the pages each region writes
     (payloads 4 KiB-aligned in the file). A writer that streams its payloads (a compaction's base) fills them
-    in later and asks for the head with their CRCs."""
-    records = _records(epoch, defs, drops, pages_of, meta)
+    in later and asks for the head with their CRCs. ``record_cache``: see ``_records``."""
+    records = _records(epoch, defs, drops, pages_of, meta, record_cache)
     desc_bytes = sum(entry_size(len(r[1]), len(r[2])) for r in records)
     cursor = align_up(start_offset + EPOCH_HEADER_BYTES + desc_bytes) - start_offset
     payload_area = cursor
@@ -173,6 +205,14 @@ def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: 
     if payload_crcs is not None and len(payload_crcs) < len(payloads):
         raise ValueError(f"{len(payload_crcs)} payload CRCs for {len(payloads)} payloads")
     crcs = [crc32c(p) for p in payloads] if payload_crcs is None else [int(c) for c in payload_crcs[:len(payloads)]]
+    return assemble_epoch(lay, deltas, crcs)
+
+
+def assemble_epoch(lay: EpochLayout, deltas: list[RegionDelta], crcs: list[int]) -> EpochPlan:
+    """The buffers of an epoch laid out as ``lay`` (``layout_epoch``, from the same deltas' pages), given its
+    payloads (``deltas`` with pages, in order) and their CRC32Cs: a caller that placed the payloads at
+    ``lay.payload_offsets`` first lays the epoch out once, not twice (core/log.py)."""
+    payloads = [d.payload for d in deltas]
     head, desc_crc = lay.head(crcs)
     parts: list[memoryview | bytes] = [head]
     pos = lay.payload_area
@@ -185,8 +225,8 @@ def plan_epoch(epoch: int, start_offset: int, *, defs: list[RegionSpec], drops: 
         pos = off + p.nbytes
     parts.append(lay.commit(desc_crc))
     region_pages = {d.spec.name: len(d.pages) for d in deltas}
-    return EpochPlan(epoch, parts, lay.total_bytes, lay.payload_bytes, sum(region_pages.values()), region_pages,
-                     list(lay.payload_offsets), payload_parts)
+    return EpochPlan(lay.epoch, parts, lay.total_bytes, lay.payload_bytes, sum(region_pages.values()),
+                     region_pages, list(lay.payload_offsets), payload_parts)
 
 
 class TailKind(str, enum.Enum):

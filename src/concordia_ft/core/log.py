@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import CheckpointError, ConfigError, LogCorruptError, LogError, LogLockedError
-from .epochs import plan_epoch
+from .epochs import RecordCache, assemble_epoch, layout_epoch, plan_epoch
 from .format import SEGMENT_BASE, SEGMENT_HEADER_BYTES, SEGMENT_INCR, SegmentHeader
 from .manifest import SEGMENT_RE, DirSyncError, Manifest, fsync_dir, store_manifest
 from .mapped import MappedSegment, Registrar, SparePreparer
@@ -66,6 +66,12 @@ class LogOptions:
     # a mapped log whose large epochs recur (LoRA: 53 MB each, every one rolls) prepares its next segments to
     # hold this many of them (at most 4 x mapped_segment_bytes), so most epochs do not roll; 0: never grow
     mapped_fit_epochs: int = 4
+    # a mapped log pinned with the driver (set_mapping_registrar): one worker thread keeps the next segment ready
+    # (sized from the epochs seen, created, faulted in, registered) and retires sealed ones, so a roll is a
+    # rename + header + manifest; a placed epoch is laid out once, its dense regions' page records reused.
+    # False: the path before it (a thread per spare and per retired segment, started on the append path; a
+    # spare too small for the epoch discarded there; two layout passes per epoch)
+    mapped_ahead: bool = True
     # CRC32C of placed payloads: "c" (core/_slotlog.c: one call, GIL released, pieces on threads), "python"
     # (the crc32c package on a thread pool), "auto" = c where it is built
     placed_crc: str = "auto"
@@ -332,8 +338,10 @@ class RecoveryLog:
         self._crc_pool: Any = None
         self._deferred: list[Any] = []  # work _roll(defer=True) left for after the epoch (_run_deferred)
         # the phases of the last placed append (seconds): roll, place (DMA issued), wait (DMA done), crc, write
-        self.last_placed_phases: dict[str, float] = {}
+        self._phases: dict[str, float] = {}
+        self._timed: list[Any] = []  # the last placed epoch's payloads whose copy time the GPU measured
         self._last_roll_need = 0  # the epoch size that made the last roll (mapped_fit_epochs)
+        self._record_cache: RecordCache = {}  # page records of dense regions (mapped_ahead placed epochs)
         # the active segment handed to an external appender (core/slotlog.py: graph decode's C writer); while
         # leased, append() refuses, the interval syncer leaves the segment to the lessee, a compactor's seal waits
         self._leased = False
@@ -445,6 +453,8 @@ class RecoveryLog:
             if self._leased:
                 raise ConfigError(f"the log {self.dir} is being appended by graph decode's token-epoch writer; "
                                   "append after that generate() returned")
+            if self._spare is not None:
+                self._spare.ahead = self.options.mapped_ahead
             # a payload that is still on a device (cuda.mapped.DevicePayload): DMA'd into the log's own pages
             placed = {i: d.payload for i, d in enumerate(deltas) if hasattr(d.payload, "place")}
             try:
@@ -465,6 +475,9 @@ class RecoveryLog:
                 raise self._error(number, f.text) from f.__cause__
             self.last_epoch = number
             self._segment_epochs += 1
+            spare = self._spare
+            if spare is not None and spare.ahead and isinstance(self._segment, MappedSegment):
+                spare.after_epoch(plan.total_bytes)  # the next spare, sized from the epochs seen
             return AppendResult(number, self._segment.path.name, offset, plan.total_bytes, plan.payload_bytes,
                                 plan.n_pages, plan.region_pages)
 
@@ -533,7 +546,11 @@ class RecoveryLog:
         self._segment_epochs = 0
         self._synced_end = seg.end
         prev_need, self._last_roll_need = self._last_roll_need, need
-        if self._spare is not None:
+        if self._spare is not None and self._spare.ahead:  # the worker retires it and prepares the next
+            if isinstance(old, MappedSegment) and old.registered:
+                self._spare.retire(old)
+                return
+        elif self._spare is not None:
             spare = self._spare
             o = self.options
             # large epochs: the next segments hold several of them (alignment padding included), up to 4x the
@@ -580,8 +597,12 @@ class RecoveryLog:
             self._register = register
             self._segment.register(register)
             if prepare_spare:
-                cap = min(self.options.mapped_segment_bytes, self.options.segment_max_bytes)
-                self._spare = SparePreparer(self.dir, cap, register, io=self._io)
+                o = self.options
+                cap = min(o.mapped_segment_bytes, o.segment_max_bytes)
+                self._spare = SparePreparer(
+                    self.dir, cap, register, io=self._io, ahead=o.mapped_ahead, fit_epochs=o.mapped_fit_epochs,
+                    max_capacity=min(4 * o.mapped_segment_bytes, max(o.segment_max_bytes, o.mapped_segment_bytes)),
+                    header_bytes=SEGMENT_HEADER_BYTES)
                 self._spare.start()
 
     def _placed_append(self, number: int, defs: list[RegionSpec], drops: list[str], deltas: list[RegionDelta],
@@ -592,6 +613,18 @@ class RecoveryLog:
             return self._placed_append_now(number, defs, drops, deltas, placed, meta)
         finally:
             self._run_deferred()
+
+    @property
+    def last_placed_phases(self) -> dict[str, float]:
+        """The phases of the last placed append (seconds): roll (lay out, + roll to the next segment), place
+        (DMA issued), wait (until the payloads are there: ``crc_wait`` the CRC of the gated chunks as they land,
+        then ``sync`` the streams), crc (what is left of the CRC + the head), write (header + commit marker);
+        ``dma``: the copies themselves on the GPU (events, read here, off the append path); rolled, gated,
+        registered: 0/1."""
+        if self._timed:
+            timed, self._timed = self._timed, []
+            self._phases["dma"] = sum(float(p.copy_seconds()) for p in timed)
+        return self._phases
 
     def _run_deferred(self) -> None:
         work, self._deferred = self._deferred, []
@@ -606,8 +639,20 @@ class RecoveryLog:
         perf = time.perf_counter
         t0 = perf()
         rolled = 0.0
-        plan = plan_epoch(number, self._segment.end, defs=defs, drops=drops, deltas=deltas, meta=meta,
-                          payload_crcs=[0] * len(deltas))
+        spare = self._spare
+        ahead = spare is not None and spare.ahead
+        with_pages = [i for i, d in enumerate(deltas) if len(d.pages)]
+        pages_of = [(deltas[i].spec, deltas[i].pages) for i in with_pages]
+        cache = self._record_cache if ahead else None
+
+        def lay_out(start: int) -> Any:
+            if ahead:  # once: the offsets now, the head from the CRCs later (assemble_epoch)
+                return layout_epoch(number, start, defs=defs, drops=drops, pages_of=pages_of, meta=meta,
+                                    record_cache=cache)
+            return plan_epoch(number, start, defs=defs, drops=drops, deltas=deltas, meta=meta,
+                              payload_crcs=[0] * len(deltas))
+
+        plan = lay_out(self._segment.end)
         seg = self._segment
         if not isinstance(seg, MappedSegment) or plan.total_bytes > seg.room():
             self._roll(plan.total_bytes, defer=True)
@@ -615,44 +660,62 @@ class RecoveryLog:
             seg = self._segment
             if not isinstance(seg, MappedSegment):
                 raise ConfigError("placed payloads need a mapped segment (backend 'dram', mapped on)")
-            plan = plan_epoch(number, seg.end, defs=defs, drops=drops, deltas=deltas, meta=meta,
-                              payload_crcs=[0] * len(deltas))
+            plan = lay_out(seg.end)
         start = seg.end
-        with_pages = [i for i, d in enumerate(deltas) if len(d.pages)]
+        offsets = list(plan.payload_offsets)
         views: list[RegionDelta] = list(deltas)
+        quiet = spare.quiet if spare is not None and ahead else None  # driver (un)registration waits for the DMA
         t1 = perf()
+        timed: list[Any] = []
         try:
-            for k, i in enumerate(with_pages):
-                p = placed.get(i)
-                if p is not None:
-                    p.place(seg.address + start + plan.payload_offsets[k])
-            t2 = perf()
-            for k, i in enumerate(with_pages):
-                p = placed.get(i)
-                if p is not None:
-                    d = deltas[i]
-                    views[i] = RegionDelta(d.spec, d.pages, seg.view(start + plan.payload_offsets[k], p.nbytes),
-                                           d.scanned_bytes)
-            # payloads whose DMA lands in gated chunks are checksummed while it is in flight (core/_slotlog.c)
-            crcs = self._gated_crcs([views[i].payload for i in with_pages], [placed.get(i) for i in with_pages])
-            gated = crcs is not None
-            for i in with_pages:
-                p = placed.get(i)
-                if p is not None:
-                    p.wait()
+            if quiet is not None:
+                quiet.acquire()
+            try:
+                for k, i in enumerate(with_pages):
+                    p = placed.get(i)
+                    if p is not None:
+                        p.place(seg.address + start + offsets[k])
+                t2 = perf()
+                for k, i in enumerate(with_pages):
+                    p = placed.get(i)
+                    if p is not None:
+                        d = deltas[i]
+                        views[i] = RegionDelta(d.spec, d.pages, seg.view(start + offsets[k], p.nbytes),
+                                               d.scanned_bytes)
+                # payloads whose DMA lands in gated chunks are checksummed while it is in flight (core/_slotlog.c)
+                crcs = self._gated_crcs([views[i].payload for i in with_pages], [placed.get(i) for i in with_pages])
+                gated = crcs is not None
+                tc = perf()
+                for i in with_pages:
+                    p = placed.get(i)
+                    if p is not None:
+                        p.wait()
+                        if hasattr(p, "copy_seconds"):
+                            timed.append(p)
+            finally:
+                if quiet is not None:
+                    quiet.release()
             t3 = perf()
             if crcs is None:
                 crcs = self._placed_crcs([views[i].payload for i in with_pages])
-            plan = plan_epoch(number, start, defs=defs, drops=drops, deltas=views, meta=meta, payload_crcs=crcs)
+            if ahead:
+                plan = assemble_epoch(plan, [views[i] for i in with_pages], crcs)
+            else:
+                plan = plan_epoch(number, start, defs=defs, drops=drops, deltas=views, meta=meta, payload_crcs=crcs)
             t4 = perf()
         except BaseException:
             seg.cut(start, start + plan.total_bytes)  # nothing of this epoch stays behind
             raise
         in_place = [plan.payload_parts[k] for k, i in enumerate(with_pages) if i in placed]
         offset = self._write_epoch(number, plan.parts, in_place)
-        self.last_placed_phases = {"roll": t1 - t0, "place": t2 - t1, "wait": t3 - t2, "crc": t4 - t3,
-                                   "write": perf() - t4, "rolled": rolled, "gated": 1.0 if gated else 0.0,
-                                   "registered": 1.0 if seg.registered else 0.0}
+        self._phases = {"roll": t1 - t0, "place": t2 - t1, "wait": t3 - t2, "crc_wait": tc - t2, "sync": t3 - tc,
+                        "crc": t4 - t3, "write": perf() - t4, "dma": 0.0, "rolled": rolled,
+                        "gated": 1.0 if gated else 0.0, "registered": 1.0 if seg.registered else 0.0}
+        for stale in self._timed:  # never read: their events go back to the pool unread
+            drop = getattr(stale, "drop_timing", None)
+            if drop is not None:
+                drop()
+        self._timed = timed
         return plan, offset
 
     def _gated_crcs(self, views: list[Any], payloads: list[Any]) -> list[int] | None:
@@ -936,6 +999,8 @@ class RecoveryLog:
         """Sync (unless ``fsync="never"``), close, release the lock. Raises ``CheckpointError`` when the final
         sync fails, or when the log failed in the background and no call has raised that yet."""
         err: CheckpointError | None = None
+        if self._spare is not None:
+            self._spare.stop()  # the worker finishes what it does (closing joins it)
         with self._mutex:
             if self._closed:
                 return

@@ -26,6 +26,7 @@ import ctypes
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -54,13 +55,96 @@ def _punch_hole(io: OsCalls, fd: int, offset: int, length: int) -> bool:
         return False
 
 
+PREPARE_PIECE = 8 << 20  # a segment prepared beside epochs is allocated and faulted in in pieces of this size
+
+
+class QuietGate:
+    """What keeps the segment worker's heavy work away from a placed epoch: the log holds it from placing the
+    payloads to the end of their CRC (``acquire``/``release``), the worker around each piece of a spare's
+    preparation and each driver (un)registration (``with gate:``). A waiting epoch goes first: the worker takes
+    the gate only while no epoch waits for it, so an epoch waits at most for the one piece in progress."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting = 0
+
+    def acquire(self) -> None:
+        self._waiting += 1  # (the GIL makes += atomic enough: a miscount only costs the worker one piece)
+        try:
+            self._lock.acquire()
+        finally:
+            self._waiting -= 1
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> None:
+        while True:
+            while self._waiting:
+                time.sleep(0.0002)
+            self._lock.acquire()
+            if not self._waiting:
+                return
+            self._lock.release()  # an epoch came meanwhile: it goes first
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+class _NoGate:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_GATE = _NoGate()
+
+
+def _pieces(nbytes: int, gate: QuietGate | None) -> list[tuple[int, int]]:
+    """[(offset, length)]: the whole range at once, or ``PREPARE_PIECE`` pieces when a ``gate`` is given (the
+    segment worker's: each piece waits while a placed epoch's DMA and CRC run, and the kernel's mm lock, which a
+    long fault-in holds, is given up between pieces -- the CRC's thread creation needs it)."""
+    if gate is None or nbytes <= PREPARE_PIECE:
+        return [(0, nbytes)]
+    return [(o, min(PREPARE_PIECE, nbytes - o)) for o in range(0, nbytes, PREPARE_PIECE)]
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in, writable, without touching its bytes
+_LIBC: Any = None
+
+
+def populate(address: int, nbytes: int, zero_from: int) -> None:
+    """Fault the mapping [address, address + nbytes) in, with the GIL released (ctypes foreign calls release
+    it): madvise(MADV_POPULATE_WRITE), or where the kernel refuses that, a memset of the bytes from
+    ``zero_from`` on (zeros there already: the preallocated, hole-punched tail); bytes before it are committed
+    epochs, left alone (a reopened segment: its pages exist, the first stores take minor faults only)."""
+    global _LIBC
+    if nbytes <= 0:
+        return
+    try:
+        if _LIBC is None:
+            lib = ctypes.CDLL(None, use_errno=True)
+            lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            lib.madvise.restype = ctypes.c_int
+            _LIBC = lib
+        if int(_LIBC.madvise(address, nbytes, MADV_POPULATE_WRITE)) == 0:
+            return
+    except (OSError, AttributeError):
+        pass
+    if nbytes > zero_from:
+        ctypes.memset(address + zero_from, 0, nbytes - zero_from)
+
+
 class MappedSegment:
     """A fixed-capacity segment on tmpfs, mapped MAP_SHARED and faulted in up front. Appends are stores into the
     mapping (memcpy); ``append_placed`` skips the parts the caller already placed there. ``sync`` is a no-op on
     tmpfs (the stores are in the page cache, like a pwrite: a killed process loses nothing that returned)."""
 
     def __init__(self, path: Path, capacity: int, *, create_with: bytes | None = None, end: int | None = None,
-                 register: Registrar | None = None, io: OsCalls = REAL_OS) -> None:
+                 register: Registrar | None = None, io: OsCalls = REAL_OS,
+                 gate: QuietGate | None = None) -> None:
         self.path = path
         self.durable = True  # as durable as a file segment on the same tmpfs
         self._io = io
@@ -78,8 +162,13 @@ class MappedSegment:
                 io.ftruncate(self._fd, self.capacity)
             # allocate the tmpfs pages now: no page fault on the first store, and a full tmpfs is an ENOSPC here
             # instead of a SIGBUS on a store into a page that cannot be allocated
-            io.fallocate(self._fd, FALLOC_FL_KEEP_SIZE, 0, self.capacity)
-            self._map = mmap.mmap(self._fd, self.capacity, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+            for off, n in _pieces(self.capacity, gate):
+                with gate or _NO_GATE:
+                    io.fallocate(self._fd, FALLOC_FL_KEEP_SIZE, off, n)
+            # mapped without MAP_POPULATE: Python's mmap() holds the GIL while the kernel faults every page in
+            # (134 ms for 512 MiB), stalling every other thread -- the training loop, the epoch writer -- when the
+            # segment worker prepares a spare; the pages are faulted in below with the GIL released
+            self._map = mmap.mmap(self._fd, self.capacity, flags=mmap.MAP_SHARED,
                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             io.close_quietly(self._fd)
@@ -89,6 +178,9 @@ class MappedSegment:
         self._view = memoryview(self._map)
         self._anchor = ctypes.c_char.from_buffer(self._map)
         self.address = ctypes.addressof(self._anchor)  # host address of byte 0 of the file
+        for off, n in _pieces(self.capacity, gate):
+            with gate or _NO_GATE:
+                populate(self.address + off, n, max(0, self.end - off))
         self._registration: Registration | None = None
         if register is not None:
             self.register(register)
@@ -169,27 +261,190 @@ class MappedSegment:
 
 
 class SparePreparer:
-    """Prepares the next segment file (created, preallocated, faulted in, registered) on a background thread,
-    under a ``.tmp`` name that ``remove_orphans`` deletes if the process dies first; ``take`` renames it."""
+    """Prepares the next segment file (created, preallocated, faulted in, registered) off the append path, under
+    a ``.tmp`` name that ``remove_orphans`` deletes if the process dies first; ``take`` renames it.
 
-    def __init__(self, directory: Path, capacity: int, register: Registrar | None, *, io: OsCalls = REAL_OS) -> None:
+    Two ways (``ahead``, ``LogOptions.mapped_ahead``):
+
+    - ``ahead`` (the default): ONE worker thread, started once, does all of it between epochs. The log reports
+      each epoch's size (``after_epoch``); the worker sizes the spare from the sizes seen (``target_capacity``),
+      keeps one ready (created, preallocated, faulted in, registered) and retires sealed segments (driver
+      unregistration, unmap), so a roll on the append path is a rename of the ready spare, its header and the
+      manifest: no creation, no page fault, no registration, no thread start. Driver (un)registration waits for
+      ``quiet`` (held by the log while a placed epoch's DMA is in flight), so it never runs beside one.
+    - not ``ahead`` (the path before it): a thread per spare, started by the roll (``start``), and one per
+      retired segment (``retire``); a spare too small for the epoch that rolls is discarded on the append path.
+    """
+
+    RECENT = 4  # epoch sizes the sizing looks at
+
+    def __init__(self, directory: Path, capacity: int, register: Registrar | None, *, io: OsCalls = REAL_OS,
+                 ahead: bool = False, fit_epochs: int = 0, max_capacity: int = 0, header_bytes: int = 4096) -> None:
         self._dir, self._capacity, self._register, self._io = directory, capacity, register, io
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._spare: MappedSegment | None = None
         self._thread: threading.Thread | None = None
         self._retiring: list[threading.Thread] = []
         self.error: BaseException | None = None
+        # ahead: the worker's state (all under _lock)
+        self.ahead = ahead
+        self.quiet = QuietGate()  # held by the log while a placed epoch's DMA and CRC run
+        self._base, self._fit, self._header = capacity, fit_epochs, header_bytes
+        self._max = max(max_capacity, capacity)
+        self._sizes: list[int] = []  # the last epochs' sizes (bytes)
+        self._want = capacity  # the capacity the spare should have
+        self._making = False
+        self._make_failed = False  # a failed make is not retried before the next epoch
+        self._to_close: list[tuple[MappedSegment, bool]] = []  # (segment, unlink it): retire or discard
+        self._stopping = False
+        self._worker: threading.Thread | None = None
+        self.stats = {"made": 0, "retired": 0, "discarded": 0}
 
+    # ---------------------------------------------------------------------------------- sizing
+    def target_capacity(self, sizes: Sequence[int]) -> int:
+        """The capacity a spare gets after epochs of ``sizes`` bytes (the last few): the configured one, raised
+        to hold one typical epoch (the second largest of the last ``RECENT``: a one-off huge epoch, e.g. weights
+        logged once, does not count), and, when such epochs are large (over a quarter of the configured
+        capacity), ``fit_epochs`` of them, at most ``max_capacity``."""
+        cap = self._base
+        if len(sizes) < 2:
+            return cap
+        typical = sorted(sizes)[-2]
+        one = typical + 2 * self._header + 8 * 4096  # an epoch planned at another offset pads up to a page more
+        if self._fit and typical > self._base // 4:
+            cap = max(cap, min(self._fit * (typical + self._header) + self._header, self._max))
+        return max(cap, one)
+
+    @property
+    def capacity(self) -> int:
+        return self._want if self.ahead else self._capacity
+
+    # --------------------------------------------------------------------------- the worker (ahead)
+    def after_epoch(self, epoch_bytes: int) -> None:
+        """An epoch of ``epoch_bytes`` was appended: size the spare for what comes next and have the worker make
+        it if the one ready is smaller (or none is)."""
+        with self._cond:
+            self._sizes = (self._sizes + [int(epoch_bytes)])[-self.RECENT:]
+            self._want = self.target_capacity(self._sizes)
+            self._make_failed = False
+            if self._to_close:
+                self._start_worker()
+                self._cond.notify_all()
+            self._request_make()
+
+    def _request_make(self) -> None:
+        """(Under the lock.) Have the worker make a spare if the one ready is smaller than wanted (or none is):
+        ``_making`` is set here, by the requester, so a roll right after waits for that spare instead of making
+        one of its own before the worker thread got to run."""
+        if self._making or self._make_failed or self._stopping:
+            return
+        if self._spare is None or self._spare.capacity < self._want:
+            self._making = True
+            self._start_worker()
+            self._cond.notify_all()
+
+    def _start_worker(self) -> None:
+        if self._worker is None and not self._stopping:
+            self._worker = threading.Thread(target=self._work, name="concordia-segment-worker", daemon=True)
+            self._worker.start()
+
+    def _pending(self) -> bool:
+        return bool(self._to_close) or self._making
+
+    def _work(self) -> None:
+        try:
+            self._work_loop()
+        finally:  # stopped (or died): nothing is being made any more, so a roll must not wait for it
+            with self._cond:
+                self._making = False
+                self._worker = None if not self._stopping else self._worker
+                self._cond.notify_all()
+
+    def _work_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._pending():
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                closing, self._to_close = self._to_close, []
+            for seg, unlink in closing:
+                self._close_segment(seg, unlink)
+            with self._cond:
+                making, want = self._making, self._want
+            if making:  # a roll meanwhile waits for this spare (or takes a smaller one still ready that fits)
+                self._make_spare(want)
+        with self._cond:
+            closing, self._to_close = self._to_close, []
+        for seg, unlink in closing:
+            self._close_segment(seg, unlink)
+
+    def _make_spare(self, capacity: int) -> None:
+        """Make a spare of ``capacity`` bytes (``_making`` is set); it replaces a smaller one still ready."""
+        seg = None
+        try:
+            path = self._dir / f"spare.{os.getpid()}.{threading.get_ident()}.{self.stats['made']}.tmp"
+            path.unlink(missing_ok=True)
+            seg = MappedSegment(path, capacity, create_with=b"", io=self._io, gate=self.quiet)
+            if self._register is not None:
+                with self.quiet:  # never beside a placed epoch's DMA
+                    seg.register(self._register)
+            self.stats["made"] += 1
+        except BaseException as e:  # noqa: BLE001 - the roll then creates its segment itself
+            self.error = e
+            if seg is not None:
+                self._close_segment(seg, True)
+                seg = None
+        with self._cond:
+            if seg is not None and self._spare is not None:  # the smaller one (or one the other mode made)
+                self._to_close.append((self._spare, True))
+                self.stats["discarded"] += 1
+            if seg is not None:
+                self._spare = seg
+            self._making = False
+            if seg is None:
+                self._make_failed = True
+            else:
+                self._request_make()  # wanted larger meanwhile
+            self._cond.notify_all()
+
+    def _close_segment(self, seg: MappedSegment, unlink: bool) -> None:
+        p = seg.path
+        try:
+            if seg.registered:
+                with self.quiet:
+                    seg.close(quietly=True)
+            else:
+                seg.close(quietly=True)
+        except Exception:  # noqa: BLE001 - a sealed segment is synced already, a spare holds nothing: nothing
+            pass  # of it is at stake (an unregistration that fails only leaks this process's pin)
+        if unlink:
+            self._io.unlink_quietly(p)
+        else:
+            self.stats["retired"] += 1
+
+    def stop(self) -> None:
+        """Tell the worker to finish (without waiting: ``close`` joins it)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    # ------------------------------------------------------------------------- thread per spare
     def start(self) -> None:
+        if self.ahead:
+            with self._cond:
+                self._request_make()
+            return
         with self._lock:
             if self._spare is not None or self._thread is not None:
                 return
             self._thread = threading.Thread(target=self._make, name="concordia-spare-segment", daemon=True)
             self._thread.start()
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
 
     def grow(self, capacity: int) -> None:
         """Make the spares prepared from now on at least ``capacity`` bytes (a log whose epochs are large: a
@@ -210,11 +465,18 @@ class SparePreparer:
                 self._thread = None
             return
         with self._lock:
+            if self._spare is not None:  # the worker's (the other mode) meanwhile: one is enough
+                self._to_close.append((self._spare, True))
             self._spare, self._thread = seg, None
 
     def retire(self, seg: MappedSegment) -> None:
-        """Close a sealed segment (driver unregistration, unmap, hole punch of its unused tail) on a background
-        thread: a roll does not wait for it (the bytes are synced already; only this process's view goes)."""
+        """Close a sealed segment (driver unregistration, unmap, hole punch of its unused tail) off the append
+        path: a roll does not wait for it (the bytes are synced already; only this process's view goes)."""
+        if self.ahead:  # the worker closes it after the epoch that rolled (after_epoch): nothing runs beside it
+            with self._cond:
+                self._to_close.append((seg, False))
+            return
+
         def close() -> None:
             try:
                 seg.close(quietly=True)
@@ -229,17 +491,34 @@ class SparePreparer:
     def take(self, path: Path, header: bytes, capacity: int) -> MappedSegment | None:
         """The prepared segment renamed to ``path`` with ``header`` written, or None when none is ready (or it is
         smaller than ``capacity``)."""
-        with self._lock:
-            seg, self._spare, making = self._spare, None, self._thread
-        if seg is None and making is not None:  # being prepared: finishing it is quicker than starting anew
-            making.join()
+        if self.ahead:
+            with self._cond:
+                # one being prepared (and none ready that fits): finishing it beats creating one here
+                while self._making and not self._stopping and (self._spare is None
+                                                               or self._spare.capacity < capacity):
+                    self._cond.wait()
+                seg = self._spare
+                if seg is None:
+                    return None
+                self._spare = None
+                if seg.capacity < capacity:  # discarded by the worker, not here
+                    self._to_close.append((seg, True))
+                    self.stats["discarded"] += 1
+                    self._start_worker()
+                    self._cond.notify_all()
+                    return None
+        else:
             with self._lock:
-                seg, self._spare = self._spare, None
-        if seg is None:
-            return None
-        if seg.capacity < capacity:
-            self._discard(seg)
-            return None
+                seg, self._spare, making = self._spare, None, self._thread
+            if seg is None and making is not None:  # being prepared: finishing it is quicker than starting anew
+                making.join()
+                with self._lock:
+                    seg, self._spare = self._spare, None
+            if seg is None:
+                return None
+            if seg.capacity < capacity:
+                self._discard(seg)
+                return None
         self._io.replace(seg.path, path)
         seg.path = path
         seg.append([header])
@@ -251,6 +530,10 @@ class SparePreparer:
         self._io.unlink_quietly(p)
 
     def close(self) -> None:
+        self.stop()
+        w = self._worker
+        if w is not None and w is not threading.current_thread():
+            w.join(timeout=60)
         t = self._thread
         if t is not None:
             t.join(timeout=30)
@@ -258,6 +541,9 @@ class SparePreparer:
             r.join(timeout=30)
         with self._lock:
             seg, self._spare = self._spare, None
+            closing, self._to_close = self._to_close, []
+        for s, unlink in closing:
+            self._close_segment(s, unlink)
         if seg is not None:
             self._discard(seg)
 

@@ -84,6 +84,31 @@ def _gates() -> _Gates | None:
     return _GATES
 
 
+class _TimingEvents:
+    """A pool of timing events (pairs around one payload's copies: how long the DMA itself took on the GPU, so
+    the log's "wait" phase can be split into DMA and what is not)."""
+
+    def __init__(self) -> None:
+        self.free: list[Any] = []
+        self.lock = threading.Lock()
+
+    def take(self) -> Any:
+        with self.lock:
+            if self.free:
+                return self.free.pop()
+        return driver.Event(timing=True)
+
+    def give(self, ev: Any) -> None:
+        with self.lock:
+            if len(self.free) < 64:
+                self.free.append(ev)
+                return
+        ev.close()
+
+
+_TIMING = _TimingEvents()
+
+
 class DevicePayload:
     """``nbytes`` bytes at device address ``ptr`` (valid in stream order on ``stream``), to be DMA'd into a host
     address the log picks. ``pad`` zero bytes follow the device bytes (a region that is not a whole number of
@@ -100,7 +125,6 @@ class DevicePayload:
     flags_address = 0
 
     def place(self, address: int) -> None:
-        global _GATES_OFF
         self._address = address
         if self.pad:  # the zero tail is not part of the copy: written now, beside it
             import ctypes
@@ -108,6 +132,42 @@ class DevicePayload:
             ctypes.memset(address + self.copy_bytes, 0, self.pad)
         n = self.copy_bytes
         g = _gates() if n >= 2 * GATE_CHUNK else None
+        try:
+            self._timing = (_TIMING.take(), _TIMING.take())
+            self._timing[0].record(self.stream)
+        except Exception:  # noqa: BLE001 - a measurement only: the copy goes on without it
+            self._timing = None
+        try:
+            self._copy(address, n, g)
+        finally:
+            if self._timing is not None:
+                self._timing[1].record(self.stream)
+
+    _timing: tuple[Any, Any] | None = None
+
+    def copy_seconds(self) -> float:
+        """Seconds the GPU spent on this payload's copies (after ``wait``; 0 when unknown)."""
+        t, self._timing = self._timing, None
+        if t is None:
+            return 0.0
+        try:
+            driver.ensure_context(self.stream.device)  # the log may ask from another thread
+            return float(t[0].elapsed_ms(t[1])) / 1e3
+        except Exception:  # noqa: BLE001 - a measurement only
+            return 0.0
+        finally:
+            _TIMING.give(t[0])
+            _TIMING.give(t[1])
+
+    def drop_timing(self) -> None:
+        """Give the timing events back unread (no driver call)."""
+        t, self._timing = self._timing, None
+        if t is not None:
+            _TIMING.give(t[0])
+            _TIMING.give(t[1])
+
+    def _copy(self, address: int, n: int, g: _Gates | None) -> None:
+        global _GATES_OFF
         if g is None:
             driver.memcpy_dtoh_async(address, self.ptr, n, self.stream)
             return
