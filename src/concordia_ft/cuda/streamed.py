@@ -98,10 +98,11 @@ class CudaSink:
         per = self.slot_bytes // self.page_bytes
         self.stream: Any = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         self.prepared = False
-        self.host = _take_prepared(self.slots, self.slot_bytes)
-        if self.host is None:
+        ring = _take_prepared(self.slots, int(slot_bytes))  # prepared for the requested size (>= the used one)
+        if ring is None:
             self.host = torch.empty((self.slots, self.slot_bytes), dtype=torch.uint8, pin_memory=True)
         else:
+            self.host = ring[:, :self.slot_bytes]  # rows stay contiguous: each slot is one DMA source
             self.prepared = True
         self.host_np: npt.NDArray[np.uint8] = self.host.numpy()
         self.index = torch.empty((self.slots, per), dtype=torch.int64, pin_memory=True)
