@@ -39,9 +39,10 @@ _prepared: dict[tuple[int, int], Future[Any]] = {}
 _prepared_lock = threading.Lock()
 
 
-def prepare_ring(slots: int, slot_bytes: int) -> None:
+def prepare_ring(slots: int, slot_bytes: int, device: int | None = None) -> None:
     """Allocate a ``slots x slot_bytes`` pinned ring on a helper thread; the next ``CudaSink`` of that shape
-    takes it (one prepared ring per shape; an unused one is dropped by ``drop_prepared``)."""
+    takes it (one prepared ring per shape; an unused one is dropped by ``drop_prepared``). ``device``: also
+    load the device-checksum kernels there."""
     key = (int(slots), int(slot_bytes))
     with _prepared_lock:
         if key in _prepared:
@@ -56,6 +57,13 @@ def prepare_ring(slots: int, slot_bytes: int) -> None:
             fut.set_result(torch.empty(key, dtype=torch.uint8, pin_memory=True))
         except BaseException as e:  # noqa: BLE001 - handed to the sink, which allocates its own
             fut.set_exception(e)
+        if device is not None:
+            try:  # the CRC kernels loaded (compiled once per machine, then from the cache) off the critical path
+                from . import crc
+
+                crc.device_crc(device)
+            except Exception:  # noqa: BLE001, S110 - the sink loads them itself and reports what fails
+                pass
 
     threading.Thread(target=run, name="concordia-ring", daemon=True).start()
 

@@ -619,7 +619,9 @@ class Engine:
         if prepared:  # the pinned ring, page-locked on a helper thread while the log opens
             from ..cuda.streamed import prepare_ring
 
-            prepare_ring(rec_opts.ring_slots, rec_opts.slot_bytes)
+            dev = next(model.parameters()).device
+            prepare_ring(rec_opts.ring_slots, rec_opts.slot_bytes,
+                         (dev.index or 0) if rec_opts.stream_verify == "device" else None)
         try:
             rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
                                     runtime_options={**(runtime_options or {}), "recovery": rec_opts})
