@@ -696,8 +696,11 @@ class Engine:
         self.rng.free = [i for i in range(self.opts.max_running) if i not in {d["row"] for d in m["running"]}]
         for d in m["running"]:
             r = self._request(d, [])
-            self._bind_slots(r)
-            r.ids = [int(t) for t in self.tokens[r.slots[: int(d["n_tokens"])]]]
+            table = self.blocks.tables[r.id]  # _bind_slots' table and slots, vectorised (132k slots at 64 x 2k)
+            r.table = torch.as_tensor(table, dtype=torch.long)
+            bs = self.geo.block_size
+            r.slots = (np.asarray(table, dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel().tolist()
+            r.ids = self.tokens[r.slots[: int(d["n_tokens"])]].tolist()  # Python ints
             r.status, r.n_computed, r.row, r.admitted = "running", int(d["n_computed"]), int(d["row"]), int(d["admitted"])
             if not r.params.greedy:
                 r.gen = self.rng.load(r.row)
