@@ -201,14 +201,15 @@ def _log_facts(log: Path) -> dict[str, Any]:
 # step's decode graph captured beside the restore), "streamed_host" (the session-6 default: the checksums on 8
 # copy threads as they copy), "streamed_open" (every checksum at the log's open first: each byte read twice),
 # "streamed_prefault" (+2 threads mapping the log's pages ahead of the copies), "streamed_r24" (a 24-slot
-# ring), "streamed_cold" (the graph captured at the first step, after the restore), "image" (a whole pinned
-# host image, one DMA). ':N' after a mode sets the copy threads.
+# ring), "streamed_s32" (32 MiB slots: half the chunks), "streamed_cold" (the graph captured at the first
+# step, after the restore), "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
 RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed": {"streamed": True},
     "streamed_host": {"streamed": True, "stream_verify": "host", "threads": 8},
     "streamed_open": {"streamed": True, "defer_verify": ()},
     "streamed_prefault": {"streamed": True, "prefault": 2},
     "streamed_r24": {"streamed": True, "ring_slots": 24},
+    "streamed_s32": {"streamed": True, "slot_bytes": 32 << 20},
     "streamed_cold": {"streamed": True, "warm_graphs": False},
     "image": {"streamed": False, "defer_verify": ()},
 }
@@ -416,7 +417,7 @@ def main() -> int:
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--recovery-modes", default="streamed",
                     help="comma-separated, of RECOVERY_MODES (streamed, streamed_host, streamed_open, "
-                         "streamed_prefault, streamed_r24, streamed_cold, image); ':N' sets the copy threads, "
+                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, image); ':N' sets the copy threads, "
                          "e.g. streamed:8")
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,

@@ -200,11 +200,18 @@ class DeviceCrc:
         self.fn_tiles = self.module.function("concordia_crc32c_tiles")
         self.fn_pieces = self.module.function("concordia_crc32c_pieces")
 
-    def tiles(self, pieces_dev: int, n_pieces: int, blocks: int, tile_crc: int, stream: driver.Stream) -> None:
+    def tile_args(self, pieces_dev: int, tile_crc: int) -> driver.KernelArgs:
+        """Arguments of the tile kernel for one piece table (argument 1, the piece count, is set per launch)."""
+        return driver.KernelArgs([(_U64, pieces_dev), (_U32, 0), (_U32, X_SPAN), (_U64, tile_crc)])
+
+    def launch_tiles(self, args: driver.KernelArgs, n_pieces: int, blocks: int, stream: driver.Stream) -> None:
         if blocks <= 0:
             return
-        args = driver.KernelArgs([(_U64, pieces_dev), (_U32, n_pieces), (_U32, X_SPAN), (_U64, tile_crc)])
+        args.set(1, n_pieces)
         driver.launch(self.fn_tiles, blocks, THREADS, args, stream, what="concordia_crc32c_tiles")
+
+    def tiles(self, pieces_dev: int, n_pieces: int, blocks: int, tile_crc: int, stream: driver.Stream) -> None:
+        self.launch_tiles(self.tile_args(pieces_dev, tile_crc), n_pieces, blocks, stream)
 
     def pieces(self, tile0_dev: int, ntiles_dev: int, n: int, tile_crc: int, out_dev: int,
                stream: driver.Stream) -> None:

@@ -4,16 +4,19 @@ Each slot's bytes go to the device on ONE side stream: a chunk whose pages are o
 place; any other chunk is DMA'd into the slot's device staging twin, and one ``index_copy_`` (8-byte lanes,
 a page per row) scatters its pages to where they belong. An event per slot tells when its host memory may be
 refilled; the device twin is reused in stream order. The ring (``slots * slot_bytes`` of pinned and of device
-memory, 256 MiB each by default) is all the memory a restore adds, whatever the region's size.
+memory, 256 MiB each by default) is all the memory a restore adds, whatever the region's size. The transfers,
+events and kernel launches are driver calls (cuda-bindings, GIL released), a few microseconds each: the
+driving thread handles ~900 chunks for a 15 GB pool while 16 copy threads want the GIL too.
 
 ``verify="device"``: the checksums the plan carries (the log's deferred record checksums) run on the GPU
 (cuda/crc.py): after each chunk's DMA the tile kernel checksums the copied pieces where they landed (in
-place, or in the staging twin before the scatter), in stream order; ``finish`` folds each piece's tiles and
-reads the piece CRCs back (``collect_crcs``), which core/streamed.py combines per record and compares with the
-stored checksums before the restore returns. The host copy threads then only memcpy.
+place, or in the staging twin before the scatter), in stream order; ``collect_crcs`` (after ``finish``)
+folds each piece's tiles and reads the piece CRCs back, which core/streamed.py combines per record and compares
+with the stored checksums before the restore returns. The host copy threads then only memcpy.
 
-``prepare_ring``: the pinned ring allocated on a helper thread (page-locking 256 MiB takes ~0.1 s), started
-before the log's open; the sink built afterwards takes it.
+The ring is ``cuMemHostAlloc`` memory, allocated (``prepare_ring``) on a helper thread started before the
+log's open: page-locking 256 MiB takes ~0.1 s, and the driver call releases the GIL, so it overlaps the open.
+It is freed on a helper thread too after the last transfer (``close``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy.typing as npt
 
 from ..core.streamed import Chunk, StreamedPlan
 from ..errors import ConfigError
+from . import driver
 
 
 def streamable(tensor: Any, nbytes: int, page_bytes: int) -> bool:
@@ -39,10 +43,17 @@ _prepared: dict[tuple[int, int], Future[Any]] = {}
 _prepared_lock = threading.Lock()
 
 
-def prepare_ring(slots: int, slot_bytes: int, device: int | None = None) -> None:
+def _alloc_ring(slots: int, slot_bytes: int, device: int | None) -> Any:
+    from .memory import PinnedBuffer
+
+    driver.ensure_context(device)
+    return PinnedBuffer(slots * slot_bytes, mapped=False)
+
+
+def prepare_ring(slots: int, slot_bytes: int, device: int | None = None, *, crc_kernels: bool = False) -> None:
     """Allocate a ``slots x slot_bytes`` pinned ring on a helper thread; the next ``CudaSink`` of that shape
-    takes it (one prepared ring per shape; an unused one is dropped by ``drop_prepared``). ``device``: also
-    load the device-checksum kernels there."""
+    takes it (one prepared ring per shape; an unused one is freed by ``drop_prepared``). ``crc_kernels``: also
+    load the device-checksum kernels (compiled once per machine, then read from the cache)."""
     key = (int(slots), int(slot_bytes))
     with _prepared_lock:
         if key in _prepared:
@@ -51,14 +62,12 @@ def prepare_ring(slots: int, slot_bytes: int, device: int | None = None) -> None
         _prepared[key] = fut
 
     def run() -> None:
-        import torch
-
         try:
-            fut.set_result(torch.empty(key, dtype=torch.uint8, pin_memory=True))
+            fut.set_result(_alloc_ring(key[0], key[1], device))
         except BaseException as e:  # noqa: BLE001 - handed to the sink, which allocates its own
             fut.set_exception(e)
-        if device is not None:
-            try:  # the CRC kernels loaded (compiled once per machine, then from the cache) off the critical path
+        if crc_kernels:
+            try:
                 from . import crc
 
                 crc.device_crc(device)
@@ -80,17 +89,23 @@ def _take_prepared(slots: int, slot_bytes: int) -> Any:
 
 
 def drop_prepared() -> None:
+    """Free any prepared ring no sink took (a failed recovery, a region restored by image)."""
     with _prepared_lock:
         futs = list(_prepared.values())
         _prepared.clear()
     for f in futs:
-        f.cancel()
+        f.add_done_callback(lambda f: f.exception() is None and f.result().close())
+
+
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
 
 
 class CudaSink:
     def __init__(self, tensor: Any, nbytes: int, page_bytes: int, *, slots: int = 16,
                  slot_bytes: int = 16 << 20, verify: str = "host") -> None:
         import torch
+
+        from .memory import PinnedBuffer
 
         if verify not in ("host", "device"):
             raise ConfigError(f"verify={verify!r}: use 'host' or 'device'")
@@ -100,30 +115,34 @@ class CudaSink:
         self.slots, self.page_bytes = int(slots), int(page_bytes)
         self.slot_bytes = max(self.page_bytes, int(slot_bytes) // self.page_bytes * self.page_bytes)
         self.device = tensor.device
+        self.dev_no = driver.ensure_context(self.device.index)
         self.flat = tensor.reshape(-1).view(torch.uint8)[:nbytes]
+        self.flat_ptr = int(self.flat.data_ptr())
         lanes = self.page_bytes // 8
         self.pages = self.flat.view(torch.int64).view(nbytes // self.page_bytes, lanes)
-        per = self.slot_bytes // self.page_bytes
+        per = self.per = self.slot_bytes // self.page_bytes
         self.stream: Any = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
-        self.prepared = False
-        ring = _take_prepared(self.slots, int(slot_bytes))  # prepared for the requested size (>= the used one)
-        if ring is None:
-            self.host = torch.empty((self.slots, self.slot_bytes), dtype=torch.uint8, pin_memory=True)
-        else:
-            self.host = ring[:, :self.slot_bytes]  # rows stay contiguous: each slot is one DMA source
-            self.prepared = True
-        self.host_np: npt.NDArray[np.uint8] = self.host.numpy()
-        self.index = torch.empty((self.slots, per), dtype=torch.int64, pin_memory=True)
-        self.index_np: npt.NDArray[np.int64] = self.index.numpy()
+        self.ds = driver.Stream.borrow(self.stream.cuda_stream, self.dev_no)
+        # host ring: rows of the prepared (or requested) slot size, of which the first slot_bytes are used
+        self.raw_slot = int(slot_bytes) if int(slot_bytes) >= self.slot_bytes else self.slot_bytes
+        self.ring = _take_prepared(self.slots, int(slot_bytes))
+        self.prepared = self.ring is not None
+        if self.ring is None:
+            self.ring = _alloc_ring(self.slots, self.raw_slot, self.dev_no)
+        self.host_np: npt.NDArray[np.uint8] = self.ring.numpy().reshape(self.slots, self.raw_slot)
+        self.host_ptr = int(self.ring.host_ptr)
+        self.small = PinnedBuffer(self.slots * per * 8, mapped=False)  # the scatter's page indices
+        self.index_np: npt.NDArray[np.int64] = self.small.numpy(np.int64).reshape(self.slots, per)
         self.dev = torch.empty((self.slots, self.slot_bytes), dtype=torch.uint8, device=self.device)
         self.dev_index = torch.empty((self.slots, per), dtype=torch.int64, device=self.device)
-        self.events: list[Any] = [torch.cuda.Event() for _ in range(self.slots)]  # type: ignore[no-untyped-call]
+        drv = driver.bindings()
+        flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.events = [driver.check(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(self.slots)]
         self.used = [False] * self.slots
         self._torch = torch
         # device verification (set up in begin when the plan carries checks)
         self.verifies = verify == "device"
         self._crc: Any = None
-        self._drv_stream: Any = None
         self._piece_dev: list[int] = []  # pid -> device pointer of where its bytes landed (0: not on the device)
         self.crc_stats = {"tiles": 0, "launches": 0}
 
@@ -139,11 +158,11 @@ class CudaSink:
             self._begin_verify(plan)
 
     def _begin_verify(self, plan: StreamedPlan) -> None:
-        from . import crc, driver
+        from . import crc
+        from .memory import PinnedBuffer
 
         torch = self._torch
-        self._crc = crc.device_crc(self.device.index)
-        self._drv_stream = driver.Stream.borrow(self.stream.cuda_stream, self.device.index)
+        self._crc = crc.device_crc(self.dev_no)
         n = len(plan.pieces)
         ntiles = np.array([crc.tiles_of(ln) for _, _, ln in plan.pieces], dtype=np.int64)
         for pid, _ in plan.crc_only:  # checked on the host: no tiles
@@ -151,7 +170,7 @@ class CudaSink:
         tile0 = np.zeros(n, dtype=np.int64)
         if n > 1:
             tile0[1:] = np.cumsum(ntiles)[:-1]
-        self._ntiles, self._tile0 = ntiles, tile0
+        self._ntiles, self._tile0 = ntiles.tolist(), tile0.tolist()
         self._piece_len = [ln for _, _, ln in plan.pieces]
         total = int(ntiles.sum())
         dev = self.device
@@ -159,10 +178,12 @@ class CudaSink:
         self.dev_tile0 = torch.from_numpy(tile0).to(dev)
         self.dev_ntiles = torch.from_numpy(ntiles.astype(np.int32)).to(dev)
         self.dev_out = torch.zeros(max(1, n), dtype=torch.int32, device=dev)
-        per = self.slot_bytes // self.page_bytes  # a chunk holds at most one copy per page
-        self.meta = torch.zeros((self.slots, per * crc.PIECE_DTYPE.itemsize), dtype=torch.uint8, pin_memory=True)
-        self.meta_np = self.meta.numpy().view(crc.PIECE_DTYPE)
-        self.dev_meta = torch.zeros((self.slots, per * crc.PIECE_DTYPE.itemsize), dtype=torch.uint8, device=dev)
+        item = crc.PIECE_DTYPE.itemsize
+        self.meta = PinnedBuffer(self.slots * self.per * item, mapped=False)  # a chunk: at most a copy per page
+        self.meta_np = self.meta.numpy().view(crc.PIECE_DTYPE).reshape(self.slots, self.per)
+        self.dev_meta = torch.zeros((self.slots, self.per * item), dtype=torch.uint8, device=dev)
+        tc = int(self.tile_crc.data_ptr())
+        self._args = [self._crc.tile_args(int(self.dev_meta[i].data_ptr()), tc) for i in range(self.slots)]
         self._piece_dev = [0] * n
 
     def slot(self, i: int) -> npt.NDArray[np.uint8]:
@@ -170,49 +191,51 @@ class CudaSink:
         return row
 
     def put(self, i: int, chunk: Chunk) -> None:
-        torch = self._torch
         n, pb = chunk.nbytes, self.page_bytes
-        with torch.cuda.stream(self.stream):
-            if chunk.run_start >= 0:
-                start = chunk.run_start * pb
-                self.flat[start:start + n].copy_(self.host[i, :n], non_blocking=True)
-                if self.verifies:
-                    self._verify_put(i, chunk)
-            else:
-                k = n // pb
-                self.index_np[i, :k] = chunk.pages
-                self.dev[i, :n].copy_(self.host[i, :n], non_blocking=True)
-                self.dev_index[i, :k].copy_(self.index[i, :k], non_blocking=True)
-                if self.verifies:
-                    self._verify_put(i, chunk)  # the staging twin, before the scatter reads it
-                src = self.dev[i, :n].view(torch.int64).view(k, pb // 8)
-                self.pages.index_copy_(0, self.dev_index[i, :k], src)
-            self.events[i].record(self.stream)
+        src = self.host_ptr + i * self.raw_slot
+        if chunk.run_start >= 0:
+            dst = self.flat_ptr + chunk.run_start * pb
+            driver.memcpy_htod_async(dst, src, n, self.ds)
+            if self.verifies:
+                self._verify_put(i, chunk, dst)
+        else:
+            k = n // pb
+            self.index_np[i, :k] = chunk.pages
+            staging = int(self.dev[i].data_ptr())
+            driver.memcpy_htod_async(staging, src, n, self.ds)
+            driver.memcpy_htod_async(int(self.dev_index[i].data_ptr()), int(self.small.host_ptr) + i * self.per * 8,
+                                     k * 8, self.ds)
+            if self.verifies:
+                self._verify_put(i, chunk, staging)  # the staging twin, before the scatter reads it
+            torch = self._torch
+            with torch.cuda.stream(self.stream):
+                src_rows = self.dev[i, :n].view(torch.int64).view(k, pb // 8)
+                self.pages.index_copy_(0, self.dev_index[i, :k], src_rows)
+        driver.check(driver.bindings().cuEventRecord(self.events[i], self.ds.handle), "cuEventRecord")
         self.used[i] = True
 
-    def _verify_put(self, i: int, chunk: Chunk) -> None:
-        """The tile kernel over the chunk's checked pieces, where they are on the device now (in place, or in
-        the slot's staging twin before its scatter)."""
-        base = (int(self.flat.data_ptr()) + chunk.run_start * self.page_bytes if chunk.run_start >= 0
-                else int(self.dev[i].data_ptr()))
+    def _verify_put(self, i: int, chunk: Chunk, base: int) -> None:
+        """The tile kernel over the chunk's checked pieces, where they are on the device now (``base``: where
+        the chunk's first byte landed)."""
         meta = self.meta_np[i]
         k = blocks = 0
         for src, off, pid in chunk.copies:
             if pid < 0:
                 continue
-            nt = int(self._ntiles[pid])
+            nt = self._ntiles[pid]
             ptr = base + off
             self._piece_dev[pid] = ptr
             if nt == 0:
                 continue
-            meta[k] = (ptr, src.nbytes, int(self._tile0[pid]), blocks)
+            meta[k] = (ptr, src.nbytes, self._tile0[pid], blocks)
             k += 1
             blocks += nt
         if not blocks:
             return
         nb = k * meta.itemsize
-        self.dev_meta[i, :nb].copy_(self.meta[i, :nb], non_blocking=True)
-        self._crc.tiles(int(self.dev_meta[i].data_ptr()), k, blocks, int(self.tile_crc.data_ptr()), self._drv_stream)
+        driver.memcpy_htod_async(int(self.dev_meta[i].data_ptr()), int(self.meta.host_ptr) + i * self.per * meta.itemsize,
+                                 nb, self.ds)
+        self._crc.launch_tiles(self._args[i], k, blocks, self.ds)
         self.crc_stats["tiles"] += blocks
         self.crc_stats["launches"] += 1
 
@@ -226,8 +249,8 @@ class CudaSink:
 
         n = len(self._piece_len)
         self._crc.pieces(int(self.dev_tile0.data_ptr()), int(self.dev_ntiles.data_ptr()), n,
-                         int(self.tile_crc.data_ptr()), int(self.dev_out.data_ptr()), self._drv_stream)
-        self.stream.synchronize()  # the fold ran on the sink's stream, after finish() handed it over
+                         int(self.tile_crc.data_ptr()), int(self.dev_out.data_ptr()), self.ds)
+        self.ds.synchronize()  # the fold ran on the sink's stream, after finish() handed it over
         raw = self.dev_out[:n].cpu().numpy().view(np.uint32)
         shifts: dict[int, int] = {}
         got = 0
@@ -243,17 +266,43 @@ class CudaSink:
         return got
 
     def done(self, i: int) -> bool:
-        return not self.used[i] or bool(self.events[i].query())
+        if not self.used[i]:
+            return True
+        (err,) = driver.bindings().cuEventQuery(self.events[i])
+        if int(err) == _NOT_READY:
+            return False
+        driver.check((err,), "cuEventQuery")
+        return True
 
     def wait(self, i: int) -> None:
         if self.used[i]:
-            self.events[i].synchronize()
+            driver.check(driver.bindings().cuEventSynchronize(self.events[i]), "cuEventSynchronize")
 
     def finish(self) -> None:
-        self.stream.synchronize()
+        self.ds.synchronize()
         # later work on the caller's stream sees the restored bytes
         self._torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def close(self) -> None:
-        self.host = self.index = self.dev = self.dev_index = None  # type: ignore[assignment]
-        self.meta = self.dev_meta = self.tile_crc = self.dev_out = None
+        """Release the ring (the pinned memory on a helper thread: unpinning 256 MiB is not free) after
+        whatever was queued on the side stream ran."""
+        if self.ring is None:
+            return
+        try:
+            self.ds.synchronize()
+        finally:
+            bufs = [b for b in (self.ring, self.small, getattr(self, "meta", None)) if b is not None]
+            self.ring = self.small = self.meta = None  # type: ignore[assignment]
+            self.dev = self.dev_index = self.dev_meta = self.tile_crc = self.dev_out = None  # type: ignore[assignment]
+            drv = driver.bindings()
+            for ev in self.events:
+                drv.cuEventDestroy(ev)
+            self.events = []
+            dev_no = self.dev_no
+
+            def free() -> None:
+                driver.ensure_context(dev_no)
+                for b in bufs:
+                    b.close()
+
+            threading.Thread(target=free, name="concordia-ring-free", daemon=True).start()

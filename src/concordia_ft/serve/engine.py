@@ -152,7 +152,8 @@ class _WarmCapture:
         def run() -> None:
             t = time.perf_counter()
             try:
-                with torch.cuda.device(device):
+                # the grad mode is per thread: the step captures under inference_mode (_forward_and_sample)
+                with torch.cuda.device(device), torch.inference_mode():
                     self.ok = graphs.prepare(n, keys)
             except BaseException as e:  # noqa: BLE001 - the bucket then captures lazily at the first step
                 self.error = e
@@ -620,8 +621,8 @@ class Engine:
             from ..cuda.streamed import prepare_ring
 
             dev = next(model.parameters()).device
-            prepare_ring(rec_opts.ring_slots, rec_opts.slot_bytes,
-                         (dev.index or 0) if rec_opts.stream_verify == "device" else None)
+            prepare_ring(rec_opts.ring_slots, rec_opts.slot_bytes, dev.index or 0,
+                         crc_kernels=rec_opts.stream_verify == "device")
         try:
             rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
                                     runtime_options={**(runtime_options or {}), "recovery": rec_opts})
