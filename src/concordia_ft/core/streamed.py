@@ -308,7 +308,6 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
         on_sink = bool(plan.checks) and bool(getattr(sink, "verifies", False))
         fill_crcs: list[int] | None = None if on_sink else crcs
         stats.extra["verify_on_device"] = float(on_sink)
-        stats.extra["ring_prepared"] = float(bool(getattr(sink, "prepared", False)))
         chunks = plan.chunks
         if prefault > 0 and len(chunks) > 1:
             faulters = [threading.Thread(target=_prefault, args=(chunks[i::prefault], stop), daemon=True,

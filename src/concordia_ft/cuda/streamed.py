@@ -14,15 +14,14 @@ place, or in the staging twin before the scatter), in stream order; ``collect_cr
 folds each piece's tiles and reads the piece CRCs back, which core/streamed.py combines per record and compares
 with the stored checksums before the restore returns. The host copy threads then only memcpy.
 
-The ring is ``cuMemHostAlloc`` memory, allocated (``prepare_ring``) on a helper thread started before the
-log's open: page-locking 256 MiB takes ~0.1 s, and the driver call releases the GIL, so it overlaps the open.
-It is freed on a helper thread too after the last transfer (``close``).
+The ring is ``cuMemHostAlloc`` memory page-locked when the sink is built (~0.1 s for 256 MiB; allocating it on
+a helper thread beside the log's open slowed the open by more than that on the H200: serve/DESIGN.md) and
+freed on a helper thread after the last transfer (``close``).
 """
 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -39,62 +38,11 @@ def streamable(tensor: Any, nbytes: int, page_bytes: int) -> bool:
             and tensor.numel() * tensor.element_size() >= nbytes)
 
 
-_prepared: dict[tuple[int, int], Future[Any]] = {}
-_prepared_lock = threading.Lock()
-
-
 def _alloc_ring(slots: int, slot_bytes: int, device: int | None) -> Any:
     from .memory import PinnedBuffer
 
     driver.ensure_context(device)
     return PinnedBuffer(slots * slot_bytes, mapped=False)
-
-
-def prepare_ring(slots: int, slot_bytes: int, device: int | None = None, *, crc_kernels: bool = False) -> None:
-    """Allocate a ``slots x slot_bytes`` pinned ring on a helper thread; the next ``CudaSink`` of that shape
-    takes it (one prepared ring per shape; an unused one is freed by ``drop_prepared``). ``crc_kernels``: also
-    load the device-checksum kernels (compiled once per machine, then read from the cache)."""
-    key = (int(slots), int(slot_bytes))
-    with _prepared_lock:
-        if key in _prepared:
-            return
-        fut: Future[Any] = Future()
-        _prepared[key] = fut
-
-    def run() -> None:
-        try:
-            fut.set_result(_alloc_ring(key[0], key[1], device))
-        except BaseException as e:  # noqa: BLE001 - handed to the sink, which allocates its own
-            fut.set_exception(e)
-        if crc_kernels:
-            try:
-                from . import crc
-
-                crc.device_crc(device)
-            except Exception:  # noqa: BLE001, S110 - the sink loads them itself and reports what fails
-                pass
-
-    threading.Thread(target=run, name="concordia-ring", daemon=True).start()
-
-
-def _take_prepared(slots: int, slot_bytes: int) -> Any:
-    with _prepared_lock:
-        fut = _prepared.pop((slots, slot_bytes), None)
-    if fut is None:
-        return None
-    try:
-        return fut.result()
-    except Exception:  # noqa: BLE001 - allocate again on this thread (its error, if any, is the one raised)
-        return None
-
-
-def drop_prepared() -> None:
-    """Free any prepared ring no sink took (a failed recovery, a region restored by image)."""
-    with _prepared_lock:
-        futs = list(_prepared.values())
-        _prepared.clear()
-    for f in futs:
-        f.add_done_callback(lambda f: f.exception() is None and f.result().close())
 
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
@@ -123,12 +71,9 @@ class CudaSink:
         per = self.per = self.slot_bytes // self.page_bytes
         self.stream: Any = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
         self.ds = driver.Stream.borrow(self.stream.cuda_stream, self.dev_no)
-        # host ring: rows of the prepared (or requested) slot size, of which the first slot_bytes are used
-        self.raw_slot = int(slot_bytes) if int(slot_bytes) >= self.slot_bytes else self.slot_bytes
-        self.ring = _take_prepared(self.slots, int(slot_bytes))
-        self.prepared = self.ring is not None
-        if self.ring is None:
-            self.ring = _alloc_ring(self.slots, self.raw_slot, self.dev_no)
+        # host ring: cuMemHostAlloc memory (page-locked for this restore, freed after it on a helper thread)
+        self.raw_slot = self.slot_bytes
+        self.ring = _alloc_ring(self.slots, self.raw_slot, self.dev_no)
         self.host_np: npt.NDArray[np.uint8] = self.ring.numpy().reshape(self.slots, self.raw_slot)
         self.host_ptr = int(self.ring.host_ptr)
         self.small = PinnedBuffer(self.slots * per * 8, mapped=False)  # the scatter's page indices

@@ -616,27 +616,15 @@ class Engine:
             # once); a CPU pool is replayed into its own buffer after every checksum passed at the open
             rec_opts = dataclasses.replace(rec_opts, defer_verify=("kv",) if cuda and rec_opts.streamed else ())
         t0 = time.perf_counter()
-        prepared = cuda and rec_opts.streamed
-        if prepared:  # the pinned ring, page-locked on a helper thread while the log opens
-            from ..cuda.streamed import prepare_ring
-
-            dev = next(model.parameters()).device
-            prepare_ring(rec_opts.ring_slots, rec_opts.slot_bytes, dev.index or 0,
-                         crc_kernels=rec_opts.stream_verify == "device")
+        # (nothing runs beside the open: page-locking the ring or loading the CRC kernels on a helper thread
+        # slowed the open from ~0.13 to 0.28-0.41 s on the H200, more than the ~0.1 s it hid; serve/DESIGN.md)
+        rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
+                                runtime_options={**(runtime_options or {}), "recovery": rec_opts})
         try:
-            rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
-                                    runtime_options={**(runtime_options or {}), "recovery": rec_opts})
-            try:
-                eng = cls._recover_open(log_dir, model, opts, rt, m, t0, warm_graphs)
-            except BaseException:
-                rt.close()
-                raise
-        finally:
-            if prepared:
-                from ..cuda.streamed import drop_prepared
-
-                drop_prepared()  # a ring no sink took (a failed recovery, a pool restored by image)
-        return eng
+            return cls._recover_open(log_dir, model, opts, rt, m, t0, warm_graphs)
+        except BaseException:
+            rt.close()
+            raise
 
     @classmethod
     def _recover_open(cls, log_dir: str | Path, model: Any, opts: EngineOptions, rt: Any, m: dict[str, Any],
