@@ -20,6 +20,7 @@ engine's first step of a bucket and is reported (``capture_s``), not counted in 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import sys
@@ -197,11 +198,20 @@ def _log_facts(log: Path) -> dict[str, Any]:
 
 
 # how Engine.recover restores the pool: "streamed" (the default: streamed to the device through a pinned ring,
-# the pool's checksums run on the bytes as they are copied), "streamed_open" (streamed, every checksum run at
-# the log's open first: each byte read twice), "image" (the earlier path: a whole pinned host image, one DMA)
+# the pool's checksums run by a CRC32C kernel on the bytes after each chunk's DMA, 16 copy threads, the first
+# step's decode graph captured beside the restore), "streamed_host" (the session-6 default: the checksums on 8
+# copy threads as they copy), "streamed_open" (every checksum at the log's open first: each byte read twice),
+# "streamed_prefault" (+2 threads mapping the log's pages ahead of the copies), "streamed_r24" (a 24-slot
+# ring), "streamed_s32" (32 MiB slots: half the chunks), "streamed_cold" (the graph captured at the first
+# step, after the restore), "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
 RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed": {"streamed": True},
+    "streamed_host": {"streamed": True, "stream_verify": "host", "threads": 8},
     "streamed_open": {"streamed": True, "defer_verify": ()},
+    "streamed_prefault": {"streamed": True, "prefault": 2},
+    "streamed_r24": {"streamed": True, "ring_slots": 24},
+    "streamed_s32": {"streamed": True, "slot_bytes": 32 << 20},
+    "streamed_cold": {"streamed": True, "warm_graphs": False},
     "image": {"streamed": False, "defer_verify": ()},
 }
 
@@ -227,9 +237,11 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
     """Engine.recover (model loaded) + one step: every request's next token. Returns timings and the tokens.
     The recovered engine does not compact its log (a background compaction of the whole pool would run into the
     next measurement; it starts after the first step's epoch committed, so it never delays the first token)."""
+    recovery = dict(recovery)
+    warm = bool(recovery.pop("warm_graphs", True))
     t0 = time.perf_counter()
     rec = Engine.recover(log, model, {"backend": backend}, recovery=recovery,
-                         runtime_options={"compact_after_bytes": None})
+                         runtime_options={"compact_after_bytes": None}, warm_graphs=warm)
     sync(device)
     t_restored = time.perf_counter() - t0
     equal = bool(torch.equal(rec.pool.arena, ref_pool)) if ref_pool is not None else None
@@ -254,10 +266,17 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
                     "stream_direct_chunks": st.direct_chunks, "stream_threads": st.threads,
                     "stream_verified_gb": st.extra.get("verified_bytes", 0.0) / 1e9,
                     "stream_verify_combine_s": st.extra.get("verify_combine_s", 0.0), "stream_finish_s": st.finish_s,
-                    "stream_sink_setup_s": st.extra.get("sink_setup_s", 0.0)})
+                    "stream_sink_setup_s": st.extra.get("sink_setup_s", 0.0),
+                    "stream_verify_on_device": bool(st.extra.get("verify_on_device", 0.0)),
+                    "stream_device_crc_tiles": int(st.extra.get("device_crc_tiles", 0.0)),
+                    # the copy phase: the ring's loop (fills, DMAs, device checksums), without the plan
+                    "copy_s": st.seconds - st.plan_s, "copy_gbps": st.bytes / max(1e-9, st.seconds - st.plan_s) / 1e9,
+                    # end to end: the bytes moved over Engine.recover (open + engine + restore)
+                    "e2e_gbps": st.bytes / t_restored / 1e9})
     first = {rid: t[0] for rid, t in out.new_tokens.items()}
     rec.close()
-    del rec
+    del rec, r, st
+    gc.collect()  # an engine and its graphs hold each other: free its pool now, not at the next collection
     return row, first
 
 
@@ -353,7 +372,9 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
                  "streamed_gbps": "GB/s", "stream_plan_s": "plan", "stream_fill_wait_s": "fillw",
                  "stream_slot_wait_s": "slotw", "stream_finish_s": "fin", "stream_verify_combine_s": "comb",
                  "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring",
-                 "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal"}
+                 "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal",
+                 "copy_gbps": "copyGB/s", "e2e_gbps": "e2eGB/s", "warm_capture_s": "wcap",
+                 "capture_wait_s": "capw", "stream_verify_on_device": "dev"}
         brief = {short[k]: round(v, 3) if isinstance(v, float) else v for k, v in got.items() if k in short}
         print(f"  recovery {dims} [{mode}]: {brief} (+{time.perf_counter() - t_start:.1f} s)", flush=True)
         torch.cuda.empty_cache() if device.startswith("cuda") else None
@@ -372,7 +393,9 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     row["wall_s"] = time.perf_counter() - t_start
     print(f"SUMMARY {dims}: pool {pool_bytes / 1e9:.1f} GB, re-prefill {t_reprefill:.3f} s; " + "; ".join(
         f"{m}: restored {row[f'{m}.recover_s']:.3f} s, first token {row[f'{m}.first_token_all_s']:.3f} s "
-        f"(capture {row[f'{m}.graph_capture_s']:.3f}), x{row[f'{m}.speedup']:.2f}, {row[f'{m}.restore_gbps']:.1f} GB/s, "
+        f"(capture at the step {row[f'{m}.graph_capture_s']:.3f}, beside the restore "
+        f"{row.get(f'{m}.warm_capture_s', 0.0):.3f}), x{row[f'{m}.speedup']:.2f}, "
+        f"{row[f'{m}.restore_gbps']:.1f} GB/s end to end, copy {row.get(f'{m}.copy_gbps', float('nan')):.1f} GB/s, "
         f"equal={row[f'{m}.pool_byte_equal']}" for m in firsts), flush=True)
     return row
 
@@ -394,9 +417,9 @@ def main() -> int:
     ap.add_argument("--recovery-requests", type=int, default=64)
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--recovery-modes", default="streamed",
-                    help="comma-separated: streamed (to the device through a pinned ring, checksums fused with "
-                         "the copy), streamed_open (the same, every checksum at the open first), image (through a "
-                         "host image, the earlier path); ':N' sets the replay threads, e.g. streamed:16")
+                    help="comma-separated, of RECOVERY_MODES (streamed, streamed_host, streamed_open, "
+                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, image); ':N' sets the copy threads, "
+                         "e.g. streamed:8")
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,
                     help="max_batch_tokens of the engine that writes the recovery log (larger prefill chunks)")

@@ -149,8 +149,10 @@ def _damage(log: Path, where: str) -> None:
     Path(path).write_bytes(bytes(raw))
 
 
+@pytest.mark.parametrize("on_sink", [False, True], ids=["fill-threads", "sink"])
 @pytest.mark.parametrize("where", ["live", "superseded"])
-def test_a_deferred_checksum_failure_is_raised_by_the_streamed_restore(shm_dir: Path, where: str) -> None:
+def test_a_deferred_checksum_failure_is_raised_by_the_streamed_restore(shm_dir: Path, where: str,
+                                                                       on_sink: bool) -> None:
     log = shm_dir / "log"
     _write_log(log, np.random.default_rng(3), steps=30)
     _damage(log, where)
@@ -161,12 +163,15 @@ def test_a_deferred_checksum_failure_is_raised_by_the_streamed_restore(shm_dir: 
     plan = res.pending.streamed_plan("kv", 16 << 10)
     assert not res.pending.deferred  # handed to the plan
     out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
+    # the sink checksums the copied pieces where they landed (the device sink's protocol), or the fill threads do
     with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
-        run_streamed(plan, HostSink(out, PAGE, slots=3, slot_bytes=16 << 10), threads=2)
+        run_streamed(plan, HostSink(out, PAGE, slots=3, slot_bytes=16 << 10, verify=on_sink), threads=2)
     res.close()
 
 
-def test_deferred_checks_of_an_undamaged_log_pass_and_cover_every_payload_byte(shm_dir: Path) -> None:
+@pytest.mark.parametrize(("on_sink", "prefault"), [(False, 0), (True, 0), (True, 2)])
+def test_deferred_checks_of_an_undamaged_log_pass_and_cover_every_payload_byte(shm_dir: Path, on_sink: bool,
+                                                                              prefault: int) -> None:
     log = shm_dir / "log"
     final = _write_log(log, np.random.default_rng(5), steps=30)
     res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
@@ -176,9 +181,13 @@ def test_deferred_checks_of_an_undamaged_log_pass_and_cover_every_payload_byte(s
     assert sum(n for _, _, n in plan.pieces) == total  # copied pieces + superseded pieces tile every record
     assert plan.crc_only  # some bytes are only checksummed (superseded rows)
     out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
-    st = run_streamed(plan, HostSink(out, PAGE, slots=4, slot_bytes=8 << 10), threads=3)
+    st = run_streamed(plan, HostSink(out, PAGE, slots=4, slot_bytes=8 << 10, verify=on_sink), threads=3,
+                      prefault=prefault)
     res.close()
     assert st.extra["verified_bytes"] == total
+    assert st.extra["verify_on_device"] == float(on_sink)
+    if on_sink:  # every copied piece was checksummed by the sink, the superseded ones on the host
+        assert st.extra["device_verified_pieces"] == len(plan.pieces) - len(plan.crc_only)
     assert np.array_equal(out[: final["kv"].nbytes], final["kv"])
 
 

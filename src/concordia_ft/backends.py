@@ -49,9 +49,10 @@ class Backend(Protocol):
         ``direct``: no image is handed back to the caller, so replay may write into the buffer itself."""
         ...
 
-    def stream_sink(self, tracker: Tracker, *, slots: int, slot_bytes: int) -> Any:
+    def stream_sink(self, tracker: Tracker, *, slots: int, slot_bytes: int, verify: str = "host") -> Any:
         """A sink (core/streamed.py) that restores ``tracker``'s buffer straight from the log's mapped segments,
-        or None: restore it from an image."""
+        or None: restore it from an image. ``verify="device"``: the sink may checksum the copied pieces itself
+        (RecoveryOptions.stream_verify)."""
         ...
 
 
@@ -84,7 +85,7 @@ class CpuBackend:
         target = cast("CpuTracker", tracker).buf  # this backend's trackers
         return lambda nbytes: target if nbytes == target.nbytes else np.empty(nbytes, dtype=np.uint8)
 
-    def stream_sink(self, tracker: Tracker, *, slots: int, slot_bytes: int) -> Any:
+    def stream_sink(self, tracker: Tracker, *, slots: int, slot_bytes: int, verify: str = "host") -> Any:
         """None: host regions are replayed straight into their own buffer (``image_alloc``) already."""
         return None
 
@@ -121,7 +122,7 @@ class CudaBackend:
         """Page-locked host memory, so each region goes to the device in one DMA."""
         return pinned_or_pageable if pinned else None
 
-    def stream_sink(self, tracker: Tracker, *, slots: int, slot_bytes: int) -> Any:
+    def stream_sink(self, tracker: Tracker, *, slots: int, slot_bytes: int, verify: str = "host") -> Any:
         """Paged regions (a KV pool: the bulk of a serving engine's state, and no detection state to re-base):
         a ring of pinned slots DMA'd to the device (cuda/streamed.py)."""
         if tracker.spec.kind is not RegionKind.PAGED:
@@ -131,7 +132,8 @@ class CudaBackend:
         t = cast(Any, tracker).tensor
         if not streamable(t, tracker.spec.nbytes, tracker.spec.page_bytes):
             return None
-        return CudaSink(t, tracker.spec.nbytes, tracker.spec.page_bytes, slots=slots, slot_bytes=slot_bytes)
+        return CudaSink(t, tracker.spec.nbytes, tracker.spec.page_bytes, slots=slots, slot_bytes=slot_bytes,
+                        verify=verify)
 
 
 def pinned_or_pageable(nbytes: int) -> Any:

@@ -41,12 +41,21 @@ class RecoveryOptions:
     # it copies them (every byte read once; still checked before the restore returns, so before any is used).
     # None: the component decides (a serving engine defers its GPU KV pool); (): every checksum at open
     defer_verify: tuple[str, ...] | None = None
+    # where a streamed restore runs those deferred checksums: "device" (a CRC32C kernel on the bytes after their
+    # DMA, cuda/crc.py; the host threads only copy), "host" (on the copy threads, as they copy)
+    stream_verify: str = "device"
+    # helper threads mapping the log's pages ahead of the copy threads (MADV_POPULATE_READ); 0: none
+    prefault: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.ring_slots, int) or self.ring_slots < 2:
             raise ConfigError(f"RecoveryOptions.ring_slots={self.ring_slots!r}: use an int >= 2")
         if not isinstance(self.slot_bytes, int) or self.slot_bytes < 64 << 10:
             raise ConfigError(f"RecoveryOptions.slot_bytes={self.slot_bytes!r}: use an int >= 65536")
+        if self.stream_verify not in ("device", "host"):
+            raise ConfigError(f"RecoveryOptions.stream_verify={self.stream_verify!r}: use 'device' or 'host'")
+        if not isinstance(self.prefault, int) or self.prefault < 0:
+            raise ConfigError(f"RecoveryOptions.prefault={self.prefault!r}: use an int >= 0")
         if self.defer_verify is not None:
             if isinstance(self.defer_verify, list):
                 object.__setattr__(self, "defer_verify", tuple(self.defer_verify))

@@ -473,7 +473,8 @@ class Runtime:
             if tracker is None or tracker.spec != res.specs.get(n):
                 continue
             t0 = time.perf_counter()
-            sink = self._backends[n].stream_sink(tracker, slots=opts.ring_slots, slot_bytes=opts.slot_bytes)
+            sink = self._backends[n].stream_sink(tracker, slots=opts.ring_slots, slot_bytes=opts.slot_bytes,
+                                                 verify=opts.stream_verify)
             if sink is not None:
                 sink.setup_s = time.perf_counter() - t0  # the ring's allocation (pinned + device)
                 sinks[n] = sink
@@ -489,7 +490,7 @@ class Runtime:
             plan = plans[name]
             plan_s = float(getattr(sink, "plan_s", 0.0))
             try:
-                stats = run_streamed(plan, sink, threads=self.recovery.threads)
+                stats = run_streamed(plan, sink, threads=self.recovery.threads, prefault=self.recovery.prefault)
             finally:
                 close = getattr(sink, "close", None)
                 if close is not None:

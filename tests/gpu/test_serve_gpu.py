@@ -195,7 +195,8 @@ def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees
     old.close()
 
 
-def test_streamed_restore_refuses_a_damaged_kv_payload_before_anything_is_restored(shm: Path) -> None:
+@pytest.mark.parametrize("verify", ["device", "host"])
+def test_streamed_restore_refuses_a_damaged_kv_payload_before_anything_is_restored(shm: Path, verify: str) -> None:
     from concordia_ft.errors import LogCorruptError
 
     model = _bf16_model()
@@ -210,8 +211,39 @@ def test_streamed_restore_refuses_a_damaged_kv_payload_before_anything_is_restor
     # the default: the pool's checksums run by the streamed restore, on the bytes it copies; Engine.recover
     # raises, so no engine exists to serve a restored block
     with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch \\(found by the restore"):
-        Engine.recover(log, model)
+        Engine.recover(log, model, recovery={"stream_verify": verify})
     # every checksum at the open: refused before the pool even exists
     with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch") as e:
         Engine.recover(copy, model, recovery={"defer_verify": ()})
     assert "found by the restore" not in str(e.value)
+
+
+def test_the_first_step_after_recovery_replays_a_graph_captured_beside_the_restore(shm: Path) -> None:
+    model = _bf16_model()
+    eng = Engine(model, shm / "log", {"num_blocks": 48, "block_size": 16, "max_running": 8, "max_model_len": 256,
+                                      "max_batch_tokens": 512})
+    for p in _prompts(8192)[:5]:
+        eng.submit(p[:40], SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True))
+    for _ in range(4):  # the prefill, then decodes: the log ends in a decode-only state
+        eng.step()
+    eng.close()
+    copy = shm / "copy"
+    shutil.copytree(shm / "log", copy)
+    (copy / "LOCK").unlink(missing_ok=True)
+    warm = Engine.recover(shm / "log", model)
+    assert warm.recover_phases["warm_captured"] == 1.0
+    st = warm.recovered.streamed["kv"]
+    assert st.extra["verify_on_device"] == 1.0 and st.extra["device_verified_pieces"] > 0
+    cold = Engine.recover(copy, model, warm_graphs=False)
+    assert "warm_captured" not in cold.recover_phases
+    assert torch.equal(warm.pool.arena, cold.pool.arena)
+    cap = warm.graphs.capture_s
+    a, b = warm.step(), cold.step()
+    assert warm.graphs.capture_s == cap and warm.graphs.replays == 1  # a replay, no capture at the step
+    assert cold.graphs.replays == 1 and cold.graphs.capture_s > 0
+    assert a.new_tokens == b.new_tokens and len(a.new_tokens) == 5
+    while warm.has_work:
+        a, b = warm.step(), cold.step()
+        assert a.new_tokens == b.new_tokens
+    warm.close()
+    cold.close()

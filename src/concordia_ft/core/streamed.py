@@ -14,27 +14,33 @@ every byte into it, then a DMA of the whole image. A streamed restore never buil
    (the CUDA sink: one DMA into a device staging slot and one scatter kernel, or one DMA straight into place
    when the chunk's pages are one run) and tells when the slot may be refilled. Fills, DMA and scatter overlap.
 
-Verification is not this module's job: the caller streams from a replay whose pass 1 verified every payload's
-checksum (``replay``, at the Runtime's open), so no byte is restored from a record that failed its check, and
-the buffer is used only after ``run_streamed`` returns (the sink's ``finish``). The chunks write disjoint pages,
-so their order does not matter.
+Verification: either the caller streams from a replay whose pass 1 verified every payload's checksum (at the
+Runtime's open), or the plan carries the region's deferred checks (``ReplayOptions.defer``): each record's
+payload is tiled by pieces, a piece's CRC32C is computed as it is copied (on the fill thread, or by the sink
+on the device: ``verifies``), the pieces of a record are combined (the GF(2) shift, checksums.py) and compared
+with the stored checksum before ``run_streamed`` returns. Either way the buffer is used only after it returned
+(the sink's ``finish``), so no byte from a record that failed its check is ever served. The chunks write
+disjoint pages, so their order does not matter.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
+import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from ..errors import ConfigError, LogCorruptError
 from .checksums import ChecksumItem, crc32c, crc32c_combine, crc32c_shift, first_mismatch
-from .images import PageWrite, default_threads
+from .images import PageWrite
 from .regions import RegionSpec
 from .tracking import pages_to_runs
 
@@ -227,10 +233,16 @@ class StreamSink(Protocol):
 VERIFY_STEP = 1 << 20  # checksum then copy this much at a time: the copy reads what the checksum left in cache
 
 
-def _fill(slot: npt.NDArray[np.uint8], chunk: Chunk, crcs: list[int]) -> None:
+def streamed_threads() -> int:
+    """Copy threads of a streamed restore: one per core up to 16 (memcpy from the mapped log into pinned slots
+    is the host's whole job when the sink verifies on the device)."""
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def _fill(slot: npt.NDArray[np.uint8], chunk: Chunk, crcs: list[int] | None) -> None:
     for src, off, pid in chunk.copies:
         n = src.nbytes
-        if pid < 0:
+        if pid < 0 or crcs is None:
             slot[off:off + n] = np.frombuffer(src, dtype=np.uint8)  # numpy releases the GIL for the copy
             continue
         crc = 0
@@ -274,18 +286,34 @@ def _first_failed(plan: StreamedPlan, crcs: list[int]) -> DeferredCheck | None:
 
 
 def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = None,
-                 pool: Executor | None = None) -> StreamedStats:
-    """Stream ``plan`` through ``sink``'s ring; returns when every byte has arrived (``sink.finish()``)."""
+                 pool: Executor | None = None, prefault: int = 0) -> StreamedStats:
+    """Stream ``plan`` through ``sink``'s ring; returns when every byte has arrived (``sink.finish()``) and every
+    deferred checksum the plan carries passed (``LogCorruptError`` for the earliest record that failed).
+
+    A sink with ``verifies`` true after ``begin`` checksums the copied pieces itself (on the device) and hands
+    their CRCs over in ``collect_crcs(crcs)`` after ``finish``; the fills are then plain copies. ``prefault``:
+    helper threads that map the chunks' source pages ahead of the copies (``MADV_POPULATE_READ``), so the copy
+    threads do not take first-touch page faults on the mapped log."""
     t0 = time.perf_counter()
-    workers = max(1, min(threads or default_threads(), sink.slots))
+    workers = max(1, min(threads or streamed_threads(), sink.slots))
     stats = StreamedStats(bytes=plan.copy_bytes, chunks=len(plan.chunks), threads=workers)
     crcs = [0] * len(plan.pieces)
     crc_jobs: list[Future[None]] = []
     own = pool is None and workers > 1 and len(plan.chunks) > 1
     ex: Executor | None = ThreadPoolExecutor(workers, thread_name_prefix="concordia-restore") if own else pool
+    faulters: list[threading.Thread] = []
+    stop = threading.Event()
     try:
         sink.begin(plan)
+        on_sink = bool(plan.checks) and bool(getattr(sink, "verifies", False))
+        fill_crcs: list[int] | None = None if on_sink else crcs
+        stats.extra["verify_on_device"] = float(on_sink)
         chunks = plan.chunks
+        if prefault > 0 and len(chunks) > 1:
+            faulters = [threading.Thread(target=_prefault, args=(chunks[i::prefault], stop), daemon=True,
+                                         name="concordia-prefault") for i in range(prefault)]
+            for th in faulters:
+                th.start()
         free: deque[int] = deque(range(sink.slots))
         filling: deque[tuple[int, int, Future[None] | None]] = deque()
         sending: deque[int] = deque()
@@ -293,9 +321,9 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
         while k < len(chunks) or filling:
             while k < len(chunks) and free:
                 s = free.popleft()
-                fut = ex.submit(_fill, sink.slot(s), chunks[k], crcs) if ex is not None else None
+                fut = ex.submit(_fill, sink.slot(s), chunks[k], fill_crcs) if ex is not None else None
                 if fut is None:
-                    _fill(sink.slot(s), chunks[k], crcs)
+                    _fill(sink.slot(s), chunks[k], fill_crcs)
                 filling.append((k, s, fut))
                 k += 1
             if k == len(chunks) and plan.crc_only and not crc_jobs:  # superseded bytes: behind the last fill
@@ -324,16 +352,60 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
         stats.finish_s = time.perf_counter() - tf
         if plan.checks:
             tv = time.perf_counter()
+            if on_sink:
+                stats.extra["device_verified_pieces"] = float(sink.collect_crcs(crcs))  # type: ignore[attr-defined]
+                stats.extra["device_crc_tiles"] = float(getattr(sink, "crc_stats", {}).get("tiles", 0))
             bad = _first_failed(plan, crcs)
             stats.extra["verify_combine_s"] = time.perf_counter() - tv
             stats.extra["verified_bytes"] = float(sum(c.data.nbytes for c in plan.checks))
             if bad is not None:
                 raise bad.error()
     finally:
+        stop.set()
+        for th in faulters:
+            th.join()
         if own and ex is not None:
             ex.shutdown(wait=True)
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+_MADV_POPULATE_READ = 22  # Linux >= 5.14
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_libc: Any = None
+
+
+def _madvise() -> Any:
+    global _libc
+    if _libc is None:
+        try:
+            lib = ctypes.CDLL(None, use_errno=True)
+            fn = lib.madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _libc = fn
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc
+
+
+def _prefault(chunks: Sequence[Chunk], stop: threading.Event) -> None:
+    """Map the source pages of ``chunks`` (in order) into this process's page tables; stops at the first
+    failure (an older kernel without MADV_POPULATE_READ: the copies then fault the pages themselves)."""
+    fn = _madvise()
+    if not fn:
+        return
+    for c in chunks:
+        if stop.is_set():
+            return
+        for src, _, _ in c.copies:
+            n = src.nbytes
+            if not n:
+                continue
+            addr = np.frombuffer(src, dtype=np.uint8).ctypes.data
+            lo = addr - addr % _PAGE
+            if fn(lo, addr + n - lo, _MADV_POPULATE_READ) != 0:
+                return
 
 
 def _submit_crc_only(items: list[tuple[int, memoryview]], crcs: list[int], ex: Executor | None,
@@ -346,17 +418,21 @@ def _submit_crc_only(items: list[tuple[int, memoryview]], crcs: list[int], ex: E
 
 class HostSink:
     """A sink into a host buffer (``padded``: the region's ``n_pages * page_bytes`` bytes): the reference the
-    device sinks are checked against, and a streamed restore for host regions."""
+    device sinks are checked against, and a streamed restore for host regions. ``verify=True``: the sink
+    checksums each checked piece where it landed (as the device sink does on the GPU), so the fills only copy."""
 
     def __init__(self, padded: npt.NDArray[np.uint8], page_bytes: int, *, slots: int = 4,
-                 slot_bytes: int = 4 << 20) -> None:
+                 slot_bytes: int = 4 << 20, verify: bool = False) -> None:
         self.padded, self.page_bytes = padded, page_bytes
         self.slots, self.slot_bytes = slots, slot_bytes
         self._ring = [np.empty(slot_bytes, dtype=np.uint8) for _ in range(slots)]
+        self.verifies = verify
+        self._crcs: dict[int, int] = {}
 
     def begin(self, plan: StreamedPlan) -> None:
         if plan.unfilled:
             self.padded[:] = 0
+        self._crcs = {}
 
     def slot(self, i: int) -> npt.NDArray[np.uint8]:
         return self._ring[i]
@@ -365,9 +441,21 @@ class HostSink:
         pb = self.page_bytes
         src = self._ring[i][:chunk.nbytes]
         if chunk.run_start >= 0:
-            self.padded[chunk.run_start * pb:chunk.run_start * pb + chunk.nbytes] = src
+            dst = self.padded[chunk.run_start * pb:chunk.run_start * pb + chunk.nbytes]
+            dst[:] = src
         else:
+            dst = src  # checked in the slot, before the scatter (the device sink checks its staging twin)
+        if self.verifies:
+            for data, off, pid in chunk.copies:
+                if pid >= 0:
+                    self._crcs[pid] = crc32c(dst[off:off + data.nbytes].data)
+        if chunk.run_start < 0:
             self.padded.reshape(-1, pb)[chunk.pages] = src.reshape(-1, pb)
+
+    def collect_crcs(self, crcs: list[int]) -> int:
+        for pid, c in self._crcs.items():
+            crcs[pid] = c
+        return len(self._crcs)
 
     def done(self, i: int) -> bool:
         return True

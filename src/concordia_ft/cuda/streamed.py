@@ -4,11 +4,24 @@ Each slot's bytes go to the device on ONE side stream: a chunk whose pages are o
 place; any other chunk is DMA'd into the slot's device staging twin, and one ``index_copy_`` (8-byte lanes,
 a page per row) scatters its pages to where they belong. An event per slot tells when its host memory may be
 refilled; the device twin is reused in stream order. The ring (``slots * slot_bytes`` of pinned and of device
-memory, 256 MiB each by default) is all the memory a restore adds, whatever the region's size.
+memory, 256 MiB each by default) is all the memory a restore adds, whatever the region's size. The transfers,
+events and kernel launches are driver calls (cuda-bindings, GIL released), a few microseconds each: the
+driving thread handles ~900 chunks for a 15 GB pool while 16 copy threads want the GIL too.
+
+``verify="device"``: the checksums the plan carries (the log's deferred record checksums) run on the GPU
+(cuda/crc.py): after each chunk's DMA the tile kernel checksums the copied pieces where they landed (in
+place, or in the staging twin before the scatter), in stream order; ``collect_crcs`` (after ``finish``)
+folds each piece's tiles and reads the piece CRCs back, which core/streamed.py combines per record and compares
+with the stored checksums before the restore returns. The host copy threads then only memcpy.
+
+The ring is ``cuMemHostAlloc`` memory page-locked when the sink is built (~0.1 s for 256 MiB; allocating it on
+a helper thread beside the log's open slowed the open by more than that on the H200: serve/DESIGN.md) and
+freed on a helper thread after the last transfer (``close``).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -16,6 +29,7 @@ import numpy.typing as npt
 
 from ..core.streamed import Chunk, StreamedPlan
 from ..errors import ConfigError
+from . import driver
 
 
 def streamable(tensor: Any, nbytes: int, page_bytes: int) -> bool:
@@ -24,31 +38,58 @@ def streamable(tensor: Any, nbytes: int, page_bytes: int) -> bool:
             and tensor.numel() * tensor.element_size() >= nbytes)
 
 
+def _alloc_ring(slots: int, slot_bytes: int, device: int | None) -> Any:
+    from .memory import PinnedBuffer
+
+    driver.ensure_context(device)
+    return PinnedBuffer(slots * slot_bytes, mapped=False)
+
+
+_NOT_READY = 600  # CUDA_ERROR_NOT_READY
+
+
 class CudaSink:
     def __init__(self, tensor: Any, nbytes: int, page_bytes: int, *, slots: int = 16,
-                 slot_bytes: int = 16 << 20) -> None:
+                 slot_bytes: int = 16 << 20, verify: str = "host") -> None:
         import torch
 
+        from .memory import PinnedBuffer
+
+        if verify not in ("host", "device"):
+            raise ConfigError(f"verify={verify!r}: use 'host' or 'device'")
         if not streamable(tensor, nbytes, page_bytes):
             raise ConfigError(f"a {nbytes}-byte region of {page_bytes}-byte pages cannot be streamed into this "
                               "tensor (pages must be whole and a multiple of 8 bytes)")
         self.slots, self.page_bytes = int(slots), int(page_bytes)
         self.slot_bytes = max(self.page_bytes, int(slot_bytes) // self.page_bytes * self.page_bytes)
         self.device = tensor.device
+        self.dev_no = driver.ensure_context(self.device.index)
         self.flat = tensor.reshape(-1).view(torch.uint8)[:nbytes]
+        self.flat_ptr = int(self.flat.data_ptr())
         lanes = self.page_bytes // 8
         self.pages = self.flat.view(torch.int64).view(nbytes // self.page_bytes, lanes)
-        per = self.slot_bytes // self.page_bytes
+        per = self.per = self.slot_bytes // self.page_bytes
         self.stream: Any = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
-        self.host = torch.empty((self.slots, self.slot_bytes), dtype=torch.uint8, pin_memory=True)
-        self.host_np: npt.NDArray[np.uint8] = self.host.numpy()
-        self.index = torch.empty((self.slots, per), dtype=torch.int64, pin_memory=True)
-        self.index_np: npt.NDArray[np.int64] = self.index.numpy()
+        self.ds = driver.Stream.borrow(self.stream.cuda_stream, self.dev_no)
+        # host ring: cuMemHostAlloc memory (page-locked for this restore, freed after it on a helper thread)
+        self.raw_slot = self.slot_bytes
+        self.ring = _alloc_ring(self.slots, self.raw_slot, self.dev_no)
+        self.host_np: npt.NDArray[np.uint8] = self.ring.numpy().reshape(self.slots, self.raw_slot)
+        self.host_ptr = int(self.ring.host_ptr)
+        self.small = PinnedBuffer(self.slots * per * 8, mapped=False)  # the scatter's page indices
+        self.index_np: npt.NDArray[np.int64] = self.small.numpy(np.int64).reshape(self.slots, per)
         self.dev = torch.empty((self.slots, self.slot_bytes), dtype=torch.uint8, device=self.device)
         self.dev_index = torch.empty((self.slots, per), dtype=torch.int64, device=self.device)
-        self.events: list[Any] = [torch.cuda.Event() for _ in range(self.slots)]  # type: ignore[no-untyped-call]
+        drv = driver.bindings()
+        flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.events = [driver.check(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(self.slots)]
         self.used = [False] * self.slots
         self._torch = torch
+        # device verification (set up in begin when the plan carries checks)
+        self.verifies = verify == "device"
+        self._crc: Any = None
+        self._piece_dev: list[int] = []  # pid -> device pointer of where its bytes landed (0: not on the device)
+        self.crc_stats = {"tiles": 0, "launches": 0}
 
     def begin(self, plan: StreamedPlan) -> None:
         torch = self._torch
@@ -57,39 +98,156 @@ class CudaSink:
         if plan.unfilled:
             with torch.cuda.stream(self.stream):
                 self.flat.zero_()
+        self.verifies = self.verifies and bool(plan.pieces)
+        if self.verifies:
+            self._begin_verify(plan)
+
+    def _begin_verify(self, plan: StreamedPlan) -> None:
+        from . import crc
+        from .memory import PinnedBuffer
+
+        torch = self._torch
+        self._crc = crc.device_crc(self.dev_no)
+        n = len(plan.pieces)
+        ntiles = np.array([crc.tiles_of(ln) for _, _, ln in plan.pieces], dtype=np.int64)
+        for pid, _ in plan.crc_only:  # checked on the host: no tiles
+            ntiles[pid] = 0
+        tile0 = np.zeros(n, dtype=np.int64)
+        if n > 1:
+            tile0[1:] = np.cumsum(ntiles)[:-1]
+        self._ntiles, self._tile0 = ntiles.tolist(), tile0.tolist()
+        self._piece_len = [ln for _, _, ln in plan.pieces]
+        total = int(ntiles.sum())
+        dev = self.device
+        self.tile_crc = torch.zeros(max(1, total), dtype=torch.int32, device=dev)
+        self.dev_tile0 = torch.from_numpy(tile0).to(dev)
+        self.dev_ntiles = torch.from_numpy(ntiles.astype(np.int32)).to(dev)
+        self.dev_out = torch.zeros(max(1, n), dtype=torch.int32, device=dev)
+        item = crc.PIECE_DTYPE.itemsize
+        self.meta = PinnedBuffer(self.slots * self.per * item, mapped=False)  # a chunk: at most a copy per page
+        self.meta_np = self.meta.numpy().view(crc.PIECE_DTYPE).reshape(self.slots, self.per)
+        self.dev_meta = torch.zeros((self.slots, self.per * item), dtype=torch.uint8, device=dev)
+        tc = int(self.tile_crc.data_ptr())
+        self._args = [self._crc.tile_args(int(self.dev_meta[i].data_ptr()), tc) for i in range(self.slots)]
+        self._piece_dev = [0] * n
 
     def slot(self, i: int) -> npt.NDArray[np.uint8]:
         row: npt.NDArray[np.uint8] = self.host_np[i]
         return row
 
     def put(self, i: int, chunk: Chunk) -> None:
-        torch = self._torch
         n, pb = chunk.nbytes, self.page_bytes
-        with torch.cuda.stream(self.stream):
-            if chunk.run_start >= 0:
-                start = chunk.run_start * pb
-                self.flat[start:start + n].copy_(self.host[i, :n], non_blocking=True)
-            else:
-                k = n // pb
-                self.index_np[i, :k] = chunk.pages
-                self.dev[i, :n].copy_(self.host[i, :n], non_blocking=True)
-                self.dev_index[i, :k].copy_(self.index[i, :k], non_blocking=True)
-                src = self.dev[i, :n].view(torch.int64).view(k, pb // 8)
-                self.pages.index_copy_(0, self.dev_index[i, :k], src)
-            self.events[i].record(self.stream)
+        src = self.host_ptr + i * self.raw_slot
+        if chunk.run_start >= 0:
+            dst = self.flat_ptr + chunk.run_start * pb
+            driver.memcpy_htod_async(dst, src, n, self.ds)
+            if self.verifies:
+                self._verify_put(i, chunk, dst)
+        else:
+            k = n // pb
+            self.index_np[i, :k] = chunk.pages
+            staging = int(self.dev[i].data_ptr())
+            driver.memcpy_htod_async(staging, src, n, self.ds)
+            driver.memcpy_htod_async(int(self.dev_index[i].data_ptr()), int(self.small.host_ptr) + i * self.per * 8,
+                                     k * 8, self.ds)
+            if self.verifies:
+                self._verify_put(i, chunk, staging)  # the staging twin, before the scatter reads it
+            torch = self._torch
+            with torch.cuda.stream(self.stream):
+                src_rows = self.dev[i, :n].view(torch.int64).view(k, pb // 8)
+                self.pages.index_copy_(0, self.dev_index[i, :k], src_rows)
+        driver.check(driver.bindings().cuEventRecord(self.events[i], self.ds.handle), "cuEventRecord")
         self.used[i] = True
 
+    def _verify_put(self, i: int, chunk: Chunk, base: int) -> None:
+        """The tile kernel over the chunk's checked pieces, where they are on the device now (``base``: where
+        the chunk's first byte landed)."""
+        meta = self.meta_np[i]
+        k = blocks = 0
+        for src, off, pid in chunk.copies:
+            if pid < 0:
+                continue
+            nt = self._ntiles[pid]
+            ptr = base + off
+            self._piece_dev[pid] = ptr
+            if nt == 0:
+                continue
+            meta[k] = (ptr, src.nbytes, self._tile0[pid], blocks)
+            k += 1
+            blocks += nt
+        if not blocks:
+            return
+        nb = k * meta.itemsize
+        driver.memcpy_htod_async(int(self.dev_meta[i].data_ptr()), int(self.meta.host_ptr) + i * self.per * meta.itemsize,
+                                 nb, self.ds)
+        self._crc.launch_tiles(self._args[i], k, blocks, self.ds)
+        self.crc_stats["tiles"] += blocks
+        self.crc_stats["launches"] += 1
+
+    def collect_crcs(self, crcs: list[int]) -> int:
+        """After ``finish``: the CRC32C of every checked piece the device received, into ``crcs[pid]``;
+        returns how many."""
+        if not self.verifies:
+            return 0
+        from ..core.checksums import crc32c_shift
+        from . import crc
+
+        n = len(self._piece_len)
+        self._crc.pieces(int(self.dev_tile0.data_ptr()), int(self.dev_ntiles.data_ptr()), n,
+                         int(self.tile_crc.data_ptr()), int(self.dev_out.data_ptr()), self.ds)
+        self.ds.synchronize()  # the fold ran on the sink's stream, after finish() handed it over
+        raw = self.dev_out[:n].cpu().numpy().view(np.uint32)
+        shifts: dict[int, int] = {}
+        got = 0
+        for pid in range(n):
+            if not self._piece_dev[pid]:
+                continue
+            ln = self._piece_len[pid]
+            op = shifts.get(ln)
+            if op is None:
+                op = shifts[ln] = crc32c_shift(ln)
+            crcs[pid] = crc.raw_to_crc32c(int(raw[pid]), ln, op)
+            got += 1
+        return got
+
     def done(self, i: int) -> bool:
-        return not self.used[i] or bool(self.events[i].query())
+        if not self.used[i]:
+            return True
+        (err,) = driver.bindings().cuEventQuery(self.events[i])
+        if int(err) == _NOT_READY:
+            return False
+        driver.check((err,), "cuEventQuery")
+        return True
 
     def wait(self, i: int) -> None:
         if self.used[i]:
-            self.events[i].synchronize()
+            driver.check(driver.bindings().cuEventSynchronize(self.events[i]), "cuEventSynchronize")
 
     def finish(self) -> None:
-        self.stream.synchronize()
+        self.ds.synchronize()
         # later work on the caller's stream sees the restored bytes
         self._torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def close(self) -> None:
-        self.host = self.index = self.dev = self.dev_index = None  # type: ignore[assignment]
+        """Release the ring (the pinned memory on a helper thread: unpinning 256 MiB is not free) after
+        whatever was queued on the side stream ran."""
+        if self.ring is None:
+            return
+        try:
+            self.ds.synchronize()
+        finally:
+            bufs = [b for b in (self.ring, self.small, getattr(self, "meta", None)) if b is not None]
+            self.ring = self.small = self.meta = None  # type: ignore[assignment]
+            self.dev = self.dev_index = self.dev_meta = self.tile_crc = self.dev_out = None  # type: ignore[assignment]
+            drv = driver.bindings()
+            for ev in self.events:
+                drv.cuEventDestroy(ev)
+            self.events = []
+            dev_no = self.dev_no
+
+            def free() -> None:
+                driver.ensure_context(dev_no)
+                for b in bufs:
+                    b.close()
+
+            threading.Thread(target=free, name="concordia-ring-free", daemon=True).start()

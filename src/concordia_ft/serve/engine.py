@@ -131,6 +131,43 @@ class StepOutput:
     reasons: dict[str, str] = field(default_factory=dict)  # request id -> finish reason (finished here)
 
 
+class _WarmCapture:
+    """A decode graph captured on a helper thread while the main thread restores the pool. The capture holds the
+    GIL for most of its ~0.2 s (a Python forward traced three times); the switch interval is cut to 0.2 ms
+    meanwhile so the restore's driving thread and its copy threads get the GIL back promptly between chunks."""
+
+    SWITCH_S = 2e-4
+
+    def __init__(self, graphs: DecodeGraphs, n: int, keys: int, device: torch.device) -> None:
+        import sys
+        import threading
+
+        self.ok = False
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self._sys = sys
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch, self.SWITCH_S))
+
+        def run() -> None:
+            t = time.perf_counter()
+            try:
+                # the grad mode is per thread: the step captures under inference_mode (_forward_and_sample)
+                with torch.cuda.device(device), torch.inference_mode():
+                    self.ok = graphs.prepare(n, keys)
+            except BaseException as e:  # noqa: BLE001 - the bucket then captures lazily at the first step
+                self.error = e
+            self.seconds = time.perf_counter() - t
+
+        self._thread = threading.Thread(target=run, name="concordia-warm-capture", daemon=True)
+        self._thread.start()
+
+    def join(self) -> dict[str, float]:
+        self._thread.join()
+        self._sys.setswitchinterval(self._switch)
+        return {"warm_capture_s": self.seconds, "warm_captured": float(self.ok)}
+
+
 class Engine:
     """``Engine(model, log_dir, options)``; ``submit()`` requests, ``step()`` until idle; after a crash,
     ``Engine.recover(log_dir, model)`` continues every request from the last committed step."""
@@ -557,51 +594,86 @@ class Engine:
     # -- recovery ----------------------------------------------------------------------------------------
     @classmethod
     def recover(cls, log_dir: str | Path, model: Any, options: EngineOptions | dict[str, Any] | None = None,
-                *, recovery: Any = None, runtime_options: dict[str, Any] | None = None) -> Engine:
+                *, recovery: Any = None, runtime_options: dict[str, Any] | None = None,
+                warm_graphs: bool = True) -> Engine:
         """A new engine from the last committed step of ``log_dir``: every request continues where it was.
-        The log's checksums are verified (replay at open) before any restored byte is used. A GPU pool is
+        Every checksum of the log is verified before any restored byte is used (at the open, or, for a GPU
+        pool, by the streamed restore on the bytes it copies: on the device after each chunk's DMA by default;
+        a mismatch raises ``LogCorruptError`` from here, so no engine exists to serve a block). A GPU pool is
         streamed from the log's segments to the device through a ring of pinned slots (``recovery``: the
         Runtime's RecoveryOptions, or a dict of them; ``{"streamed": False}`` restores through a host image;
-        ``runtime_options``: more keyword arguments of the Runtime that continues the log)."""
+        ``runtime_options``: more keyword arguments of the Runtime that continues the log). ``warm_graphs``:
+        capture the decode graph the first step will replay while the pool is being restored (scratch rows
+        only), so the first token is a replay."""
         from ..recovery import RecoveryOptions
         from ..runtime import open_to_recover
 
         opts = EngineOptions.coerce(options)
         rec_opts = RecoveryOptions.coerce(recovery)
+        cuda = next(model.parameters()).device.type == "cuda"
         if rec_opts.defer_verify is None:
-            # a GPU pool is streamed to the device with its checksums run on the bytes as they are copied (read
+            # a GPU pool is streamed to the device with its checksums run on the bytes as they arrive (read
             # once); a CPU pool is replayed into its own buffer after every checksum passed at the open
-            cuda = next(model.parameters()).device.type == "cuda"
             rec_opts = dataclasses.replace(rec_opts, defer_verify=("kv",) if cuda and rec_opts.streamed else ())
         t0 = time.perf_counter()
+        # (nothing runs beside the open: page-locking the ring or loading the CRC kernels on a helper thread
+        # slowed the open from ~0.13 to 0.28-0.41 s on the H200, more than the ~0.1 s it hid; serve/DESIGN.md)
         rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
                                 runtime_options={**(runtime_options or {}), "recovery": rec_opts})
         try:
-            if m.get("version") != META_VERSION:
-                raise RecoveryError(f"serve metadata version {m.get('version')}; this code reads {META_VERSION}")
-            fp = model_fingerprint(model)
-            if fp != m["fingerprint"]:
-                raise RecoveryError(f"the model is not the one that wrote {log_dir} (fingerprint {fp} != "
-                                    f"{m['fingerprint']}); start the server with the same --model")
-            geo = PoolGeometry(**m["geometry"])
-            want = plan_pool(model.config, num_blocks=geo.num_blocks, block_size=geo.block_size,
-                             dtype=getattr(torch, geo.dtype))
-            if want != geo:
-                raise RecoveryError(f"the model's KV rows are {want}; the log's are {geo}: same model needed")
-            logged = dict(m["options"])
-            opts = EngineOptions(**{**opts.__dict__, **logged, "num_blocks": geo.num_blocks,
-                                    "block_size": geo.block_size, "kv_dtype": geo.dtype})
-            t1 = time.perf_counter()
-            eng = cls(model, log_dir, opts, _recovering=m, _runtime=rt)
-            t2 = time.perf_counter()
-            eng._load(m)
-            # where recover() spent its time: the log's open (replay pass 1: every checksum), the engine (pool
-            # allocation), the restore (regions into the pool, requests from the metadata)
-            eng.recover_phases = {"open_s": t1 - t0, "construct_s": t2 - t1, "load_s": time.perf_counter() - t2}
+            return cls._recover_open(log_dir, model, opts, rt, m, t0, warm_graphs)
         except BaseException:
             rt.close()
             raise
+
+    @classmethod
+    def _recover_open(cls, log_dir: str | Path, model: Any, opts: EngineOptions, rt: Any, m: dict[str, Any],
+                      t0: float, warm_graphs: bool) -> Engine:
+        if m.get("version") != META_VERSION:
+            raise RecoveryError(f"serve metadata version {m.get('version')}; this code reads {META_VERSION}")
+        fp = model_fingerprint(model)
+        if fp != m["fingerprint"]:
+            raise RecoveryError(f"the model is not the one that wrote {log_dir} (fingerprint {fp} != "
+                                f"{m['fingerprint']}); start the server with the same --model")
+        geo = PoolGeometry(**m["geometry"])
+        want = plan_pool(model.config, num_blocks=geo.num_blocks, block_size=geo.block_size,
+                         dtype=getattr(torch, geo.dtype))
+        if want != geo:
+            raise RecoveryError(f"the model's KV rows are {want}; the log's are {geo}: same model needed")
+        logged = dict(m["options"])
+        opts = EngineOptions(**{**opts.__dict__, **logged, "num_blocks": geo.num_blocks,
+                                "block_size": geo.block_size, "kv_dtype": geo.dtype})
+        t1 = time.perf_counter()
+        eng = cls(model, log_dir, opts, _recovering=m, _runtime=rt)
+        t2 = time.perf_counter()
+        warm = eng._start_warm_capture(m) if warm_graphs else None
+        try:
+            eng._load(m)
+        finally:
+            t3 = time.perf_counter()
+            capture = warm.join() if warm is not None else None
+        # where recover() spent its time: the log's open (replay pass 1: every checksum not deferred), the engine
+        # (pool allocation), the restore (regions into the pool, requests from the metadata), the wait for the
+        # first step's graph capture running beside the restore
+        eng.recover_phases = {"open_s": t1 - t0, "construct_s": t2 - t1, "load_s": t3 - t2,
+                              "capture_wait_s": time.perf_counter() - t3}
+        if capture is not None:
+            eng.recover_phases.update(capture)
         return eng
+
+    def _start_warm_capture(self, m: dict[str, Any]) -> _WarmCapture | None:
+        """The capture of the first step's decode graph on a helper thread, when that step is decode-only
+        (every running request has fed all but its last sampled token, nothing waits to be admitted)."""
+        g = self.graphs
+        running = m["running"]
+        if g is None or g.mode != "on" or not running or m["waiting"]:
+            return None
+        if any(int(d["n_computed"]) != int(d["n_tokens"]) - 1 for d in running):
+            return None
+        keys = max(int(d["n_computed"]) for d in running) + 1
+        if g.bucket(len(running), keys) is None:
+            return None
+        return _WarmCapture(g, len(running), keys, self.device)
 
     def _load(self, m: dict[str, Any]) -> None:
         assert self.runtime is not None
@@ -613,8 +685,11 @@ class Engine:
         self.rng.free = [i for i in range(self.opts.max_running) if i not in {d["row"] for d in m["running"]}]
         for d in m["running"]:
             r = self._request(d, [])
-            self._bind_slots(r)
-            r.ids = [int(t) for t in self.tokens[r.slots[: int(d["n_tokens"])]]]
+            table = self.blocks.tables[r.id]  # _bind_slots' table and slots, vectorised (132k slots at 64 x 2k)
+            r.table = torch.as_tensor(table, dtype=torch.long)
+            bs = self.geo.block_size
+            r.slots = (np.asarray(table, dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel().tolist()
+            r.ids = self.tokens[r.slots[: int(d["n_tokens"])]].tolist()  # Python ints
             r.status, r.n_computed, r.row, r.admitted = "running", int(d["n_computed"]), int(d["row"]), int(d["admitted"])
             if not r.params.greedy:
                 r.gen = self.rng.load(r.row)

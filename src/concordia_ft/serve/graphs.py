@@ -121,6 +121,20 @@ class DecodeGraphs:
         nk = next((k for k in self.key_buckets if k >= keys), None)
         return None if nb is None or nk is None else (nb, nk)
 
+    def prepare(self, n: int, keys: int) -> bool:
+        """Capture, ahead of it, the bucket a decode step of ``n`` requests over ``keys`` key positions will
+        replay (a recovering engine does it while its pool is being restored: the capture writes scratch rows
+        only). True when that bucket has a graph."""
+        b = self.bucket(n, keys)
+        if self.mode != "on" or b is None:
+            return False
+        st = self.statics.get(b)
+        if st is None:
+            st = self.statics[b] = _Static(b[0], b[1], self.bs, self.eng.pool.scratch_block, self.eng.device)
+        if st.graph is None and st.failed is None:
+            self._capture(st)
+        return st.graph is not None
+
     @property
     def capture_s(self) -> float:
         return sum(st.capture_s for st in self.statics.values())
