@@ -68,8 +68,13 @@ class EngineOptions:
     # flags, the whole state as JSON, the log written on this thread or by the runtime's Python writer) or "c"
     # (serve/stepepochs.py: the step's rows gathered on the device into a pinned ring before the sampler's sync,
     # cached metadata fragments, the epoch laid out, checksummed and stored by the GIL-free C writer; steps that
-    # do not fit fall back to "runtime"); "auto": "c" where the C writer is built. Not logged (like async_epochs).
-    step_epochs: str = "runtime"
+    # do not fit fall back to "runtime"); "auto": "c" for a CUDA model where the C writer is built, else
+    # "runtime". Not logged (like async_epochs).
+    step_epochs: str = "auto"
+    # async_epochs on step epochs: the most steps whose outputs wait for their epochs to commit at once (the step
+    # waits for the oldest when more are held; outputs committed by a step's end leave then, merged); the
+    # generic path holds one. Not logged.
+    async_depth: int = 8
 
     @classmethod
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
@@ -127,8 +132,29 @@ class StepOutput:
     checkpoint_s: float = 0.0
     epoch_bytes: int = 0
     graph: bool = False  # the forward was a static decode step (captured or padded)
+    steps: int = 1  # engine steps this output covers (async_epochs: several held steps leave together)
     starts: dict[str, int] = field(default_factory=dict)  # request id -> index of its first new token here
     reasons: dict[str, str] = field(default_factory=dict)  # request id -> finish reason (finished here)
+
+
+def _merge(outs: list[StepOutput]) -> StepOutput:
+    """Consecutive steps' outputs as one (async_epochs: held steps whose epochs committed together)."""
+    m = StepOutput(outs[-1].step, outs[-1].epoch, {}, [], graph=all(o.graph for o in outs), steps=0)
+    for o in outs:
+        for rid, toks in o.new_tokens.items():
+            if rid in m.new_tokens:
+                m.new_tokens[rid] = m.new_tokens[rid] + list(toks)
+            else:
+                m.new_tokens[rid] = list(toks)
+                m.starts[rid] = o.starts[rid]
+        m.finished += o.finished
+        m.reasons.update(o.reasons)
+        m.batch_tokens += o.batch_tokens
+        m.forward_s += o.forward_s
+        m.checkpoint_s += o.checkpoint_s
+        m.epoch_bytes += o.epoch_bytes
+        m.steps += o.steps
+    return m
 
 
 class Engine:
@@ -186,29 +212,35 @@ class Engine:
         self.recovered_epoch: int | None = None
         self.recovered: Any = None  # the Runtime's Recovered (timings) after Engine.recover
         self.recover_phases: dict[str, float] = {}  # Engine.recover: seconds per phase
-        self._held: StepOutput | None = None  # async_epochs: the step whose epoch is being written
-        self._pending: Any = None  # ... and that epoch (a PendingEpoch or a StepPending)
+        # async_epochs: the steps whose epochs are being written, oldest first: (output, PendingEpoch/StepPending)
+        self._held: deque[tuple[StepOutput, Any]] = deque()
         self._meta_static: bytes | None = None
         self.runtime = None
         self.fast: Any = None  # StepEpochs (step_epochs="c")
         self._fast_rows: Any = None  # this step's feeds when it may take the step-epoch path
         if opts.step_epochs not in ("runtime", "c", "auto"):
             raise ConfigError(f"step_epochs={opts.step_epochs!r}; use runtime, c or auto")
+        if opts.async_depth < 1:
+            raise ConfigError(f"async_depth={opts.async_depth}; it must be at least 1")
         if opts.checkpoint:
             # step epochs on a GPU: 256 MiB mapped segments (a roll every ~70 steps of 32 rows at 0.6B dims, not
             # every ~17; the next one is prepared ahead either way)
             big = opts.step_epochs in ("c", "auto") and self.device.type == "cuda"
+            from . import stepepochs
+
+            use_c = opts.step_epochs == "c" or (opts.step_epochs == "auto" and self.device.type == "cuda"
+                                                and stepepochs.available())
             self.runtime = _runtime if _runtime is not None else _rt.Runtime(
                 str(log_dir), fsync=opts.fsync, backend=opts.backend, on_compaction_error="warn",
                 log_options={"mapped_segment_bytes": 256 << 20} if big else None)
             self._register(fresh=_recovering is None)
-            from . import stepepochs
-
             if opts.step_epochs == "c" and not stepepochs.available():
                 raise ConfigError("step_epochs='c' needs the C epoch writer, which is not built here "
                                   "(scripts/build_ext.sh, or pip install with a C compiler); use 'auto' or 'runtime'")
-            if opts.step_epochs == "c" or (opts.step_epochs == "auto" and stepepochs.available()):
-                self.fast = stepepochs.StepEpochs(self)
+            if use_c:
+                # pipelined: a ring slot per held step, one being gathered, one spare
+                self.fast = stepepochs.StepEpochs(
+                    self, slots=opts.async_depth + 2 if opts.async_epochs else stepepochs.SLOTS)
 
     def _register(self, *, fresh: bool) -> None:
         rt, geo = self.runtime, self.geo
@@ -274,14 +306,14 @@ class Engine:
     def delivered(self, r: Request) -> tuple[list[int], str | None]:
         """``r``'s generated tokens and finish reason as of the last output that left the engine (with
         ``async_epochs`` the engine is one step ahead of it: that step's tokens are not committed yet)."""
-        held = self._held
-        if held is None or r.id not in held.new_tokens:
-            return list(r.generated), r.finish_reason
-        return r.generated[: held.starts[r.id]], (None if r.id in held.reasons else r.finish_reason)
+        for held, _ in self._held:  # the oldest held step with tokens of r: those and later ones are not out
+            if r.id in held.new_tokens:
+                return r.generated[: held.starts[r.id]], None
+        return list(r.generated), r.finish_reason
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._held is not None)
+        return bool(self.waiting or self.running or self._held)
 
     # -- the step ----------------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -342,7 +374,10 @@ class Engine:
         out = self._advance()
         t1 = time.perf_counter()
         if self._fast_ready(out.step):
-            p = self.fast.submit(out.step, self._meta_json())
+            t2 = time.perf_counter()
+            meta = self._meta_json()
+            self.fast.t["meta"] += time.perf_counter() - t2
+            p = self.fast.submit(out.step, meta)
             out.epoch = p.wait()
             out.epoch_bytes = int(p.stats.total_bytes)
             out.checkpoint_s = time.perf_counter() - t1
@@ -388,34 +423,55 @@ class Engine:
         return out
 
     def _step_async(self) -> StepOutput:
+        """Step N+1's forward runs while the writer commits step N's epoch (a step epoch is handed to the C
+        writer right after N+1's forward was launched); outputs leave once their epochs committed."""
         assert self.runtime is not None
-        if not self.waiting and not self.running and self._held is not None:
-            return self._release()  # nothing left to run: the last step's epoch, then its output
-        out = self._advance()  # its forward ran while the writer committed the previous step's epoch
-        prev = self._release() if self._held is not None else StepOutput(out.step - 1, None, {}, [])
+        if not self.waiting and not self.running and self._held:
+            return self._out(self._release(0))  # nothing left to run: the last epochs, then their outputs
+        out = self._advance()
         t1 = time.perf_counter()
+        released: list[StepOutput] = []
+        if self._held and not hasattr(self._held[-1][1], "poll"):
+            released += self._release(0)  # a generic epoch in flight commits first (the step path leases after it)
         if self._fast_ready(out.step):
-            self._pending = self.fast.submit(out.step, self._meta_json())
+            t2 = time.perf_counter()
+            meta = self._meta_json()
+            self.fast.t["meta"] += time.perf_counter() - t2
+            self._held.append((out, self.fast.prepare(out.step, meta)))
+            out.checkpoint_s = time.perf_counter() - t1
+            released += self._release(self.opts.async_depth)
         else:
+            released += self._release(0)  # the generic path: one epoch in flight at a time
             if self.fast is not None:
                 self.fast.suspend()
-            self._pending = self.runtime.checkpoint_async(meta={META_KEY: self._meta()})
-        out.checkpoint_s = time.perf_counter() - t1
-        self._held = out
-        return prev
+            self._held.append((out, self.runtime.checkpoint_async(meta={META_KEY: self._meta()})))
+            out.checkpoint_s = time.perf_counter() - t1
+        return self._out(released)
 
-    def _release(self) -> StepOutput:
-        """Wait for the held step's epoch to commit; its output may then leave the engine."""
-        held, pending = self._held, self._pending
-        assert held is not None and pending is not None
-        t0 = time.perf_counter()
-        held.epoch = int(pending.wait())
-        held.checkpoint_s += time.perf_counter() - t0
-        stats = getattr(pending, "stats", None)
-        if stats is not None:
-            held.epoch_bytes = int(stats.total_bytes)
-        self._held = self._pending = None
-        return held
+    def _release(self, depth: int) -> list[StepOutput]:
+        """The held steps' outputs that may leave, oldest first: every one whose epoch committed (polled, no
+        wait), after waiting for the oldest while more than ``depth`` are held (a generic epoch is waited for)."""
+        out: list[StepOutput] = []
+        while self._held:
+            held, pending = self._held[0]
+            poll = getattr(pending, "poll", None)
+            if len(self._held) <= depth and poll is not None and not poll():
+                break
+            t0 = time.perf_counter()
+            held.epoch = int(pending.wait())
+            held.checkpoint_s += time.perf_counter() - t0
+            stats = getattr(pending, "stats", None)
+            if stats is not None:
+                held.epoch_bytes = int(stats.total_bytes)
+            self._held.popleft()
+            out.append(held)
+        return out
+
+    def _out(self, released: list[StepOutput]) -> StepOutput:
+        if not released:
+            first = self._held[0][0].step if self._held else self.step_no + 1
+            return StepOutput(first - 1, None, {}, [], steps=0)
+        return released[0] if len(released) == 1 else _merge(released)
 
     @torch.inference_mode()
     def _forward_and_sample(self, feeds: list[tuple[Request, int, int]]) -> tuple[list[int | None], bool]:
@@ -451,6 +507,8 @@ class Engine:
         sync (which then covers the copy)."""
         if self._fast_rows is not None:
             self.fast.gather(self.step_no + 1, self._fast_rows)
+        if self.fast is not None and self.fast.prepared is not None:
+            self.fast.send()  # the previous step's epoch (pipelined), while this forward computes
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:
         if not r.params.ignore_eos and tok in r.params.eos_token_ids:
