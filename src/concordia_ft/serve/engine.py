@@ -241,6 +241,10 @@ class Engine:
                 # pipelined: a ring slot per held step, one being gathered, one spare
                 self.fast = stepepochs.StepEpochs(
                     self, slots=opts.async_depth + 2 if opts.async_epochs else stepepochs.SLOTS)
+            if _recovering is None:
+                # a fresh log's first epoch: the region definitions and the empty engine (step 0), so the first
+                # step's epoch (a prefill, the largest) need not carry the definitions and may take the step path
+                self.runtime.checkpoint(meta={META_KEY: self._meta()})
 
     def _register(self, *, fresh: bool) -> None:
         rt, geo = self.runtime, self.geo
