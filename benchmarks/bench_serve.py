@@ -145,7 +145,7 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: st
     seen: dict[str, list[float]] = {r.id: [] for r in reqs}
     graph_steps = calls = 0
     captured = 0.0
-    prefill_bytes = 0
+    prefill_bytes = total_bytes = 0
     sync(device)
     t_start = time.perf_counter()
     while eng.has_work:
@@ -164,6 +164,7 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: st
             steps.append(t1 - t0)
         for rid, toks in out.new_tokens.items():
             seen[rid] += [t1 - captured] * len(toks)
+        total_bytes += out.epoch_bytes
         if out.steps == 1 and out.new_tokens:
             if out.batch_tokens == len(out.new_tokens):
                 nbytes.append(out.epoch_bytes)
@@ -184,7 +185,7 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: st
             "step_p99_ms": 1e3 * percentile(steps, 99), "tok_s_decode": n * len(steps) / sum(steps),
             "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
             "ttft_p50_ms": 1e3 * median(ttft), "bytes_per_step": median(nbytes) if nbytes else 0,
-            "prefill_epoch_bytes": prefill_bytes, "decode_steps": len(steps), "step_calls": calls,
+            "prefill_epoch_bytes": prefill_bytes, "epoch_bytes_total": total_bytes, "decode_steps": len(steps), "step_calls": calls,
             "graph_steps": graph_steps, "capture_s": captured, "tokens": tokens,
             **({f"step_epoch_{k}_ms": 1e3 * v / max(1, fast.steps) for k, v in fast.t.items()} | {
                 "step_epochs": fast.steps, "step_epoch_bulk": fast.bulk_steps, "step_epoch_rolls": fast.rolls,
@@ -216,7 +217,8 @@ def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: in
             row[f"cost_run_{m}_pct"] = 100 * (1 - med[m]["tok_s_run"] / base["tok_s_run"])
             row[f"cost_step_{m}_pct"] = 100 * (med[m]["step_p50_ms"] / base["step_p50_ms"] - 1)
             row[f"bytes_per_step_{m}"] = med[m]["bytes_per_step"]
-            row[f"prefill_epoch_bytes_{m}"] = med[m]["prefill_epoch_bytes"]
+            row[f"prefill_epoch_bytes_{m}"] = med[m]["prefill_epoch_bytes"]  # 0: it left merged with later steps
+            row[f"epoch_bytes_total_{m}"] = med[m]["epoch_bytes_total"]
             row.update({f"{k}_{m}": v for k, v in med[m].items() if k.startswith("step_epoch")})
         row.update({"bytes_per_step": med[modes[-1]]["bytes_per_step"], "decode_steps": base["decode_steps"],
                     "graph_steps": base["graph_steps"], "capture_s": base["capture_s"],
