@@ -32,7 +32,9 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per forward at most (default 2048)")
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--batch-wait-ms", type=int, default=0,
-                   help="an idle engine waits this long for more arrivals before its first step (default 0)")
+                   help="an idle engine waits this long for more arrivals before its first step, and a "
+                        "recovered one as long for the clients of its in-flight requests (with an "
+                        "Idempotency-Key) to reconnect (default 0)")
     p.add_argument("--fsync", default="never", choices=("never", "always", "interval"),
                    help="never (default): survives kill -9 (the page cache holds the log); always: power loss too")
     p.add_argument("--no-checkpoint", action="store_true", help="no log at all (for comparisons only)")

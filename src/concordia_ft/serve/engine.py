@@ -260,6 +260,7 @@ class Engine:
     def submit(self, prompt: list[int], params: SamplingParams, *, request_id: str | None = None,
                key: str | None = None, digest: str = "", info: dict[str, Any] | None = None) -> Request:
         """Queue a request (it joins the batch at the next step); raises ContextLengthError / QueueFullError."""
+        self._materialize()
         params.check()
         if not prompt:
             raise ConfigError("the prompt is empty: a request needs at least one token")
@@ -293,11 +294,13 @@ class Engine:
 
     def collect(self, request_id: str) -> None:
         """The caller delivered this finished output; it may now be evicted first (logged at the next step)."""
+        self._materialize()
         r = self.finished.get(request_id)
         if r is not None:
             r.collected = True
 
     def abort(self, request_id: str) -> None:
+        self._materialize()
         r = self.running.get(request_id)
         if r is not None:
             self._retire(r, "abort")
@@ -395,10 +398,19 @@ class Engine:
     def _fast_ready(self, step: int) -> bool:
         return self._fast_rows is not None and self.fast.ready(step)
 
+    def _materialize(self) -> None:
+        """A deferred step epoch (pipelined) is prepared before the engine's state changes."""
+        if self.fast is not None and self.fast.deferred is not None:
+            self.fast.materialize()
+
     def _advance(self) -> StepOutput:
+        if self.waiting:
+            self._materialize()  # an admission changes the state
         self._admit()
         out = StepOutput(self.step_no + 1, None, {}, [])
         feeds = self._plan_feeds(self.order())
+        if not feeds:
+            self._materialize()  # no forward to overlap: this step's end changes the state
         self._fast_rows = self.fast.plan(feeds) if self.fast is not None else None
         if self._fast_rows is not None and not feeds:
             self.fast.gather(out.step, self._fast_rows)
@@ -438,10 +450,8 @@ class Engine:
         if self._held and not hasattr(self._held[-1][1], "poll"):
             released += self._release(0)  # a generic epoch in flight commits first (the step path leases after it)
         if self._fast_ready(out.step):
-            t2 = time.perf_counter()
-            meta = self._meta_json()
-            self.fast.t["meta"] += time.perf_counter() - t2
-            self._held.append((out, self.fast.prepare(out.step, meta)))
+            # prepared when the state is about to change, or after the next forward's launch (_gather_rows)
+            self._held.append((out, self.fast.defer(out.step, self._meta_json)))
             out.checkpoint_s = time.perf_counter() - t1
             released += self._release(self.opts.async_depth)
         else:
@@ -511,7 +521,7 @@ class Engine:
         sync (which then covers the copy)."""
         if self._fast_rows is not None:
             self.fast.gather(self.step_no + 1, self._fast_rows)
-        if self.fast is not None and self.fast.prepared is not None:
+        if self.fast is not None and (self.fast.prepared is not None or self.fast.deferred is not None):
             self.fast.send()  # the previous step's epoch (pipelined), while this forward computes
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:

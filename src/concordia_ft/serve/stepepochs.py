@@ -76,6 +76,8 @@ class StepPending:
         self.event: Any = None  # the side stream's copy of its rows (CUDA), None when done or none
         self.keep: list[Any] = []  # host memory its records name that is not the ring's (kept until committed)
         self.bulk = False  # its rows are in the bulk buffer (a step larger than a ring slot)
+        self.gathered: Any = None  # deferred: the step's gathered rows, until ``materialize``
+        self.meta_fn: Any = None  # deferred: builds the metadata JSON (the engine's state is still the step's)
 
     def wait(self) -> int:
         if not self.done:
@@ -161,6 +163,7 @@ class StepEpochs:
         self._bytes_seen = 0
         self.gathered: tuple[int, npt.NDArray[np.int64], Any, bool] | None = None  # the step in flight
         self.prepared: StepPending | None = None  # prepared, not sent yet (pipelined)
+        self.deferred: StepPending | None = None  # not even prepared yet (pipelined: ``defer``)
         self.committed_seq = -1
         self.bytes0 = 0  # the writer's bytes_written / epochs at the last count
         self.epochs0 = 0
@@ -170,6 +173,7 @@ class StepEpochs:
         self.inflight: list[StepPending] = []
         self.t = dict.fromkeys(PHASES, 0.0)  # host seconds in each phase, all steps
         self.rolls = 0  # segment rolls done on the engine's thread
+        self.overlapped = 0  # deferred epochs prepared and sent while the next forward ran (pipelined)
         # benchmark attribution only (bench_serve.py --modes c-async:nogpu / :nowriter): "gpu" skips the rows'
         # gather and copy, "writer" the C writer (the epoch counts as committed): the log is then WRONG
         self._ablate = os.environ.get("CONCORDIA_STEP_EPOCH_ABLATE", "")
@@ -235,7 +239,9 @@ class StepEpochs:
         return self.idx_host[k * self.cap_rows: k * self.cap_rows + n]
 
     def _bulk_view(self, n: int) -> torch.Tensor:
-        """The bulk buffer as ``n`` rows, once the epoch that last used it committed."""
+        """The bulk buffer as ``n`` rows, once the epoch that last used it committed (a deferred one is sent
+        first: gather runs right after the forward's launch, the state is still the deferred step's)."""
+        self.send()
         if self.bulk_p is not None:
             self.bulk_p.wait()
             self.bulk_p = None
@@ -279,16 +285,50 @@ class StepEpochs:
         self.send()
         return p
 
+    def defer(self, seq: int, meta_fn: Any) -> StepPending:
+        """At the end of step ``seq`` (pipelined): its epoch, to be prepared later from the engine's state,
+        which the engine keeps as the step left it until then: ``materialize`` runs before anything changes it
+        (an admission, a submit, collect or abort, a step without a forward), else ``send`` after the next
+        forward's launch (the host work then overlaps the GPU's)."""
+        assert self.gathered is not None and self.gathered[0] == seq
+        self.materialize()
+        if self.prepared is not None:
+            self.send()
+        p = StepPending(self, seq, -1, ((), (), ()))
+        p.gathered, p.meta_fn = self.gathered, meta_fn
+        self.gathered = None
+        self.deferred = p
+        return p
+
+    def materialize(self, *, overlapped: bool = False) -> None:
+        """Prepare the deferred step epoch now (its metadata and host pages are the engine's state now)."""
+        p = self.deferred
+        if p is None:
+            return
+        self.deferred = None
+        self.overlapped += overlapped
+        t0 = time.perf_counter()
+        meta = p.meta_fn()
+        self.t["meta"] += time.perf_counter() - t0
+        g, p.gathered, p.meta_fn = p.gathered, None, None
+        self._prepare(p, g, meta)
+
     def prepare(self, seq: int, meta_json: bytes) -> StepPending:
         """At the end of step ``seq``: its host pages (``tokens``, ``rng``) into its slot, their flags cleared,
-        its records; ``send()`` hands it to the writer (a pipelined engine: after the next forward's launch)."""
-        eng = self.eng
-        t0 = time.perf_counter()
+        its records; ``send()`` hands it to the writer."""
         assert self.gathered is not None and self.gathered[0] == seq
+        self.materialize()
         if self.prepared is not None:  # (a step with no forward: the one before it was not sent yet)
             self.send()
-        _, rows, kv_rec, bulk = self.gathered
-        self.gathered = None
+        g, self.gathered = self.gathered, None
+        p = StepPending(self, seq, -1, ((), (), ()))
+        self._prepare(p, g, meta_json)
+        return p
+
+    def _prepare(self, p: StepPending, gathered: Any, meta_json: bytes) -> None:
+        eng = self.eng
+        t0 = time.perf_counter()
+        seq, rows, kv_rec, bulk = gathered
         if self.writer is None:
             self.writer = slotlog.StepLogWriter(eng.runtime.log, queue=self.n_slots + 2, threads=self.threads)
             st = self.writer.state()
@@ -297,7 +337,7 @@ class StepEpochs:
         base = (seq % self.n_slots) * self.slot_bytes
         tb = np.flatnonzero(eng.tokens_dirty)
         rr = np.flatnonzero(eng.rng.dirty)
-        p = StepPending(self, seq, self.writer.next_epoch, (rows, tb, rr))
+        p.epoch, p.taken = self.writer.next_epoch, (rows, tb, rr)
         records = p.records
         if len(rows):
             records.append(kv_rec)
@@ -327,10 +367,11 @@ class StepEpochs:
         self.writer.next_epoch += 1
         self.prepared = p
         self.t["prepare"] += time.perf_counter() - t0
-        return p
 
     def send(self) -> None:
-        """Hand the prepared epoch to the C writer (once its rows are in the ring: the side stream's copy)."""
+        """Hand the prepared (or deferred) epoch to the C writer (once its rows are in the ring: the side
+        stream's copy)."""
+        self.materialize(overlapped=True)
         p = self.prepared
         if p is None:
             return
@@ -376,7 +417,7 @@ class StepEpochs:
 
     def wait(self, p: StepPending) -> None:
         if not p.sent:
-            assert self.prepared is p
+            assert self.prepared is p or self.deferred is p
             self.send()
             if p.done:
                 return
@@ -422,8 +463,7 @@ class StepEpochs:
         """End the lease (the writer commits what it was given first); the generic path may append again."""
         if self.writer is None:
             return
-        if self.prepared is not None:
-            self.prepared.wait()
+        self.send()
         for p in list(self.inflight):
             p.wait()
         w = self.writer
