@@ -376,6 +376,15 @@ class Engine:
         With ``async_epochs``: returns what the previous step produced, once its epoch committed (this step's
         epoch is written in the background while the next step computes; ``has_work`` stays True until the
         last step's output was returned)."""
+        out = self._step()
+        f = self.fast
+        if f is not None and f.writer is not None and (not self.has_work or self.runtime.log.lease_wanted):
+            # idle, or a compaction waits to seal the log: the step-epoch writer's lease ends now (not at the next
+            # step, which may be long in coming); the next step that fits takes it again
+            f.suspend()
+        return out
+
+    def _step(self) -> StepOutput:
         if self.opts.async_epochs and self.runtime is not None:
             return self._step_async()
         out = self._advance()
