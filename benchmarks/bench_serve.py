@@ -89,7 +89,8 @@ def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
 # writer commits; c-async: pipelined, up to async_depth steps held until their epochs committed). A mode may take
 # suffixes: ":dN" (async_depth N), and, to attribute the cost only (the log is then WRONG; tokens are not
 # affected), ":nogpu" (no gather or copy of the rows on the side stream) or ":nowriter" (no C writer); and
-# ":nocompact" (the log never compacts: by default a compaction starts every 256 MiB appended, in every mode).
+# ":nocompact" (the log never compacts: by default the engine compacts after twice its pool's bytes appended);
+# ":tN": the C writer's copy + CRC threads (default min(4, cores - 2)).
 EPOCHS = ("none", "sync", "async", "c", "c-async")
 MODE_OPTIONS: dict[str, dict[str, Any]] = {
     "none": {"checkpoint": False}, "sync": {"step_epochs": "runtime"},
@@ -101,13 +102,15 @@ def mode_options(mode: str) -> tuple[dict[str, Any], str]:
     """Engine options and the ablation (CONCORDIA_STEP_EPOCH_ABLATE) of a mode with its suffixes."""
     base, *sfx = mode.split(":")
     if base not in MODE_OPTIONS:
-        raise ValueError(f"unknown mode {mode!r} (of {EPOCHS}, suffixes :dN :nogpu :nowriter :nocompact)")
+        raise ValueError(f"unknown mode {mode!r} (of {EPOCHS}, suffixes :dN :tN :nogpu :nowriter :nocompact)")
     opts, ablate = dict(MODE_OPTIONS[base]), ""
     for x in sfx:
         if x.startswith("d") and x[1:].isdigit():
             opts["async_depth"] = int(x[1:])
         elif x in ("nogpu", "nowriter") and base.startswith("c"):
             ablate = x[2:]
+        elif x.startswith("t") and x[1:].isdigit() and base.startswith("c"):
+            opts["_threads"] = x[1:]
         elif x == "nocompact" and base != "none":
             opts["_nocompact"] = True
         else:
@@ -126,18 +129,21 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: st
     vocab = int(model.config.vocab_size)
     d, backend = log_dir(n * (prompt + new) * 200_000) if epochs != "none" else (None, "file")
     os.environ["CONCORDIA_STEP_EPOCH_ABLATE"] = ablate
-    rt = None
-    if opts.pop("_nocompact", False):  # the engine's own Runtime, but never compacting
-        from concordia_ft.runtime import Runtime
-
-        assert d is not None
-        rt = Runtime(str(d / "log"), fsync="never", backend=backend, on_compaction_error="warn",
-                     compact_after_bytes=None, log_options={"mapped_segment_bytes": 256 << 20})
+    threads = opts.pop("_threads", None)
+    if threads:
+        os.environ["CONCORDIA_STEP_EPOCH_THREADS"] = threads
+    nocompact = opts.pop("_nocompact", False)
+    t_construct = time.perf_counter()
     try:
         eng = Engine(model, None if d is None else d / "log", options(n, prompt, new, backend=backend, graphs=graphs,
-                                                                      **opts), _runtime=rt)
+                                                                      **opts))
+        if nocompact:  # the engine's own Runtime, but never compacting
+            eng.runtime._compact_after = None
     finally:
         os.environ.pop("CONCORDIA_STEP_EPOCH_ABLATE", None)
+        if threads:
+            os.environ.pop("CONCORDIA_STEP_EPOCH_THREADS", None)
+    construct_s = time.perf_counter() - t_construct  # (the log's first segment and epoch: not in the run)
     reqs = [eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
             for p in prompts(n, prompt, vocab)]
     steps: list[float] = []
@@ -181,7 +187,7 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: st
     itl = [b - a for ts in seen.values() for a, b in zip(ts, ts[1:], strict=False)]
     ttft = [ts[0] - t_start for ts in seen.values() if ts]
     run_s = t_end - t_start - captured
-    return {"tok_s_run": total / run_s, "run_s": run_s, "step_p50_ms": 1e3 * median(steps),
+    return {"tok_s_run": total / run_s, "run_s": run_s, "construct_s": construct_s, "step_p50_ms": 1e3 * median(steps),
             "step_p99_ms": 1e3 * percentile(steps, 99), "tok_s_decode": n * len(steps) / sum(steps),
             "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
             "ttft_p50_ms": 1e3 * median(ttft), "bytes_per_step": median(nbytes) if nbytes else 0,
@@ -210,7 +216,7 @@ def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: in
         base = med["none"]
         row: dict[str, Any] = {"concurrent": n, "graphs": graphs}
         for m in modes:
-            for k in ("tok_s_run", "step_p50_ms", "step_p99_ms", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms",
+            for k in ("tok_s_run", "run_s", "construct_s", "step_p50_ms", "step_p99_ms", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms",
                       "tok_s_decode"):
                 row[f"{k}_{m}"] = med[m][k]
         for m in modes[1:]:

@@ -223,16 +223,13 @@ class Engine:
         if opts.async_depth < 1:
             raise ConfigError(f"async_depth={opts.async_depth}; it must be at least 1")
         if opts.checkpoint:
-            # step epochs on a GPU: 256 MiB mapped segments (a roll every ~70 steps of 32 rows at 0.6B dims, not
-            # every ~17; the next one is prepared ahead either way)
-            big = opts.step_epochs in ("c", "auto") and self.device.type == "cuda"
             from . import stepepochs
 
             use_c = opts.step_epochs == "c" or (opts.step_epochs == "auto" and self.device.type == "cuda"
                                                 and stepepochs.available())
             self.runtime = _runtime if _runtime is not None else _rt.Runtime(
                 str(log_dir), fsync=opts.fsync, backend=opts.backend, on_compaction_error="warn",
-                log_options={"mapped_segment_bytes": 256 << 20} if big else None)
+                compact_after_bytes=max(256 << 20, 2 * self.geo.nbytes), log_options=self._log_options())
             self._register(fresh=_recovering is None)
             if opts.step_epochs == "c" and not stepepochs.available():
                 raise ConfigError("step_epochs='c' needs the C epoch writer, which is not built here "
@@ -245,6 +242,15 @@ class Engine:
                 # a fresh log's first epoch: the region definitions and the empty engine (step 0), so the first
                 # step's epoch (a prefill, the largest) need not carry the definitions and may take the step path
                 self.runtime.checkpoint(meta={META_KEY: self._meta()})
+
+    def _log_options(self) -> dict[str, Any] | None:
+        """A GPU engine's mapped log segments hold its largest step's epoch (a full prefill of
+        ``max_batch_tokens`` rows) with room to spare, so that epoch lands in a segment prepared ahead (created,
+        faulted in and registered off the step) rather than in one made on the spot: 256 MiB to 1 GiB."""
+        if self.device.type != "cuda":
+            return None
+        big = self.opts.max_batch_tokens * self.geo.row_bytes + (64 << 20)
+        return {"mapped_segment_bytes": min(1 << 30, max(256 << 20, -(-big // (64 << 20)) * (64 << 20)))}
 
     def _register(self, *, fresh: bool) -> None:
         rt, geo = self.runtime, self.geo

@@ -61,6 +61,25 @@ def available() -> bool:
     return slotlog.available()
 
 
+# pinned bulk buffers of closed engines, kept for the next one in this process (page-locking half a GiB takes
+# ~0.3 s on the H200's host: a server pays it once, not at every engine it builds)
+_SPARE_BULK: list[torch.Tensor] = []
+_SPARE_BULK_MAX = 2
+
+
+def _take_bulk(size: int, pinned: bool) -> torch.Tensor:
+    for i, t in enumerate(_SPARE_BULK):
+        if t.numel() >= size and t.is_pinned() == pinned:
+            return _SPARE_BULK.pop(i)
+    return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+
+
+def _give_bulk(t: torch.Tensor) -> None:
+    _SPARE_BULK.append(t)
+    _SPARE_BULK.sort(key=lambda x: -x.numel())
+    del _SPARE_BULK[_SPARE_BULK_MAX:]
+
+
 class StepPending:
     """One step epoch for the C writer: ``wait()`` returns its number once committed. A pipelined engine
     ``prepare``s it at the end of its step (the host parts copied, the flags cleared) and ``send``s it after the
@@ -104,8 +123,8 @@ class _Bytes:
 # ``prepare`` (the host pages into the slot, flags cleared, at the step's end), ``copy_wait`` (send: the side
 # stream's copy of the rows not done yet), ``send`` (blob + hand-off to the C writer, copy_wait included),
 # ``wait`` (for the writer's commit), ``roll`` (segment rolls on the engine's thread), ``meta`` (the engine's
-# metadata JSON)
-PHASES = ("gather", "prepare", "copy_wait", "send", "wait", "roll", "meta")
+# metadata JSON), ``alloc`` (the pinned bulk buffer, inside ``gather``)
+PHASES = ("gather", "prepare", "copy_wait", "send", "wait", "roll", "meta", "alloc")
 BULK_MAX_BYTES = 2 << 30
 COUNT_BYTES = 32 << 20  # the writer's bytes go to the runtime's compaction count at least this often  # a step with more rows than this goes through the generic path
 
@@ -247,9 +266,11 @@ class StepEpochs:
             self.bulk_p = None
         need = n * self.row_bytes
         if self.bulk is None or self.bulk.numel() < need:
-            self.bulk = None
-            size = 1 << max(20, (need - 1).bit_length())
-            self.bulk = torch.empty(size, dtype=torch.uint8, pin_memory=self.cuda)
+            t0 = time.perf_counter()
+            if self.bulk is not None:
+                _give_bulk(self.bulk)
+            self.bulk = _take_bulk(1 << max(20, (need - 1).bit_length()), self.cuda)
+            self.t["alloc"] += time.perf_counter() - t0
         if self.cuda and self.bulk_idx_dev.numel() < n:  # (the last bulk step's side work is done: it committed)
             self.bulk_idx_dev = torch.empty(1 << (n - 1).bit_length(), dtype=torch.long, device=self.device)
         return self.bulk[:need].view(n, self.row_bytes)
@@ -498,6 +519,11 @@ class StepEpochs:
 
     def close(self) -> None:
         self.suspend()
+        if self.bulk is not None:  # the next engine of this process takes it (no copy into it left running)
+            if self.cuda:
+                self.bulk_copied.synchronize()
+            _give_bulk(self.bulk)
+            self.bulk = None
 
 
 __all__ = ["StepEpochs", "StepPending", "available"]
