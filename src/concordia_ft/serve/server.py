@@ -189,7 +189,7 @@ class EngineThread:
 
     def _count(self, out: StepOutput) -> None:
         m = self.metrics
-        m["steps"] += 1
+        m["steps"] += out.steps  # engine steps whose outputs left (pipelined: several may leave together)
         m["epochs"] += out.epoch is not None
         m["epoch_bytes"] += out.epoch_bytes
         m["tokens"] += sum(len(t) for t in out.new_tokens.values())
