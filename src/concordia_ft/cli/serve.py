@@ -45,9 +45,9 @@ def add_arguments(sub: Any) -> None:
                    help="how a step's epoch is written: c (the step's rows gathered on the device, the epoch "
                         "committed by the GIL-free C writer), runtime (the generic checkpoint path), or auto "
                         "(default: c on a CUDA device where the C writer is built, else runtime)")
-    p.add_argument("--async-depth", type=int, default=8,
+    p.add_argument("--async-depth", type=int, default=24,
                    help="with --async-epochs on step epochs: the most steps whose tokens wait for their epochs "
-                        "at once (default 8; the engine waits when more are)")
+                        "at once (default 24; the engine waits when more are)")
     p.add_argument("--graphs", default="auto", choices=("auto", "on", "padded", "off"),
                    help="decode steps as CUDA graphs per batch bucket (auto: on a CUDA device)")
 

@@ -73,8 +73,8 @@ class EngineOptions:
     step_epochs: str = "auto"
     # async_epochs on step epochs: the most steps whose outputs wait for their epochs to commit at once (the step
     # waits for the oldest when more are held; outputs committed by a step's end leave then, merged); the
-    # generic path holds one. Not logged.
-    async_depth: int = 8
+    # generic path holds one; a ring slot of pinned memory per held step. Not logged.
+    async_depth: int = 24
 
     @classmethod
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:

@@ -135,9 +135,11 @@ class StepEpochs:
     def __init__(self, engine: Any, *, cap_rows: int | None = None, slots: int = SLOTS,
                  threads: int | None = None, bulk_max_bytes: int = BULK_MAX_BYTES) -> None:
         eng = self.eng = engine
-        # the C writer's copy + CRC threads for the rows (the decode thread and the GPU's feeder keep a core each)
+        # the C writer's copy + CRC threads for the rows (the decode thread, the GPU's feeder and the log's
+        # background work keep a core each): a prefill's epoch of hundreds of MB is written by all of them
+        # (H200 host, 16 cores, 32 requests: 12 threads cut the whole-run cost 22.2 -> 17.0%)
         self.threads = int(threads) if threads else int(os.environ.get(
-            "CONCORDIA_STEP_EPOCH_THREADS", max(1, min(4, (os.cpu_count() or 1) - 2))))
+            "CONCORDIA_STEP_EPOCH_THREADS", max(1, min(12, (os.cpu_count() or 1) - 4))))
         geo = eng.geo
         self.device = eng.device
         self.cuda = self.device.type == "cuda"
