@@ -85,83 +85,153 @@ def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------------------------ throughput
-# no log; an epoch per step; an epoch per step written during the next step (the runtime's Python writer); the same
-# two through step epochs (step_epochs="c": rows gathered on the device into a pinned ring, the C writer commits)
+# no log; an epoch per step through the Runtime (sync; async: written during the next step by its Python writer);
+# the same two through step epochs (step_epochs="c": rows gathered on the device into a pinned ring, the GIL-free C
+# writer commits; c-async: pipelined, up to async_depth steps held until their epochs committed). A mode may take
+# suffixes: ":dN" (async_depth N), and, to attribute the cost only (the log is then WRONG; tokens are not
+# affected), ":nogpu" (no gather or copy of the rows on the side stream) or ":nowriter" (no C writer); and
+# ":nocompact" (the log never compacts: by default the engine compacts after twice its pool's bytes appended);
+# ":tN": the C writer's copy + CRC threads (default min(4, cores - 2)).
 EPOCHS = ("none", "sync", "async", "c", "c-async")
 MODE_OPTIONS: dict[str, dict[str, Any]] = {
-    "none": {"checkpoint": False}, "sync": {}, "async": {"async_epochs": True},
+    "none": {"checkpoint": False}, "sync": {"step_epochs": "runtime"},
+    "async": {"step_epochs": "runtime", "async_epochs": True},
     "c": {"step_epochs": "c"}, "c-async": {"step_epochs": "c", "async_epochs": True}}
+
+
+def mode_options(mode: str) -> tuple[dict[str, Any], str]:
+    """Engine options and the ablation (CONCORDIA_STEP_EPOCH_ABLATE) of a mode with its suffixes."""
+    base, *sfx = mode.split(":")
+    if base not in MODE_OPTIONS:
+        raise ValueError(f"unknown mode {mode!r} (of {EPOCHS}, suffixes :dN :tN :nogpu :nowriter :nocompact)")
+    opts, ablate = dict(MODE_OPTIONS[base]), ""
+    for x in sfx:
+        if x.startswith("d") and x[1:].isdigit():
+            opts["async_depth"] = int(x[1:])
+        elif x in ("nogpu", "nowriter") and base.startswith("c"):
+            ablate = x[2:]
+        elif x.startswith("t") and x[1:].isdigit() and base.startswith("c"):
+            opts["_threads"] = x[1:]
+        elif x == "nocompact" and base != "none":
+            opts["_nocompact"] = True
+        else:
+            raise ValueError(f"unknown suffix {x!r} of mode {mode!r}")
+    return opts, ablate
 
 
 def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: str | bool,
               graphs: str = "auto") -> dict[str, Any]:
+    """One engine, n requests submitted at once, stepped until idle. Per step() call its wall time (a decode
+    step: every running request decodes one token, no graph captured); per request the times its tokens left
+    the engine (committed). Whole-run throughput: every generated token over the wall time from the first
+    step() to the last output, minus the graph captures (a one-off per engine and bucket, alike in every mode)."""
     epochs = {False: "none", True: "sync"}.get(epochs, epochs)  # type: ignore[call-overload]
+    opts, ablate = mode_options(epochs)
     vocab = int(model.config.vocab_size)
     d, backend = log_dir(n * (prompt + new) * 200_000) if epochs != "none" else (None, "file")
-    eng = Engine(model, None if d is None else d / "log",
-                 options(n, prompt, new, backend=backend, graphs=graphs, **MODE_OPTIONS[epochs]))
-    for p in prompts(n, prompt, vocab):
-        eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
+    os.environ["CONCORDIA_STEP_EPOCH_ABLATE"] = ablate
+    threads = opts.pop("_threads", None)
+    if threads:
+        os.environ["CONCORDIA_STEP_EPOCH_THREADS"] = threads
+    nocompact = opts.pop("_nocompact", False)
+    t_construct = time.perf_counter()
+    try:
+        eng = Engine(model, None if d is None else d / "log", options(n, prompt, new, backend=backend, graphs=graphs,
+                                                                      **opts))
+        if nocompact:  # the engine's own Runtime, but never compacting
+            eng.runtime._compact_after = None
+    finally:
+        os.environ.pop("CONCORDIA_STEP_EPOCH_ABLATE", None)
+        if threads:
+            os.environ.pop("CONCORDIA_STEP_EPOCH_THREADS", None)
+    construct_s = time.perf_counter() - t_construct  # (the log's first segment and epoch: not in the run)
+    reqs = [eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
+            for p in prompts(n, prompt, vocab)]
     steps: list[float] = []
     nbytes: list[int] = []
-    decode_tokens = graph_steps = 0
+    seen: dict[str, list[float]] = {r.id: [] for r in reqs}
+    graph_steps = calls = 0
     captured = 0.0
+    prefill_bytes = total_bytes = 0
+    sync(device)
+    t_start = time.perf_counter()
     while eng.has_work:
         c0 = eng.graphs.capture_s if eng.graphs is not None else 0.0
+        decode = not eng.waiting and bool(eng.running) and all(
+            len(r.ids) - r.n_computed == 1 for r in eng.running.values())
         t0 = time.perf_counter()
         out = eng.step()
         sync(device)
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        calls += 1
         c1 = eng.graphs.capture_s if eng.graphs is not None else 0.0
         if c1 != c0:  # this step captured a bucket's graph: a one-off per engine and bucket, reported apart
             captured += c1 - c0
-            continue
-        if out.batch_tokens == len(out.new_tokens) and out.batch_tokens:  # a pure decode step
-            steps.append(dt)
-            decode_tokens += out.batch_tokens
-            nbytes.append(out.epoch_bytes)
-            graph_steps += out.graph
+        elif decode:
+            steps.append(t1 - t0)
+        for rid, toks in out.new_tokens.items():
+            seen[rid] += [t1 - captured] * len(toks)
+        total_bytes += out.epoch_bytes
+        if out.steps == 1 and out.new_tokens:
+            if out.batch_tokens == len(out.new_tokens):
+                nbytes.append(out.epoch_bytes)
+                graph_steps += out.graph
+            else:
+                prefill_bytes += out.epoch_bytes
+    t_end = time.perf_counter()
     fast = eng.fast
-    tokens = [r.generated for r in sorted(eng.finished.values(), key=lambda r: r.seq)]  # ids are random
+    tokens = [r.generated for r in reqs]  # ids are random
     eng.close()
     if d is not None:
         shutil.rmtree(d, ignore_errors=True)
-    return {"tok_s": decode_tokens / sum(steps), "itl_p50_ms": 1e3 * median(steps),
-            "itl_p99_ms": 1e3 * percentile(steps, 99), "bytes_per_step": median(nbytes) if nbytes else 0,
-            "decode_steps": len(steps), "graph_steps": graph_steps, "capture_s": captured, "tokens": tokens,
+    total = sum(len(t) for t in tokens)
+    itl = [b - a for ts in seen.values() for a, b in zip(ts, ts[1:], strict=False)]
+    ttft = [ts[0] - t_start for ts in seen.values() if ts]
+    run_s = t_end - t_start - captured
+    return {"tok_s_run": total / run_s, "run_s": run_s, "construct_s": construct_s, "step_p50_ms": 1e3 * median(steps),
+            "step_p99_ms": 1e3 * percentile(steps, 99), "tok_s_decode": n * len(steps) / sum(steps),
+            "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
+            "ttft_p50_ms": 1e3 * median(ttft), "bytes_per_step": median(nbytes) if nbytes else 0,
+            "prefill_epoch_bytes": prefill_bytes, "epoch_bytes_total": total_bytes, "decode_steps": len(steps), "step_calls": calls,
+            "graph_steps": graph_steps, "capture_s": captured, "tokens": tokens,
             **({f"step_epoch_{k}_ms": 1e3 * v / max(1, fast.steps) for k, v in fast.t.items()} | {
-                "step_epochs": fast.steps, "step_epoch_rolls": fast.rolls} if fast is not None else {})}
+                "step_epochs": fast.steps, "step_epoch_bulk": fast.bulk_steps, "step_epoch_rolls": fast.rolls,
+                "step_epoch_fallbacks": fast.fallbacks} if fast is not None else {})}
 
 
 def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: int, new: int,
                      rounds: int, graphs: str = "auto", modes: tuple[str, ...] = EPOCHS,
                      on_row: Any = None) -> list[dict[str, Any]]:
+    """Medians over ``rounds`` rounds; each round runs every mode once, in an order rotated by the round (a
+    noisy host, a warming cache or the pinned allocator hit every mode alike)."""
     run_batch(model, device, 2, 16, 4, False, graphs)  # warm up kernels
     rows = []
     for n in concurrency:
         got: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         t0 = time.perf_counter()
-        for _ in range(rounds):  # interleaved: a noisy host hits every mode alike
-            for m in modes:
+        for i in range(rounds):
+            for m in modes[i % len(modes):] + modes[: i % len(modes)]:
                 got[m].append(run_batch(model, device, n, prompt, new, m, graphs))
         same = all(r["tokens"] == got["none"][0]["tokens"] for runs in got.values() for r in runs)
         med = {m: _med(got[m]) for m in modes}
         base = med["none"]
-        row: dict[str, Any] = {"concurrent": n, "graphs": graphs, "tok_s_none": base["tok_s"]}
-        for m in modes[1:]:
-            row[f"tok_s_{m}"] = med[m]["tok_s"]
-            row[f"cost_{m}_pct"] = 100 * (1 - med[m]["tok_s"] / base["tok_s"])
+        row: dict[str, Any] = {"concurrent": n, "graphs": graphs}
         for m in modes:
-            row[f"itl_p50_ms_{m}"] = med[m]["itl_p50_ms"]
-            row[f"itl_p99_ms_{m}"] = med[m]["itl_p99_ms"]
+            for k in ("tok_s_run", "run_s", "construct_s", "step_p50_ms", "step_p99_ms", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms",
+                      "tok_s_decode"):
+                row[f"{k}_{m}"] = med[m][k]
         for m in modes[1:]:
+            row[f"cost_run_{m}_pct"] = 100 * (1 - med[m]["tok_s_run"] / base["tok_s_run"])
+            row[f"cost_step_{m}_pct"] = 100 * (med[m]["step_p50_ms"] / base["step_p50_ms"] - 1)
             row[f"bytes_per_step_{m}"] = med[m]["bytes_per_step"]
+            row[f"prefill_epoch_bytes_{m}"] = med[m]["prefill_epoch_bytes"]  # 0: it left merged with later steps
+            row[f"epoch_bytes_total_{m}"] = med[m]["epoch_bytes_total"]
             row.update({f"{k}_{m}": v for k, v in med[m].items() if k.startswith("step_epoch")})
         row.update({"bytes_per_step": med[modes[-1]]["bytes_per_step"], "decode_steps": base["decode_steps"],
                     "graph_steps": base["graph_steps"], "capture_s": base["capture_s"],
                     "tokens_equal_all_runs": same, "rounds": rounds, "wall_s": time.perf_counter() - t0})
         rows.append(row)
-        print(rows[-1], flush=True)
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
         if on_row is not None:
             on_row(rows)
     return rows
@@ -432,12 +502,17 @@ def main() -> int:
     parts = set(a.only.split(","))
     thr: list[dict[str, Any]] = []
     recs: list[dict[str, Any]] = []
-    notes = ("throughput: greedy, prompt {p} + {g} new tokens each, decode steps only; 'none' = no log (baseline), "
+    notes = ("throughput: greedy, prompt {p} + {g} new tokens each, all requests submitted at once; tok_s_run = "
+             "every generated token over the whole run (first step to last output, prefill and its epoch "
+             "included, graph captures excluded); step_p50/p99 = decode steps (every request decoding, the "
+             "steady state); itl = per request, the gaps between the times its tokens left the engine; medians "
+             "over rounds, modes interleaved and rotated per round; 'none' = no log (baseline), "
              "'sync' = one committed epoch per engine step, "
              "'async' = the same epochs, each written while the next step computes (a step's tokens are handed out "
              "once its epoch committed, one step later); 'c' / 'c-async' = the same two through step epochs "
-             "(step_epochs='c': the step's rows gathered on the device into a pinned ring before the sampler's sync, "
-             "the epoch laid out, checksummed and committed by the GIL-free C writer). recovery: model loaded; recover_s = Engine.recover "
+             "(step_epochs='c': the step's rows gathered on the device into a pinned ring (a prefill: a pinned bulk "
+             "buffer), the epoch laid out, checksummed and committed by "
+             "the GIL-free C writer). recovery: model loaded; recover_s = Engine.recover "
              "(replay + verify + restore), first_token_all_s = + one step giving every request its next token; "
              "reprefill = a new engine prefilling prompt + tokens so far (what a user can do today).")
     p, g = (32, 16) if a.quick else (128, 128)
@@ -447,8 +522,13 @@ def main() -> int:
         conc = [int(x) for x in a.concurrency.split(",")]
     eager = [int(x) for x in a.eager_concurrency.split(",") if x]
     modes = tuple(a.modes.split(","))
-    if modes[0] != "none" or any(m not in EPOCHS for m in modes):
-        ap.error(f"--modes must start with 'none' and name modes of {EPOCHS}")
+    try:
+        for m in modes:
+            mode_options(m)
+    except ValueError as e:
+        ap.error(str(e))
+    if modes[0] != "none":
+        ap.error(f"--modes must start with 'none' (of {EPOCHS})")
 
     def save(quiet: bool = True) -> None:
         path = write_results("serve", thr + recs, baseline=[], notes=notes.format(p=p, g=g), out_dir=a.out,
@@ -495,9 +575,10 @@ def main() -> int:
             save()
     if thr:
         print_table("serve throughput: epoch every step vs none", thr,
-                    ["concurrent", "graphs", "tok_s_none"] + [k for m in modes[1:] for k in (
-                        f"tok_s_{m}", f"cost_{m}_pct")] + ["itl_p50_ms_none", "itl_p99_ms_none"] + [
-                        f"itl_p50_ms_{m}" for m in modes[1:]] + ["bytes_per_step"])
+                    ["concurrent", "tok_s_run_none", "step_p50_ms_none"] + [k for m in modes[1:] for k in (
+                        f"cost_run_{m}_pct", f"cost_step_{m}_pct")] + ["bytes_per_step"])
+        print_table("serve inter-token latency (ms, per request, as tokens leave the engine)", thr,
+                    ["concurrent"] + [k for m in modes for k in (f"itl_p50_ms_{m}", f"itl_p99_ms_{m}")])
     if recs:
         m0 = a.recovery_modes.split(",")[0]
         print_table("serve recovery: restore vs re-prefill (model loaded)", recs,

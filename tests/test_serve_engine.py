@@ -150,12 +150,13 @@ def test_recovery_refuses_a_different_model(shm_dir: Path) -> None:
 def test_a_damaged_kv_record_is_refused_before_any_block_is_served(shm_dir: Path) -> None:
     log = shm_dir / "log"
     with Engine(tiny_model("llama"), log, {"num_blocks": 32, "block_size": 8, "max_model_len": 128}) as eng:
+        first_end = next(log.glob("incr.*.cft")).stat().st_size  # the engine's first epoch (definitions, no rows)
         eng.submit(list(range(3, 40)), SamplingParams(max_new_tokens=30, temperature=0.0))
         for _ in range(12):
             eng.step()
     seg = next(log.glob("incr.*.cft"))
     data = bytearray(seg.read_bytes())
-    data[10_000] ^= 0x40  # inside the first epoch's KV rows (37 prompt rows of 512 bytes after the header)
+    data[first_end + 5904] ^= 0x40  # inside the first step's KV rows (37 prompt rows of 512 bytes)
     seg.write_bytes(bytes(data))
     from concordia_ft.errors import LogCorruptError
 

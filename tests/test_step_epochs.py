@@ -164,13 +164,30 @@ def _state(log: Path) -> tuple[dict[str, bytes], dict[str, object], int]:
     return {k: bytes(v.data) for k, v in r.regions.items()}, m, int(r.epoch)
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_step_epochs_log_what_the_generic_path_logs(shm_dir: Path, pipelined: bool) -> None:
+@pytest.mark.parametrize(("pipelined", "depth", "cap"), [(False, 1, 0), (True, 1, 0), (True, 8, 0), (False, 1, 8),
+                                                         (True, 4, 8)])
+def test_step_epochs_log_what_the_generic_path_logs(shm_dir: Path, pipelined: bool, depth: int, cap: int) -> None:
     """Both paths side by side, step by step: after every step the two logs replay to the same regions (kv,
-    tokens, rng) and the same metadata; the step path's flags are clear after it logged them."""
-    opts = {**OPTIONS, "backend": "dram", "async_epochs": pipelined}
+    tokens, rng) and the same metadata; the step path's flags are clear after it logged them. Pipelined with
+    depth 1 both hand out the same tokens at the same steps; deeper, the step path may hold several steps and
+    hand them out together: what it handed out is always a prefix of what the generic one did, never more
+    than it committed, and at the end both handed out everything, each token once. ``cap``: ring slots of that
+    many rows, so the prefill chunks (24 rows) go through the bulk buffer."""
+    opts = {**OPTIONS, "backend": "dram", "async_epochs": pipelined, "async_depth": depth}
     ga = Engine(tiny_model("llama"), shm_dir / "generic", {**opts, "step_epochs": "runtime"})
     ca = Engine(tiny_model("llama"), shm_dir / "c", {**opts, "step_epochs": "c"})
+    if cap:
+        from concordia_ft.serve.stepepochs import StepEpochs
+
+        ca.fast = StepEpochs(ca, cap_rows=cap, slots=ca.fast.n_slots)
+    seen: dict[Engine, dict[str, list[int]]] = {ga: {}, ca: {}}
+
+    def take(e: Engine, out: object) -> None:
+        for rid, toks in out.new_tokens.items():
+            have = seen[e].setdefault(rid, [])
+            assert out.starts[rid] == len(have)  # nothing repeated, nothing skipped
+            have += toks
+
     arrivals = workload()
     for e in (ga, ca):
         for a in arrivals[:4]:
@@ -182,7 +199,14 @@ def test_step_epochs_log_what_the_generic_path_logs(shm_dir: Path, pipelined: bo
                 for e in (ga, ca):
                     e.submit(a[2], a[3], request_id=a[1])
         og, oc = ga.step(), ca.step()
-        assert og.new_tokens == oc.new_tokens and og.epoch == oc.epoch
+        take(ga, og)
+        take(ca, oc)
+        if depth == 1:
+            assert og.new_tokens == oc.new_tokens and og.epoch == oc.epoch
+        for rid, toks in seen[ca].items():
+            assert seen[ga].get(rid, [])[: len(toks)] == toks  # never ahead of the generic one's (released at N+1)
+        if oc.epoch is not None:
+            assert ca.runtime.log.last_epoch >= oc.epoch  # handed out only once committed
         n += 1
         if n % 6 == 0 and og.epoch is not None:  # compare what each log holds (everything handed out is in it)
             ga.runtime.wait()  # (pipelined: the epoch in flight is committed first on both sides)
@@ -192,10 +216,15 @@ def test_step_epochs_log_what_the_generic_path_logs(shm_dir: Path, pipelined: bo
             assert sg[1] == sc[1]
             for k in ("kv", "tokens", "rng"):
                 assert sg[0][k] == sc[0][k], (k, n)
-        # the flags the step epoch logged are cleared (none left for the generic path to log again)
-        assert not ca.pool.dirty.any() and not ca.tokens_dirty.any() and not ca.rng.dirty.any()
+        # the flags the step epoch logged are cleared (none left for the generic path to log again), once it
+        # took them (pipelined: a deferred epoch takes them after the next forward's launch)
+        if ca.fast.deferred is None:
+            assert not ca.pool.dirty.any() and not ca.tokens_dirty.any() and not ca.rng.dirty.any()
     assert ca.fast.steps > 0.7 * n, (ca.fast.steps, n)  # most steps took the C path
+    assert (ca.fast.overlapped > 0.3 * n) == pipelined, (ca.fast.overlapped, n)
+    assert (ca.fast.bulk_steps > 3) == bool(cap) and ca.fast.fallbacks == 0
     assert {r.id: r.generated for r in ga.finished.values()} == {r.id: r.generated for r in ca.finished.values()}
+    assert seen[ga] == seen[ca] == {r.id: r.generated for r in ga.finished.values() if r.generated}
     ga.close()
     ca.close()
     sg, sc = _state(shm_dir / "generic"), _state(shm_dir / "c")
@@ -230,11 +259,13 @@ def test_steps_that_do_not_fit_take_the_generic_path(shm_dir: Path) -> None:
     from concordia_ft.serve.stepepochs import StepEpochs
 
     eng = Engine(tiny_model("llama"), shm_dir / "log", {**OPTIONS, "step_epochs": "c"})
-    eng.fast = StepEpochs(eng, cap_rows=8)  # prefill chunks of 24 rows do not fit: generic for those
+    # prefill chunks of 24 rows are more than a slot and than the bulk buffer may hold: generic for those
+    eng.fast = StepEpochs(eng, cap_rows=8, bulk_max_bytes=8 * eng.geo.row_bytes)
     ref = drive(Engine(tiny_model("llama"), None, {**OPTIONS, "checkpoint": False}), workload())
     got = drive(eng, workload())
     assert got == ref
-    assert eng.fast.steps > 10 and eng.fast.fallbacks == 0  # fallbacks count gathered steps turned back only
+    assert eng.fast.steps > 10 and eng.fast.bulk_steps == 0
+    assert eng.fast.fallbacks == 0  # fallbacks count gathered steps turned back only
     generic = eng.runtime.last_stats  # the generic path ran too
     assert generic is not None
     eng.close()
@@ -295,3 +326,38 @@ def test_rolls_on_the_callers_thread_keep_the_log_whole(shm_dir: Path) -> None:
     assert len(list((shm_dir / "a").glob("incr.*.cft"))) >= 4
     for name in ("kv", "tokens", "rng"):
         assert bytes(ra.regions[name].data) == bytes(rb.regions[name].data)
+
+
+def test_auto_is_the_generic_path_on_cpu_and_depth_is_checked(shm_dir: Path) -> None:
+    """step_epochs="auto" (the default) takes the C path only for a CUDA model (tests/gpu checks that side)."""
+    from concordia_ft.errors import ConfigError
+
+    eng = Engine(tiny_model("llama"), shm_dir / "log", OPTIONS)
+    assert eng.opts.step_epochs == "auto" and eng.fast is None
+    eng.close()
+    with pytest.raises(ConfigError, match="async_depth"):
+        Engine(tiny_model("llama"), None, {**OPTIONS, "checkpoint": False, "async_depth": 0})
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_step_epochs_count_toward_compaction_while_the_lease_lasts(shm_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   pipelined: bool) -> None:
+    """The writer's bytes reach the runtime's compaction threshold during the lease (not only when it ends): a
+    compaction starts, the step path yields the lease to it, and the compacted log recovers token-exact."""
+    from concordia_ft.runtime import Runtime
+    from concordia_ft.serve import stepepochs
+
+    monkeypatch.setattr(stepepochs, "COUNT_BYTES", 64 << 10)
+    ref = drive(Engine(tiny_model("llama"), None, {**OPTIONS, "checkpoint": False}), workload())
+    rt = Runtime(str(shm_dir / "log"), fsync="never", backend="dram", compact_after_bytes=256 << 10)
+    eng = Engine(tiny_model("llama"), shm_dir / "log", {**OPTIONS, "step_epochs": "c", "async_epochs": pipelined},
+                 _runtime=rt)
+    got = drive(eng, workload())
+    rt._join_compactor()
+    assert got == ref and eng.fast.steps > 10
+    assert rt.last_compaction is not None
+    eng.close()
+    assert list((shm_dir / "log").glob("base.*"))
+    rec = Engine.recover(shm_dir / "log", tiny_model("llama"), OPTIONS)
+    assert not rec.running and {r.id: r.generated for r in rec.finished.values()} == ref
+    rec.close()

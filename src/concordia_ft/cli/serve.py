@@ -32,16 +32,22 @@ def add_arguments(sub: Any) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=2048, help="tokens per forward at most (default 2048)")
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--batch-wait-ms", type=int, default=0,
-                   help="an idle engine waits this long for more arrivals before its first step (default 0)")
+                   help="an idle engine waits this long for more arrivals before its first step, and a "
+                        "recovered one as long for the clients of its in-flight requests (with an "
+                        "Idempotency-Key) to reconnect (default 0)")
     p.add_argument("--fsync", default="never", choices=("never", "always", "interval"),
                    help="never (default): survives kill -9 (the page cache holds the log); always: power loss too")
     p.add_argument("--no-checkpoint", action="store_true", help="no log at all (for comparisons only)")
     p.add_argument("--async-epochs", action="store_true",
                    help="write each step's epoch while the next step computes (tokens still leave only once "
                         "committed, one step later)")
-    p.add_argument("--step-epochs", default="runtime", choices=("runtime", "c", "auto"),
-                   help="how a step's epoch is written: runtime (default: the generic checkpoint path) or c (the "
-                        "step's rows gathered on the device, the epoch committed by the GIL-free C writer)")
+    p.add_argument("--step-epochs", default="auto", choices=("runtime", "c", "auto"),
+                   help="how a step's epoch is written: c (the step's rows gathered on the device, the epoch "
+                        "committed by the GIL-free C writer), runtime (the generic checkpoint path), or auto "
+                        "(default: c on a CUDA device where the C writer is built, else runtime)")
+    p.add_argument("--async-depth", type=int, default=24,
+                   help="with --async-epochs on step epochs: the most steps whose tokens wait for their epochs "
+                        "at once (default 24; the engine waits when more are)")
     p.add_argument("--graphs", default="auto", choices=("auto", "on", "padded", "off"),
                    help="decode steps as CUDA graphs per batch bucket (auto: on a CUDA device)")
 
@@ -69,7 +75,8 @@ def _run(args: argparse.Namespace) -> int:
                           max_waiting=args.max_waiting, max_model_len=args.max_model_len,
                           max_batch_tokens=args.max_batch_tokens, fsync=args.fsync,
                           checkpoint=not args.no_checkpoint, async_epochs=args.async_epochs,
-                          graphs=args.graphs, step_epochs=args.step_epochs)
+                          graphs=args.graphs, step_epochs=args.step_epochs,
+                          async_depth=args.async_depth)
     recovering = log.is_dir() and any(log.iterdir()) and not args.no_checkpoint
     if recovering:
         engine = Engine.recover(log, lm.model, eopts)

@@ -68,8 +68,13 @@ class EngineOptions:
     # flags, the whole state as JSON, the log written on this thread or by the runtime's Python writer) or "c"
     # (serve/stepepochs.py: the step's rows gathered on the device into a pinned ring before the sampler's sync,
     # cached metadata fragments, the epoch laid out, checksummed and stored by the GIL-free C writer; steps that
-    # do not fit fall back to "runtime"); "auto": "c" where the C writer is built. Not logged (like async_epochs).
-    step_epochs: str = "runtime"
+    # do not fit fall back to "runtime"); "auto": "c" for a CUDA model where the C writer is built, else
+    # "runtime". Not logged (like async_epochs).
+    step_epochs: str = "auto"
+    # async_epochs on step epochs: the most steps whose outputs wait for their epochs to commit at once (the step
+    # waits for the oldest when more are held; outputs committed by a step's end leave then, merged); the
+    # generic path holds one; a ring slot of pinned memory per held step. Not logged.
+    async_depth: int = 24
 
     @classmethod
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
@@ -127,6 +132,7 @@ class StepOutput:
     checkpoint_s: float = 0.0
     epoch_bytes: int = 0
     graph: bool = False  # the forward was a static decode step (captured or padded)
+    steps: int = 1  # engine steps this output covers (async_epochs: several held steps leave together)
     starts: dict[str, int] = field(default_factory=dict)  # request id -> index of its first new token here
     reasons: dict[str, str] = field(default_factory=dict)  # request id -> finish reason (finished here)
 
@@ -166,6 +172,26 @@ class _WarmCapture:
         self._thread.join()
         self._sys.setswitchinterval(self._switch)
         return {"warm_capture_s": self.seconds, "warm_captured": float(self.ok)}
+
+
+def _merge(outs: list[StepOutput]) -> StepOutput:
+    """Consecutive steps' outputs as one (async_epochs: held steps whose epochs committed together)."""
+    m = StepOutput(outs[-1].step, outs[-1].epoch, {}, [], graph=all(o.graph for o in outs), steps=0)
+    for o in outs:
+        for rid, toks in o.new_tokens.items():
+            if rid in m.new_tokens:
+                m.new_tokens[rid] = m.new_tokens[rid] + list(toks)
+            else:
+                m.new_tokens[rid] = list(toks)
+                m.starts[rid] = o.starts[rid]
+        m.finished += o.finished
+        m.reasons.update(o.reasons)
+        m.batch_tokens += o.batch_tokens
+        m.forward_s += o.forward_s
+        m.checkpoint_s += o.checkpoint_s
+        m.epoch_bytes += o.epoch_bytes
+        m.steps += o.steps
+    return m
 
 
 class Engine:
@@ -223,29 +249,45 @@ class Engine:
         self.recovered_epoch: int | None = None
         self.recovered: Any = None  # the Runtime's Recovered (timings) after Engine.recover
         self.recover_phases: dict[str, float] = {}  # Engine.recover: seconds per phase
-        self._held: StepOutput | None = None  # async_epochs: the step whose epoch is being written
-        self._pending: Any = None  # ... and that epoch (a PendingEpoch or a StepPending)
+        # async_epochs: the steps whose epochs are being written, oldest first: (output, PendingEpoch/StepPending)
+        self._held: deque[tuple[StepOutput, Any]] = deque()
         self._meta_static: bytes | None = None
         self.runtime = None
         self.fast: Any = None  # StepEpochs (step_epochs="c")
         self._fast_rows: Any = None  # this step's feeds when it may take the step-epoch path
         if opts.step_epochs not in ("runtime", "c", "auto"):
             raise ConfigError(f"step_epochs={opts.step_epochs!r}; use runtime, c or auto")
+        if opts.async_depth < 1:
+            raise ConfigError(f"async_depth={opts.async_depth}; it must be at least 1")
         if opts.checkpoint:
-            # step epochs on a GPU: 256 MiB mapped segments (a roll every ~70 steps of 32 rows at 0.6B dims, not
-            # every ~17; the next one is prepared ahead either way)
-            big = opts.step_epochs in ("c", "auto") and self.device.type == "cuda"
-            self.runtime = _runtime if _runtime is not None else _rt.Runtime(
-                str(log_dir), fsync=opts.fsync, backend=opts.backend, on_compaction_error="warn",
-                log_options={"mapped_segment_bytes": 256 << 20} if big else None)
-            self._register(fresh=_recovering is None)
             from . import stepepochs
 
+            use_c = opts.step_epochs == "c" or (opts.step_epochs == "auto" and self.device.type == "cuda"
+                                                and stepepochs.available())
+            self.runtime = _runtime if _runtime is not None else _rt.Runtime(
+                str(log_dir), fsync=opts.fsync, backend=opts.backend, on_compaction_error="warn",
+                compact_after_bytes=max(256 << 20, 2 * self.geo.nbytes), log_options=self._log_options())
+            self._register(fresh=_recovering is None)
             if opts.step_epochs == "c" and not stepepochs.available():
                 raise ConfigError("step_epochs='c' needs the C epoch writer, which is not built here "
                                   "(scripts/build_ext.sh, or pip install with a C compiler); use 'auto' or 'runtime'")
-            if opts.step_epochs == "c" or (opts.step_epochs == "auto" and stepepochs.available()):
-                self.fast = stepepochs.StepEpochs(self)
+            if use_c:
+                # pipelined: a ring slot per held step, one being gathered, one spare
+                self.fast = stepepochs.StepEpochs(
+                    self, slots=opts.async_depth + 2 if opts.async_epochs else stepepochs.SLOTS)
+            if _recovering is None:
+                # a fresh log's first epoch: the region definitions and the empty engine (step 0), so the first
+                # step's epoch (a prefill, the largest) need not carry the definitions and may take the step path
+                self.runtime.checkpoint(meta={META_KEY: self._meta()})
+
+    def _log_options(self) -> dict[str, Any] | None:
+        """A GPU engine's mapped log segments hold its largest step's epoch (a full prefill of
+        ``max_batch_tokens`` rows) with room to spare, so that epoch lands in a segment prepared ahead (created,
+        faulted in and registered off the step) rather than in one made on the spot: 256 MiB to 1 GiB."""
+        if self.device.type != "cuda":
+            return None
+        big = self.opts.max_batch_tokens * self.geo.row_bytes + (64 << 20)
+        return {"mapped_segment_bytes": min(1 << 30, max(256 << 20, -(-big // (64 << 20)) * (64 << 20)))}
 
     def _register(self, *, fresh: bool) -> None:
         rt, geo = self.runtime, self.geo
@@ -261,6 +303,7 @@ class Engine:
     def submit(self, prompt: list[int], params: SamplingParams, *, request_id: str | None = None,
                key: str | None = None, digest: str = "", info: dict[str, Any] | None = None) -> Request:
         """Queue a request (it joins the batch at the next step); raises ContextLengthError / QueueFullError."""
+        self._materialize()
         params.check()
         if not prompt:
             raise ConfigError("the prompt is empty: a request needs at least one token")
@@ -294,11 +337,13 @@ class Engine:
 
     def collect(self, request_id: str) -> None:
         """The caller delivered this finished output; it may now be evicted first (logged at the next step)."""
+        self._materialize()
         r = self.finished.get(request_id)
         if r is not None:
             r.collected = True
 
     def abort(self, request_id: str) -> None:
+        self._materialize()
         r = self.running.get(request_id)
         if r is not None:
             self._retire(r, "abort")
@@ -311,14 +356,14 @@ class Engine:
     def delivered(self, r: Request) -> tuple[list[int], str | None]:
         """``r``'s generated tokens and finish reason as of the last output that left the engine (with
         ``async_epochs`` the engine is one step ahead of it: that step's tokens are not committed yet)."""
-        held = self._held
-        if held is None or r.id not in held.new_tokens:
-            return list(r.generated), r.finish_reason
-        return r.generated[: held.starts[r.id]], (None if r.id in held.reasons else r.finish_reason)
+        for held, _ in self._held:  # the oldest held step with tokens of r: those and later ones are not out
+            if r.id in held.new_tokens:
+                return r.generated[: held.starts[r.id]], None
+        return list(r.generated), r.finish_reason
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._held is not None)
+        return bool(self.waiting or self.running or self._held)
 
     # -- the step ----------------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -374,12 +419,24 @@ class Engine:
         With ``async_epochs``: returns what the previous step produced, once its epoch committed (this step's
         epoch is written in the background while the next step computes; ``has_work`` stays True until the
         last step's output was returned)."""
+        out = self._step()
+        f = self.fast
+        if f is not None and f.writer is not None and (not self.has_work or self.runtime.log.lease_wanted):
+            # idle, or a compaction waits to seal the log: the step-epoch writer's lease ends now (not at the next
+            # step, which may be long in coming); the next step that fits takes it again
+            f.suspend()
+        return out
+
+    def _step(self) -> StepOutput:
         if self.opts.async_epochs and self.runtime is not None:
             return self._step_async()
         out = self._advance()
         t1 = time.perf_counter()
         if self._fast_ready(out.step):
-            p = self.fast.submit(out.step, self._meta_json())
+            t2 = time.perf_counter()
+            meta = self._meta_json()
+            self.fast.t["meta"] += time.perf_counter() - t2
+            p = self.fast.submit(out.step, meta)
             out.epoch = p.wait()
             out.epoch_bytes = int(p.stats.total_bytes)
             out.checkpoint_s = time.perf_counter() - t1
@@ -393,10 +450,19 @@ class Engine:
     def _fast_ready(self, step: int) -> bool:
         return self._fast_rows is not None and self.fast.ready(step)
 
+    def _materialize(self) -> None:
+        """A deferred step epoch (pipelined) is prepared before the engine's state changes."""
+        if self.fast is not None and self.fast.deferred is not None:
+            self.fast.materialize()
+
     def _advance(self) -> StepOutput:
+        if self.waiting:
+            self._materialize()  # an admission changes the state
         self._admit()
         out = StepOutput(self.step_no + 1, None, {}, [])
         feeds = self._plan_feeds(self.order())
+        if not feeds:
+            self._materialize()  # no forward to overlap: this step's end changes the state
         self._fast_rows = self.fast.plan(feeds) if self.fast is not None else None
         if self._fast_rows is not None and not feeds:
             self.fast.gather(out.step, self._fast_rows)
@@ -425,34 +491,53 @@ class Engine:
         return out
 
     def _step_async(self) -> StepOutput:
+        """Step N+1's forward runs while the writer commits step N's epoch (a step epoch is handed to the C
+        writer right after N+1's forward was launched); outputs leave once their epochs committed."""
         assert self.runtime is not None
-        if not self.waiting and not self.running and self._held is not None:
-            return self._release()  # nothing left to run: the last step's epoch, then its output
-        out = self._advance()  # its forward ran while the writer committed the previous step's epoch
-        prev = self._release() if self._held is not None else StepOutput(out.step - 1, None, {}, [])
+        if not self.waiting and not self.running and self._held:
+            return self._out(self._release(0))  # nothing left to run: the last epochs, then their outputs
+        out = self._advance()
         t1 = time.perf_counter()
+        released: list[StepOutput] = []
+        if self._held and not hasattr(self._held[-1][1], "poll"):
+            released += self._release(0)  # a generic epoch in flight commits first (the step path leases after it)
         if self._fast_ready(out.step):
-            self._pending = self.fast.submit(out.step, self._meta_json())
+            # prepared when the state is about to change, or after the next forward's launch (_gather_rows)
+            self._held.append((out, self.fast.defer(out.step, self._meta_json)))
+            out.checkpoint_s = time.perf_counter() - t1
+            released += self._release(self.opts.async_depth)
         else:
+            released += self._release(0)  # the generic path: one epoch in flight at a time
             if self.fast is not None:
                 self.fast.suspend()
-            self._pending = self.runtime.checkpoint_async(meta={META_KEY: self._meta()})
-        out.checkpoint_s = time.perf_counter() - t1
-        self._held = out
-        return prev
+            self._held.append((out, self.runtime.checkpoint_async(meta={META_KEY: self._meta()})))
+            out.checkpoint_s = time.perf_counter() - t1
+        return self._out(released)
 
-    def _release(self) -> StepOutput:
-        """Wait for the held step's epoch to commit; its output may then leave the engine."""
-        held, pending = self._held, self._pending
-        assert held is not None and pending is not None
-        t0 = time.perf_counter()
-        held.epoch = int(pending.wait())
-        held.checkpoint_s += time.perf_counter() - t0
-        stats = getattr(pending, "stats", None)
-        if stats is not None:
-            held.epoch_bytes = int(stats.total_bytes)
-        self._held = self._pending = None
-        return held
+    def _release(self, depth: int) -> list[StepOutput]:
+        """The held steps' outputs that may leave, oldest first: every one whose epoch committed (polled, no
+        wait), after waiting for the oldest while more than ``depth`` are held (a generic epoch is waited for)."""
+        out: list[StepOutput] = []
+        while self._held:
+            held, pending = self._held[0]
+            poll = getattr(pending, "poll", None)
+            if len(self._held) <= depth and poll is not None and not poll():
+                break
+            t0 = time.perf_counter()
+            held.epoch = int(pending.wait())
+            held.checkpoint_s += time.perf_counter() - t0
+            stats = getattr(pending, "stats", None)
+            if stats is not None:
+                held.epoch_bytes = int(stats.total_bytes)
+            self._held.popleft()
+            out.append(held)
+        return out
+
+    def _out(self, released: list[StepOutput]) -> StepOutput:
+        if not released:
+            first = self._held[0][0].step if self._held else self.step_no + 1
+            return StepOutput(first - 1, None, {}, [], steps=0)
+        return released[0] if len(released) == 1 else _merge(released)
 
     @torch.inference_mode()
     def _forward_and_sample(self, feeds: list[tuple[Request, int, int]]) -> tuple[list[int | None], bool]:
@@ -488,6 +573,8 @@ class Engine:
         sync (which then covers the copy)."""
         if self._fast_rows is not None:
             self.fast.gather(self.step_no + 1, self._fast_rows)
+        if self.fast is not None and (self.fast.prepared is not None or self.fast.deferred is not None):
+            self.fast.send()  # the previous step's epoch (pipelined), while this forward computes
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:
         if not r.params.ignore_eos and tok in r.params.eos_token_ids:

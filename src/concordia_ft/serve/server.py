@@ -62,7 +62,10 @@ class Stream:
 @dataclass
 class ServerOptions:
     served_model_name: str = "concordia"
-    batch_wait_ms: int = 0  # an idle engine waits this long for more arrivals before its first step
+    # an idle engine waits this long for more arrivals before its first step; a recovered engine waits as long
+    # for the clients of its in-flight keyed requests to reconnect before it runs on (their tokens then stream
+    # live rather than pile up behind a reconnect)
+    batch_wait_ms: int = 0
     default_max_tokens: int = 256
     max_body_bytes: int = 1 << 20
     stream_idle_timeout_s: float = 600.0
@@ -79,6 +82,7 @@ class EngineThread:
         self.metrics: dict[str, float] = {"steps": 0, "epochs": 0, "epoch_bytes": 0, "tokens": 0, "finished": 0,
                                           "forward_s": 0.0, "checkpoint_s": 0.0}
         self._stop = threading.Event()
+        self._attached: set[str] = set()  # requests a client reattached to (same Idempotency-Key)
         self.thread = threading.Thread(target=self._loop, name="concordia-engine", daemon=True)
 
     def call(self, op: str, arg: Any) -> Future[Any]:
@@ -127,6 +131,7 @@ class EngineThread:
                 if old.digest != p.digest:
                     raise api.ApiError(422, f"Idempotency-Key {key!r} was used with a different request body; "
                                        "use a new key for a new request", "idempotency_key_reused")
+                self._attached.add(old.id)
                 return self.stream_for(old)
         info = {"kind": p.kind, "model": p.model, "created": api.now(), "token_ids": p.return_token_ids}
         return self.stream_for(eng.submit(p.prompt_ids, p.params, key=key, digest=p.digest, info=info))
@@ -141,9 +146,25 @@ class EngineThread:
     def _op_abort(self, rid: str) -> None:
         self.engine.abort(rid)
 
+    def _await_reconnects(self) -> None:
+        """A recovered engine: until every in-flight request with an Idempotency-Key was reattached to, at most
+        ``batch_wait_ms`` (commands are applied meanwhile)."""
+        eng = self.engine
+        if eng.recovered_epoch is None or self.opts.batch_wait_ms <= 0:
+            return
+        want = {r.id for r in eng.running.values() if r.key is not None}
+        deadline = time.monotonic() + self.opts.batch_wait_ms / 1000
+        while want - self._attached and not self._stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._drain(min(left, 0.5))
+            want &= set(eng.running)  # (an abort ends the wait for its request)
+
     def _loop(self) -> None:
         eng = self.engine
         try:
+            self._await_reconnects()
             while not self._stop.is_set():
                 if not eng.has_work:
                     self._drain(0.5)
@@ -168,7 +189,7 @@ class EngineThread:
 
     def _count(self, out: StepOutput) -> None:
         m = self.metrics
-        m["steps"] += 1
+        m["steps"] += out.steps  # engine steps whose outputs left (pipelined: several may leave together)
         m["epochs"] += out.epoch is not None
         m["epoch_bytes"] += out.epoch_bytes
         m["tokens"] += sum(len(t) for t in out.new_tokens.values())

@@ -61,19 +61,57 @@ def available() -> bool:
     return slotlog.available()
 
 
+# pinned bulk buffers of closed engines, kept for the next one in this process (page-locking half a GiB takes
+# ~0.3 s on the H200's host: a server pays it once, not at every engine it builds)
+_SPARE_BULK: list[torch.Tensor] = []
+_SPARE_BULK_MAX = 2
+
+
+def _take_bulk(size: int, pinned: bool) -> torch.Tensor:
+    for i, t in enumerate(_SPARE_BULK):
+        if t.numel() >= size and t.is_pinned() == pinned:
+            return _SPARE_BULK.pop(i)
+    return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+
+
+def _give_bulk(t: torch.Tensor) -> None:
+    _SPARE_BULK.append(t)
+    _SPARE_BULK.sort(key=lambda x: -x.numel())
+    del _SPARE_BULK[_SPARE_BULK_MAX:]
+
+
 class StepPending:
-    """One step epoch handed to the C writer: ``wait()`` returns its number once committed."""
+    """One step epoch for the C writer: ``wait()`` returns its number once committed. A pipelined engine
+    ``prepare``s it at the end of its step (the host parts copied, the flags cleared) and ``send``s it after the
+    next step's forward was launched; ``wait()`` sends it first if nobody did."""
 
     def __init__(self, owner: StepEpochs, seq: int, epoch: int, taken: tuple[Any, Any, Any]) -> None:
         self.owner, self.seq, self.epoch = owner, seq, epoch
         self.taken = taken  # (kv rows, token pages, rng rows) whose flags it cleared
         self.stats: Any = None
         self.done = False
+        self.sent = False
+        self.records: list[tuple[int, bytes, bytes, int, int, int]] = []
+        self.event: Any = None  # the side stream's copy of its rows (CUDA), None when done or none
+        self.keep: list[Any] = []  # host memory its records name that is not the ring's (kept until committed)
+        self.bulk = False  # its rows are in the bulk buffer (a step larger than a ring slot)
+        self.gathered: Any = None  # deferred: the step's gathered rows, until ``materialize``
+        self.meta_fn: Any = None  # deferred: builds the metadata JSON (the engine's state is still the step's)
 
     def wait(self) -> int:
         if not self.done:
             self.owner.wait(self)
         return self.epoch
+
+    def poll(self) -> bool:
+        """Committed (its bookkeeping then done, as ``wait``'s), without waiting."""
+        if self.done:
+            return True
+        w = self.owner.writer
+        if not self.sent or w is None or w._w.wait(self.seq, 0.0) < self.seq:
+            return False
+        self.owner.wait(self)
+        return True
 
 
 class _Bytes:
@@ -81,15 +119,27 @@ class _Bytes:
         self.total_bytes = total_bytes
 
 
+# phase timers (host seconds, summed over steps): ``gather`` (rows to the ring, enqueued after the forward),
+# ``prepare`` (the host pages into the slot, flags cleared, at the step's end), ``copy_wait`` (send: the side
+# stream's copy of the rows not done yet), ``send`` (blob + hand-off to the C writer, copy_wait included),
+# ``wait`` (for the writer's commit), ``roll`` (segment rolls on the engine's thread), ``meta`` (the engine's
+# metadata JSON), ``alloc`` (the pinned bulk buffer, inside ``gather``)
+PHASES = ("gather", "prepare", "copy_wait", "send", "wait", "roll", "meta", "alloc")
+BULK_MAX_BYTES = 2 << 30
+COUNT_BYTES = 32 << 20  # the writer's bytes go to the runtime's compaction count at least this often  # a step with more rows than this goes through the generic path
+
+
 class StepEpochs:
     """The ring, the device staging buffer and the C writer of one engine's step epochs."""
 
     def __init__(self, engine: Any, *, cap_rows: int | None = None, slots: int = SLOTS,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, bulk_max_bytes: int = BULK_MAX_BYTES) -> None:
         eng = self.eng = engine
-        # the C writer's copy + CRC threads for the rows (the decode thread and the GPU's feeder keep a core each)
+        # the C writer's copy + CRC threads for the rows (the decode thread, the GPU's feeder and the log's
+        # background work keep a core each): a prefill's epoch of hundreds of MB is written by all of them
+        # (H200 host, 16 cores, 32 requests: 12 threads cut the whole-run cost 22.2 -> 17.0%)
         self.threads = int(threads) if threads else int(os.environ.get(
-            "CONCORDIA_STEP_EPOCH_THREADS", max(1, min(4, (os.cpu_count() or 1) - 2))))
+            "CONCORDIA_STEP_EPOCH_THREADS", max(1, min(12, (os.cpu_count() or 1) - 4))))
         geo = eng.geo
         self.device = eng.device
         self.cuda = self.device.type == "cuda"
@@ -111,28 +161,43 @@ class StepEpochs:
         self.kv_views = [self.ring[i * self.slot_bytes: i * self.slot_bytes + self.cap_rows * self.row_bytes]
                          .view(self.cap_rows, self.row_bytes) for i in range(self.n_slots)]
         self.arena2d = eng.pool.arena.view(geo.slots, self.row_bytes)
+        # a step with more rows than a slot holds (a prefill): its rows go to one pinned buffer, grown on demand
+        # (power-of-two bytes; torch's pinned allocator keeps freed ones), gathered in pieces of ``cap_rows``
+        self.bulk_max_bytes = int(bulk_max_bytes)
+        self.bulk: torch.Tensor | None = None
+        self.bulk_p: StepPending | None = None  # the epoch whose rows the bulk buffer holds until it committed
         if self.cuda:
             self.stage = torch.empty(self.cap_rows, self.row_bytes, dtype=torch.uint8, device=self.device)
-            self.idx_host = torch.zeros(self.cap_rows, dtype=torch.long, pin_memory=True)
+            self.idx_host = torch.zeros(self.n_slots * self.cap_rows, dtype=torch.long, pin_memory=True)
+            self.bulk_idx = torch.zeros(0, dtype=torch.long, pin_memory=True)
+            self.bulk_idx_dev = torch.zeros(0, dtype=torch.long, device=self.device)
             self.idx_dev = torch.zeros(self.cap_rows, dtype=torch.long, device=self.device)
             # the gather and the copy run on a side stream after the forward, beside the sampler (not before it);
-            # ``copied``: the slot is filled and the flags cleared (submit waits for it: mostly done by then)
+            # ``copied[k]``: slot k is filled and the flags cleared (send waits for it: long done by then)
             self.side = torch.cuda.Stream(device=self.device)
             self.forward_done = torch.cuda.Event()
-            self.copied = torch.cuda.Event()
+            self.copied = [torch.cuda.Event() for _ in range(self.n_slots)]
+            self.bulk_copied = torch.cuda.Event()
         self.tok_u8 = eng.tokens.view(np.uint8).reshape(-1, 512)
         self.rng_rows = eng.rng.buf.reshape(-1, self.rng_rb)
         self.writer: slotlog.StepLogWriter | None = None
         self._bytes_seen = 0
-        self.gathered: tuple[int, npt.NDArray[np.int64]] | None = None  # (seq, rows) of the step in flight
+        self.gathered: tuple[int, npt.NDArray[np.int64], Any, bool] | None = None  # the step in flight
+        self.prepared: StepPending | None = None  # prepared, not sent yet (pipelined)
+        self.deferred: StepPending | None = None  # not even prepared yet (pipelined: ``defer``)
         self.committed_seq = -1
         self.bytes0 = 0  # the writer's bytes_written / epochs at the last count
         self.epochs0 = 0
         self.steps = 0  # step epochs committed by this engine
+        self.bulk_steps = 0  # ... of them through the bulk buffer
         self.fallbacks = 0  # steps that went through the generic path
         self.inflight: list[StepPending] = []
-        self.t = {"gather": 0.0, "submit": 0.0, "wait": 0.0, "roll": 0.0}  # host seconds in each, all steps
+        self.t = dict.fromkeys(PHASES, 0.0)  # host seconds in each phase, all steps
         self.rolls = 0  # segment rolls done on the engine's thread
+        self.overlapped = 0  # deferred epochs prepared and sent while the next forward ran (pipelined)
+        # benchmark attribution only (bench_serve.py --modes c-async:nogpu / :nowriter): "gpu" skips the rows'
+        # gather and copy, "writer" the C writer (the epoch counts as committed): the log is then WRONG
+        self._ablate = os.environ.get("CONCORDIA_STEP_EPOCH_ABLATE", "")
 
     # -- planning and the device side ----------------------------------------------------------------
     def plan(self, feeds: list[tuple[Any, int, int]]) -> list[tuple[Any, int, int]] | None:
@@ -141,46 +206,76 @@ class StepEpochs:
         return feeds if self.eng.runtime is not None else None
 
     def gather(self, seq: int, feeds: list[tuple[Any, int, int]]) -> None:
-        """The sorted KV rows the feeds wrote (the forward just enqueued) into ring slot ``seq``, in stream
-        order, and their record; or nothing when the step takes the generic path (too many rows or token pages,
-        or the runtime has something pending)."""
+        """The sorted KV rows the feeds wrote (the forward just enqueued) into ring slot ``seq`` (or the bulk
+        buffer: more rows than a slot holds), in stream order, and their record; or nothing when the step takes
+        the generic path (more rows than the bulk buffer may hold, or the runtime has something pending)."""
         t0 = time.perf_counter()
         self.gathered = None
         rt = self.eng.runtime
         n = sum(e - s for _, s, e in feeds)
-        if (n > self.cap_rows or not rt.leasable(ignore_in_flight=True)
-                or int(np.count_nonzero(self.eng.tokens_dirty)) + len(feeds) > self.cap_tok):
+        if n * self.row_bytes > self.bulk_max_bytes or not rt.leasable(ignore_in_flight=True):
             return
         rows = np.fromiter((x for r, s, e in feeds for x in r.slots[s:e]), dtype=np.int64, count=n)
         rows.sort()
         self._free_slot(seq)
         kv_rec = None
-        if n:
-            kv_rec = slotlog.rows_record(b"kv", rows, self.kv_ppb, self.kv_pb,
-                                         self.base + (seq % self.n_slots) * self.slot_bytes)
+        bulk = n > self.cap_rows
+        if bulk:
+            view = self._bulk_view(n)
+            address = int(view.data_ptr())
+        elif n:
             view = self.kv_views[seq % self.n_slots][:n]
+            address = self.base + (seq % self.n_slots) * self.slot_bytes
+        if n:
+            kv_rec = slotlog.rows_record(b"kv", rows, self.kv_ppb, self.kv_pb, address)
             if self.cuda:
-                self.idx_host.numpy()[:n] = rows
                 self.forward_done.record()
+                # the indices: a pinned buffer per slot (its last copy finished: that step committed) and one
+                # for bulk steps (likewise), one transfer
+                ih = self._idx_host(seq, n, bulk)
+                ih.numpy()[:] = rows
                 with torch.cuda.stream(self.side):
                     self.side.wait_event(self.forward_done)
-                    idx = self.idx_dev[:n]
-                    idx.copy_(self.idx_host[:n], non_blocking=True)
-                    torch.index_select(self.arena2d, 0, idx, out=self.stage[:n])
-                    view.copy_(self.stage[:n], non_blocking=True)
-                    self._clear_kv_flags(rows)  # after the forward set them, in stream order
-                    self.copied.record(self.side)
+                    idx_all = (self.bulk_idx_dev if bulk else self.idx_dev)[:n]
+                    idx_all.copy_(ih, non_blocking=True)
+                    for lo in range(0, n, self.cap_rows):  # a bulk step in pieces of a slot (the staging buffer)
+                        hi = min(n, lo + self.cap_rows)
+                        if self._ablate != "gpu":
+                            torch.index_select(self.arena2d, 0, idx_all[lo:hi], out=self.stage[: hi - lo])
+                            view[lo:hi].copy_(self.stage[: hi - lo], non_blocking=True)
+                    self.eng.pool.dirty.index_fill_(0, idx_all, 0)  # after the forward set them, in stream order
+                    (self.bulk_copied if bulk else self.copied[seq % self.n_slots]).record(self.side)
             else:
                 torch.index_select(self.arena2d, 0, torch.from_numpy(rows), out=view)
-                self._clear_kv_flags(rows)
-        self.gathered = (seq, rows, kv_rec)
+                self.eng.pool.dirty.index_fill_(0, torch.from_numpy(rows), 0)
+        self.gathered = (seq, rows, kv_rec, bulk)
         self.t["gather"] += time.perf_counter() - t0
 
-    def _clear_kv_flags(self, rows: npt.NDArray[np.int64]) -> None:
-        if self.cuda:
-            self.eng.pool.dirty.index_fill_(0, self.idx_dev[: len(rows)], 0)
-        else:
-            self.eng.pool.dirty.index_fill_(0, torch.from_numpy(rows), 0)
+    def _idx_host(self, seq: int, n: int, bulk: bool) -> torch.Tensor:
+        if bulk:
+            if self.bulk_idx.numel() < n:
+                self.bulk_idx = torch.empty(1 << (n - 1).bit_length(), dtype=torch.long, pin_memory=True)
+            return self.bulk_idx[:n]
+        k = seq % self.n_slots
+        return self.idx_host[k * self.cap_rows: k * self.cap_rows + n]
+
+    def _bulk_view(self, n: int) -> torch.Tensor:
+        """The bulk buffer as ``n`` rows, once the epoch that last used it committed (a deferred one is sent
+        first: gather runs right after the forward's launch, the state is still the deferred step's)."""
+        self.send()
+        if self.bulk_p is not None:
+            self.bulk_p.wait()
+            self.bulk_p = None
+        need = n * self.row_bytes
+        if self.bulk is None or self.bulk.numel() < need:
+            t0 = time.perf_counter()
+            if self.bulk is not None:
+                _give_bulk(self.bulk)
+            self.bulk = _take_bulk(1 << max(20, (need - 1).bit_length()), self.cuda)
+            self.t["alloc"] += time.perf_counter() - t0
+        if self.cuda and self.bulk_idx_dev.numel() < n:  # (the last bulk step's side work is done: it committed)
+            self.bulk_idx_dev = torch.empty(1 << (n - 1).bit_length(), dtype=torch.long, device=self.device)
+        return self.bulk[:need].view(n, self.row_bytes)
 
     def _free_slot(self, seq: int) -> None:
         old = seq - self.n_slots
@@ -202,37 +297,89 @@ class StepEpochs:
         self.gathered = None  # gathered, but the generic path writes this one: it logs the rows again
         if len(g[1]):
             if self.cuda:
-                self.copied.synchronize()  # the side stream cleared them
+                (self.bulk_copied if g[3] else self.copied[seq % self.n_slots]).synchronize()  # flags cleared
             self.eng.pool.dirty.index_fill_(0, torch.from_numpy(g[1]).to(self.device), 1)
         self.fallbacks += 1
         return False
 
     def submit(self, seq: int, meta_json: bytes) -> StepPending:
+        """``prepare`` + ``send`` (the durable engine: its step then waits for the commit)."""
+        p = self.prepare(seq, meta_json)
+        self.send()
+        return p
+
+    def defer(self, seq: int, meta_fn: Any) -> StepPending:
+        """At the end of step ``seq`` (pipelined): its epoch, to be prepared later from the engine's state,
+        which the engine keeps as the step left it until then: ``materialize`` runs before anything changes it
+        (an admission, a submit, collect or abort, a step without a forward), else ``send`` after the next
+        forward's launch (the host work then overlaps the GPU's)."""
+        assert self.gathered is not None and self.gathered[0] == seq
+        self.materialize()
+        if self.prepared is not None:
+            self.send()
+        p = StepPending(self, seq, -1, ((), (), ()))
+        p.gathered, p.meta_fn = self.gathered, meta_fn
+        self.gathered = None
+        self.deferred = p
+        return p
+
+    def materialize(self, *, overlapped: bool = False) -> None:
+        """Prepare the deferred step epoch now (its metadata and host pages are the engine's state now)."""
+        p = self.deferred
+        if p is None:
+            return
+        self.deferred = None
+        self.overlapped += overlapped
+        t0 = time.perf_counter()
+        meta = p.meta_fn()
+        self.t["meta"] += time.perf_counter() - t0
+        g, p.gathered, p.meta_fn = p.gathered, None, None
+        self._prepare(p, g, meta)
+
+    def prepare(self, seq: int, meta_json: bytes) -> StepPending:
+        """At the end of step ``seq``: its host pages (``tokens``, ``rng``) into its slot, their flags cleared,
+        its records; ``send()`` hands it to the writer."""
+        assert self.gathered is not None and self.gathered[0] == seq
+        self.materialize()
+        if self.prepared is not None:  # (a step with no forward: the one before it was not sent yet)
+            self.send()
+        g, self.gathered = self.gathered, None
+        p = StepPending(self, seq, -1, ((), (), ()))
+        self._prepare(p, g, meta_json)
+        return p
+
+    def _prepare(self, p: StepPending, gathered: Any, meta_json: bytes) -> None:
         eng = self.eng
         t0 = time.perf_counter()
-        assert self.gathered is not None and self.gathered[0] == seq
-        _, rows, kv_rec = self.gathered
-        self.gathered = None
+        seq, rows, kv_rec, bulk = gathered
         if self.writer is None:
             self.writer = slotlog.StepLogWriter(eng.runtime.log, queue=self.n_slots + 2, threads=self.threads)
             st = self.writer.state()
             self.bytes0, self.epochs0 = int(st["bytes_written"]), int(st["epochs"])
             self._bytes_seen = self.bytes0
-        k = seq % self.n_slots
-        base = k * self.slot_bytes
-        records = []
-        n = len(rows)
-        if n:
+        base = (seq % self.n_slots) * self.slot_bytes
+        tb = np.flatnonzero(eng.tokens_dirty)
+        rr = np.flatnonzero(eng.rng.dirty)
+        p.epoch, p.taken = self.writer.next_epoch, (rows, tb, rr)
+        records = p.records
+        if len(rows):
             records.append(kv_rec)
             if self.cuda:
-                self.copied.synchronize()  # the side stream's copy ran beside the sampler: done, or nearly
-        tb = np.flatnonzero(eng.tokens_dirty)
+                p.event = self.bulk_copied if bulk else self.copied[seq % self.n_slots]
+        if bulk:
+            p.bulk = True
+            self.bulk_p = p
         if len(tb):
-            off = base + self.tok_off
-            self.ring_np[off: off + len(tb) * 512].reshape(-1, 512)[:] = self.tok_u8[tb]
+            if len(tb) <= self.cap_tok:
+                area, off = self.ring_np[base + self.tok_off: base + self.tok_off + len(tb) * 512], base + self.tok_off
+                address = self.base + off
+            else:  # more token pages than a slot holds (a large prefill): their own buffer, kept by the epoch
+                area = np.empty(len(tb) * 512, np.uint8)
+                p.keep.append(area)
+                address = int(area.ctypes.data)
+            area.reshape(-1, 512)[:] = self.tok_u8[tb]
             eng.tokens_dirty[tb] = 0
-            records.append(slotlog.pages_record(b"tokens", tb.astype(np.int64), 512, self.base + off))
-        rr = np.flatnonzero(eng.rng.dirty)
+            records.append(slotlog.pages_record(b"tokens", tb.astype(np.int64), 512, address))
         if len(rr):
             off = base + self.rng_off
             self.ring_np[off: off + len(rr) * self.rng_rb].reshape(-1, self.rng_rb)[:] = self.rng_rows[rr]
@@ -240,26 +387,63 @@ class StepEpochs:
             records.append(slotlog.rows_record(b"rng", rr.astype(np.int64), self.rng_ppb, self.rng_pb,
                                                self.base + off))
         records.append(slotlog.meta_record(meta_json))
-        p = StepPending(self, seq, self.writer.next_epoch, (rows, tb, rr))
-        blob = slotlog.step_blob(records)
+        self.writer.next_epoch += 1
+        self.prepared = p
+        self.t["prepare"] += time.perf_counter() - t0
+
+    def send(self) -> None:
+        """Hand the prepared (or deferred) epoch to the C writer (once its rows are in the ring: the side
+        stream's copy)."""
+        self.materialize(overlapped=True)
+        p = self.prepared
+        if p is None:
+            return
+        t0 = time.perf_counter()
+        self.prepared = None
+        w = self.writer
+        assert w is not None
+        if p.event is not None:
+            if not p.event.query():
+                t1 = time.perf_counter()
+                p.event.synchronize()
+                self.t["copy_wait"] += time.perf_counter() - t1
+            p.event = None
         try:
+            if self._ablate == "writer":
+                self._ablated_commit(p)
+                return
             if not self.inflight:  # the writer is idle: a roll it needs happens here (the GIL is ours)
                 t1 = time.perf_counter()
-                if self.writer.roll_if_needed(_need(records)):
+                if w.roll_if_needed(_need(p.records)):
                     self.t["roll"] += time.perf_counter() - t1
                     self.rolls += 1
-            self.writer.submit(seq, blob)
+            w.submit(p.seq, slotlog.step_blob(p.records))
         except BaseException:
+            w.next_epoch -= 1  # nothing after it was prepared: its number is the next one again
             self._reflag(p)
-            if self.writer is not None and self.writer.lease_lost:
+            if self.bulk_p is p:
+                self.bulk_p = None
+            if w.lease_lost:
                 self._drop_writer()
             raise
-        self.writer.next_epoch += 1
+        p.sent = True
         self.inflight.append(p)
-        self.t["submit"] += time.perf_counter() - t0
-        return p
+        self.t["send"] += time.perf_counter() - t0
+
+    def _ablated_commit(self, p: StepPending) -> None:
+        p.sent = p.done = True
+        p.stats = _Bytes(0)
+        if self.bulk_p is p:
+            self.bulk_p = None
+        self.committed_seq = max(self.committed_seq, p.seq)
+        self.steps += 1
 
     def wait(self, p: StepPending) -> None:
+        if not p.sent:
+            assert self.prepared is p or self.deferred is p
+            self.send()
+            if p.done:
+                return
         w = self.writer
         assert w is not None
         t0 = time.perf_counter()
@@ -269,6 +453,7 @@ class StepEpochs:
             for q in self.inflight:  # this one and any submitted after it: their changes go in the next epoch
                 self._reflag(q)
             self.inflight.clear()
+            self.bulk_p = None
             self._drop_writer()
             raise
         st = w.state()
@@ -277,8 +462,14 @@ class StepEpochs:
         nbytes = int(st["bytes_written"])
         for q in done:
             q.done = True
+            q.keep.clear()
+            if self.bulk_p is q:
+                self.bulk_p = None
+        self.bulk_steps += sum(q.bulk for q in done)
         p.stats = _Bytes(nbytes - self._bytes_seen)
         self._bytes_seen = nbytes
+        if nbytes - self.bytes0 >= COUNT_BYTES:
+            self._count(w, reset=False)  # toward the compaction threshold while the lease lasts
         self.committed_seq = max(self.committed_seq, p.seq)
         self.steps += len(done)
         self.t["wait"] += time.perf_counter() - t0
@@ -295,6 +486,7 @@ class StepEpochs:
         """End the lease (the writer commits what it was given first); the generic path may append again."""
         if self.writer is None:
             return
+        self.send()
         for p in list(self.inflight):
             p.wait()
         w = self.writer
@@ -302,12 +494,17 @@ class StepEpochs:
         w.stop()
         self._count(w)
 
-    def _count(self, w: slotlog.StepLogWriter) -> None:
+    def _count(self, w: slotlog.StepLogWriter, *, reset: bool = True) -> None:
+        """The writer's bytes and epochs since the last count go to the runtime's compaction threshold like its
+        own (a compaction it starts waits for the lease: the next step then takes the generic path, which ends
+        the lease first, and the log is sealed)."""
         st = w.state()
         rt = self.eng.runtime
-        if rt is not None:  # step epochs count toward the runtime's compaction threshold like its own
+        if rt is not None:
             rt._count_appended(int(st["bytes_written"]) - self.bytes0, int(st["epochs"]) - self.epochs0)
-        self._bytes_seen = 0
+        self.bytes0, self.epochs0 = int(st["bytes_written"]), int(st["epochs"])
+        if reset:
+            self._bytes_seen = 0
 
     def _drop_writer(self) -> None:
         w, self.writer = self.writer, None
@@ -324,6 +521,11 @@ class StepEpochs:
 
     def close(self) -> None:
         self.suspend()
+        if self.bulk is not None:  # the next engine of this process takes it (no copy into it left running)
+            if self.cuda:
+                self.bulk_copied.synchronize()
+            _give_bulk(self.bulk)
+            self.bulk = None
 
 
 __all__ = ["StepEpochs", "StepPending", "available"]
