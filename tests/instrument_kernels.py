@@ -184,3 +184,18 @@ def copy_then_reduce_kernel(x, y, s, n_cols, BLOCK: tl.constexpr):
 KERNELS["copy_then_reduce"] = dict(fn=copy_then_reduce_kernel, signature={
     "x": "*fp32", "y": "*fp32", "s": "*fp32", "n_cols": "i32", "BLOCK": "constexpr"},
     constexprs={"BLOCK": 1024}, options={"num_warps": 4})
+
+
+@triton.jit
+def poi_silu_mul_kernel(in_ptr0, in_ptr1, out_ptr0, xnumel, XBLOCK: tl.constexpr):
+    # shaped like Inductor's pointwise kernels (loads, math, a masked store; no branch, no barrier)
+    xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:]
+    xmask = xindex < xnumel
+    tmp0 = tl.load(in_ptr0 + xindex, xmask).to(tl.float32)
+    tmp1 = tl.load(in_ptr1 + xindex, xmask).to(tl.float32)
+    tl.store(out_ptr0 + xindex, (tmp0 * tl.sigmoid(tmp0) * tmp1).to(tl.bfloat16), xmask)
+
+
+KERNELS["poi_silu_mul"] = dict(fn=poi_silu_mul_kernel, signature={
+    "in_ptr0": "*bf16", "in_ptr1": "*bf16", "out_ptr0": "*bf16", "xnumel": "i32", "XBLOCK": "constexpr"},
+    constexprs={"XBLOCK": 512}, options={"num_warps": 8})

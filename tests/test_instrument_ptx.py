@@ -297,3 +297,36 @@ def test_entry_vote_is_deferred_to_the_first_barrier_when_nothing_global_precede
     # a loop before the first barrier (a branch target): voted at entry
     ln = rewrite_ptx(ptx_of("layernorm")).kernel("layernorm_kernel")
     assert not ln.deferred_vote
+
+
+def test_entry_vote_goes_before_the_first_global_write_in_straight_line_kernels() -> None:
+    src = ptx_of("poi_silu_mul")
+    res = rewrite_ptx(src)
+    rep = res.kernel("poi_silu_mul_kernel")
+    assert rep.deferred_vote and rep.vote_site == "before_write" and rep.barriers == 0
+    body = res.ptx[res.ptx.index(".entry"):]
+    lines = [strip_comment(ln).strip().rstrip(";") for ln in body.splitlines()]
+    votes = [i for i, ln in enumerate(lines) if ln.startswith(("barrier.red", "bar.red"))]
+    reads = [i for i, ln in enumerate(lines) if ln.startswith("ld.volatile.global.u32") and "%cft_" in ln]
+    loads = [i for i, ln in enumerate(lines) if "ld.global.b16" in ln]
+    stores = [i for i, ln in enumerate(lines) if "st.global" in ln]
+    assert len(votes) == 1 and len(reads) == 2 and len(loads) == 4 and stores
+    assert all(r < loads[0] for r in reads)  # the leader's reads go out at entry, before the block's loads
+    assert loads[-1] < votes[0] < stores[0]  # voted after every load, before the first store
+    assert lines[votes[0] + 1] == "@%cft_p2 ret"
+    assert not any(ln.startswith(("bar.sync", "barrier.sync")) for ln in lines)  # no barrier of the kernel's
+    a, plain = assemble(res.ptx), assemble(src)
+    k = "poi_silu_mul_kernel"
+    assert a.spill_bytes[k] == plain.spill_bytes[k] == 0 and a.registers[k] <= plain.registers[k] + 8  # 14 -> 22 (v3: 18)
+    # the instructions of the kernel are all still there, in order
+    assert _probe_free(res.ptx) == _probe_free(src)
+    # option off: the version-3 probe, voted at entry
+    off = rewrite_ptx(src, SafepointOptions(vote_before_write=False)).kernel(k)
+    assert off.vote_site == "entry" and not off.deferred_vote
+    # a kernel whose first barrier precedes its first write keeps voting at that barrier
+    assert rewrite_ptx(ptx_of("softmax")).kernel("softmax_kernel").vote_site == "barrier"
+    # a loop before the first write (layernorm) or a write before the first barrier: voted at entry /
+    # before the write, never at a barrier that follows a write
+    assert rewrite_ptx(ptx_of("layernorm")).kernel("layernorm_kernel").vote_site == "entry"
+    ctr = rewrite_ptx(ptx_of("copy_then_reduce")).kernel("copy_then_reduce_kernel")
+    assert ctr.vote_site == "before_write"
