@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InstrumentError
-from .safepoints import CTL_BITMAP, SYMBOL_PREFIX, ctl_bytes
+from .safepoints import CTL_BITMAP, CTL_PAUSE, SYMBOL_PREFIX, ctl_bytes, pending_blocks
 
 ALIGN_WORDS = 16  # 64-byte aligned control blocks
 
@@ -102,6 +102,24 @@ def capture_launches(f: Callable[..., Any], inputs: Sequence[Any]) -> list[Kerne
     finally:
         CachingAutotuner.run = orig  # type: ignore[method-assign]
     return seen
+
+
+@dataclass
+class ControlView:
+    """One armed launch's control block, for pausing it: what ``pause.GpuPauseTrigger.arm`` takes (``ctl``,
+    ``nblocks``), the pending blocks after a pause, and clearing the pause word before the resuming call."""
+
+    name: str
+    nblocks: int
+    ctl: Any  # int32 view of the arena
+
+    def pending(self) -> list[int]:
+        words = self.ctl[CTL_BITMAP // 4:].cpu().numpy().view("uint32").tolist()
+        return pending_blocks(words, self.nblocks)
+
+    def set_pause(self, on: bool) -> None:
+        """Write the pause word on the current stream (``on`` False: the next armed call resumes)."""
+        self.ctl[CTL_PAUSE // 4:CTL_PAUSE // 4 + 1].fill_(1 if on else 0)
 
 
 class ArmedLaunches:
@@ -196,6 +214,11 @@ class ArmedLaunches:
         """Launch ``i``'s control block (a view of the arena)."""
         n = ctl_bytes(self.launches[i].nblocks) // 4
         return self.arena[self._offsets[i]:self._offsets[i] + n]
+
+    def view(self, i: int) -> ControlView:
+        """Launch ``i``'s control block as a ``ControlView``. A call of the compiled function made while
+        armed and without ``reset()`` is a resume: blocks whose done bit is set leave at entry, the rest run."""
+        return ControlView(self.launches[i].name, self.launches[i].nblocks, self.ctl(i))
 
     def arm(self, on: bool = True) -> None:
         import numpy as np
