@@ -182,21 +182,26 @@ def drain_case(block_us: float, waves_n: float, fractions: list[float], repeats:
     gen = torch.Generator(device="cpu").manual_seed(7)
     triton_hook.uninstall()
     plain = triton.JITFunction(fn.fn)
-    # calibrate passes per microsecond with one block alone
+    # calibrate passes per microsecond with one full wave of blocks (every resident slot busy, as in the run)
     x1 = torch.randint(-5, 6, (1, blk), dtype=torch.int32, device="cuda")
     t1 = torch.zeros(2, dtype=torch.int64, device="cuda")
     o1 = torch.zeros(1, dtype=torch.int32, device="cuda")
-    r0 = 200000
-    reps1 = torch.tensor([r0], dtype=torch.int32, device="cuda")
-    for _ in range(3):
-        plain[(1,)](x1, reps1, o1, t1, **kw)
-    torch.cuda.synchronize()
-    ns_per_pass = (int(t1[1]) - int(t1[0])) / r0
-    base_reps = max(1, int(block_us * 1e3 / max(ns_per_pass, 1e-3)))
+    reps1 = torch.tensor([1000], dtype=torch.int32, device="cuda")
     k0 = plain.warmup(x1, reps1, o1, t1, grid=(1,), **kw)
     k0._init_handles()
     nw, per_sm = waves(k0, 1)
     slots = per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+    r0 = 20000
+    xw = torch.randint(-5, 6, (slots, blk), dtype=torch.int32, device="cuda")
+    tw_ = torch.zeros(2 * slots, dtype=torch.int64, device="cuda")
+    ow = torch.zeros(slots, dtype=torch.int32, device="cuda")
+    repw = torch.full((slots,), r0, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        plain[(slots,)](xw, repw, ow, tw_, **kw)
+    torch.cuda.synchronize()
+    tw2 = tw_.view(slots, 2).cpu()
+    ns_per_pass = float((tw2[:, 1] - tw2[:, 0]).double().median()) / r0
+    base_reps = max(1, int(block_us * 1e3 / max(ns_per_pass, 1e-3)))
     rows = int(waves_n * slots)
     x = torch.randint(-5, 6, (rows, blk), dtype=torch.int32, device="cuda", generator=None)
     reps = (base_reps * (0.5 + torch.rand(rows, generator=gen))).to(torch.int32).cuda()

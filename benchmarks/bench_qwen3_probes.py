@@ -70,6 +70,17 @@ def worker_env(root: Path, variant: str) -> dict[str, str]:
 def _worker(ns: argparse.Namespace) -> int:
     proto = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol channel; anything printed goes to stderr
     os.dup2(2, 1)
+    parent = os.getppid()
+
+    def watch() -> None:  # a worker whose parent was killed (a run's time limit) leaves at once
+        while True:
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(0.5)
+
+    import threading
+
+    threading.Thread(target=watch, daemon=True).start()
 
     def send(obj: dict[str, Any]) -> None:
         proto.write(json.dumps(obj, default=str) + "\n")
@@ -244,7 +255,7 @@ def _kernel_attrs(launches: list[Any]) -> dict[str, Any]:
     for k in launches:
         if k.name in out:
             continue
-        fn = drv.CUfunction(k.function)
+        fn = k.function
         regs = int(cd.check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS, fn), "attr"))
         local = int(cd.check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn), "attr"))
         shared = int(cd.check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn), "attr"))
@@ -374,7 +385,7 @@ class Worker:
             if self.p.poll() is None and self.p.stdin is not None:
                 self.p.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.p.stdin.flush()
-                self.p.wait(timeout=20)
+                self.p.wait(timeout=5)
         except Exception:  # noqa: BLE001
             self.p.kill()
         self.log.close()
@@ -403,8 +414,14 @@ def main() -> int:
     ns = ap.parse_args()
     if ns.worker:
         return _worker(ns)
+    import signal
+
     from concordia_ft.benchreport import write_results
 
+    def on_term(signum: int, frame: Any) -> None:  # a time limit: leave through the finally below
+        raise SystemExit(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
     t_start = time.perf_counter()
     root = Path(tempfile.mkdtemp(prefix="cft-qwen3-probes-"))
     out_dir = Path(ns.out_dir)
@@ -528,7 +545,7 @@ def main() -> int:
         summary["profile"] = prof
         summary["per_kernel"] = _per_kernel(prof, shapes, infos)
         save()
-    except Exception:  # noqa: BLE001
+    except (Exception, SystemExit):  # noqa: BLE001
         summary["error"] = traceback.format_exc()[-3000:]
         print(summary["error"], flush=True)
         ok = False
