@@ -7,7 +7,9 @@ with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache 
 - ``plain``: torch.compile as a user runs it, the hook never imported;
 - ``probes_v3``: ``triton_hook.install(SafepointOptions(vote_before_write=False))`` (the session-6 probe);
 - ``probes``: ``triton_hook.install()`` with today's defaults (protocol 4: the entry vote before the first
-  global write where straight-line code reaches it).
+  global write where straight-line code reaches it);
+- ``probes_lazy``: as ``probes`` with ``lazy_entry=True`` (only the leader waits for the control pointer at
+  entry; a disarmed launch skips an inserted vote).
 Each worker proves what it ran: the PTX/cubin files in its own Triton cache with and without the probe's
 marker (``cft_ctl_``), and the module of every captured launch asked for its ``cft_ctl_<kernel>`` global
 (``ArmedLaunches.with_probes``): the plain worker must have none, the probe workers all. Outputs are compared
@@ -48,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 VARIANTS: dict[str, dict[str, Any] | None] = {"plain": None, "probes_v3": {"vote_before_write": False},
-                                              "probes": {}}
+                                              "probes": {}, "probes_lazy": {"lazy_entry": True}}
 
 from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import
 
@@ -367,8 +369,14 @@ class Worker:
                                   env=worker_env(root, variant))
         self.info: dict[str, Any] = {}
 
-    def recv(self) -> dict[str, Any]:
+    def recv(self, timeout_s: float = 240.0) -> dict[str, Any]:
+        import select
+
         assert self.p.stdout is not None
+        ready, _, _ = select.select([self.p.stdout], [], [], timeout_s)
+        if not ready:  # a hung kernel (or compile): this worker is dropped, the others go on
+            self.p.kill()
+            raise RuntimeError(f"worker {self.variant}: no answer in {timeout_s:.0f} s; killed")
         line = self.p.stdout.readline()
         if not line:
             raise RuntimeError(f"worker {self.variant} ended (rc {self.p.poll()}); see its log")
@@ -378,7 +386,7 @@ class Worker:
         assert self.p.stdin is not None
         self.p.stdin.write(json.dumps(req) + "\n")
         self.p.stdin.flush()
-        return self.recv()
+        return self.recv(60.0)
 
     def close(self) -> None:
         try:
@@ -451,7 +459,10 @@ def main() -> int:
             workers[v] = Worker(v, root, ns, out_dir)
         infos = {}
         for v, w in workers.items():
-            w.info = w.recv()
+            try:
+                w.info = w.recv()
+            except RuntimeError as e:
+                w.info = {"ready": False, "error": str(e)}
             infos[v] = w.info
             print(f"worker {v}: ready={w.info.get('ready')} setup {w.info.get('setup_s', 0):.1f} s", flush=True)
             if not w.info.get("ready"):
@@ -509,6 +520,23 @@ def main() -> int:
                 if ns.stack > 1 and s in ns.stack_shapes.split(","):
                     jobs.append(("stack", si, how))
         configs = [(v, m) for v in workers for m in (("plain",) if VARIANTS[v] is None else ("disarmed", "armed"))]
+        prof: dict[str, Any] = {}
+
+        def do_profile() -> None:  # per kernel GPU time (profiler), every shape and mode, after the first round
+            for si, s in enumerate(shapes):
+                for v, m in configs:
+                    if v not in workers:
+                        continue
+                    try:
+                        res = workers[v].ask(op="profile", shape=si, target="layer", how="stream", mode=m, n=10)
+                    except RuntimeError as e:
+                        res = {"error": str(e)}
+                        workers.pop(v).close()
+                    prof[f"{s}/{v}/{m}"] = res.get("kernels", res.get("error"))
+            summary["profile"] = prof
+            summary["per_kernel"] = _per_kernel(prof, shapes, infos)
+            save()
+
         times: dict[tuple[str, int, str, str, str], list[float]] = {}
         recompiles: dict[str, int] = {}
         for r in range(ns.rounds):
@@ -518,7 +546,13 @@ def main() -> int:
             for target, si, how in jobs:
                 order = configs if r % 2 == 0 else list(reversed(configs))
                 for v, m in order:
-                    res = workers[v].ask(op="time", shape=si, target=target, how=how, mode=m, rep=ns.rep)
+                    if v not in workers:
+                        continue
+                    try:
+                        res = workers[v].ask(op="time", shape=si, target=target, how=how, mode=m, rep=ns.rep)
+                    except RuntimeError as e:
+                        res = {"ok": False, "error": str(e)}
+                        workers.pop(v).close()
                     if not res.get("ok"):
                         summary.setdefault("errors", []).append({"variant": v, "mode": m, "target": target,
                                                                  "shape": shapes[si], "how": how,
@@ -533,18 +567,9 @@ def main() -> int:
             summary.update(_headline(rows))
             save()
             print(f"round {r + 1}: " + json.dumps(_headline(rows))[:1500], flush=True)
-        # per kernel GPU time (profiler), layer shapes, every mode
-        prof: dict[str, Any] = {}
-        for si, s in enumerate(shapes):
-            if time.perf_counter() - t_start > ns.budget_s + 20:
-                summary["profile_cut"] = f"budget: profiled {si} of {len(shapes)} shapes"
-                break
-            for v, m in configs:
-                res = workers[v].ask(op="profile", shape=si, target="layer", how="stream", mode=m, n=20)
-                prof[f"{s}/{v}/{m}"] = res.get("kernels", res.get("error"))
-        summary["profile"] = prof
-        summary["per_kernel"] = _per_kernel(prof, shapes, infos)
-        save()
+            if r == 0:
+                do_profile()
+
     except (Exception, SystemExit):  # noqa: BLE001
         summary["error"] = traceback.format_exc()[-3000:]
         print(summary["error"], flush=True)

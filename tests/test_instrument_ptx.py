@@ -330,3 +330,29 @@ def test_entry_vote_goes_before_the_first_global_write_in_straight_line_kernels(
     assert rewrite_ptx(ptx_of("layernorm")).kernel("layernorm_kernel").vote_site == "entry"
     ctr = rewrite_ptx(ptx_of("copy_then_reduce")).kernel("copy_then_reduce_kernel")
     assert ctr.vote_site == "before_write"
+
+
+def test_lazy_entry_only_the_leader_waits_for_the_control_pointer() -> None:
+    k = "poi_silu_mul_kernel"
+    src = ptx_of("poi_silu_mul")
+    res = rewrite_ptx(src, SafepointOptions(lazy_entry=True))
+    assert res.kernel(k).vote_site == "before_write"
+    body = res.ptx[res.ptx.index(".entry"):]
+    lines = [strip_comment(ln).strip().rstrip(";") for ln in body.splitlines()]
+    ptr = next(i for i, ln in enumerate(lines) if ln.startswith("ld.global.u64") and "cft_ctl_" in ln)
+    lead = next(i for i, ln in enumerate(lines) if ln.startswith("@!%cft_p0 bra"))
+    uses = [i for i, ln in enumerate(lines) if "%cft_rd0" in ln and i != ptr]
+    assert ptr < lead < uses[0]  # non-leaders branch past before anything reads the pointer
+    vote = next(i for i, ln in enumerate(lines) if ln.startswith("barrier.red.or.pred"))
+    skip = [i for i, ln in enumerate(lines) if ln.startswith("@!%cft_p1 bra") and ln.endswith("_novote")]
+    assert len(skip) == 1 and skip[0] < vote and lines[skip[0] - 1].startswith("setp.ne.u64 \t%cft_p1, %cft_rd0")
+    stores = [i for i, ln in enumerate(lines) if "st.global" in ln]
+    novote = next(i for i, ln in enumerate(lines) if ln.endswith("_novote:"))
+    assert vote < novote < stores[0]  # a disarmed launch skips the inserted barrier, then stores
+    assert _probe_free(res.ptx) == _probe_free(src)
+    a = assemble(res.ptx)
+    assert a.spill_bytes[k] == 0
+    # where the vote sits at the kernel's own barrier, that barrier stays unconditional
+    sm = rewrite_ptx(ptx_of("softmax"), SafepointOptions(lazy_entry=True))
+    assert sm.kernel("softmax_kernel").vote_site == "barrier" and "_novote" not in sm.ptx
+    assemble(sm.ptx)

@@ -83,6 +83,10 @@ class SafepointOptions:
     # kernels: loads, math, stores, no branch): the leader's reads then overlap the block's own loads, as
     # with the deferred vote, instead of holding every thread at entry (DESIGN.md §1, version 4).
     vote_before_write: bool = True
+    # With a deferred vote: only the block's leader waits at entry for the control pointer (to issue its two
+    # reads); every other thread issues the pointer's load and first uses it at the vote, so no warp but the
+    # leader's waits at entry, and a disarmed launch skips an inserted vote barrier (DESIGN.md §1).
+    lazy_entry: bool = False
 
 
 @dataclass(frozen=True)
@@ -443,6 +447,32 @@ def _deferred_entry_probe(sym: str, lab: str) -> list[str]:
     ]
 
 
+def _lazy_entry_probe(sym: str, lab: str) -> list[str]:
+    """``_deferred_entry_probe`` where only the leader waits for the control pointer: every thread issues its
+    load (used again at the vote), the others branch past at once."""
+    return [
+        "\t// concordia-ft safe point: block entry (the leader's reads issued here, voted later)",
+        "\tmov.u32 \t%cft_r16, 0;", "\tmov.u32 \t%cft_r12, 0;", "\tmov.u32 \t%cft_r14, 0;",
+        "\tmov.u32 \t%cft_r10, 0;",
+        f"\tld.global.u64 \t%cft_rd0, [{sym}];",
+        *_leader(),
+        f"\t@!%cft_p0 bra \t{lab}_run;",
+        "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;",
+        f"\t@!%cft_p1 bra \t{lab}_run;",
+        *_block_bit(),
+        f"\tld.volatile.global.u32 \t%cft_r12, [%cft_rd0+{CTL_PAUSE}];",
+        "\tld.volatile.global.u32 \t%cft_r14, [%cft_rd1];",
+        f"{lab}_run:",
+    ]
+
+
+def _lazy_inserted_vote(lab: str) -> list[str]:
+    """The inserted vote of ``lazy_entry``: skipped as a whole by a disarmed launch (the pointer is the same
+    for every thread of the launch, so the branch is block-uniform)."""
+    return ["\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@!%cft_p1 bra \t{lab}_novote;",
+            *_deferred_vote(None), f"{lab}_novote:"]
+
+
 def _deferred_vote(st: Statement | None) -> list[str]:
     """The kernel's first barrier (``st``), as a reducing barrier carrying the leader's entry decision; or,
     with ``st`` None, a reducing barrier of its own, inserted before the kernel's first global write (not
@@ -567,9 +597,11 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
         after.setdefault(k.body_open, []).extend(_DECLS)
         by_index = {st.index: st for st in k.statements}
         if p.vote_line >= 0:
-            before.setdefault(p.entry_line, []).extend(_deferred_entry_probe(sym, lab))
+            entry = _lazy_entry_probe(sym, lab) if opts.lazy_entry else _deferred_entry_probe(sym, lab)
+            before.setdefault(p.entry_line, []).extend(entry)
             if p.vote_inserted:
-                before.setdefault(p.vote_line, []).extend(_deferred_vote(None))
+                before.setdefault(p.vote_line, []).extend(_lazy_inserted_vote(lab) if opts.lazy_entry
+                                                          else _deferred_vote(None))
             else:
                 replace[p.vote_line] = _deferred_vote(by_index[p.vote_line])
         else:
