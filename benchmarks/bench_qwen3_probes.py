@@ -280,7 +280,7 @@ def _callable(state: dict[str, Any], req: dict[str, Any]) -> Any:
     mode, target = req["mode"], req["target"]
     f, inputs, stack = st["f"], st["inputs"], st["stack"]
     body = (lambda: f(*inputs)) if target == "layer" else stack
-    if mode == "armed":
+    if mode in ("armed", "reset_only"):  # reset_only: the armed call's memset, the probes disarmed
         armed = st["armed"] if target == "layer" else st["stack_armed"]
 
         def run() -> Any:
@@ -321,7 +321,7 @@ def _worker_do(state: dict[str, Any], req: dict[str, Any]) -> dict[str, Any]:
     import triton.testing
     from torch._dynamo.utils import counters
 
-    if req["mode"] == "armed" and not state["hooked"]:
+    if req["mode"] in ("armed", "reset_only") and not state["hooked"]:
         raise RuntimeError("the plain variant has no probes to arm")
     fn = _callable(state, req)
     _prepare(state, req)
@@ -520,6 +520,8 @@ def main() -> int:
                 if ns.stack > 1 and s in ns.stack_shapes.split(","):
                     jobs.append(("stack", si, how))
         configs = [(v, m) for v in workers for m in (("plain",) if VARIANTS[v] is None else ("disarmed", "armed"))]
+        if "probes" in workers:  # the armed call's memset alone, probes disarmed: what arming costs besides probes
+            configs.append(("probes", "reset_only"))
         prof: dict[str, Any] = {}
 
         def do_profile() -> None:  # per kernel GPU time (profiler), every shape and mode, after the first round
