@@ -9,7 +9,12 @@ with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache 
 - ``probes``: ``triton_hook.install()`` with today's defaults (protocol 4: the entry vote before the first
   global write where straight-line code reaches it);
 - ``probes_lazy``: as ``probes`` with ``lazy_entry=True`` (only the leader waits for the control pointer at
-  entry; a disarmed launch skips an inserted vote).
+  entry; a disarmed launch skips an inserted vote);
+- ``probes_late``: as ``probes`` with ``late_reads=True`` (entry only issues the pointer's load; the leader's
+  reads and the vote happen at the vote site, which a disarmed launch branches past).
+Every worker compiles with ``TORCHINDUCTOR_DETERMINISTIC=1`` and ``triton.autotune_pointwise=False``: no
+benchmark-driven choice (kernel configs, pad_mm), so every variant runs the same kernel configs (batch 1 of
+session 7 autotuned, and the variants picked different XBLOCKs for 9 of 24 kernels: up to 3x apart).
 Each worker proves what it ran: the PTX/cubin files in its own Triton cache with and without the probe's
 marker (``cft_ctl_``), and the module of every captured launch asked for its ``cft_ctl_<kernel>`` global
 (``ArmedLaunches.with_probes``): the plain worker must have none, the probe workers all. Outputs are compared
@@ -50,7 +55,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 VARIANTS: dict[str, dict[str, Any] | None] = {"plain": None, "probes_v3": {"vote_before_write": False},
-                                              "probes": {}, "probes_lazy": {"lazy_entry": True}}
+                                              "probes": {}, "probes_lazy": {"lazy_entry": True},
+                                              "probes_late": {"late_reads": True}}
 
 from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import
 
@@ -61,7 +67,7 @@ def worker_env(root: Path, variant: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(TRITON_CACHE_DIR=str(d / "triton"), TORCHINDUCTOR_CACHE_DIR=str(d / "inductor"),
                TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0",
-               TORCHINDUCTOR_COMPILE_THREADS="1", PYTHONPATH=str(ROOT / "src") + os.pathsep
+               TORCHINDUCTOR_COMPILE_THREADS="1", TORCHINDUCTOR_DETERMINISTIC="1", PYTHONPATH=str(ROOT / "src") + os.pathsep
                + env.get("PYTHONPATH", ""))
     env.pop("TRITON_ALWAYS_COMPILE", None)
     return env
@@ -140,10 +146,13 @@ def _worker_setup(ns: argparse.Namespace) -> dict[str, Any]:
                     fcntl.flock(fh, fcntl.LOCK_UN)
 
         CachingAutotuner.benchmark_all_configs = locked  # type: ignore[method-assign]
+    import torch._inductor.config as icfg
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
     from concordia_ft.instrument.inductor import ArmedLaunches, capture_launches
+
+    icfg.triton.autotune_pointwise = False  # one config per kernel, the same in every variant
 
     cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
@@ -416,6 +425,8 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--budget-s", type=float, default=600.0, help="no new round after this much wall")
     ap.add_argument("--ptx-dir", default="", help="copy each worker's PTX files here")
+    ap.add_argument("--wait-pid", type=int, default=0, help="start timing once this process has ended (a test "
+                                                             "run sharing the GPU while the workers compile)")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--options", default="null", help=argparse.SUPPRESS)
     ap.add_argument("--lock", default="", help=argparse.SUPPRESS)
@@ -512,6 +523,15 @@ def main() -> int:
         summary["checks"] = checks
         print(json.dumps(checks)[:2000], flush=True)
         save()
+        if ns.wait_pid:
+            t_w = time.perf_counter()
+            while time.perf_counter() - t_w < 120:
+                try:
+                    os.kill(ns.wait_pid, 0)
+                except OSError:
+                    break
+                time.sleep(0.2)
+            summary["waited_for_pid_s"] = time.perf_counter() - t_w
         # what is timed: (target, shape index, how, mode) per variant
         jobs: list[tuple[str, int, str]] = []
         for si, s in enumerate(shapes):

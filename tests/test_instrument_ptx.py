@@ -6,6 +6,7 @@ Needs triton (it compiles for sm_90 without a GPU and bundles ptxas); no GPU, no
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -356,3 +357,58 @@ def test_lazy_entry_only_the_leader_waits_for_the_control_pointer() -> None:
     sm = rewrite_ptx(ptx_of("softmax"), SafepointOptions(lazy_entry=True))
     assert sm.kernel("softmax_kernel").vote_site == "barrier" and "_novote" not in sm.ptx
     assemble(sm.ptx)
+
+
+INDUCTOR_PTX = sorted((Path(__file__).parent / "data" / "h200" / "inductor-qwen3-ptx").glob("*.ptx"))
+
+
+@pytest.mark.parametrize("path", INDUCTOR_PTX, ids=lambda p: p.stem[:40])
+def test_real_inductor_qwen3_ptx_rewrites_and_assembles_under_every_probe_option(path: Path) -> None:
+    """PTX of the compiled Qwen3 layer's Triton kernels, from the plain worker of bench_qwen3_probes on the H200
+    (its .file paths and DWARF sections stripped; the device's Triton wrote PTX ISA 9.0, the ptxas bundled here
+    takes 8.7, and the kernels use nothing newer)."""
+    src = path.read_text().replace(".version 9.0", ".version 8.7")
+    assert "cft_" not in src  # the baseline worker's cache held no probe
+    plain = assemble(src)
+    (k,) = plain.registers
+    sites = set()
+    for opts in (SafepointOptions(vote_before_write=False), SafepointOptions(), SafepointOptions(lazy_entry=True),
+                 SafepointOptions(late_reads=True)):
+        res = rewrite_ptx(src, opts)
+        rep = res.kernel(k)
+        assert rep.instrumented and rep.exit_probes >= 1, rep
+        a = assemble(res.ptx)
+        assert a.spill_bytes[k] == plain.spill_bytes[k] == 0 and a.registers[k] <= plain.registers[k] + 12
+        assert _probe_free(res.ptx) == _probe_free(src) or rep.vote_site == "barrier"
+        sites.add((opts.vote_before_write, rep.vote_site))
+    if "_poi_" in k:  # pointwise: straight-line loads -> math -> stores; version 4 votes before the first store
+        assert sites == {(False, "entry"), (True, "before_write")}
+
+
+def test_late_reads_leave_nothing_waiting_at_entry() -> None:
+    src = ptx_of("poi_silu_mul")
+    k = "poi_silu_mul_kernel"
+    res = rewrite_ptx(src, SafepointOptions(late_reads=True))
+    assert res.kernel(k).vote_site == "before_write"
+    body = res.ptx[res.ptx.index(".entry"):]
+    lines = [strip_comment(ln).strip().rstrip(";") for ln in body.splitlines()]
+    ptr = next(i for i, ln in enumerate(lines) if ln.startswith("ld.global.u64") and "cft_ctl_" in ln)
+    loads = [i for i, ln in enumerate(lines) if "ld.global.b16" in ln]
+    first_use = next(i for i, ln in enumerate(lines) if "%cft_rd0" in ln and i != ptr)
+    reads = [i for i, ln in enumerate(lines) if ln.startswith("ld.volatile.global.u32")]
+    vote = next(i for i, ln in enumerate(lines) if ln.startswith("barrier.red.or.pred"))
+    stores = [i for i, ln in enumerate(lines) if "st.global" in ln]
+    assert ptr < loads[0] and loads[-1] < first_use  # the pointer is first used after the block's own loads
+    assert lines[first_use].startswith("setp.ne.u64 \t%cft_p1, %cft_rd0") and lines[first_use + 1].endswith("_novote")
+    assert len(reads) == 2 and first_use < reads[0] < vote < stores[0]  # the leader reads at the vote, armed only
+    assert _probe_free(res.ptx) == _probe_free(src)
+    assemble(res.ptx)
+    # at a kernel's own barrier: disarmed launches pass the original barrier, armed ones vote in its place
+    sm = rewrite_ptx(ptx_of("softmax"), SafepointOptions(late_reads=True))
+    t = sm.ptx
+    assert sm.kernel("softmax_kernel").vote_site == "barrier" and "_avote" in t and "_vdone" in t
+    n_bar = lambda text: sum(strip_comment(ln).strip().startswith("bar.sync") for ln in text.splitlines())  # noqa: E731
+    assert n_bar(t) == n_bar(ptx_of("softmax"))  # the original barrier kept, on the disarmed path
+    assemble(t)
+    for name in ("softmax", "layernorm", "atomic_sum"):  # with barrier probes too
+        assemble(rewrite_ptx(ptx_of(name), SafepointOptions(late_reads=True, barrier_probes=True)).ptx)

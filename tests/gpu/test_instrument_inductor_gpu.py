@@ -5,6 +5,8 @@ unwritten."""
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from concordia_ft.instrument import triton_hook  # noqa: E402
+from concordia_ft.instrument import SafepointOptions, triton_hook  # noqa: E402
+
+# probe options under test beside the defaults (e.g. '{"late_reads": true}')
+EXTRA = json.loads(os.environ.get("CFT_TEST_SAFEPOINT_OPTIONS", "{}"))
 
 
 def _silu_mul_add(x, w, out):
@@ -28,7 +33,7 @@ def compiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(icfg, "compile_threads", 1)  # in-process: the stages hook sees the compile
     monkeypatch.setattr(icfg, "fx_graph_cache", False)
     torch._dynamo.reset()
-    triton_hook.install(cache_dir=tmp_path / "triton")
+    triton_hook.install(SafepointOptions(**EXTRA), cache_dir=tmp_path / "triton")
     try:
         yield torch.compile(_silu_mul_add, dynamic=False)
     finally:
@@ -37,6 +42,14 @@ def compiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 def test_an_inductor_function_pauses_mid_grid_and_resumes_bit_equal(compiled) -> None:
+    # every call under no_grad, as capture_launches makes its call: grad mode is one of Dynamo's guards, and a
+    # call in the other mode recompiles (batch 1: the capture then recorded the new graph's autotuning, 213
+    # launches)
+    with torch.no_grad():
+        _paused_and_resumed(compiled)
+
+
+def _paused_and_resumed(compiled) -> None:
     from concordia_ft.cuda import driver as cd
     from concordia_ft.instrument.inductor import ArmedLaunches, capture_launches
     from concordia_ft.instrument.pause import GpuPauseTrigger
@@ -47,6 +60,7 @@ def test_an_inductor_function_pauses_mid_grid_and_resumes_bit_equal(compiled) ->
     out = torch.full_like(x, float("nan"))
     compiled(x, w, out)
     torch.testing.assert_close(out, x * torch.sigmoid(x) * w + 1.0)
+    compiled(x, w, out)
     launches = capture_launches(compiled, (x, w, out))
     assert len(launches) == 1, [k.name for k in launches]
     (k,) = launches

@@ -66,14 +66,19 @@ def _launch_target(launcher: Any, runner: Any) -> tuple[int, str, bool]:
 
 def capture_launches(f: Callable[..., Any], inputs: Sequence[Any]) -> list[KernelLaunch]:
     """Run ``f(*inputs)`` once (no grad) and record every Inductor kernel launch, in order. ``f`` must have
-    run before, so that its kernels are compiled and autotuned."""
+    run before under no_grad, so that its kernels are compiled and autotuned (else ``InstrumentError``)."""
     import torch  # noqa: TID251 - the GPU host side, like pause.py
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner  # noqa: TID251
 
     seen: list[KernelLaunch] = []
     orig: Any = CachingAutotuner.run
 
+    untuned: list[str] = []
+
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(self.launchers) != 1:  # compiling or autotuning now: its benchmark launches are no call's
+            untuned.append(self.fn.__name__)
+            return orig(self, *args, **kwargs)
         cloned = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         swapped = []
         for launcher in self.launchers:
@@ -101,6 +106,10 @@ def capture_launches(f: Callable[..., Any], inputs: Sequence[Any]) -> list[Kerne
         torch.cuda.synchronize()
     finally:
         CachingAutotuner.run = orig  # type: ignore[method-assign]
+    if untuned:
+        raise InstrumentError(f"capture_launches: {sorted(set(untuned))} compiled or autotuned during the captured "
+                              "call; run f once before, in the same grad mode (capture_launches calls it under "
+                              "torch.no_grad(), and grad mode is one of Dynamo's guards)")
     return seen
 
 

@@ -87,6 +87,10 @@ class SafepointOptions:
     # reads); every other thread issues the pointer's load and first uses it at the vote, so no warp but the
     # leader's waits at entry, and a disarmed launch skips an inserted vote barrier (DESIGN.md §1).
     lazy_entry: bool = False
+    # With a deferred vote: entry only issues the control pointer's load; the leader's two reads and the vote
+    # happen at the vote site, skipped as a whole (a block-uniform branch on the pointer) by a disarmed launch.
+    # Nothing waits for the probe at entry; an armed block waits one L2 round trip at the vote instead.
+    late_reads: bool = False
 
 
 @dataclass(frozen=True)
@@ -447,6 +451,30 @@ def _deferred_entry_probe(sym: str, lab: str) -> list[str]:
     ]
 
 
+def _late_entry_probe(sym: str) -> list[str]:
+    """Entry of ``late_reads``: the control pointer's load issued, nothing waits for it here."""
+    return ["\t// concordia-ft safe point: block entry (the control pointer's load issued, used at the vote)",
+            "\tmov.u32 \t%cft_r16, 0;", f"\tld.global.u64 \t%cft_rd0, [{sym}];"]
+
+
+def _late_reads(lab: str) -> list[str]:
+    """The leader's two reads, at the vote site (``late_reads``; armed launches only)."""
+    return ["\tmov.u32 \t%cft_r12, 0;", "\tmov.u32 \t%cft_r14, 0;", "\tmov.u32 \t%cft_r10, 0;", *_leader(),
+            f"\t@!%cft_p0 bra \t{lab}_lread;", *_block_bit(),
+            f"\tld.volatile.global.u32 \t%cft_r12, [%cft_rd0+{CTL_PAUSE}];",
+            "\tld.volatile.global.u32 \t%cft_r14, [%cft_rd1];", f"{lab}_lread:"]
+
+
+def _late_vote(lab: str, st: Statement | None, original: str) -> list[str]:
+    """The vote of ``late_reads``: a disarmed launch branches past it (block-uniform: every thread read the
+    same pointer), keeping the kernel's own barrier (``original``) where the vote sits at one."""
+    if st is None:
+        return ["\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@!%cft_p1 bra \t{lab}_novote;", *_late_reads(lab),
+                *_deferred_vote(None), f"{lab}_novote:"]
+    return ["\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@%cft_p1 bra \t{lab}_avote;", original,
+            f"\tbra.uni \t{lab}_vdone;", f"{lab}_avote:", *_late_reads(lab), *_deferred_vote(st), f"{lab}_vdone:"]
+
+
 def _lazy_entry_probe(sym: str, lab: str) -> list[str]:
     """``_deferred_entry_probe`` where only the leader waits for the control pointer: every thread issues its
     load (used again at the vote), the others branch past at once."""
@@ -596,7 +624,14 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
              f".visible .global .align 8 .u64 {sym};", ""])
         after.setdefault(k.body_open, []).extend(_DECLS)
         by_index = {st.index: st for st in k.statements}
-        if p.vote_line >= 0:
+        if p.vote_line >= 0 and opts.late_reads:
+            before.setdefault(p.entry_line, []).extend(_late_entry_probe(sym))
+            if p.vote_inserted:
+                before.setdefault(p.vote_line, []).extend(_late_vote(lab, None, ""))
+            else:
+                replace[p.vote_line] = _late_vote(lab, by_index[p.vote_line],
+                                                  module.lines[p.vote_line].rstrip("\n"))
+        elif p.vote_line >= 0:
             entry = _lazy_entry_probe(sym, lab) if opts.lazy_entry else _deferred_entry_probe(sym, lab)
             before.setdefault(p.entry_line, []).extend(entry)
             if p.vote_inserted:
