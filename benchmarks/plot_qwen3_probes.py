@@ -16,7 +16,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from concordia_ft.benchreport import save_figure  # noqa: E402
 
 COLORS = {"probes_v3/disarmed": "lightsteelblue", "probes_v3/armed": "tab:blue",
-          "probes/disarmed": "navajowhite", "probes/armed": "tab:orange"}
+          "probes/disarmed": "navajowhite", "probes/armed": "tab:orange",
+          "probes_lazy/disarmed": "palegreen", "probes_lazy/armed": "tab:green",
+          "probes_late/disarmed": "thistle", "probes_late/armed": "tab:purple", "probes/reset_only": "silver"}
 
 
 def short(name: str) -> str:
@@ -45,8 +47,8 @@ def main() -> int:
     labels = []
     for g in groups:
         p = plain.get(g)
-        tok = f"\n{p['tokens_per_s'] / 1e3:.0f}k tok/s" if p else ""
-        labels.append(f"{g[0]} {g[1]}\n{g[2]}{tok}")
+        tok = f"\n{p['tokens_per_s']:.3g} tok/s" if p else ""
+        labels.append(f"{g[0]} {g[1]}\n{'graph' if g[2] == 'graph' else 'host-bound'}{tok}")
     axes[0].set_xticks(range(len(groups)), labels, fontsize=7)
     axes[0].axhline(2, color="red", lw=0.8, ls="--")
     axes[0].axhline(0, color="black", lw=0.6)
