@@ -6,12 +6,12 @@ DESIGN.md §3), so no in-process plain number is a baseline. Here the parent sta
 with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache off, compiles in-process):
 - ``plain``: torch.compile as a user runs it, the hook never imported;
 - ``probes_v3``: ``triton_hook.install(SafepointOptions(vote_before_write=False))`` (the session-6 probe);
-- ``probes``: ``triton_hook.install()`` with today's defaults (protocol 4: the entry vote before the first
-  global write where straight-line code reaches it);
+- ``probes``: protocol 4 without late reads (the entry vote before the first global write where
+  straight-line code reaches it, the leader's reads issued at entry);
 - ``probes_lazy``: as ``probes`` with ``lazy_entry=True`` (only the leader waits for the control pointer at
   entry; a disarmed launch skips an inserted vote);
-- ``probes_late``: as ``probes`` with ``late_reads=True`` (entry only issues the pointer's load; the leader's
-  reads and the vote happen at the vote site, which a disarmed launch branches past).
+- ``probes_late``: as ``probes`` with ``late_reads=True``, today's default (entry only issues the pointer's
+  load; the leader's reads and the vote happen at the vote site, which a disarmed launch branches past).
 Every worker compiles with ``TORCHINDUCTOR_DETERMINISTIC=1`` and ``triton.autotune_pointwise=False``: no
 benchmark-driven choice (kernel configs, pad_mm), so every variant runs the same kernel configs (batch 1 of
 session 7 autotuned, and the variants picked different XBLOCKs for 9 of 24 kernels: up to 3x apart).
@@ -54,9 +54,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-VARIANTS: dict[str, dict[str, Any] | None] = {"plain": None, "probes_v3": {"vote_before_write": False},
-                                              "probes": {}, "probes_lazy": {"lazy_entry": True},
-                                              "probes_late": {"late_reads": True}}
+VARIANTS: dict[str, dict[str, Any] | None] = {
+    "plain": None,
+    "probes_v3": {"vote_before_write": False, "late_reads": False},
+    "probes": {"late_reads": False},  # protocol 4 without late reads (session 7's batch-2 name)
+    "probes_lazy": {"lazy_entry": True, "late_reads": False},
+    "probes_late": {"late_reads": True},  # today's default
+}
 
 from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import
 

@@ -70,16 +70,19 @@ def test_rewritten_real_triton_ptx_assembles_for_sm90a(name: str, barriers: bool
 BARRIERS = SafepointOptions(barrier_probes=True)
 
 
-def test_original_instructions_survive_except_probed_barriers() -> None:
+@pytest.mark.parametrize("late", [True, False])
+def test_original_instructions_survive_except_probed_barriers(late: bool) -> None:
     src = ptx_of("softmax")
-    res = rewrite_ptx(src, BARRIERS)
+    res = rewrite_ptx(src, SafepointOptions(barrier_probes=True, late_reads=late))
     rep = res.kernels[0]
     kept = _probe_free(res.ptx)
     orig = [ln for ln in src.splitlines() if ln.strip()]
-    bar = [ln for ln in orig if re.match(r"\s*bar\.sync\s+0;", ln)]
+    bar = [i for i, ln in enumerate(orig) if re.match(r"\s*bar\.sync\s+0;", ln)]
     assert len(bar) == rep.barriers == 5 and rep.deferred_vote  # the first one carries the entry vote
     assert rep.barrier_probes == 4
-    assert kept == [ln for ln in orig if ln not in bar]
+    # late reads keep the vote's barrier itself on the disarmed path; otherwise it becomes the vote
+    gone = set(bar[1:]) if late else set(bar)
+    assert kept == [ln for i, ln in enumerate(orig) if i not in gone]
     assert res.ptx.count("bar.red.or.pred") == 5
 
 
@@ -269,7 +272,7 @@ def test_rewrite_assembles_across_compile_options(name: str) -> None:
 
 def test_entry_vote_is_deferred_to_the_first_barrier_when_nothing_global_precedes_it() -> None:
     src = ptx_of("softmax")
-    res = rewrite_ptx(src)  # default options: entry probes, vote deferred where it can be
+    res = rewrite_ptx(src, SafepointOptions(late_reads=False))  # the leader's reads issued at entry
     rep = res.kernel("softmax_kernel")
     assert rep.deferred_vote and rep.barrier_probes == 0
     body = res.ptx[res.ptx.index(".entry"):]
@@ -302,7 +305,7 @@ def test_entry_vote_is_deferred_to_the_first_barrier_when_nothing_global_precede
 
 def test_entry_vote_goes_before_the_first_global_write_in_straight_line_kernels() -> None:
     src = ptx_of("poi_silu_mul")
-    res = rewrite_ptx(src)
+    res = rewrite_ptx(src, SafepointOptions(late_reads=False))  # the leader's reads issued at entry
     rep = res.kernel("poi_silu_mul_kernel")
     assert rep.deferred_vote and rep.vote_site == "before_write" and rep.barriers == 0
     body = res.ptx[res.ptx.index(".entry"):]
@@ -322,7 +325,7 @@ def test_entry_vote_goes_before_the_first_global_write_in_straight_line_kernels(
     # the instructions of the kernel are all still there, in order
     assert _probe_free(res.ptx) == _probe_free(src)
     # option off: the version-3 probe, voted at entry
-    off = rewrite_ptx(src, SafepointOptions(vote_before_write=False)).kernel(k)
+    off = rewrite_ptx(src, SafepointOptions(vote_before_write=False, late_reads=False)).kernel(k)
     assert off.vote_site == "entry" and not off.deferred_vote
     # a kernel whose first barrier precedes its first write keeps voting at that barrier
     assert rewrite_ptx(ptx_of("softmax")).kernel("softmax_kernel").vote_site == "barrier"
@@ -336,7 +339,7 @@ def test_entry_vote_goes_before_the_first_global_write_in_straight_line_kernels(
 def test_lazy_entry_only_the_leader_waits_for_the_control_pointer() -> None:
     k = "poi_silu_mul_kernel"
     src = ptx_of("poi_silu_mul")
-    res = rewrite_ptx(src, SafepointOptions(lazy_entry=True))
+    res = rewrite_ptx(src, SafepointOptions(lazy_entry=True, late_reads=False))
     assert res.kernel(k).vote_site == "before_write"
     body = res.ptx[res.ptx.index(".entry"):]
     lines = [strip_comment(ln).strip().rstrip(";") for ln in body.splitlines()]
@@ -354,7 +357,7 @@ def test_lazy_entry_only_the_leader_waits_for_the_control_pointer() -> None:
     a = assemble(res.ptx)
     assert a.spill_bytes[k] == 0
     # where the vote sits at the kernel's own barrier, that barrier stays unconditional
-    sm = rewrite_ptx(ptx_of("softmax"), SafepointOptions(lazy_entry=True))
+    sm = rewrite_ptx(ptx_of("softmax"), SafepointOptions(lazy_entry=True, late_reads=False))
     assert sm.kernel("softmax_kernel").vote_site == "barrier" and "_novote" not in sm.ptx
     assemble(sm.ptx)
 
@@ -372,7 +375,8 @@ def test_real_inductor_qwen3_ptx_rewrites_and_assembles_under_every_probe_option
     plain = assemble(src)
     (k,) = plain.registers
     sites = set()
-    for opts in (SafepointOptions(vote_before_write=False), SafepointOptions(), SafepointOptions(lazy_entry=True),
+    for opts in (SafepointOptions(vote_before_write=False, late_reads=False), SafepointOptions(late_reads=False),
+                 SafepointOptions(lazy_entry=True, late_reads=False),
                  SafepointOptions(late_reads=True)):
         res = rewrite_ptx(src, opts)
         rep = res.kernel(k)

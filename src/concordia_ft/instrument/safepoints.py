@@ -86,11 +86,13 @@ class SafepointOptions:
     # With a deferred vote: only the block's leader waits at entry for the control pointer (to issue its two
     # reads); every other thread issues the pointer's load and first uses it at the vote, so no warp but the
     # leader's waits at entry, and a disarmed launch skips an inserted vote barrier (DESIGN.md §1).
-    lazy_entry: bool = False
+    lazy_entry: bool = False  # measured (§6c): no better than the plain deferred entry; kept as an option
     # With a deferred vote: entry only issues the control pointer's load; the leader's two reads and the vote
     # happen at the vote site, skipped as a whole (a block-uniform branch on the pointer) by a disarmed launch.
-    # Nothing waits for the probe at entry; an armed block waits one L2 round trip at the vote instead.
-    late_reads: bool = False
+    # Nothing waits for the probe at entry; an armed block waits one L2 round trip at the vote instead. The
+    # default since session 7: cheapest disarmed on the H200 (decode kernels: ~0.1 us left of ~0.3 us), armed
+    # ~2 points dearer than without it on the 8x512 layer (DESIGN.md §6c); takes precedence over lazy_entry.
+    late_reads: bool = True
 
 
 @dataclass(frozen=True)
