@@ -8,6 +8,14 @@ For matmul, softmax and layernorm at several sizes, in one process:
   resumed output with the uninterrupted one (every trial);
 - the cost of a resume launch in which every block already ran (all exit at entry) vs grid size.
 Writes benchmarks/results/pause-<tag>.json.  Run: python3 benchmarks/bench_pause.py --out-dir DIR
+
+``--drain``: does a pause drain within one block's run time? A kernel whose blocks each run long (``--block-us``,
+default ~100 us, each block's length drawn from 0.5-1.5x so the waves do not stay in step), several waves of
+resident blocks, every block stamping its own start and end on the GPU's global timer. Paused by the GPU
+(``GpuPauseTrigger``, at a count of finished blocks), the drain is measured on that same clock: from the
+trigger's write of the pause word to the end of the last block that ran, against the run time of the blocks
+that were running when the pause landed (the bound) and the median block. Resumed bit-equal to the kernel
+compiled without probes. Writes pause_drain-<tag>.json.
 """
 
 from __future__ import annotations
@@ -151,6 +159,136 @@ def bench_case(name, make, size, trials: int, barrier_probes: bool = True, defer
     }
 
 
+STAMP_SOURCE = r"""
+extern "C" __global__ void cft_stamp(unsigned long long *out) {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  out[0] = t;
+}
+"""
+
+
+def drain_case(block_us: float, waves_n: float, fractions: list[float], repeats: int) -> dict:
+    """One long-block kernel paused by the GPU at each fraction of finished blocks (see the module docstring)."""
+    import ctypes
+
+    from concordia_ft.cuda import driver as cd
+    from concordia_ft.cuda import nvrtc
+    from concordia_ft.instrument.pause import GpuPauseTrigger
+
+    fn = ik.spin_rows_timed_kernel
+    blk = 128
+    kw = dict(BLOCK=blk, num_warps=4)
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    triton_hook.uninstall()
+    plain = triton.JITFunction(fn.fn)
+    # calibrate passes per microsecond with one full wave of blocks (every resident slot busy, as in the run)
+    x1 = torch.randint(-5, 6, (1, blk), dtype=torch.int32, device="cuda")
+    t1 = torch.zeros(2, dtype=torch.int64, device="cuda")
+    o1 = torch.zeros(1, dtype=torch.int32, device="cuda")
+    reps1 = torch.tensor([1000], dtype=torch.int32, device="cuda")
+    k0 = plain.warmup(x1, reps1, o1, t1, grid=(1,), **kw)
+    k0._init_handles()
+    nw, per_sm = waves(k0, 1)
+    slots = per_sm * torch.cuda.get_device_properties(0).multi_processor_count
+    r0 = 20000
+    xw = torch.randint(-5, 6, (slots, blk), dtype=torch.int32, device="cuda")
+    tw_ = torch.zeros(2 * slots, dtype=torch.int64, device="cuda")
+    ow = torch.zeros(slots, dtype=torch.int32, device="cuda")
+    repw = torch.full((slots,), r0, dtype=torch.int32, device="cuda")
+    for _ in range(3):
+        plain[(slots,)](xw, repw, ow, tw_, **kw)
+    torch.cuda.synchronize()
+    tw2 = tw_.view(slots, 2).cpu()
+    ns_per_pass = float((tw2[:, 1] - tw2[:, 0]).double().median()) / r0
+    base_reps = max(1, int(block_us * 1e3 / max(ns_per_pass, 1e-3)))
+    rows = int(waves_n * slots)
+    x = torch.randint(-5, 6, (rows, blk), dtype=torch.int32, device="cuda", generator=None)
+    reps = (base_reps * (0.5 + torch.rand(rows, generator=gen))).to(torch.int32).cuda()
+    out = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    times = torch.zeros(2 * rows, dtype=torch.int64, device="cuda")
+    plain[(rows,)](x, reps, out, times, **kw)
+    torch.cuda.synchronize()
+    want = out.clone()
+    pt = times.view(rows, 2).cpu()
+    plain_block = (pt[:, 1] - pt[:, 0]).double() / 1e3
+    plain_kernel_us = float((pt[:, 1].max() - pt[:, 0].min()) / 1e3)
+    triton_hook.install(SafepointOptions())
+    inst = triton.JITFunction(fn.fn)
+    out.zero_()
+    times.zero_()
+    launch = PausableLaunch(inst, (rows,), [x, reps, out, times], kw)
+    launch.start()
+    launch.drain()
+    torch.cuda.synchronize()
+    at = times.view(rows, 2).cpu()
+    armed_block = (at[:, 1] - at[:, 0]).double() / 1e3
+    armed_kernel_us = float((at[:, 1].max() - at[:, 0].min()) / 1e3)
+    uninterrupted_equal = bool(torch.equal(out, want))
+    mod = nvrtc.load_module(STAMP_SOURCE, "cft_stamp")
+    stamp_fn = mod.function("cft_stamp")
+    stamp = torch.zeros(1, dtype=torch.int64, device="cuda")
+    stamp_args = cd.KernelArgs([(ctypes.c_uint64, stamp.data_ptr())])
+    trigger = GpuPauseTrigger()
+    side = torch.cuda.Stream()
+    trials = []
+    for frac in fractions:
+        for _ in range(repeats):
+            after = max(1, int(frac * rows))
+            out.zero_()
+            times.zero_()
+            launch.ctl.zero_()
+            zeroed = torch.cuda.Event()
+            zeroed.record()
+            side.wait_event(zeroed)
+            trigger.arm(launch, after, cd.Stream.borrow(side.cuda_stream), timeout_s=2.0)
+            launch._launch()
+            cd.launch(stamp_fn, 1, 1, stamp_args, cd.Stream.borrow(torch.cuda.current_stream().cuda_stream),
+                      what="cft_stamp")
+            torch.cuda.synchronize()
+            res = trigger.result()
+            tw = res["t_write_ns"]
+            tt = times.view(rows, 2).cpu()
+            ran = tt[:, 0] > 0
+            start, end = tt[:, 0], tt[:, 1]
+            running = ran & (start <= tw) & (end > tw)
+            late = ran & (start > tw)
+            last_end = int(end[ran].max()) if bool(ran.any()) else tw
+            bound = float(((end - start)[running]).max() / 1e3) if bool(running.any()) else None
+            remaining = float(((end - tw)[running]).max() / 1e3) if bool(running.any()) else None
+            pending = len(launch.pending())
+            launch.resume()
+            launch.drain()
+            torch.cuda.synchronize()
+            trials.append({
+                "after_blocks": after, "done_seen_at_write": res["done_seen"], "reached": bool(res["reached"]),
+                "pending_after_pause": pending, "mid_grid": 0 < pending < rows,
+                "running_at_write": int(running.sum()), "started_after_write": int(late.sum()),
+                "drain_us": (last_end - tw) / 1e3,  # pause word written -> the last block that ran ended
+                "stream_drained_us": (int(stamp[0]) - tw) / 1e3,  # -> a kernel after the launch ran
+                "longest_running_block_us": bound, "remaining_of_running_us": remaining,
+                "drain_over_longest_running_block": ((last_end - tw) / 1e3 / bound) if bound else None,
+                "drain_over_median_block": (last_end - tw) / 1e3 / float(armed_block.median()),
+                "bit_equal": bool(torch.equal(out, want)) and not launch.pending()})
+    launch.disarm()
+    mid = [t for t in trials if t["mid_grid"]]
+    return {
+        "kernel": "spin_rows_timed", "blocks": rows, "blocks_per_sm": per_sm, "resident_slots": slots,
+        "waves": rows / slots, "target_block_us": block_us, "ns_per_pass": ns_per_pass,
+        "plain_kernel_us": plain_kernel_us, "armed_kernel_us": armed_kernel_us,
+        "plain_block_us_median": float(plain_block.median()), "plain_block_us_max": float(plain_block.max()),
+        "armed_block_us_median": float(armed_block.median()), "armed_block_us_max": float(armed_block.max()),
+        "armed_uninterrupted_equal": uninterrupted_equal, "trials": trials,
+        "mid_grid_pauses": len(mid), "drain_us_median": median([t["drain_us"] for t in mid]) if mid else None,
+        "drain_over_longest_running_block_max": max((t["drain_over_longest_running_block"] or 0) for t in mid)
+        if mid else None,
+        "drain_within_one_block_all": bool(mid) and all(t["drain_over_longest_running_block"] is not None
+                                                        and t["drain_over_longest_running_block"] <= 1.0
+                                                        for t in mid),
+        "bit_equal_all": all(t["bit_equal"] for t in trials),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default="benchmarks/results")
@@ -160,8 +298,26 @@ def main() -> int:
     ap.add_argument("--sizes", default="", help="comma-separated sizes instead of each kernel's three")
     ap.add_argument("--votes", default="on", help="deferred entry vote: on, off or on,off (both, same run)")
     ap.add_argument("--no-barrier-variants", action="store_true", help="skip the barrier-probe variants")
+    ap.add_argument("--drain", action="store_true", help="only the long-block drain measurement")
+    ap.add_argument("--block-us", default="100", help="comma-separated block run times for --drain")
+    ap.add_argument("--drain-waves", type=float, default=4.0)
     ns = ap.parse_args()
     torch.manual_seed(0)
+    if ns.drain:
+        drows = []
+        for bu in (float(v) for v in ns.block_us.split(",")):
+            r = drain_case(bu, ns.drain_waves, [0.3, 0.5, 0.7], 3)
+            drows.append(r)
+            print({k: v for k, v in r.items() if k != "trials"}, flush=True)
+        path = write_results("pause_drain", drows, baseline=[{"block_us": r["target_block_us"],
+                                                              "plain_kernel_us": r["plain_kernel_us"]}
+                                                             for r in drows],
+                             notes="drain = GPU global timer from the trigger's pause-word write to the end of the "
+                                   "last block that ran; bound = the run time of the longest block running at "
+                                   "the write; plain = the same kernel compiled without probes",
+                             out_dir=ns.out_dir)
+        print(path)
+        return 0 if all(r["bit_equal_all"] and r["armed_uninterrupted_equal"] for r in drows) else 1
     rows = []
     only = set(filter(None, ns.only.split(",")))
     sizes_arg = [int(x) for x in ns.sizes.split(",") if x]

@@ -1,31 +1,49 @@
-"""Safe points in an Inductor-compiled Qwen3 decoder layer (Qwen3-0.6B dimensions, bf16, random weights).
+"""Probe cost on an Inductor-compiled Qwen3 decoder layer and a 28-layer stack (Qwen3-0.6B dimensions, bf16,
+random weights), each variant compiled in a process of its own.
 
-In one process (Inductor compiling in-process, so Triton's stages hook sees every kernel):
-- probe cost: the layer compiled by torch.compile WITHOUT probes (the baseline a user runs) and compiled again
-  with ``triton_hook.install()`` (each variant with its own Inductor and Triton caches), timed alternately
-  (median of rounds of triton.testing.do_bench): the probes disarmed (how they run between pauses) and ARMED
-  (every kernel's module global points at a zeroed control block: each probe loads the pause word and its done
-  word, votes, and each block sets its done bit at exit), the armed call preceded by the one memset that
-  zeroes the control blocks (what an armed caller does before each call; the baseline plus that memset alone
-  is timed too); layer time, tokens/s, overheads; armed output bit-equal to the plain variant's and every block
-  of every kernel recorded done;
-- pause mid-grid, per Inductor kernel of the layer (largest grids first): the kernel taken with the arguments
-  and grid it was launched with, as a PausableLaunch, paused by the GPU itself: a one-block trigger kernel on a
-  side stream counts the launch's done bits while it runs and writes the pause word once 1/4, 1/2, 3/4 of the
-  blocks have finished (``pause.GpuPauseTrigger``: a definite point, no host timer); pause latency = trigger's
-  write -> launch drained (CUDA events); resumed, the output is compared bit for bit with the same kernel
-  compiled without probes; beside it one block's run time (the plain kernel launched with one wave of
-  blocks: every resident slot busy, as during the pause) and one block alone.
-Writes benchmarks/results/qwen3_probes-<tag>.json (rewritten after each stage, so a run cut short keeps what
-it measured).  Run: python3 benchmarks/bench_qwen3_probes.py --out-dir DIR [--budget-s S]
+Why processes: in one process the "plain" compile ran kernels with probes in sessions 5 and 6 (instrument/
+DESIGN.md §3), so no in-process plain number is a baseline. Here the parent starts one worker per variant, each
+with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache off, compiles in-process):
+- ``plain``: torch.compile as a user runs it, the hook never imported;
+- ``probes_v3``: ``triton_hook.install(SafepointOptions(vote_before_write=False))`` (the session-6 probe);
+- ``probes``: protocol 4 without late reads (the entry vote before the first global write where
+  straight-line code reaches it, the leader's reads issued at entry);
+- ``probes_lazy``: as ``probes`` with ``lazy_entry=True`` (only the leader waits for the control pointer at
+  entry; a disarmed launch skips an inserted vote);
+- ``probes_late``: as ``probes`` with ``late_reads=True``, today's default (entry only issues the pointer's
+  load; the leader's reads and the vote happen at the vote site, which a disarmed launch branches past).
+Every worker compiles with ``TORCHINDUCTOR_DETERMINISTIC=1`` and ``triton.autotune_pointwise=False``: no
+benchmark-driven choice (kernel configs, pad_mm), so every variant runs the same kernel configs (batch 1 of
+session 7 autotuned, and the variants picked different XBLOCKs for 9 of 24 kernels: up to 3x apart).
+Each worker proves what it ran: the PTX/cubin files in its own Triton cache with and without the probe's
+marker (``cft_ctl_``), and the module of every captured launch asked for its ``cft_ctl_<kernel>`` global
+(``ArmedLaunches.with_probes``): the plain worker must have none, the probe workers all. Outputs are compared
+across processes by a hash of their bytes (same seeds, same GPU: the plain and the probe graphs must agree bit
+for bit, armed too).
+
+The parent then times the variants alternately, one worker at a time on the GPU (rounds of
+``triton.testing.do_bench`` medians): per shape (``--shapes``, BxS tokens; default 8x512 prefill-like and the
+decode-like 1x1 and 8x1) the layer and, with ``--stack N``, N layers (distinct weights through one compiled
+graph), each both launched from the host ("stream": what a Python caller gets, host-bound at decode) and
+replayed as one CUDA graph ("graph": the GPU's time). Modes: plain; probes disarmed; probes ARMED (every
+kernel's module global points at a zeroed control block; the call is preceded by the memset that zeroes them;
+a kernel launched more than once per call is armed per launch by a stream write of its global, so the armed
+stack writes one per launch). Per kernel: GPU durations from torch.profiler (medians over calls), registers,
+local memory and blocks per SM of each kernel's CUfunction.
+
+Writes <out-dir>/qwen3_probes-<tag>.json (rewritten after each round), worker logs, and with ``--ptx-dir`` the
+PTX files of each worker's cache (the Inductor kernels, for CPU tests).
+Run: python3 benchmarks/bench_qwen3_probes.py --out-dir DIR [--stack 28] [--budget-s S]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
-import re
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -35,442 +53,619 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-_TMP = tempfile.mkdtemp(prefix="cft-qwen3-probes-")
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # in-process: the stages hook sees the compiles
-os.environ["TORCHINDUCTOR_FX_GRAPH_CACHE"] = "0"
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_TMP, "inductor-plain")
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.testing  # noqa: E402
+VARIANTS: dict[str, dict[str, Any] | None] = {
+    "plain": None,
+    "probes_v3": {"vote_before_write": False, "late_reads": False},
+    "probes": {"late_reads": False},  # protocol 4 without late reads (session 7's batch-2 name)
+    "probes_lazy": {"lazy_entry": True, "late_reads": False},
+    "probes_late": {"late_reads": True},  # today's default
+}
 
-from concordia_ft.benchreport import median, write_results  # noqa: E402
-from concordia_ft.instrument import triton_hook  # noqa: E402
+from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import
 
 
-def make_layers(n: int, batch: int, seq: int) -> tuple[Any, list[dict[str, Any]], tuple[Any, ...], dict[str, Any]]:
-    """n Qwen3 decoder layers (distinct random weights) and fwd(params, h, cos, sin): one layer's forward with
-    the given layer's parameters (torch.func.functional_call), so that one compiled graph serves every layer
-    of a stack (the parameters are its inputs) with no recompilation."""
+def worker_env(root: Path, variant: str) -> dict[str, str]:
+    """The environment of one variant's worker: caches of its own, nothing shared with another variant."""
+    d = root / variant
+    env = dict(os.environ)
+    env.update(TRITON_CACHE_DIR=str(d / "triton"), TORCHINDUCTOR_CACHE_DIR=str(d / "inductor"),
+               TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+               TORCHINDUCTOR_COMPILE_THREADS="1", TORCHINDUCTOR_DETERMINISTIC="1", PYTHONPATH=str(ROOT / "src") + os.pathsep
+               + env.get("PYTHONPATH", ""))
+    env.pop("TRITON_ALWAYS_COMPILE", None)
+    return env
+
+
+# ---------------------------------------------------------------------------------------------- worker
+
+def _worker(ns: argparse.Namespace) -> int:
+    proto = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol channel; anything printed goes to stderr
+    os.dup2(2, 1)
+    parent = os.getppid()
+
+    def watch() -> None:  # a worker whose parent was killed (a run's time limit) leaves at once
+        while True:
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(0.5)
+
+    import threading
+
+    threading.Thread(target=watch, daemon=True).start()
+
+    def send(obj: dict[str, Any]) -> None:
+        proto.write(json.dumps(obj, default=str) + "\n")
+
+    try:
+        state = _worker_setup(ns)
+        send({"ready": True, **state["info"]})
+    except Exception:  # noqa: BLE001 - reported to the parent, which records it
+        send({"ready": False, "error": traceback.format_exc()[-3000:]})
+        return 1
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("op") == "quit":
+            break
+        try:
+            send({"ok": True, **_worker_do(state, req)})
+        except Exception:  # noqa: BLE001
+            send({"ok": False, "error": traceback.format_exc()[-2000:]})
+    return 0
+
+
+def _digest(t: Any) -> str:
+    import torch
+
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def _worker_setup(ns: argparse.Namespace) -> dict[str, Any]:
+    opts = json.loads(ns.options)
+    t0 = time.perf_counter()
+    hooked = opts is not None
+    if hooked:  # before torch/Inductor compile anything
+        from concordia_ft.instrument import triton_hook
+        from concordia_ft.instrument.safepoints import SafepointOptions
+
+        triton_hook.install(SafepointOptions(**opts), cache_dir=os.environ["TRITON_CACHE_DIR"])
+    import types
+
+    import torch
+    from torch._dynamo.utils import counters
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+    if ns.lock:  # the workers compile at once; Inductor's autotuning benchmarks run one worker at a time, so
+        # that another worker's GPU work cannot tip a config choice (the configs chosen are recorded too)
+        import fcntl
+
+        bench_all = CachingAutotuner.benchmark_all_configs
+
+        def locked(self: Any, *a: Any, **k: Any) -> Any:
+            with open(ns.lock, "a") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)
+                try:
+                    return bench_all(self, *a, **k)
+                finally:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+
+        CachingAutotuner.benchmark_all_configs = locked  # type: ignore[method-assign]
+    import torch._inductor.config as icfg
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
+
+    from concordia_ft.instrument.inductor import ArmedLaunches, capture_launches
+
+    icfg.triton.autotune_pointwise = False  # one config per kernel, the same in every variant
 
     cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
                       rope_theta=1_000_000.0, max_position_embeddings=40960)
     cfg._attn_implementation = "sdpa"
+    nl = max(1, ns.stack)
     layers = []
-    for i in range(n):
+    for i in range(nl):
         torch.manual_seed(i)
         with torch.device("cuda"):
             layers.append(Qwen3DecoderLayer(cfg, layer_idx=0).to(torch.bfloat16).eval())
     layer0 = layers[0]
     params = [{k: v.detach() for k, v in lay.named_parameters()} for lay in layers]
     rot = Qwen3RotaryEmbedding(cfg).to("cuda")
-    torch.manual_seed(1234)
-    x = torch.randn(batch, seq, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    pos = torch.arange(seq, device="cuda")[None].expand(batch, seq)
-    cos, sin = rot(x, pos)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in ns.shapes.split(",")]
+    state: dict[str, Any] = {"shapes": [], "graphs": {}, "armed": {}, "hooked": hooked, "params": params}
+    info: dict[str, Any] = {"variant": ns.worker, "options": opts, "pid": os.getpid(), "shapes": []}
+    for si, (b, s) in enumerate(shapes):
+        torch.manual_seed(1234 + si)
+        x = torch.randn(b, s, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+        pos = torch.arange(s, device="cuda")[None].expand(b, s)
+        cos, sin = rot(x, pos)
 
-    def fwd(p: dict[str, Any], h: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        o = torch.func.functional_call(layer0, p, (h,), {"attention_mask": None, "position_ids": pos,
-                                                          "position_embeddings": (c, s)})
-        return o[0] if isinstance(o, tuple) else o
+        def fwd(p: dict[str, Any], h: Any, c: Any, sn: Any, _pos: Any = pos) -> Any:
+            o = torch.func.functional_call(layer0, p, (h,), {"attention_mask": None, "position_ids": _pos,
+                                                              "position_embeddings": (c, sn)})
+            return o[0] if isinstance(o, tuple) else o
 
-    shape = {"batch": batch, "seq": seq, "hidden": cfg.hidden_size, "intermediate": cfg.intermediate_size,
-             "heads": cfg.num_attention_heads, "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim}
-    return fwd, params, (x, cos, sin), shape
+        code = fwd.__code__.replace(co_name=f"fwd_{b}x{s}")  # a code object per shape: a Dynamo entry each
+        g = types.FunctionType(code, fwd.__globals__, code.co_name, fwd.__defaults__, fwd.__closure__)
+        f = torch.compile(g, dynamic=False)
+        tc = time.perf_counter()
+        with torch.no_grad():
+            y = f(params[0], x, cos, sin)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - tc
+
+        stacked = ns.stack > 1 and f"{b}x{s}" in ns.stack_shapes.split(",")
+
+        def stack(f: Any = f, x: Any = x, cos: Any = cos, sin: Any = sin) -> Any:
+            h = x
+            for p in params:
+                h = f(p, h, cos, sin)
+            return h
+
+        ys = None
+        if stacked:
+            with torch.no_grad():
+                ys = stack()
+        launches = capture_launches(f, (params[0], x, cos, sin))
+        probe_info = ArmedLaunches(launches, repeated="skip")  # only asks each module for its global
+        sh: dict[str, Any] = {"shape": f"{b}x{s}", "tokens": b * s, "compile_s": compile_s,
+                              "y_digest": _digest(y), "stack_digest": _digest(ys) if ys is not None else None,
+                              "launches": len(launches), "kernels": sorted({k.name for k in launches}),
+                              "kernels_with_probes": sorted(probe_info.with_probes),
+                              "static_launcher": all(k.static for k in launches),
+                              "kernel_attrs": _kernel_attrs(launches)}
+        st = {"f": f, "inputs": (params[0], x, cos, sin), "stack": stack, "launches": launches}
+        if hooked:
+            armed = ArmedLaunches(launches, repeated="per_launch")
+            armed.arm()
+            armed.reset()
+            with torch.no_grad():
+                ya = f(params[0], x, cos, sin)
+            done = armed.done_counts()
+            armed.disarm()
+            sh.update(armed_launches=len(armed.launches), armed_not=armed.skipped,
+                      armed_all_blocks_done=done == [k.nblocks for k in armed.launches],
+                      armed_digest=_digest(ya), control_bytes=4 * armed.arena.numel())
+            st["armed"] = armed
+            if stacked:
+                slaunch = capture_launches(stack, ())
+                sarmed = ArmedLaunches(slaunch, repeated="per_launch")
+                sarmed.arm()
+                sarmed.reset()
+                with torch.no_grad():
+                    ysa = stack()
+                sdone = sarmed.done_counts()
+                sarmed.disarm()
+                sh.update(stack_armed_launches=len(sarmed.launches),
+                          stack_armed_all_blocks_done=sdone == [k.nblocks for k in sarmed.launches],
+                          stack_armed_digest=_digest(ysa))
+                st["stack_armed"] = sarmed
+        state["shapes"].append(st)
+        info["shapes"].append(sh)
+    info["cache"] = scan_cache(os.environ["TRITON_CACHE_DIR"])
+    if hooked:
+        from concordia_ft.instrument import triton_hook
+
+        reps = triton_hook.reports()
+        info["rewriter"] = {k: {"instrumented": r.instrumented, "refused": r.refused, "vote_site": r.vote_site,
+                                "exit_probes": r.exit_probes, "barriers": r.barriers} for k, r in reps.items()}
+    if ns.ptx_dir:
+        dst = Path(ns.ptx_dir) / ns.worker
+        dst.mkdir(parents=True, exist_ok=True)
+        for p in Path(os.environ["TRITON_CACHE_DIR"]).rglob("*.ptx"):
+            shutil.copy(p, dst / p.name)
+    state["graphs0"] = counters["stats"]["unique_graphs"]
+    info["setup_s"] = time.perf_counter() - t0
+    state["info"] = info
+    return state
 
 
-def _clear_inductor_memory_caches() -> None:
-    from torch._inductor import codecache
-
-    for owner, name in ((codecache.PyCodeCache, "cache_clear"),):
-        fn = getattr(owner, name, None)
-        if fn is not None:
-            try:
-                fn(purge=False)
-            except TypeError:
-                fn()
-    try:
-        from torch._inductor.async_compile import CompiledTritonKernels
-
-        CompiledTritonKernels.cache_clear()
-    except (ImportError, AttributeError):
-        pass
-
-
-def compile_variant(fwd: Any, inputs: tuple[Any, ...], tag: str) -> tuple[Any, Any, list[str]]:
-    """torch.compile a copy of fwd with a code object of its own: Dynamo keeps compiled code per code object,
-    so the plain and the instrumented variant never share (or replace) each other's cache entry."""
-    import types
-
-    from torch._inductor.utils import run_and_get_code
-
-    _clear_inductor_memory_caches()
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_TMP, f"inductor-{tag}")
-    code = fwd.__code__.replace(co_name=f"{fwd.__name__}_{tag}")
-    g = types.FunctionType(code, fwd.__globals__, code.co_name, fwd.__defaults__, fwd.__closure__)
-    f = torch.compile(g, dynamic=False)
-    with torch.no_grad():
-        y, codes = run_and_get_code(f, *inputs)
-    torch.cuda.synchronize()
-    names = sorted(set(re.findall(r"def (triton_\w+)\(", "\n".join(codes))))
-    return f, y, names
-
-
-def time_alternating(fs: dict[str, Any], inputs: tuple[Any, ...], rounds: int, rep: int,
-                     before: dict[str, Any] | None = None) -> dict[str, list[float]]:
-    """Median ms of each variant per round, variants alternating; before[k]() runs ahead of variant k's round
-    (arming or disarming the probes' globals: an untimed host write)."""
-    ts: dict[str, list[float]] = {k: [] for k in fs}
-    with torch.no_grad():
-        for _ in range(rounds):
-            for k, f in fs.items():
-                if before and k in before:
-                    before[k]()
-                ts[k].append(float(triton.testing.do_bench(lambda f=f: f(*inputs), warmup=10, rep=rep,
-                                                           return_mode="median")))
-    return ts
-
-
-def ev_ms(fn: Any, reps: int) -> float:
-    """Median GPU time of fn() by CUDA events, ms."""
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return median(out)
-
-
-def pause_kernel(k: Any, trigger: Any, fractions: tuple[float, ...]) -> dict[str, Any]:
-    """One Inductor kernel of the layer, launched with its captured arguments and grid: paused by the GPU
-    trigger at each fraction of finished blocks, resumed, compared bit for bit with the plain compile."""
+def _kernel_attrs(launches: list[Any]) -> dict[str, Any]:
     from cuda.bindings import driver as drv
 
     from concordia_ft.cuda import driver as cd
-    from concordia_ft.instrument.pause import PausableLaunch
 
-    kern, args, grid = k.autotuner, k.args, k.grid
-    cfg = kern.launchers[0].config
-    names = [n for n in kern.fn.arg_names if n not in cfg.kwargs]
-    if len(names) != len(args):
-        return {"kernel": k.name, "skipped": f"{len(args)} launch arguments for {len(names)} parameters"}
-    kw = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    fresh = lambda: [a.clone() if isinstance(a, torch.Tensor) else a for a in args]  # noqa: E731
-    outs = [i for i, n in enumerate(names) if n.startswith(("out_ptr", "in_out_ptr"))]
-    with triton_hook.suspended():
-        plain = triton.JITFunction(kern.fn.fn)
-        ref_args = fresh()
-        plain[grid](*ref_args, **kw)
+    out: dict[str, Any] = {}
+    A = drv.CUfunction_attribute
+    for k in launches:
+        if k.name in out:
+            continue
+        fn = k.function
+        regs = int(cd.check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_NUM_REGS, fn), "attr"))
+        local = int(cd.check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn), "attr"))
+        shared = int(cd.check(drv.cuFuncGetAttribute(A.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn), "attr"))
+        dyn = int(getattr(k.autotuner.launchers[0], "shared", 0) or 0) if k.autotuner.launchers else 0
+        nw = int(k.autotuner.launchers[0].config.num_warps) if k.autotuner.launchers else 4
+        per_sm = int(cd.check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, 32 * nw, dyn), "occupancy"))
+        cfg = k.autotuner.launchers[0].config if k.autotuner.launchers else None
+        out[k.name] = {"config": {kk: str(vv) for kk, vv in cfg.kwargs.items()} if cfg else None,
+                       "num_stages": int(cfg.num_stages) if cfg else None,
+                       "grid": list(k.grid), "blocks": k.nblocks, "num_warps": nw, "registers": regs,
+                       "local_bytes": local, "static_shared": shared, "blocks_per_sm": per_sm}
+    return out
+
+
+def _callable(state: dict[str, Any], req: dict[str, Any]) -> Any:
+    """The function timed for one request (one call of the layer or the stack, in the given mode)."""
+    import torch
+
+    st = state["shapes"][req["shape"]]
+    mode, target = req["mode"], req["target"]
+    f, inputs, stack = st["f"], st["inputs"], st["stack"]
+    body = (lambda: f(*inputs)) if target == "layer" else stack
+    if mode in ("armed", "reset_only"):  # reset_only: the armed call's memset, the probes disarmed
+        armed = st["armed"] if target == "layer" else st["stack_armed"]
+
+        def run() -> Any:
+            armed.reset()
+            return body()
+    else:
+        run = body
+    if req["how"] == "stream":
+        return run
+    key = (req["shape"], mode, target)
+    if key not in state["graphs"]:  # one CUDA graph of the call, captured in the mode it is timed in
+        _prepare(state, req)
+        with torch.no_grad():
+            for _ in range(2):
+                run()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                run()
         torch.cuda.synchronize()
-    inst = triton.JITFunction(kern.fn.fn)
-    run_args = fresh()
-    launch = PausableLaunch(inst, grid, run_args, kw)
-    nblk = launch.nblocks
-    # resident slots: blocks of this kernel the GPU runs at once
-    per_sm = int(cd.check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        launch.kernel.function, 32 * cfg.num_warps, int(launch.kernel.metadata.shared)), "occupancy"))
-    slots = per_sm * cd.sm_count()
-    row: dict[str, Any] = {"kernel": k.name, "grid": list(grid), "blocks": nblk, "num_warps": cfg.num_warps,
-                           "config": {kk: str(v) for kk, v in cfg.kwargs.items()}, "blocks_per_sm": per_sm,
-                           "resident_slots": slots, "waves": round(nblk / max(1, slots), 2)}
-    rep = triton_hook.report(launch.name)
-    row["deferred_vote"] = bool(rep and rep.deferred_vote)
-    scratch = fresh()
-    with triton_hook.suspended():
-        row["plain_kernel_us"] = 1e3 * ev_ms(lambda: plain[grid](*scratch, **kw), 7)
-        if grid[1] == grid[2] == 1:  # one wave of the same blocks (rows from the start): one block's run time
-            wave = (min(slots, nblk), 1, 1)
-            row["block_us_one_wave"] = 1e3 * ev_ms(lambda: plain[wave](*scratch, **kw), 7)
-            row["block_us_alone"] = 1e3 * ev_ms(lambda: plain[(1, 1, 1)](*scratch, **kw), 7)
-    row["block_us_from_waves"] = row["plain_kernel_us"] / max(1.0, nblk / max(1, slots))
-
-    def full_armed() -> None:
-        launch.ctl.zero_()
-        launch._launch()
-
-    row["armed_kernel_us"] = 1e3 * ev_ms(full_armed, 7)
-    # a launch in which every block is done (they all leave at entry): what the blocks not started yet cost
-    # a pause, per block, beside the drain of the running ones
-    row["all_done_launch_us"] = 1e3 * ev_ms(launch._launch, 7)
-    row["skip_ns_per_block"] = 1e3 * row["all_done_launch_us"] / nblk
-    side = torch.cuda.Stream()
-    side_d = cd.Stream.borrow(side.cuda_stream)
-    trials = []
-    for frac in fractions:
-        thr = max(1, int(frac * nblk))
-        for j, a in enumerate(run_args):
-            if isinstance(a, torch.Tensor):
-                a.copy_(args[j])
-        launch.ctl.zero_()
-        zeroed = torch.cuda.Event()
-        zeroed.record()
-        side.wait_event(zeroed)  # the trigger must not read the previous trial's done bits
-        trigger.arm(launch, thr, side_d, timeout_s=0.5)
-        flag = torch.cuda.Event(enable_timing=True)
-        flag.record(side)
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        launch._launch()
-        e1.record()
-        torch.cuda.synchronize()
-        trig = trigger.result()
-        pending = len(launch.pending())
-        launch.resume()
-        launch.drain()
-        torch.cuda.synchronize()
-        eq = all(torch.equal(run_args[i], ref_args[i]) for i in outs) and not launch.pending()
-        trials.append({"after_blocks": thr, "done_seen_at_write": trig["done_seen"], "trigger_reached":
-                       bool(trig["reached"]), "pending_after_pause": pending,
-                       "mid_grid": 0 < pending < nblk, "pause_latency_us": 1e3 * flag.elapsed_time(e1),
-                       "latency_minus_skips_us": 1e3 * flag.elapsed_time(e1)
-                       - pending * row["skip_ns_per_block"] / 1e3,
-                       "launch_to_write_us": 1e3 * e0.elapsed_time(flag), "bit_equal": bool(eq)})
-    row["trials"] = trials
-    lat = [t["pause_latency_us"] for t in trials if t["mid_grid"]]
-    row["pause_latency_us_median"] = median(lat) if lat else None
-    drain = [t["latency_minus_skips_us"] for t in trials if t["mid_grid"]]
-    row["drain_us_median"] = median(drain) if drain else None
-    ref = row.get("block_us_one_wave", row["block_us_from_waves"])
-    row["latency_over_block"] = (row["pause_latency_us_median"] / ref) if lat and ref else None
-    row["mid_grid_pauses"] = sum(1 for t in trials if t["mid_grid"])
-    row["bit_equal_all"] = all(t["bit_equal"] for t in trials)
-    return row
+        state["graphs"][key] = g
+    return state["graphs"][key].replay
 
 
-def time_stack(fwd: Any, f_plain: Any, f_probe: Any, params: list[dict[str, Any]], xcs: tuple[Any, ...],
-               rounds: int, rep: int, tokens: int) -> list[dict[str, Any]]:
-    """A stack of len(params) layers: each variant's one compiled graph applied layer after layer (the probes
-    disarmed: a module global holds one control block per kernel, and every layer launches the same kernels),
-    eager beside it; tokens/s of the whole stack."""
+def _prepare(state: dict[str, Any], req: dict[str, Any]) -> None:
+    """Module globals for the mode: armed -> this target's control blocks, else 0 (the globals are read when
+    each kernel runs, also inside a replayed graph)."""
+    st = state["shapes"][req["shape"]]
+    for key in ("armed", "stack_armed"):
+        if key in st:
+            st[key].disarm()
+    if req["mode"] == "armed":
+        st["armed" if req["target"] == "layer" else "stack_armed"].arm()
+
+
+def _worker_do(state: dict[str, Any], req: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import triton.testing
     from torch._dynamo.utils import counters
 
-    x, c, s = xcs
+    if req["mode"] in ("armed", "reset_only") and not state["hooked"]:
+        raise RuntimeError("the plain variant has no probes to arm")
+    fn = _callable(state, req)
+    _prepare(state, req)
+    if req["op"] == "time":
+        with torch.no_grad():
+            ms = float(triton.testing.do_bench(fn, warmup=req.get("warmup", 5), rep=req["rep"],
+                                               return_mode="median"))
+        return {"ms": ms, "recompiles": counters["stats"]["unique_graphs"] - state["graphs0"]}
+    if req["op"] == "profile":
+        from torch.profiler import ProfilerActivity, profile
 
-    def stack(f: Any) -> Any:
-        def run() -> Any:
-            h = x
-            for p in params:
-                h = f(p, h, c, s)
-            return h
-        return run
+        n = int(req.get("n", 20))
+        with torch.no_grad():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    fn()
+                torch.cuda.synchronize()
+        per: dict[str, list[float]] = {}
+        for ev in prof.events():
+            if "CUDA" in str(getattr(ev, "device_type", "")):  # a kernel or memset: its GPU interval
+                per.setdefault(ev.name, []).append(float(ev.time_range.elapsed_us()))
+        out = {}
+        for name, v in per.items():
+            v.sort()
+            out[name] = {"count_per_call": len(v) / n, "median_us": v[len(v) // 2], "sum_us_per_call": sum(v) / n}
+        return {"kernels": out}
+    raise RuntimeError(f"unknown op {req['op']!r}")
 
-    fs = {"stack_eager": stack(fwd), "stack_compiled": stack(f_plain), "stack_compiled_probes": stack(f_probe)}
-    graphs0 = counters["stats"]["unique_graphs"]
-    with torch.no_grad():
-        ys = {k: f() for k, f in fs.items()}
-    ts: dict[str, list[float]] = {k: [] for k in fs}
-    with torch.no_grad():
-        for _ in range(rounds):
-            for k, f in fs.items():
-                ts[k].append(float(triton.testing.do_bench(f, warmup=3, rep=rep, return_mode="median")))
-    recompiles = counters["stats"]["unique_graphs"] - graphs0
-    out = []
-    for k, v in ts.items():
-        m = median(v)
-        out.append({"variant": k, "layers": len(params), "stack_ms": m, "tokens_per_s": tokens / (m / 1e3),
-                    "rounds_ms": v, "recompiles": recompiles,
-                    "output_equal_compiled": bool(torch.equal(ys[k], ys["stack_compiled"])),
-                    "finite": bool(torch.isfinite(ys[k]).all())})
-    return out
+
+# ---------------------------------------------------------------------------------------------- parent
+
+class Worker:
+    def __init__(self, variant: str, root: Path, ns: argparse.Namespace, log_dir: Path) -> None:
+        self.variant = variant
+        self.log = open(log_dir / f"qwen3_probes-worker-{variant}.log", "w")  # noqa: SIM115
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant,
+               "--options", json.dumps(VARIANTS[variant]), "--shapes", ns.shapes, "--stack", str(ns.stack),
+               "--stack-shapes", ns.stack_shapes, "--lock", str(root / "gpu.lock")]
+        if ns.ptx_dir:
+            cmd += ["--ptx-dir", ns.ptx_dir]
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                  env=worker_env(root, variant))
+        self.info: dict[str, Any] = {}
+
+    def recv(self, timeout_s: float = 240.0) -> dict[str, Any]:
+        import select
+
+        assert self.p.stdout is not None
+        ready, _, _ = select.select([self.p.stdout], [], [], timeout_s)
+        if not ready:  # a hung kernel (or compile): this worker is dropped, the others go on
+            self.p.kill()
+            raise RuntimeError(f"worker {self.variant}: no answer in {timeout_s:.0f} s; killed")
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.variant} ended (rc {self.p.poll()}); see its log")
+        return dict(json.loads(line))
+
+    def ask(self, **req: Any) -> dict[str, Any]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps(req) + "\n")
+        self.p.stdin.flush()
+        return self.recv(60.0)
+
+    def close(self) -> None:
+        try:
+            if self.p.poll() is None and self.p.stdin is not None:
+                self.p.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.p.stdin.flush()
+                self.p.wait(timeout=5)
+        except Exception:  # noqa: BLE001
+            self.p.kill()
+        self.log.close()
+
+
+def _median(v: list[float]) -> float:
+    s = sorted(v)
+    n = len(s)
+    return s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", default="benchmarks/results")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=512)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--rep", type=int, default=100, help="do_bench rep (ms) per variant per round")
-    ap.add_argument("--budget-s", type=float, default=600.0, help="stop pausing kernels after this much wall")
-    ap.add_argument("--stack", type=int, default=0, help="also time a stack of this many layers (distinct "
-                                                         "weights, one compiled graph), with and without probes")
-    ap.add_argument("--no-pause", action="store_true", help="skip the per-kernel pauses")
-    ap.add_argument("--pause-first", type=int, default=3, help="pause this many kernels (largest grids) before "
-                                                               "timing the stack, the rest after")
+    ap.add_argument("--shapes", default="8x512,1x1,8x1", help="BxS per shape, comma separated")
+    ap.add_argument("--stack", type=int, default=28, help="layers of the stack (distinct weights); 0: no stack")
+    ap.add_argument("--stack-shapes", default="1x1,8x1", help="the shapes the stack is timed at")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rep", type=int, default=30, help="do_bench rep (ms) per variant per round")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--budget-s", type=float, default=600.0, help="no new round after this much wall")
+    ap.add_argument("--ptx-dir", default="", help="copy each worker's PTX files here")
+    ap.add_argument("--wait-pid", type=int, default=0, help="start timing once this process has ended (a test "
+                                                             "run sharing the GPU while the workers compile)")
+    ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--options", default="null", help=argparse.SUPPRESS)
+    ap.add_argument("--lock", default="", help=argparse.SUPPRESS)
     ns = ap.parse_args()
-    t_start = time.perf_counter()
-    from concordia_ft.instrument.inductor import ArmedLaunches, capture_launches
-    from concordia_ft.instrument.pause import GpuPauseTrigger
+    if ns.worker:
+        return _worker(ns)
+    import signal
 
-    fwd, params, xcs, shape = make_layers(max(1, ns.stack), ns.batch, ns.seq)
-    inputs = (params[0], *xcs)
-    tokens = ns.batch * ns.seq
-    summary: dict[str, Any] = {"shape": shape, "tokens_per_call": tokens}
+    from concordia_ft.benchreport import write_results
+
+    def on_term(signum: int, frame: Any) -> None:  # a time limit: leave through the finally below
+        raise SystemExit(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    t_start = time.perf_counter()
+    root = Path(tempfile.mkdtemp(prefix="cft-qwen3-probes-"))
+    out_dir = Path(ns.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = [v for v in ns.variants.split(",") if v]
+    shapes = ns.shapes.split(",")
+    summary: dict[str, Any] = {"variant": "summary", "variants": {v: VARIANTS[v] for v in names},
+                               "shapes": shapes, "stack_layers": ns.stack, "rounds_done": 0}
     rows: list[dict[str, Any]] = []
-    kernels: list[dict[str, Any]] = []
+    workers: dict[str, Worker] = {}
 
     def save() -> Path:
         summary["wall_s"] = time.perf_counter() - t_start
-        return write_results("qwen3_probes", rows + kernels + [{"variant": "summary", **summary}],
-                             baseline=[r for r in rows if r["variant"] == "compiled"],
-                             notes="baseline = the same layer compiled by torch.compile without probes; "
-                                   "compiled_probes = probes disarmed; compiled_probes_armed = probes armed, "
-                                   "with the memset that zeroes their control blocks before each call; "
-                                   "compiled_plus_reset = the baseline plus that memset; pause rows: "
-                                   "per kernel, paused by the GPU trigger at a count of finished blocks",
-                             out_dir=ns.out_dir)
+        return write_results("qwen3_probes", rows + [summary],
+                             baseline=[r for r in rows if r.get("mode") == "plain"],
+                             notes="each variant compiled in its own process with its own fresh Triton and Inductor "
+                                   "caches (plain: the hook never imported); proof per worker in summary.workers "
+                                   "(PTX/cubin files with the probe marker, modules with a cft_ctl_ global); "
+                                   "timings: do_bench medians per round, variants alternating, one worker on the GPU "
+                                   "at a time; stream = launched from the host, graph = one CUDA graph replayed; "
+                                   "armed = probes armed with the memset that zeroes their control blocks",
+                             out_dir=out_dir)
 
+    ok = True
     try:
-        with torch.no_grad():
-            y_eager = fwd(*inputs)
-        triton_hook.uninstall()
-        f_plain, y_plain, k_plain = compile_variant(fwd, inputs, "plain")
-        triton_hook.install()
-        f_probe, y_probe, k_probe = compile_variant(fwd, inputs, "probes")
-        reps = triton_hook.reports()
-        inst = [k for k in k_probe if k in reps and reps[k].instrumented]
-        refused = {k: reps[k].refused for k in k_probe if k in reps and not reps[k].instrumented}
-        plain_launches = capture_launches(f_plain, inputs)
-        plain_with_probes = ArmedLaunches(plain_launches, repeated="skip").with_probes
-        # the baseline must really be the plain compile: recorded (when it is not, "compiled" timings are no
-        # baseline, and only armed vs disarmed of the instrumented graph compares like with like)
-        summary["plain_kernels_with_probes"] = plain_with_probes
-        print(f"plain variant kernels with probes: {len(plain_with_probes)}", flush=True)
-        launches = capture_launches(f_probe, inputs)
-        def armed_once(a: Any) -> tuple[Any, list[int]]:
-            """One armed call: its output and the done blocks of every armed launch."""
-            a.arm()
-            a.reset()
+        for v in names:  # compile in parallel: CPU work; the GPU is shared only while they compile
+            workers[v] = Worker(v, root, ns, out_dir)
+        infos = {}
+        for v, w in workers.items():
             try:
-                with torch.no_grad():
-                    y = f_probe(*inputs)
-                return y, a.done_counts()
-            finally:
-                a.disarm()
-
-        armed: Any = None
-        try:  # a kernel launched twice per call: armed per launch by a stream write of its global
-            armed = ArmedLaunches(launches, repeated="per_launch")
-            y_armed, done = armed_once(armed)
-            summary["repeated_kernels"] = "per_launch"
-        except Exception as e:  # noqa: BLE001 - fall back to leaving them disarmed, and say so
-            if armed is not None:
-                armed.disarm()
-            armed = ArmedLaunches(launches, repeated="skip")
-            y_armed, done = armed_once(armed)
-            summary["repeated_kernels"] = f"skipped ({type(e).__name__}: {e})"[:400]
-        if not armed.launches or sorted(armed.with_probes) != sorted(inst):
-            raise RuntimeError(f"armed {len(armed.launches)} launches; kernels with probes {armed.with_probes}, "
-                               f"instrumented {inst} (captured {[k.name for k in launches]}, not armed "
-                               f"{armed.skipped})")
-        same_size = torch.zeros_like(armed.arena)
-        print(f"armed {len(armed.launches)}/{len(launches)} launches (repeated kernels: "
-              f"{summary['repeated_kernels'][:160]}); not armed {list(armed.skipped)}", flush=True)
-        summary.update(kernels_plain=len(k_plain), kernels_probes=len(k_probe), kernels_instrumented=len(inst),
-                       kernels_refused=refused, kernels_unseen_by_hook=[k for k in k_probe if k not in reps],
-                       deferred_votes=sum(1 for k in inst if reps[k].deferred_vote),
-                       launches_per_call=len(launches), launches_armed=len(armed.launches),
-                       armed_share_of_launch_blocks=sum(k.nblocks for k in armed.launches)
-                       / max(1, sum(k.nblocks for k in launches)),
-                       launches_not_armed=armed.skipped, static_launcher=all(k.static for k in launches),
-                       armed_all_blocks_done=done == [k.nblocks for k in armed.launches],
-                       armed_done_vs_blocks=[[d, k.nblocks] for d, k in zip(done, armed.launches, strict=True)],
-                       control_bytes=4 * armed.arena.numel(),
-                       probes_output_equal_plain=bool(torch.equal(y_plain, y_probe)),
-                       armed_output_equal_plain=bool(torch.equal(y_plain, y_armed)),
-                       compiled_vs_eager_max_abs=float((y_plain.float() - y_eager.float()).abs().max()))
-
-        def armed_call(*a: Any) -> Any:
-            armed.reset()
-            return f_probe(*a)
-
-        def plain_reset_call(*a: Any) -> Any:
-            same_size.zero_()
-            return f_plain(*a)
-
-        variants = {"eager": fwd, "compiled": f_plain, "compiled_probes": f_probe,
-                    "compiled_probes_armed": armed_call, "compiled_plus_reset": plain_reset_call}
-        from torch._dynamo.utils import counters
-
-        graphs0 = counters["stats"]["unique_graphs"]
-        ts = time_alternating(variants, inputs, ns.rounds, ns.rep,
-                              before={"compiled_probes": armed.disarm, "compiled_probes_armed": armed.arm})
-        armed.disarm()
-        summary["recompiles_while_timing"] = counters["stats"]["unique_graphs"] - graphs0
-        med = {k: median(v) for k, v in ts.items()}
-        for k, v in ts.items():
-            rows.append({"variant": k, "layer_ms": med[k], "tokens_per_s": tokens / (med[k] / 1e3),
-                         "rounds_ms": v})
-        base = med["compiled"]
-        summary.update(layer_ms_compiled=base, layer_ms_probes=med["compiled_probes"],
-                       layer_ms_probes_armed=med["compiled_probes_armed"],
-                       layer_ms_plus_reset=med["compiled_plus_reset"],
-                       probe_overhead_pct=100 * (med["compiled_probes"] / base - 1),
-                       armed_overhead_pct=100 * (med["compiled_probes_armed"] / base - 1),
-                       armed_vs_plus_reset_pct=100 * (med["compiled_probes_armed"] / med["compiled_plus_reset"] - 1),
-                       tokens_per_s_compiled=tokens / (base / 1e3),
-                       tokens_per_s_probes=tokens / (med["compiled_probes"] / 1e3),
-                       tokens_per_s_probes_armed=tokens / (med["compiled_probes_armed"] / 1e3))
-        print(f"layer: compiled {base:.4f} ms, probes disarmed {med['compiled_probes']:.4f} "
-              f"({summary['probe_overhead_pct']:+.2f}%), armed+reset {med['compiled_probes_armed']:.4f} "
-              f"({summary['armed_overhead_pct']:+.2f}%; vs compiled+reset {summary['armed_vs_plus_reset_pct']:+.2f}"
-              f"%), eager {med['eager']:.3f} ms; {len(inst)}/{len(k_probe)} kernels instrumented, armed output "
-              f"equal {summary['armed_output_equal_plain']}, all blocks done {summary['armed_all_blocks_done']}",
-              flush=True)
-        save()
-        def do_stack() -> None:
-            if ns.stack <= 1:
-                return
-            if time.perf_counter() - t_start > ns.budget_s - 6:
-                summary["stack_skipped"] = "out of the run's time budget"
-                return
-            stack_rows = time_stack(fwd, f_plain, f_probe, params, xcs, ns.rounds, ns.rep, tokens)
-            rows.extend(stack_rows)
-            st = {r["variant"]: r for r in stack_rows}
-            summary.update(stack_layers=ns.stack,
-                           stack_ms_compiled=st["stack_compiled"]["stack_ms"],
-                           stack_ms_probes=st["stack_compiled_probes"]["stack_ms"],
-                           stack_probe_overhead_pct=100 * (st["stack_compiled_probes"]["stack_ms"]
-                                                           / st["stack_compiled"]["stack_ms"] - 1),
-                           stack_tokens_per_s_compiled=st["stack_compiled"]["tokens_per_s"],
-                           stack_tokens_per_s_probes=st["stack_compiled_probes"]["tokens_per_s"],
-                           recompiles_while_timing=summary["recompiles_while_timing"]
-                           + st["stack_compiled"]["recompiles"])
-            print(f"stack of {ns.stack}: compiled {summary['stack_ms_compiled']:.3f} ms "
-                  f"({summary['stack_tokens_per_s_compiled']:.0f} tok/s), probes disarmed "
-                  f"{summary['stack_ms_probes']:.3f} ms ({summary['stack_probe_overhead_pct']:+.2f}%), "
-                  f"recompiles {summary['recompiles_while_timing']}", flush=True)
-            save()
-        trigger = GpuPauseTrigger()
-        unique = list({k.name: k for k in reversed(launches)}.values())  # each kernel once (its first launch)
-        order = [] if ns.no_pause else sorted(unique, key=lambda k: -k.nblocks)
-        if not order[:ns.pause_first]:
-            do_stack()
-        for i, k in enumerate(order):
-            if i == ns.pause_first:  # the stack's tokens/s between the largest kernels' pauses and the rest
-                do_stack()
-            if time.perf_counter() - t_start > ns.budget_s:
-                kernels.append({"variant": "pause", "kernel": k.name, "skipped": "out of the run's time budget"})
+                w.info = w.recv()
+            except RuntimeError as e:
+                w.info = {"ready": False, "error": str(e)}
+            infos[v] = w.info
+            print(f"worker {v}: ready={w.info.get('ready')} setup {w.info.get('setup_s', 0):.1f} s", flush=True)
+            if not w.info.get("ready"):
+                print(w.info.get("error", ""), flush=True)
+        summary["workers"] = infos
+        bad = [v for v, i in infos.items() if not i.get("ready")]
+        for v in bad:
+            workers.pop(v).close()
+        # the proof that the baseline is a plain compile, and the probe variants are instrumented
+        checks: dict[str, Any] = {}
+        for v, i in infos.items():
+            if not i.get("ready"):
                 continue
-            try:
-                r = pause_kernel(k, trigger, (0.25, 0.5, 0.75))
-            except Exception:  # noqa: BLE001 - reported per kernel, the others still run
-                r = {"kernel": k.name, "error": traceback.format_exc()[-1500:]}
-            kernels.append({"variant": "pause", **r})
-            print("pause:", json.dumps({kk: v for kk, v in r.items() if kk not in ("trials", "config")})[:600],
-                  flush=True)
+            c = i["cache"]
+            kern_probes = [k for sh in i["shapes"] for k in sh["kernels_with_probes"]]
+            kern_all = [k for sh in i["shapes"] for k in sh["kernels"]]
+            if VARIANTS[v] is None:
+                checks[v] = {"plain_proven": c["ptx_with_probes"] == 0 and c["cubin_with_probes"] == 0
+                             and not kern_probes and c["cubin"] > 0,
+                             "cubins": c["cubin"], "cubins_with_probes": c["cubin_with_probes"],
+                             "launched_kernels": len(set(kern_all)), "launched_with_probes": len(set(kern_probes))}
+            else:
+                checks[v] = {"instrumented_proven": sorted(set(kern_probes)) == sorted(set(kern_all))
+                             and c["cubin_with_probes"] == c["cubin"] > 0,
+                             "cubins": c["cubin"], "cubins_with_probes": c["cubin_with_probes"],
+                             "launched_kernels": len(set(kern_all)), "launched_with_probes": len(set(kern_probes)),
+                             "armed_all_blocks_done": all(sh.get("armed_all_blocks_done") for sh in i["shapes"]),
+                             "stack_armed_all_blocks_done": all(sh.get("stack_armed_all_blocks_done", True)
+                                                                for sh in i["shapes"])}
+        if "plain" in infos and infos["plain"].get("ready"):
+            for v, i in infos.items():
+                if v == "plain" or not i.get("ready"):
+                    continue
+                eq = []
+                for a, b in zip(infos["plain"]["shapes"], i["shapes"], strict=True):
+                    eq.append({"shape": a["shape"], "same_kernels": a["kernels"] == b["kernels"],
+                           "same_configs": {k: (a["kernel_attrs"][k]["config"], a["kernel_attrs"][k]["num_warps"])
+                                            for k in a["kernel_attrs"]}
+                           == {k: (b["kernel_attrs"][k]["config"], b["kernel_attrs"][k]["num_warps"])
+                               for k in b["kernel_attrs"]},
+                               "disarmed_equal_plain": a["y_digest"] == b["y_digest"],
+                               "armed_equal_plain": a["y_digest"] == b.get("armed_digest"),
+                               "stack_equal_plain": a["stack_digest"] == b["stack_digest"],
+                               "stack_armed_equal_plain": a["stack_digest"] == b.get("stack_armed_digest",
+                                                                                      a["stack_digest"])})
+                checks[v]["bit_equal"] = eq
+        summary["checks"] = checks
+        print(json.dumps(checks)[:2000], flush=True)
+        save()
+        if ns.wait_pid:
+            t_w = time.perf_counter()
+            while time.perf_counter() - t_w < 120:
+                try:
+                    os.kill(ns.wait_pid, 0)
+                except OSError:
+                    break
+                time.sleep(0.2)
+            summary["waited_for_pid_s"] = time.perf_counter() - t_w
+        # what is timed: (target, shape index, how, mode) per variant
+        jobs: list[tuple[str, int, str]] = []
+        for si, s in enumerate(shapes):
+            for how in ("graph", "stream"):
+                jobs.append(("layer", si, how))
+                if ns.stack > 1 and s in ns.stack_shapes.split(","):
+                    jobs.append(("stack", si, how))
+        configs = [(v, m) for v in workers for m in (("plain",) if VARIANTS[v] is None else ("disarmed", "armed"))]
+        if "probes" in workers:  # the armed call's memset alone, probes disarmed: what arming costs besides probes
+            configs.append(("probes", "reset_only"))
+        prof: dict[str, Any] = {}
+
+        def do_profile() -> None:  # per kernel GPU time (profiler), every shape and mode, after the first round
+            for si, s in enumerate(shapes):
+                for v, m in configs:
+                    if v not in workers:
+                        continue
+                    try:
+                        res = workers[v].ask(op="profile", shape=si, target="layer", how="stream", mode=m, n=10)
+                    except RuntimeError as e:
+                        res = {"error": str(e)}
+                        workers.pop(v).close()
+                    prof[f"{s}/{v}/{m}"] = res.get("kernels", res.get("error"))
+            summary["profile"] = prof
+            summary["per_kernel"] = _per_kernel(prof, shapes, infos)
             save()
-        if 0 < len(order) <= ns.pause_first:
-            do_stack()
-        done_rows = [r for r in kernels if "trials" in r]
-        summary.update(pause_kernels=len(done_rows),
-                       pause_mid_grid_all=bool(done_rows) and all(r["mid_grid_pauses"] == len(r["trials"])
-                                                                  for r in done_rows),
-                       pause_bit_equal_all=bool(done_rows) and all(r["bit_equal_all"] for r in done_rows))
-    except Exception:  # noqa: BLE001
+
+        times: dict[tuple[str, int, str, str, str], list[float]] = {}
+        recompiles: dict[str, int] = {}
+        for r in range(ns.rounds):
+            if r > 0 and time.perf_counter() - t_start > ns.budget_s:
+                summary["rounds_cut"] = f"budget: {r} of {ns.rounds} rounds"
+                break
+            for target, si, how in jobs:
+                order = configs if r % 2 == 0 else list(reversed(configs))
+                for v, m in order:
+                    if v not in workers:
+                        continue
+                    try:
+                        res = workers[v].ask(op="time", shape=si, target=target, how=how, mode=m, rep=ns.rep)
+                    except RuntimeError as e:
+                        res = {"ok": False, "error": str(e)}
+                        workers.pop(v).close()
+                    if not res.get("ok"):
+                        summary.setdefault("errors", []).append({"variant": v, "mode": m, "target": target,
+                                                                 "shape": shapes[si], "how": how,
+                                                                 "error": res.get("error")})
+                        print(res.get("error"), flush=True)
+                        continue
+                    times.setdefault((target, si, how, v, m), []).append(res["ms"])
+                    recompiles[v] = res["recompiles"]
+            summary["rounds_done"] = r + 1
+            rows[:] = _rows(times, shapes, infos)
+            summary["recompiles_while_timing"] = recompiles
+            summary.update(_headline(rows))
+            save()
+            print(f"round {r + 1}: " + json.dumps(_headline(rows))[:1500], flush=True)
+            if r == 0:
+                do_profile()
+
+    except (Exception, SystemExit):  # noqa: BLE001
         summary["error"] = traceback.format_exc()[-3000:]
         print(summary["error"], flush=True)
+        ok = False
+    finally:
+        for w in workers.values():
+            w.close()
+        shutil.rmtree(root, ignore_errors=True)
     path = save()
     print(path)
-    ok = ("error" not in summary and summary.get("armed_output_equal_plain") is True
-          and summary.get("pause_bit_equal_all") is True)
+    checks = summary.get("checks", {})
+    ok = ok and bool(checks.get("plain", {}).get("plain_proven")) and all(
+        c.get("instrumented_proven") for v, c in checks.items() if v != "plain")
     return 0 if ok else 1
+
+
+def _rows(times: dict[tuple[str, int, str, str, str], list[float]], shapes: list[str],
+          infos: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for (target, si, how, v, m), ts in sorted(times.items()):
+        tokens = infos[v]["shapes"][si]["tokens"]
+        med = _median(ts)
+        base = times.get((target, si, how, "plain", "plain"))
+        row = {"target": target, "shape": shapes[si], "how": how, "variant": v, "mode": m, "ms": med,
+               "tokens_per_s": tokens / (med / 1e3), "rounds_ms": ts}
+        if base:
+            row["vs_plain_pct"] = 100 * (med / _median(base) - 1)
+        if m == "armed" and (target, si, how, v, "disarmed") in times:
+            row["vs_disarmed_pct"] = 100 * (med / _median(times[(target, si, how, v, "disarmed")]) - 1)
+        rows.append(row)
+    return rows
+
+
+def _headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for r in rows:
+        if "vs_plain_pct" in r and r["mode"] != "plain":
+            out[f"{r['target']}_{r['shape']}_{r['how']}_{r['variant']}_{r['mode']}_pct"] = round(r["vs_plain_pct"], 2)
+    return {"overhead_vs_plain": out}
+
+
+def _per_kernel(prof: dict[str, Any], shapes: list[str], infos: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per Triton kernel: median GPU us per mode and the change vs plain; registers and blocks per SM."""
+    out = []
+    for si, s in enumerate(shapes):
+        base = prof.get(f"{s}/plain/plain")
+        if not isinstance(base, dict):
+            continue
+        for name, b in base.items():
+            if not name.startswith("triton_"):
+                continue
+            row: dict[str, Any] = {"shape": s, "kernel": name, "plain_us": b["median_us"],
+                                   "count_per_call": b["count_per_call"]}
+            for key, d in prof.items():
+                sh, v, m = key.split("/")
+                if sh != s or v == "plain" or not isinstance(d, dict) or name not in d:
+                    continue
+                row[f"{v}_{m}_us"] = d[name]["median_us"]
+                row[f"{v}_{m}_pct"] = 100 * (d[name]["median_us"] / b["median_us"] - 1)
+            for v, i in infos.items():
+                a = i.get("shapes", [{}] * (si + 1))[si].get("kernel_attrs", {}).get(name) if i.get("ready") else None
+                if a:
+                    row[f"{v}_registers"] = a["registers"]
+                    row[f"{v}_blocks_per_sm"] = a["blocks_per_sm"]
+                    row["blocks"] = a["blocks"]
+            out.append(row)
+        tot = {k: sum(d["sum_us_per_call"] for d in prof[k].values()) for k in prof
+               if k.startswith(s + "/") and isinstance(prof[k], dict)}
+        out.append({"shape": s, "kernel": "ALL (GPU us per call, every kernel and memset)", **tot})
+    return out
 
 
 if __name__ == "__main__":

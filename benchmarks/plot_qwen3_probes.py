@@ -1,6 +1,6 @@
-"""Plot benchmarks/results/qwen3_probes-h200.json: the compiled Qwen3 layer's time per variant (plain, probes
-disarmed, armed, plain + the armed variant's memset) and, per Inductor kernel, the pause latency beside one
-block's run time.  Run: python benchmarks/plot_qwen3_probes.py [results.json]"""
+"""Plot benchmarks/results/qwen3_probes-h200.json: per shape and timing (CUDA graph / host launched), the layer
+and the stack with probes disarmed and armed against the plain compile (each compiled in its own process), and
+per Triton kernel the GPU time change.  Run: python benchmarks/plot_qwen3_probes.py [results.json]"""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from concordia_ft.benchreport import save_figure  # noqa: E402
 
-VARIANTS = ("compiled", "compiled_probes", "compiled_probes_armed", "compiled_plus_reset")
-LABELS = ("compiled\n(baseline)", "probes\ndisarmed", "probes armed\n(+ memset)", "baseline\n+ memset")
+COLORS = {"probes_v3/disarmed": "lightsteelblue", "probes_v3/armed": "tab:blue",
+          "probes/disarmed": "navajowhite", "probes/armed": "tab:orange",
+          "probes_lazy/disarmed": "palegreen", "probes_lazy/armed": "tab:green",
+          "probes_late/disarmed": "thistle", "probes_late/armed": "tab:purple", "probes/reset_only": "silver"}
 
 
 def short(name: str) -> str:
@@ -27,33 +29,44 @@ def short(name: str) -> str:
 def main() -> int:
     src = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/qwen3_probes-h200.json")
     doc = json.loads(src.read_text())
-    rows = doc["rows"]
-    timing = {r["variant"]: r for r in rows if r.get("variant") in VARIANTS}
-    pauses = [r for r in rows if r.get("variant") == "pause" and r.get("trials")]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
-    if timing:
-        base = timing["compiled"]["layer_ms"]
-        ms = [timing[v]["layer_ms"] * 1e3 if v in timing else 0.0 for v in VARIANTS]
-        bars = axes[0].bar(range(len(ms)), ms, color=["grey", "tab:blue", "tab:red", "silver"])
-        for b, v in zip(bars, VARIANTS, strict=True):
-            if v in timing:
-                pct = 100 * (timing[v]["layer_ms"] / base - 1)
-                axes[0].annotate(f"{pct:+.1f}%\n{timing[v]['tokens_per_s'] / 1e6:.2f} M tok/s",
-                                 (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
-                                 fontsize=8)
-        axes[0].set_xticks(range(len(ms)), LABELS, fontsize=8)
-        axes[0].set(title="compiled Qwen3 layer (0.6B dims, 8x512 tokens)", ylabel="us per layer call")
-    if pauses:
-        x = range(len(pauses))
-        w = 0.27
-        axes[1].bar([i - w for i in x], [r["pause_latency_us_median"] or 0 for r in pauses], w,
-                    label="pause latency (GPU write -> drained)")
-        axes[1].bar(list(x), [r["drain_us_median"] or 0 for r in pauses], w,
-                    label="latency less the skips of blocks not started")
-        axes[1].bar([i + w for i in x], [r.get("block_us_one_wave", r["block_us_from_waves"]) for r in pauses], w,
-                    label="one block's run time (one full wave)")
-        axes[1].set_xticks(list(x), [f"{short(r['kernel'])}\n{r['blocks']} blocks" for r in pauses], fontsize=7)
-        axes[1].set(title="Inductor kernels of the layer, paused mid-grid by the GPU trigger", ylabel="us")
+    rows = [r for r in doc["rows"] if "target" in r]
+    summary = next((r for r in doc["rows"] if r.get("variant") == "summary"), {})
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    groups = sorted({(r["target"], r["shape"], r["how"]) for r in rows})
+    series = [k for k in COLORS if any(f"{r['variant']}/{r['mode']}" == k for r in rows)]
+    w = 0.8 / max(1, len(series))
+    for j, key in enumerate(series):
+        ys = []
+        for g in groups:
+            r = next((r for r in rows if (r["target"], r["shape"], r["how"]) == g
+                      and f"{r['variant']}/{r['mode']}" == key), None)
+            ys.append(r.get("vs_plain_pct", 0.0) if r else 0.0)
+        axes[0].bar([i + (j - (len(series) - 1) / 2) * w for i in range(len(groups))], ys, w, label=key,
+                    color=COLORS[key])
+    plain = {(r["target"], r["shape"], r["how"]): r for r in rows if r["mode"] == "plain"}
+    labels = []
+    for g in groups:
+        p = plain.get(g)
+        tok = f"\n{p['tokens_per_s']:.3g} tok/s" if p else ""
+        labels.append(f"{g[0]} {g[1]}\n{'graph' if g[2] == 'graph' else 'host-bound'}{tok}")
+    axes[0].set_xticks(range(len(groups)), labels, fontsize=7)
+    axes[0].axhline(2, color="red", lw=0.8, ls="--")
+    axes[0].axhline(0, color="black", lw=0.6)
+    axes[0].set(title=f"vs plain compile (own process); stack = {summary.get('stack_layers')} layers; "
+                      "plain tokens/s under each", ylabel="% time vs plain (median of rounds)")
+    axes[0].legend(fontsize=8)
+    pk = [r for r in summary.get("per_kernel", []) if r.get("kernel", "").startswith("triton_")]
+    if pk:
+        shape = pk[0]["shape"]
+        pk = [r for r in pk if r["shape"] == shape]
+        for j, key in enumerate(series):
+            col = key.replace("/", "_") + "_pct"
+            axes[1].bar([i + (j - (len(series) - 1) / 2) * w for i in range(len(pk))],
+                        [r.get(col, 0.0) for r in pk], w, label=key, color=COLORS[key])
+        axes[1].set_xticks(range(len(pk)), [f"{short(r['kernel'])}\n{r.get('blocks', '?')} blk\n"
+                                             f"{r['plain_us']:.1f} us" for r in pk], fontsize=7)
+        axes[1].axhline(0, color="black", lw=0.6)
+        axes[1].set(title=f"Triton kernels at {shape}: GPU time vs plain (torch.profiler medians)", ylabel="%")
         axes[1].legend(fontsize=8)
     out = save_figure(fig, doc, src.with_suffix(".png"))
     plt.close(fig)

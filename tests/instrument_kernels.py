@@ -184,3 +184,47 @@ def copy_then_reduce_kernel(x, y, s, n_cols, BLOCK: tl.constexpr):
 KERNELS["copy_then_reduce"] = dict(fn=copy_then_reduce_kernel, signature={
     "x": "*fp32", "y": "*fp32", "s": "*fp32", "n_cols": "i32", "BLOCK": "constexpr"},
     constexprs={"BLOCK": 1024}, options={"num_warps": 4})
+
+
+@triton.jit
+def poi_silu_mul_kernel(in_ptr0, in_ptr1, out_ptr0, xnumel, XBLOCK: tl.constexpr):
+    # shaped like Inductor's pointwise kernels (loads, math, a masked store; no branch, no barrier)
+    xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:]
+    xmask = xindex < xnumel
+    tmp0 = tl.load(in_ptr0 + xindex, xmask).to(tl.float32)
+    tmp1 = tl.load(in_ptr1 + xindex, xmask).to(tl.float32)
+    tl.store(out_ptr0 + xindex, (tmp0 * tl.sigmoid(tmp0) * tmp1).to(tl.bfloat16), xmask)
+
+
+KERNELS["poi_silu_mul"] = dict(fn=poi_silu_mul_kernel, signature={
+    "in_ptr0": "*bf16", "in_ptr1": "*bf16", "out_ptr0": "*bf16", "xnumel": "i32", "XBLOCK": "constexpr"},
+    constexprs={"XBLOCK": 512}, options={"num_warps": 8})
+
+
+@triton.jit
+def _globaltimer():
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False,
+                                     pack=1)
+
+
+@triton.jit
+def spin_rows_timed_kernel(x, reps, out, times, BLOCK: tl.constexpr):
+    """out[row] after reps[row] steps of acc = 3 acc + x[row] (int32: exact), and each block's start and end on
+    the GPU's global timer (ns) in times[2 row], times[2 row + 1]: blocks that run as long as asked, timed by
+    the GPU itself (the pause-drain benchmark: which blocks were running when the pause landed, how long)."""
+    row = tl.program_id(0)
+    t0 = _globaltimer()
+    xv = tl.load(x + row * BLOCK + tl.arange(0, BLOCK))
+    n = tl.load(reps + row)
+    acc = tl.zeros((BLOCK,), dtype=tl.int32)
+    for _ in range(0, n):
+        acc = acc * 3 + xv
+    tl.store(out + row, tl.sum(acc, 0))
+    t1 = _globaltimer()
+    tl.store(times + 2 * row, t0)
+    tl.store(times + 2 * row + 1, t1)
+
+
+KERNELS["spin_rows_timed"] = dict(fn=spin_rows_timed_kernel, signature={
+    "x": "*i32", "reps": "*i32", "out": "*i32", "times": "*i64", "BLOCK": "constexpr"},
+    constexprs={"BLOCK": 128}, options={"num_warps": 4})

@@ -6,6 +6,7 @@ Needs triton (it compiles for sm_90 without a GPU and bundles ptxas); no GPU, no
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -69,16 +70,19 @@ def test_rewritten_real_triton_ptx_assembles_for_sm90a(name: str, barriers: bool
 BARRIERS = SafepointOptions(barrier_probes=True)
 
 
-def test_original_instructions_survive_except_probed_barriers() -> None:
+@pytest.mark.parametrize("late", [True, False])
+def test_original_instructions_survive_except_probed_barriers(late: bool) -> None:
     src = ptx_of("softmax")
-    res = rewrite_ptx(src, BARRIERS)
+    res = rewrite_ptx(src, SafepointOptions(barrier_probes=True, late_reads=late))
     rep = res.kernels[0]
     kept = _probe_free(res.ptx)
     orig = [ln for ln in src.splitlines() if ln.strip()]
-    bar = [ln for ln in orig if re.match(r"\s*bar\.sync\s+0;", ln)]
+    bar = [i for i, ln in enumerate(orig) if re.match(r"\s*bar\.sync\s+0;", ln)]
     assert len(bar) == rep.barriers == 5 and rep.deferred_vote  # the first one carries the entry vote
     assert rep.barrier_probes == 4
-    assert kept == [ln for ln in orig if ln not in bar]
+    # late reads keep the vote's barrier itself on the disarmed path; otherwise it becomes the vote
+    gone = set(bar[1:]) if late else set(bar)
+    assert kept == [ln for i, ln in enumerate(orig) if i not in gone]
     assert res.ptx.count("bar.red.or.pred") == 5
 
 
@@ -268,7 +272,7 @@ def test_rewrite_assembles_across_compile_options(name: str) -> None:
 
 def test_entry_vote_is_deferred_to_the_first_barrier_when_nothing_global_precedes_it() -> None:
     src = ptx_of("softmax")
-    res = rewrite_ptx(src)  # default options: entry probes, vote deferred where it can be
+    res = rewrite_ptx(src, SafepointOptions(late_reads=False))  # the leader's reads issued at entry
     rep = res.kernel("softmax_kernel")
     assert rep.deferred_vote and rep.barrier_probes == 0
     body = res.ptx[res.ptx.index(".entry"):]
@@ -297,3 +301,118 @@ def test_entry_vote_is_deferred_to_the_first_barrier_when_nothing_global_precede
     # a loop before the first barrier (a branch target): voted at entry
     ln = rewrite_ptx(ptx_of("layernorm")).kernel("layernorm_kernel")
     assert not ln.deferred_vote
+
+
+def test_entry_vote_goes_before_the_first_global_write_in_straight_line_kernels() -> None:
+    src = ptx_of("poi_silu_mul")
+    res = rewrite_ptx(src, SafepointOptions(late_reads=False))  # the leader's reads issued at entry
+    rep = res.kernel("poi_silu_mul_kernel")
+    assert rep.deferred_vote and rep.vote_site == "before_write" and rep.barriers == 0
+    body = res.ptx[res.ptx.index(".entry"):]
+    lines = [strip_comment(ln).strip().rstrip(";") for ln in body.splitlines()]
+    votes = [i for i, ln in enumerate(lines) if ln.startswith(("barrier.red", "bar.red"))]
+    reads = [i for i, ln in enumerate(lines) if ln.startswith("ld.volatile.global.u32") and "%cft_" in ln]
+    loads = [i for i, ln in enumerate(lines) if "ld.global.b16" in ln]
+    stores = [i for i, ln in enumerate(lines) if "st.global" in ln]
+    assert len(votes) == 1 and len(reads) == 2 and len(loads) == 4 and stores
+    assert all(r < loads[0] for r in reads)  # the leader's reads go out at entry, before the block's loads
+    assert loads[-1] < votes[0] < stores[0]  # voted after every load, before the first store
+    assert lines[votes[0] + 1] == "@%cft_p2 ret"
+    assert not any(ln.startswith(("bar.sync", "barrier.sync")) for ln in lines)  # no barrier of the kernel's
+    a, plain = assemble(res.ptx), assemble(src)
+    k = "poi_silu_mul_kernel"
+    assert a.spill_bytes[k] == plain.spill_bytes[k] == 0 and a.registers[k] <= plain.registers[k] + 8  # 14 -> 22 (v3: 18)
+    # the instructions of the kernel are all still there, in order
+    assert _probe_free(res.ptx) == _probe_free(src)
+    # option off: the version-3 probe, voted at entry
+    off = rewrite_ptx(src, SafepointOptions(vote_before_write=False, late_reads=False)).kernel(k)
+    assert off.vote_site == "entry" and not off.deferred_vote
+    # a kernel whose first barrier precedes its first write keeps voting at that barrier
+    assert rewrite_ptx(ptx_of("softmax")).kernel("softmax_kernel").vote_site == "barrier"
+    # a loop before the first write (layernorm) or a write before the first barrier: voted at entry /
+    # before the write, never at a barrier that follows a write
+    assert rewrite_ptx(ptx_of("layernorm")).kernel("layernorm_kernel").vote_site == "entry"
+    ctr = rewrite_ptx(ptx_of("copy_then_reduce")).kernel("copy_then_reduce_kernel")
+    assert ctr.vote_site == "before_write"
+
+
+def test_lazy_entry_only_the_leader_waits_for_the_control_pointer() -> None:
+    k = "poi_silu_mul_kernel"
+    src = ptx_of("poi_silu_mul")
+    res = rewrite_ptx(src, SafepointOptions(lazy_entry=True, late_reads=False))
+    assert res.kernel(k).vote_site == "before_write"
+    body = res.ptx[res.ptx.index(".entry"):]
+    lines = [strip_comment(ln).strip().rstrip(";") for ln in body.splitlines()]
+    ptr = next(i for i, ln in enumerate(lines) if ln.startswith("ld.global.u64") and "cft_ctl_" in ln)
+    lead = next(i for i, ln in enumerate(lines) if ln.startswith("@!%cft_p0 bra"))
+    uses = [i for i, ln in enumerate(lines) if "%cft_rd0" in ln and i != ptr]
+    assert ptr < lead < uses[0]  # non-leaders branch past before anything reads the pointer
+    vote = next(i for i, ln in enumerate(lines) if ln.startswith("barrier.red.or.pred"))
+    skip = [i for i, ln in enumerate(lines) if ln.startswith("@!%cft_p1 bra") and ln.endswith("_novote")]
+    assert len(skip) == 1 and skip[0] < vote and lines[skip[0] - 1].startswith("setp.ne.u64 \t%cft_p1, %cft_rd0")
+    stores = [i for i, ln in enumerate(lines) if "st.global" in ln]
+    novote = next(i for i, ln in enumerate(lines) if ln.endswith("_novote:"))
+    assert vote < novote < stores[0]  # a disarmed launch skips the inserted barrier, then stores
+    assert _probe_free(res.ptx) == _probe_free(src)
+    a = assemble(res.ptx)
+    assert a.spill_bytes[k] == 0
+    # where the vote sits at the kernel's own barrier, that barrier stays unconditional
+    sm = rewrite_ptx(ptx_of("softmax"), SafepointOptions(lazy_entry=True, late_reads=False))
+    assert sm.kernel("softmax_kernel").vote_site == "barrier" and "_novote" not in sm.ptx
+    assemble(sm.ptx)
+
+
+INDUCTOR_PTX = sorted((Path(__file__).parent / "data" / "h200" / "inductor-qwen3-ptx").glob("*.ptx"))
+
+
+@pytest.mark.parametrize("path", INDUCTOR_PTX, ids=lambda p: p.stem[:40])
+def test_real_inductor_qwen3_ptx_rewrites_and_assembles_under_every_probe_option(path: Path) -> None:
+    """PTX of the compiled Qwen3 layer's Triton kernels, from the plain worker of bench_qwen3_probes on the H200
+    (its .file paths and DWARF sections stripped; the device's Triton wrote PTX ISA 9.0, the ptxas bundled here
+    takes 8.7, and the kernels use nothing newer)."""
+    src = path.read_text().replace(".version 9.0", ".version 8.7")
+    assert "cft_" not in src  # the baseline worker's cache held no probe
+    plain = assemble(src)
+    (k,) = plain.registers
+    sites = set()
+    for opts in (SafepointOptions(vote_before_write=False, late_reads=False), SafepointOptions(late_reads=False),
+                 SafepointOptions(lazy_entry=True, late_reads=False),
+                 SafepointOptions(late_reads=True)):
+        res = rewrite_ptx(src, opts)
+        rep = res.kernel(k)
+        assert rep.instrumented and rep.exit_probes >= 1, rep
+        a = assemble(res.ptx)
+        assert a.spill_bytes[k] == plain.spill_bytes[k] == 0 and a.registers[k] <= plain.registers[k] + 12
+        assert _probe_free(res.ptx) == _probe_free(src) or rep.vote_site == "barrier"
+        sites.add((opts.vote_before_write, rep.vote_site))
+    if "_poi_" in k:  # pointwise: straight-line loads -> math -> stores; version 4 votes before the first store
+        assert sites == {(False, "entry"), (True, "before_write")}
+
+
+def test_late_reads_leave_nothing_waiting_at_entry() -> None:
+    src = ptx_of("poi_silu_mul")
+    k = "poi_silu_mul_kernel"
+    res = rewrite_ptx(src, SafepointOptions(late_reads=True))
+    assert res.kernel(k).vote_site == "before_write"
+    body = res.ptx[res.ptx.index(".entry"):]
+    lines = [strip_comment(ln).strip().rstrip(";") for ln in body.splitlines()]
+    ptr = next(i for i, ln in enumerate(lines) if ln.startswith("ld.global.u64") and "cft_ctl_" in ln)
+    loads = [i for i, ln in enumerate(lines) if "ld.global.b16" in ln]
+    first_use = next(i for i, ln in enumerate(lines) if "%cft_rd0" in ln and i != ptr)
+    reads = [i for i, ln in enumerate(lines) if ln.startswith("ld.volatile.global.u32")]
+    vote = next(i for i, ln in enumerate(lines) if ln.startswith("barrier.red.or.pred"))
+    stores = [i for i, ln in enumerate(lines) if "st.global" in ln]
+    assert ptr < loads[0] and loads[-1] < first_use  # the pointer is first used after the block's own loads
+    assert lines[first_use].startswith("setp.ne.u64 \t%cft_p1, %cft_rd0") and lines[first_use + 1].endswith("_novote")
+    assert len(reads) == 2 and first_use < reads[0] < vote < stores[0]  # the leader reads at the vote, armed only
+    assert _probe_free(res.ptx) == _probe_free(src)
+    assemble(res.ptx)
+    # at a kernel's own barrier: disarmed launches pass the original barrier, armed ones vote in its place
+    sm = rewrite_ptx(ptx_of("softmax"), SafepointOptions(late_reads=True))
+    t = sm.ptx
+    assert sm.kernel("softmax_kernel").vote_site == "barrier" and "_avote" in t and "_vdone" in t
+    n_bar = lambda text: sum(strip_comment(ln).strip().startswith("bar.sync") for ln in text.splitlines())  # noqa: E731
+    assert n_bar(t) == n_bar(ptx_of("softmax"))  # the original barrier kept, on the disarmed path
+    assemble(t)
+    for name in ("softmax", "layernorm", "atomic_sum"):  # with barrier probes too
+        assemble(rewrite_ptx(ptx_of(name), SafepointOptions(late_reads=True, barrier_probes=True)).ptx)

@@ -3,6 +3,7 @@ layernorm, an atomic sum), and a paused launch finishes in a fresh process from 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,11 +22,14 @@ TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 import instrument_kernels as ik  # noqa: E402
 
+# probe options under test beside the defaults (e.g. '{"late_reads": true}'): the same GPU tests for a variant
+EXTRA = json.loads(os.environ.get("CFT_TEST_SAFEPOINT_OPTIONS", "{}"))
+
 
 @pytest.fixture(autouse=True)
 def _hook(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     barriers = bool(getattr(request, "param", False))
-    triton_hook.install(SafepointOptions(barrier_probes=barriers), cache_dir=tmp_path_factory.mktemp("tcache"))
+    triton_hook.install(SafepointOptions(barrier_probes=barriers, **EXTRA), cache_dir=tmp_path_factory.mktemp("tcache"))
     yield
     triton_hook.uninstall()
 
@@ -158,13 +162,14 @@ def test_paused_launch_finishes_in_a_fresh_process(tmp_path: Path) -> None:
     torch.save(want.cpu(), tmp_path / "want.pt")
     code = (
         "import sys, torch; sys.path.insert(0, {!r})\n"
-        "from concordia_ft.instrument import triton_hook; triton_hook.install(cache_dir={!r})\n"
+        "from concordia_ft.instrument import triton_hook, SafepointOptions\n"
+        "triton_hook.install(SafepointOptions(**{!r}), cache_dir={!r})\n"
         "from concordia_ft.instrument.pause import finish_from_log\n"
         "t = finish_from_log({!r})\n"
         "want = torch.load({!r})\n"
         "got = t['paused.arg2'].cpu()\n"
         "print('BITEQ', torch.equal(got, want))\n"
-    ).format(str(TESTS), str(tmp_path / "tc2"), str(tmp_path / "log"), str(tmp_path / "want.pt"))
+    ).format(str(TESTS), EXTRA, str(tmp_path / "tc2"), str(tmp_path / "log"), str(tmp_path / "want.pt"))
     env = dict(os.environ)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert "BITEQ True" in r.stdout, r.stdout + r.stderr

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InstrumentError
-from .safepoints import CTL_BITMAP, SYMBOL_PREFIX, ctl_bytes
+from .safepoints import CTL_BITMAP, CTL_PAUSE, SYMBOL_PREFIX, ctl_bytes, pending_blocks
 
 ALIGN_WORDS = 16  # 64-byte aligned control blocks
 
@@ -66,14 +66,19 @@ def _launch_target(launcher: Any, runner: Any) -> tuple[int, str, bool]:
 
 def capture_launches(f: Callable[..., Any], inputs: Sequence[Any]) -> list[KernelLaunch]:
     """Run ``f(*inputs)`` once (no grad) and record every Inductor kernel launch, in order. ``f`` must have
-    run before, so that its kernels are compiled and autotuned."""
+    run before under no_grad, so that its kernels are compiled and autotuned (else ``InstrumentError``)."""
     import torch  # noqa: TID251 - the GPU host side, like pause.py
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner  # noqa: TID251
 
     seen: list[KernelLaunch] = []
     orig: Any = CachingAutotuner.run
 
+    untuned: list[str] = []
+
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(self.launchers) != 1:  # compiling or autotuning now: its benchmark launches are no call's
+            untuned.append(self.fn.__name__)
+            return orig(self, *args, **kwargs)
         cloned = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         swapped = []
         for launcher in self.launchers:
@@ -101,7 +106,29 @@ def capture_launches(f: Callable[..., Any], inputs: Sequence[Any]) -> list[Kerne
         torch.cuda.synchronize()
     finally:
         CachingAutotuner.run = orig  # type: ignore[method-assign]
+    if untuned:
+        raise InstrumentError(f"capture_launches: {sorted(set(untuned))} compiled or autotuned during the captured "
+                              "call; run f once before, in the same grad mode (capture_launches calls it under "
+                              "torch.no_grad(), and grad mode is one of Dynamo's guards)")
     return seen
+
+
+@dataclass
+class ControlView:
+    """One armed launch's control block, for pausing it: what ``pause.GpuPauseTrigger.arm`` takes (``ctl``,
+    ``nblocks``), the pending blocks after a pause, and clearing the pause word before the resuming call."""
+
+    name: str
+    nblocks: int
+    ctl: Any  # int32 view of the arena
+
+    def pending(self) -> list[int]:
+        words = self.ctl[CTL_BITMAP // 4:].cpu().numpy().view("uint32").tolist()
+        return pending_blocks(words, self.nblocks)
+
+    def set_pause(self, on: bool) -> None:
+        """Write the pause word on the current stream (``on`` False: the next armed call resumes)."""
+        self.ctl[CTL_PAUSE // 4:CTL_PAUSE // 4 + 1].fill_(1 if on else 0)
 
 
 class ArmedLaunches:
@@ -196,6 +223,11 @@ class ArmedLaunches:
         """Launch ``i``'s control block (a view of the arena)."""
         n = ctl_bytes(self.launches[i].nblocks) // 4
         return self.arena[self._offsets[i]:self._offsets[i] + n]
+
+    def view(self, i: int) -> ControlView:
+        """Launch ``i``'s control block as a ``ControlView``. A call of the compiled function made while
+        armed and without ``reset()`` is a resume: blocks whose done bit is set leave at entry, the rest run."""
+        return ControlView(self.launches[i].name, self.launches[i].nblocks, self.ctl(i))
 
     def arm(self, on: bool = True) -> None:
         import numpy as np

@@ -25,10 +25,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InstrumentError, UnsafeKernelError
 from .safepoints import CTL_BITMAP, CTL_PAUSE, SYMBOL_PREFIX, ctl_bytes, decode_bitmap, pending_blocks
+
+if TYPE_CHECKING:
+    from .inductor import ControlView
 
 Grid = tuple[int, int, int]
 
@@ -308,8 +311,10 @@ class GpuPauseTrigger:
         self._fn = self._mod.function("cft_pause_after_blocks")
         self._out: Any = None
 
-    def arm(self, launch: PausableLaunch, after_blocks: int, stream: Any, *, timeout_s: float = 1.0) -> None:
-        """Enqueue the trigger on ``stream`` (a ``cuda.driver.Stream``; not the launch's stream, which it must
+    def arm(self, launch: PausableLaunch | ControlView, after_blocks: int, stream: Any, *,
+            timeout_s: float = 1.0) -> None:
+        """``launch``: a ``PausableLaunch``, or one launch of an Inductor-compiled function
+        (``inductor.ArmedLaunches.view(i)``). Enqueue the trigger on ``stream`` (a ``cuda.driver.Stream``; not the launch's stream, which it must
         run beside). Call after the launch's control block was zeroed on its stream and ``stream`` waits for
         that, and before the launch itself."""
         import ctypes

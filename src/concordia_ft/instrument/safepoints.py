@@ -42,7 +42,7 @@ from .ptx import (
 CTL_PAUSE = 0  # u32, host sets 1 to pause (a stream write from another stream), 0 to run
 CTL_BITMAP = 16  # u32 words after a 16-byte header: bit b of word w = block 32*w+b ran to completion
 SYMBOL_PREFIX = "cft_ctl_"
-PROTOCOL_VERSION = 3  # bump when the probes' code or the control block changes (it salts compile caches)
+PROTOCOL_VERSION = 4  # bump when the probes' code or the control block changes (it salts compile caches)
 
 REFUSALS: dict[str, str] = {
     "cluster": "uses thread-block clusters (a skipped CTA breaks its cluster's co-residency and barriers)",
@@ -78,6 +78,21 @@ class SafepointOptions:
     # straight-line code from entry with no global side effect before it: the leader's two L2 reads overlap
     # the kernel's own first loads instead of holding every thread at entry (DESIGN.md §1, "deferred vote").
     deferred_vote: bool = True
+    # Where no such barrier comes first, vote at a reducing barrier inserted right before the kernel's first
+    # global write, if straight-line code from entry reaches that write (Inductor's pointwise and per-row
+    # kernels: loads, math, stores, no branch): the leader's reads then overlap the block's own loads, as
+    # with the deferred vote, instead of holding every thread at entry (DESIGN.md §1, version 4).
+    vote_before_write: bool = True
+    # With a deferred vote: only the block's leader waits at entry for the control pointer (to issue its two
+    # reads); every other thread issues the pointer's load and first uses it at the vote, so no warp but the
+    # leader's waits at entry, and a disarmed launch skips an inserted vote barrier (DESIGN.md §1).
+    lazy_entry: bool = False  # measured (§6c): no better than the plain deferred entry; kept as an option
+    # With a deferred vote: entry only issues the control pointer's load; the leader's two reads and the vote
+    # happen at the vote site, skipped as a whole (a block-uniform branch on the pointer) by a disarmed launch.
+    # Nothing waits for the probe at entry; an armed block waits one L2 round trip at the vote instead. The
+    # default since session 7: cheapest disarmed on the H200 (decode kernels: ~0.1 us left of ~0.3 us), armed
+    # ~2 points dearer than without it on the 8x512 layer (DESIGN.md §6c); takes precedence over lazy_entry.
+    late_reads: bool = True
 
 
 @dataclass(frozen=True)
@@ -92,7 +107,8 @@ class KernelReport:
     exit_probes: int = 0
     barrier_probes: int = 0
     barriers: int = 0  # bar.sync sites in the kernel
-    deferred_vote: bool = False  # the entry decision is voted at the first barrier (SafepointOptions)
+    deferred_vote: bool = False  # the entry decision is voted after entry (SafepointOptions)
+    vote_site: str = "entry"  # "entry", "barrier" (the first bar.sync) or "before_write" (an inserted barrier)
 
     @property
     def instrumented(self) -> bool:
@@ -311,13 +327,18 @@ class _Plan:
     exit_lines: list[int] = field(default_factory=list)
     entry_line: int = -1
     vote_line: int = -1  # the barrier that carries the entry decision (-1: voted at entry)
+    vote_inserted: bool = False  # the vote is a barrier inserted before vote_line (the first global write)
 
 
-def _first_vote_barrier(kernel: Kernel, entry_line: int) -> int:
-    """The first ``bar.sync 0`` reached from entry in straight-line code (no branch target, branch, call,
-    return before it), with no global side effect and no asynchronous copy/MMA before it; -1 if there is none. Every
-    thread passes it exactly once before anything it does can be seen outside the block, so a block may
-    still leave there as if it had left at entry."""
+def _first_vote_site(kernel: Kernel, entry_line: int, before_write: bool) -> tuple[int, bool]:
+    """Where the entry decision can be voted after entry: ``(line, inserted)``, or ``(-1, False)``.
+
+    The first ``bar.sync 0`` reached from entry in straight-line code (no branch target, branch, call, return
+    before it), with no global side effect and no asynchronous copy/MMA before it: that barrier carries the vote
+    (``inserted`` False). With ``before_write``, where the same straight-line walk meets a global write
+    (store, atomic, reduction) before any barrier, a reducing barrier inserted just before that write carries it
+    (``inserted`` True). Every thread passes the site exactly once before anything it does can be seen outside
+    the block, so a block may still leave there as if it had left at entry."""
     targets = {st.operands.strip().rstrip(";").split(",")[0].strip() for st in kernel.statements
                if st.op_parts[0] in ("bra", "brx")}
     labels = {ln for name, ln in kernel.labels.items() if name in targets}  # join points (debug labels are not)
@@ -325,14 +346,16 @@ def _first_vote_barrier(kernel: Kernel, entry_line: int) -> int:
         if st.index < entry_line:
             continue
         if any(entry_line <= ln <= st.index for ln in labels):
-            return -1
+            return -1, False
         if _is_cta_barrier(st):
-            return st.index if not st.guard else -1
+            return (st.index, False) if not st.guard else (-1, False)
         head = st.op_parts[0]
+        if before_write and is_global_effect(st) and head != "call":
+            return st.index, True
         if head in ("bra", "brx", "call", "ret", "exit", "trap") or is_global_effect(st) or \
                 _ASYNC_RE.match(st.opcode) or st.opcode.startswith(("bar.", "barrier.")):
-            return -1
-    return -1
+            return -1, False
+    return -1, False
 
 
 def _plan(module: PtxModule, kernel: Kernel, opts: SafepointOptions,
@@ -358,13 +381,16 @@ def _plan(module: PtxModule, kernel: Kernel, opts: SafepointOptions,
     if entry_only is None and any(st.guard for st in kernel.statements if st.index in exits):
         entry_only, safe = "a guarded ret may take the block leader out before a barrier", []
     first = min([kernel.body_close] + [ln for ln in kernel.labels.values()] + [st.index for st in kernel.statements])
-    vote = _first_vote_barrier(kernel, first) if opts.deferred_vote else -1
-    safe = [ln for ln in safe if ln != vote]  # that barrier carries the entry vote instead
+    vote, inserted = _first_vote_site(kernel, first, opts.vote_before_write) if opts.deferred_vote else (-1, False)
+    if not inserted:
+        safe = [ln for ln in safe if ln != vote]  # that barrier carries the entry vote instead
     rep = KernelReport(kernel.name, entry_only=entry_only, entry_probes=1, exit_probes=len(exits),
                        barrier_probes=len(safe), barriers=len(barriers), deferred_vote=vote >= 0,
+                       vote_site="entry" if vote < 0 else ("before_write" if inserted else "barrier"),
                        detail=f"{len(safe)} of {len(barriers)} barriers are restartable safe points"
-                              + ("; entry vote at the first barrier" if vote >= 0 else ""))
-    return _Plan(rep, safe, exits, first, vote)
+                              + ("" if vote < 0 else "; entry vote before the first global write" if inserted
+                                 else "; entry vote at the first barrier"))
+    return _Plan(rep, safe, exits, first, vote, inserted)
 
 
 def plan_safepoints(ptx: str, *, options: SafepointOptions | None = None,
@@ -427,12 +453,65 @@ def _deferred_entry_probe(sym: str, lab: str) -> list[str]:
     ]
 
 
-def _deferred_vote(st: Statement) -> list[str]:
-    """The kernel's first barrier, as a reducing barrier carrying the leader's entry decision."""
-    aligned = st.opcode.startswith("bar.") or st.opcode.endswith(".aligned")
-    red = "bar.red.or.pred" if aligned else "barrier.red.or.pred"
+def _late_entry_probe(sym: str) -> list[str]:
+    """Entry of ``late_reads``: the control pointer's load issued, nothing waits for it here."""
+    return ["\t// concordia-ft safe point: block entry (the control pointer's load issued, used at the vote)",
+            "\tmov.u32 \t%cft_r16, 0;", f"\tld.global.u64 \t%cft_rd0, [{sym}];"]
+
+
+def _late_reads(lab: str) -> list[str]:
+    """The leader's two reads, at the vote site (``late_reads``; armed launches only)."""
+    return ["\tmov.u32 \t%cft_r12, 0;", "\tmov.u32 \t%cft_r14, 0;", "\tmov.u32 \t%cft_r10, 0;", *_leader(),
+            f"\t@!%cft_p0 bra \t{lab}_lread;", *_block_bit(),
+            f"\tld.volatile.global.u32 \t%cft_r12, [%cft_rd0+{CTL_PAUSE}];",
+            "\tld.volatile.global.u32 \t%cft_r14, [%cft_rd1];", f"{lab}_lread:"]
+
+
+def _late_vote(lab: str, st: Statement | None, original: str) -> list[str]:
+    """The vote of ``late_reads``: a disarmed launch branches past it (block-uniform: every thread read the
+    same pointer), keeping the kernel's own barrier (``original``) where the vote sits at one."""
+    if st is None:
+        return ["\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@!%cft_p1 bra \t{lab}_novote;", *_late_reads(lab),
+                *_deferred_vote(None), f"{lab}_novote:"]
+    return ["\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@%cft_p1 bra \t{lab}_avote;", original,
+            f"\tbra.uni \t{lab}_vdone;", f"{lab}_avote:", *_late_reads(lab), *_deferred_vote(st), f"{lab}_vdone:"]
+
+
+def _lazy_entry_probe(sym: str, lab: str) -> list[str]:
+    """``_deferred_entry_probe`` where only the leader waits for the control pointer: every thread issues its
+    load (used again at the vote), the others branch past at once."""
     return [
-        "\t// concordia-ft: the entry decision, voted at the kernel's first barrier (nothing global written yet)",
+        "\t// concordia-ft safe point: block entry (the leader's reads issued here, voted later)",
+        "\tmov.u32 \t%cft_r16, 0;", "\tmov.u32 \t%cft_r12, 0;", "\tmov.u32 \t%cft_r14, 0;",
+        "\tmov.u32 \t%cft_r10, 0;",
+        f"\tld.global.u64 \t%cft_rd0, [{sym}];",
+        *_leader(),
+        f"\t@!%cft_p0 bra \t{lab}_run;",
+        "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;",
+        f"\t@!%cft_p1 bra \t{lab}_run;",
+        *_block_bit(),
+        f"\tld.volatile.global.u32 \t%cft_r12, [%cft_rd0+{CTL_PAUSE}];",
+        "\tld.volatile.global.u32 \t%cft_r14, [%cft_rd1];",
+        f"{lab}_run:",
+    ]
+
+
+def _lazy_inserted_vote(lab: str) -> list[str]:
+    """The inserted vote of ``lazy_entry``: skipped as a whole by a disarmed launch (the pointer is the same
+    for every thread of the launch, so the branch is block-uniform)."""
+    return ["\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@!%cft_p1 bra \t{lab}_novote;",
+            *_deferred_vote(None), f"{lab}_novote:"]
+
+
+def _deferred_vote(st: Statement | None) -> list[str]:
+    """The kernel's first barrier (``st``), as a reducing barrier carrying the leader's entry decision; or,
+    with ``st`` None, a reducing barrier of its own, inserted before the kernel's first global write (not
+    aligned: the leader's branch at entry reconverged before it, but ptxas need not know that)."""
+    aligned = st is not None and (st.opcode.startswith("bar.") or st.opcode.endswith(".aligned"))
+    red = "bar.red.or.pred" if aligned else "barrier.red.or.pred"
+    where = "first barrier" if st is not None else "first global write"
+    return [
+        f"\t// concordia-ft: the entry decision, voted before the kernel's {where} (nothing global written yet)",
         "\tand.b32 \t%cft_r14, %cft_r14, %cft_r10;",
         "\tor.b32 \t%cft_r14, %cft_r14, %cft_r12;",  # done already (resume launch) or paused
         "\tsetp.ne.u32 \t%cft_p2, %cft_r14, 0;",
@@ -547,9 +626,21 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
              f".visible .global .align 8 .u64 {sym};", ""])
         after.setdefault(k.body_open, []).extend(_DECLS)
         by_index = {st.index: st for st in k.statements}
-        if p.vote_line >= 0:
-            before.setdefault(p.entry_line, []).extend(_deferred_entry_probe(sym, lab))
-            replace[p.vote_line] = _deferred_vote(by_index[p.vote_line])
+        if p.vote_line >= 0 and opts.late_reads:
+            before.setdefault(p.entry_line, []).extend(_late_entry_probe(sym))
+            if p.vote_inserted:
+                before.setdefault(p.vote_line, []).extend(_late_vote(lab, None, ""))
+            else:
+                replace[p.vote_line] = _late_vote(lab, by_index[p.vote_line],
+                                                  module.lines[p.vote_line].rstrip("\n"))
+        elif p.vote_line >= 0:
+            entry = _lazy_entry_probe(sym, lab) if opts.lazy_entry else _deferred_entry_probe(sym, lab)
+            before.setdefault(p.entry_line, []).extend(entry)
+            if p.vote_inserted:
+                before.setdefault(p.vote_line, []).extend(_lazy_inserted_vote(lab) if opts.lazy_entry
+                                                          else _deferred_vote(None))
+            else:
+                replace[p.vote_line] = _deferred_vote(by_index[p.vote_line])
         else:
             before.setdefault(p.entry_line, []).extend(_entry_probe(sym, lab))
         for n, ln in enumerate(p.exit_lines):

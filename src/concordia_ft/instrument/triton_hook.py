@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .safepoints import PROTOCOL_VERSION, KernelReport, SafepointOptions, rewrite_ptx
+from .safepoints import PROTOCOL_VERSION, SYMBOL_PREFIX, KernelReport, SafepointOptions, rewrite_ptx
 
 _lock = threading.Lock()
 _reports: dict[str, KernelReport] = {}
@@ -112,6 +112,22 @@ def uninstall() -> None:
         else:
             os.environ["TRITON_CACHE_DIR"] = prev
         _installed.clear()
+
+
+def scan_cache(cache_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """The compiled kernels in a Triton cache directory and which carry probes (the ``cft_ctl_`` marker in
+    their PTX / cubin): the proof that a baseline ran plain kernels and an instrumented run did not."""
+    marker = SYMBOL_PREFIX.encode()
+    out: dict[str, Any] = {"ptx": 0, "ptx_with_probes": 0, "cubin": 0, "cubin_with_probes": 0, "kernels": {}}
+    for p in sorted(Path(cache_dir).rglob("*")):
+        if p.suffix not in (".ptx", ".cubin") or not p.is_file():
+            continue
+        kind = p.suffix[1:]
+        has = marker in p.read_bytes()
+        out[kind] += 1
+        out[f"{kind}_with_probes"] += int(has)
+        out["kernels"].setdefault(p.stem, {})[kind] = has
+    return out
 
 
 def report(kernel_name: str) -> KernelReport | None:

@@ -1,0 +1,108 @@
+"""GPU: an Inductor-compiled function, compiled while the safe-point hook is installed, armed through
+instrument/inductor.py, paused mid-grid by the GPU and resumed by calling the compiled function again: the
+output is bit-equal to the uninterrupted call, and after the pause exactly the pending blocks' elements are
+unwritten."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from concordia_ft.instrument import SafepointOptions, triton_hook  # noqa: E402
+
+# probe options under test beside the defaults (e.g. '{"late_reads": true}')
+EXTRA = json.loads(os.environ.get("CFT_TEST_SAFEPOINT_OPTIONS", "{}"))
+
+
+def _silu_mul_add(x, w, out):
+    out.copy_(x * torch.sigmoid(x) * w + 1.0)  # Inductor writes the mutated input from its one kernel
+
+
+@pytest.fixture
+def compiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import torch._dynamo
+    import torch._inductor.config as icfg
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(icfg, "compile_threads", 1)  # in-process: the stages hook sees the compile
+    monkeypatch.setattr(icfg, "fx_graph_cache", False)
+    torch._dynamo.reset()
+    triton_hook.install(SafepointOptions(**EXTRA), cache_dir=tmp_path / "triton")
+    try:
+        yield torch.compile(_silu_mul_add, dynamic=False)
+    finally:
+        triton_hook.uninstall()
+        torch._dynamo.reset()
+
+
+def test_an_inductor_function_pauses_mid_grid_and_resumes_bit_equal(compiled) -> None:
+    # every call under no_grad, as capture_launches makes its call: grad mode is one of Dynamo's guards, and a
+    # call in the other mode recompiles (batch 1: the capture then recorded the new graph's autotuning, 213
+    # launches)
+    with torch.no_grad():
+        _paused_and_resumed(compiled)
+
+
+def _paused_and_resumed(compiled) -> None:
+    from concordia_ft.cuda import driver as cd
+    from concordia_ft.instrument.inductor import ArmedLaunches, capture_launches
+    from concordia_ft.instrument.pause import GpuPauseTrigger
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(8192, 4096, device="cuda", generator=g)
+    w = torch.randn(4096, device="cuda", generator=g)
+    out = torch.full_like(x, float("nan"))
+    compiled(x, w, out)
+    torch.testing.assert_close(out, x * torch.sigmoid(x) * w + 1.0)
+    compiled(x, w, out)
+    launches = capture_launches(compiled, (x, w, out))
+    assert len(launches) == 1, [k.name for k in launches]
+    (k,) = launches
+    rep = triton_hook.report(k.name)
+    assert rep is not None and rep.instrumented, rep
+    armed = ArmedLaunches(launches)
+    assert armed.with_probes == [k.name] and not armed.skipped
+    view = armed.view(0)
+    # the uninterrupted reference: disarmed, then armed (every block done)
+    out.fill_(float("nan"))
+    compiled(x, w, out)
+    want = out.clone()
+    armed.arm()
+    armed.reset()
+    out.fill_(float("nan"))
+    compiled(x, w, out)
+    assert torch.equal(out, want) and armed.done_counts() == [k.nblocks]
+    xblock = int(k.autotuner.launchers[0].config.kwargs.get("XBLOCK", 0))
+    trigger = GpuPauseTrigger()
+    side = torch.cuda.Stream()
+    assert k.nblocks > 8 * cd.sm_count()  # several waves: a pause at a block count lands mid-grid
+    for frac in (0.25, 0.5, 0.75):
+        after = int(frac * k.nblocks)
+        out.fill_(float("nan"))
+        armed.reset()
+        zeroed = torch.cuda.Event()
+        zeroed.record()
+        side.wait_event(zeroed)  # the trigger must not count the previous call's done bits
+        trigger.arm(view, after, cd.Stream.borrow(side.cuda_stream))
+        compiled(x, w, out)
+        torch.cuda.synchronize()
+        res = trigger.result()
+        pend = view.pending()
+        assert res["reached"] == 1 and res["done_seen"] >= after, res
+        assert 0 < len(pend) <= k.nblocks - after, (frac, len(pend), res)
+        if xblock and k.grid[1] == k.grid[2] == 1 and out.numel() == xblock * k.nblocks:
+            unwritten = torch.isnan(out.view(k.nblocks, xblock))
+            blocks_nan = unwritten.all(dim=1)
+            assert torch.equal(blocks_nan, unwritten.any(dim=1))  # a block wrote all of its elements or none
+            assert torch.nonzero(blocks_nan).flatten().tolist() == pend  # exactly the pending ones are unwritten
+        view.set_pause(False)
+        compiled(x, w, out)  # armed, not reset: the resume (done blocks leave at entry)
+        torch.cuda.synchronize()
+        assert view.pending() == [] and torch.equal(out, want)
+    armed.disarm()
