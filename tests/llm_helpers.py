@@ -50,6 +50,17 @@ def tiny_model(family: str, *, seed: int = 0, sliding_window: int | None = None,
     return model.eval()
 
 
+def qwen3_06b_cuda():
+    """Qwen3-0.6B dimensions, random bf16 weights, on the GPU (the benchmarks' model)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_llm
+
+    return bench_llm.build(bench_llm.qwen3_06b(), "cuda")
+
+
 def prompt_ids(n: int = 12, *, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (1, n), generator=g)

@@ -21,7 +21,7 @@ from concordia_ft.session import Session
 from support import PYTHON, REPO, subprocess_env
 
 sys.path.insert(0, str(REPO / "tests"))
-from llm_helpers import prompt_ids, tiny_model  # noqa: E402
+from llm_helpers import prompt_ids, qwen3_06b_cuda, tiny_model  # noqa: E402
 
 
 @pytest.fixture()
@@ -29,13 +29,6 @@ def shm() -> Iterator[Path]:
     d = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="cft-graph-"))
     yield d
     shutil.rmtree(d, ignore_errors=True)
-
-
-def _qwen3_06b() -> object:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import bench_llm
-
-    return bench_llm.build(bench_llm.qwen3_06b(), "cuda")
 
 
 def _log_images(d: Path) -> dict[str, np.ndarray]:
@@ -77,7 +70,7 @@ def _exact(shm: Path, size: str) -> None:
     if size == "tiny-fp32":
         model, prompt, new = tiny_model("qwen3").cuda(), prompt_ids(12), 40
     else:
-        model = _qwen3_06b()
+        model = qwen3_06b_cuda()
         prompt = torch.randint(0, model.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(3))
         new = 48
     from concordia_ft.core import slotlog
@@ -175,7 +168,7 @@ def test_durable_shows_a_token_only_after_its_epoch_committed(shm: Path) -> None
 _CHILD = r"""
 import os, signal, sys
 sys.path.insert(0, sys.argv[3])
-from llm_helpers import prompt_ids, tiny_model
+from llm_helpers import prompt_ids, qwen3_06b_cuda, tiny_model
 from concordia_ft.session import Session
 model = tiny_model("qwen3").cuda()
 s = Session(model, sys.argv[1], max_cache_len=96, decode="graph", durability=sys.argv[2], backend="dram")

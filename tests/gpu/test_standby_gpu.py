@@ -6,10 +6,7 @@ new session on a standby decodes exactly like a plain one."""
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +17,7 @@ from concordia_ft.session import Session, Standby
 from support import REPO
 
 sys.path.insert(0, str(REPO / "tests"))
-from llm_helpers import GEN_KW, prompt_ids, tiny_model  # noqa: E402
+from llm_helpers import GEN_KW, prompt_ids, qwen3_06b_cuda, tiny_model  # noqa: E402
 
 MAX_LEN = 96
 NEW = 40
@@ -29,20 +26,6 @@ CUT = 17
 
 class _Die(Exception):
     pass
-
-
-@pytest.fixture()
-def shm() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="cft-standby-"))
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-def _qwen3_06b() -> object:
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    import bench_llm
-
-    return bench_llm.build(bench_llm.qwen3_06b(), "cuda")
 
 
 def _abandon(model, log: Path, mode: str, durability: str, prompt: torch.Tensor) -> tuple[list[int], torch.Tensor]:
@@ -63,20 +46,20 @@ def _abandon(model, log: Path, mode: str, durability: str, prompt: torch.Tensor)
 
 @pytest.mark.parametrize(("size", "durability"), [("tiny-fp32", "durable"), ("tiny-fp32", "pipelined"),
                                                   ("qwen3-0.6b-bf16", "durable")])
-def test_recovery_into_a_standby_decodes_its_first_token_from_the_warm_graph(shm: Path, size: str,
+def test_recovery_into_a_standby_decodes_its_first_token_from_the_warm_graph(shm_dir: Path, size: str,
                                                                               durability: str) -> None:
-    model = tiny_model("qwen3").cuda() if size == "tiny-fp32" else _qwen3_06b()
+    model = tiny_model("qwen3").cuda() if size == "tiny-fp32" else qwen3_06b_cuda()
     prompt = prompt_ids(12) if size == "tiny-fp32" else torch.randint(0, 1000, (1, 40),
                                                                       generator=torch.Generator().manual_seed(3))
-    ref = Session(model, shm / "ref", max_cache_len=MAX_LEN, decode="eager")
+    ref = Session(model, shm_dir / "ref", max_cache_len=MAX_LEN, decode="eager")
     want = ref.generate(prompt, max_new_tokens=NEW, eos_token_ids=())
     ref.close()
-    ids, live = _abandon(model, shm / "log", "greedy", durability, prompt)
+    ids, live = _abandon(model, shm_dir / "log", "greedy", durability, prompt)
     sb = Standby(model, max_cache_len=MAX_LEN, durability=durability)
     assert sb.decoder is not None and sb.decoder.graph is not None, sb.why_no_graph
     assert sb.capture_s > 0
     ptr = sb.cache.arena.data_ptr()
-    r = Session.recover(shm / "log", model, durability=durability, standby=sb)
+    r = Session.recover(shm_dir / "log", model, durability=durability, standby=sb)
     assert r.cache.arena.data_ptr() == ptr and r.recovery_phases["graph_ready"]
     # pipelined: the epochs of up to pipeline_depth shown tokens may be missing (a kill; here the writer is let
     # finish, so usually none are)
@@ -90,42 +73,42 @@ def test_recovery_into_a_standby_decodes_its_first_token_from_the_warm_graph(shm
     # every token after the recovery came from the warm graph: no eager step, no capture in this session
     assert st.epochs == len(shown) and len(r.stats.step_s) == len(shown)
     r.close()
-    again = Session.recover(shm / "log", model, decode="eager")  # the graph's epochs are the eager log's
+    again = Session.recover(shm_dir / "log", model, decode="eager")  # the graph's epochs are the eager log's
     assert again.ids[prompt.shape[1]:] == want
     again.close()
 
 
-def test_seeded_sampling_on_a_standby_continues_exactly(shm: Path) -> None:
+def test_seeded_sampling_on_a_standby_continues_exactly(shm_dir: Path) -> None:
     model = tiny_model("qwen3").cuda()
-    ref = Session(model, shm / "ref", max_cache_len=MAX_LEN)
+    ref = Session(model, shm_dir / "ref", max_cache_len=MAX_LEN)
     want = ref.generate(prompt_ids(12), max_new_tokens=NEW, eos_token_ids=(), **GEN_KW["sampled"])
     ref.close()
-    ids, _ = _abandon(model, shm / "log", "sampled", "durable", prompt_ids(12))
-    r = Session.recover(shm / "log", model, standby=Standby(model, max_cache_len=MAX_LEN))
+    ids, _ = _abandon(model, shm_dir / "log", "sampled", "durable", prompt_ids(12))
+    r = Session.recover(shm_dir / "log", model, standby=Standby(model, max_cache_len=MAX_LEN))
     assert r.ids == ids
     assert r.resume() == want  # sampling decodes eagerly on the standby's arena
     r.close()
 
 
-def test_a_damaged_log_raises_before_any_token_with_a_standby(shm: Path) -> None:
+def test_a_damaged_log_raises_before_any_token_with_a_standby(shm_dir: Path) -> None:
     sys.path.insert(0, str(REPO / "tests"))
     from test_session_standby import _damage_kv
 
     model = tiny_model("qwen3").cuda()
-    _abandon(model, shm / "log", "greedy", "durable", prompt_ids(12))
-    _damage_kv(shm / "log")
+    _abandon(model, shm_dir / "log", "greedy", "durable", prompt_ids(12))
+    _damage_kv(shm_dir / "log")
     for opts in (None, {"recovery": {"defer_verify": ()}}):  # checked while streaming (default) / at the open
         sb = Standby(model, max_cache_len=MAX_LEN)
         with pytest.raises(LogCorruptError, match="checksum"):
-            Session.recover(shm / "log", model, standby=sb, runtime_options=opts)
+            Session.recover(shm_dir / "log", model, standby=sb, runtime_options=opts)
         sb.close()
 
 
-def test_a_new_session_on_a_standby_equals_a_plain_one(shm: Path) -> None:
+def test_a_new_session_on_a_standby_equals_a_plain_one(shm_dir: Path) -> None:
     model = tiny_model("qwen3").cuda()
-    with Session(model, shm / "plain", max_cache_len=MAX_LEN) as s:
+    with Session(model, shm_dir / "plain", max_cache_len=MAX_LEN) as s:
         want = s.generate(prompt_ids(12), max_new_tokens=NEW, eos_token_ids=())
-    with Session(model, shm / "warm", max_cache_len=MAX_LEN, standby=Standby(model, max_cache_len=MAX_LEN)) as s:
+    with Session(model, shm_dir / "warm", max_cache_len=MAX_LEN, standby=Standby(model, max_cache_len=MAX_LEN)) as s:
         got = s.generate(prompt_ids(12), max_new_tokens=NEW, eos_token_ids=())
         assert s._graph is not None and s._graph.stats.epochs == NEW - 1  # the prefill's token is eager
     assert got == want
