@@ -10,11 +10,16 @@ with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache 
   straight-line code reaches it, the leader's reads issued at entry);
 - ``probes_lazy``: as ``probes`` with ``lazy_entry=True`` (only the leader waits for the control pointer at
   entry; a disarmed launch skips an inserted vote);
-- ``probes_late``: as ``probes`` with ``late_reads=True``, today's default (entry only issues the pointer's
-  load; the leader's reads and the vote happen at the vote site, which a disarmed launch branches past).
-Every worker compiles with ``TORCHINDUCTOR_DETERMINISTIC=1`` and ``triton.autotune_pointwise=False``: no
-benchmark-driven choice (kernel configs, pad_mm), so every variant runs the same kernel configs (batch 1 of
-session 7 autotuned, and the variants picked different XBLOCKs for 9 of 24 kernels: up to 3x apart).
+- ``probes_late``: as ``probes`` with ``late_reads=True``, session 7's default (entry only issues the pointer's
+  load; the leader's reads and the vote happen at the vote site, which a disarmed launch branches past);
+- ``probes_v5``: protocol 5, "record on pause", today's default (the leader reads one 64-bit header word at
+  the vote; no exit probes, no done bits, no per-call memset; repeated launches share one control region, so
+  the armed stack has no per-launch stream writes either).
+Every worker compiles with ``TORCHINDUCTOR_DETERMINISTIC=1`` and ``triton.autotune_pointwise=False`` (batch 1 of
+session 7 autotuned, and the variants picked different XBLOCKs for 9 of 24 kernels: up to 3x apart); with
+``--pin-configs 1`` (the default) every autotuner that still holds more than one config (batch 2 of session 7:
+the attention-side RMSNorm+rope kernels at decode shapes, whose XBLOCK differed between variants) takes its
+first config without benchmarking, so every variant runs the same configs by construction.
 Each worker proves what it ran: the PTX/cubin files in its own Triton cache with and without the probe's
 marker (``cft_ctl_``), and the module of every captured launch asked for its ``cft_ctl_<kernel>`` global
 (``ArmedLaunches.with_probes``): the plain worker must have none, the probe workers all. Outputs are compared
@@ -56,10 +61,11 @@ sys.path.insert(0, str(ROOT / "src"))
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "plain": None,
-    "probes_v3": {"vote_before_write": False, "late_reads": False},
-    "probes": {"late_reads": False},  # protocol 4 without late reads (session 7's batch-2 name)
-    "probes_lazy": {"lazy_entry": True, "late_reads": False},
-    "probes_late": {"late_reads": True},  # today's default
+    "probes_v3": {"vote_before_write": False, "late_reads": False, "protocol": 4},
+    "probes": {"late_reads": False, "protocol": 4},  # protocol 4 without late reads (session 7's batch-2 name)
+    "probes_lazy": {"lazy_entry": True, "late_reads": False, "protocol": 4},
+    "probes_late": {"late_reads": True, "protocol": 4},  # session 7's default (protocol 4, late reads)
+    "probes_v5": {"protocol": 5},  # session 8: record on pause (the default)
 }
 
 from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import
@@ -157,6 +163,11 @@ def _worker_setup(ns: argparse.Namespace) -> dict[str, Any]:
     from concordia_ft.instrument.inductor import ArmedLaunches, capture_launches
 
     icfg.triton.autotune_pointwise = False  # one config per kernel, the same in every variant
+    if ns.pin_configs:  # no benchmark decides among configs: the first, in every variant (the same list)
+        def first_config(self: Any, *a: Any, **k: Any) -> Any:
+            return {lch: float(i) for i, lch in enumerate(self.launchers)}
+
+        CachingAutotuner.benchmark_all_configs = first_config  # type: ignore[method-assign]
 
     cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
@@ -215,8 +226,10 @@ def _worker_setup(ns: argparse.Namespace) -> dict[str, Any]:
                               "static_launcher": all(k.static for k in launches),
                               "kernel_attrs": _kernel_attrs(launches)}
         st = {"f": f, "inputs": (params[0], x, cos, sin), "stack": stack, "launches": launches}
+        v5 = hooked and int(opts.get("protocol", 5)) == 5
         if hooked:
             armed = ArmedLaunches(launches, repeated="per_launch")
+            assert armed.protocol == (5 if v5 else 4), (armed.protocol, opts)
             armed.arm()
             armed.reset()
             with torch.no_grad():
@@ -225,7 +238,8 @@ def _worker_setup(ns: argparse.Namespace) -> dict[str, Any]:
             armed.disarm()
             sh.update(armed_launches=len(armed.launches), armed_not=armed.skipped,
                       armed_all_blocks_done=done == [k.nblocks for k in armed.launches],
-                      armed_digest=_digest(ya), control_bytes=4 * armed.arena.numel())
+                      armed_digest=_digest(ya), control_bytes=4 * armed.arena.numel(), protocol=armed.protocol,
+                      per_launch_writes=sum(len(v) for v in armed._repeat.values()))
             st["armed"] = armed
             if stacked:
                 slaunch = capture_launches(stack, ())
@@ -237,6 +251,8 @@ def _worker_setup(ns: argparse.Namespace) -> dict[str, Any]:
                 sdone = sarmed.done_counts()
                 sarmed.disarm()
                 sh.update(stack_armed_launches=len(sarmed.launches),
+                          stack_per_launch_writes=sum(len(v) for v in sarmed._repeat.values()),
+                          stack_control_bytes=4 * sarmed.arena.numel(),
                           stack_armed_all_blocks_done=sdone == [k.nblocks for k in sarmed.launches],
                           stack_armed_digest=_digest(ysa))
                 st["stack_armed"] = sarmed
@@ -293,8 +309,11 @@ def _callable(state: dict[str, Any], req: dict[str, Any]) -> Any:
     mode, target = req["mode"], req["target"]
     f, inputs, stack = st["f"], st["inputs"], st["stack"]
     body = (lambda: f(*inputs)) if target == "layer" else stack
-    if mode in ("armed", "reset_only"):  # reset_only: the armed call's memset, the probes disarmed
-        armed = st["armed"] if target == "layer" else st["stack_armed"]
+    armed_ = st.get("armed" if target == "layer" else "stack_armed")
+    if mode == "armed" and armed_ is not None and armed_.protocol == 5:
+        run = body  # protocol 5: an armed call needs no reset (records stay zero without a pause)
+    elif mode in ("armed", "reset_only"):  # reset_only: the armed call's memset, the probes disarmed
+        armed = armed_
 
         def run() -> Any:
             armed.reset()
@@ -375,7 +394,8 @@ class Worker:
         self.log = open(log_dir / f"qwen3_probes-worker-{variant}.log", "w")  # noqa: SIM115
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant,
                "--options", json.dumps(VARIANTS[variant]), "--shapes", ns.shapes, "--stack", str(ns.stack),
-               "--stack-shapes", ns.stack_shapes, "--lock", str(root / "gpu.lock")]
+               "--stack-shapes", ns.stack_shapes, "--lock", str(root / "gpu.lock"),
+               "--pin-configs", str(ns.pin_configs)]
         if ns.ptx_dir:
             cmd += ["--ptx-dir", ns.ptx_dir]
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -431,6 +451,8 @@ def main() -> int:
     ap.add_argument("--ptx-dir", default="", help="copy each worker's PTX files here")
     ap.add_argument("--wait-pid", type=int, default=0, help="start timing once this process has ended (a test "
                                                              "run sharing the GPU while the workers compile)")
+    ap.add_argument("--pin-configs", type=int, default=1, help="1: every autotuner takes its first config "
+                                                                  "(no benchmark decides; same in every variant)")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--options", default="null", help=argparse.SUPPRESS)
     ap.add_argument("--lock", default="", help=argparse.SUPPRESS)

@@ -111,7 +111,9 @@ def main() -> int:
             launch.drain()
         else:
             raise SystemExit(f"no trial left only short rows pending (last: {len(pend)} pending)")
-        ctl = launch.ctl
+        ctl = launch.state()  # protocol 4: the control block with its done bits; 5: the per-block skip records
+        protocol = launch.protocol
+        info["protocol"] = protocol
         torch.cuda.synchronize()
     else:
         from concordia_ft.instrument.interpret import run_blocks
@@ -124,13 +126,14 @@ def main() -> int:
         for blk in done:
             ctl[CTL_BITMAP // 4 + blk // 32] |= 1 << (blk % 32)
         pend = pending_blocks(ctl[CTL_BITMAP // 4:].tolist(), n)
+        protocol = 4
     info.update(rows=rows, long_rows=nlong, long_reps=reps_long, short_rows=NCHEAP, pending=len(pend),
                 pending_first=min(pend), out_nonzero_before_finish=int((out != 0).sum()))
     from concordia_ft.instrument.pause import checkpoint_paused
 
     rt = Runtime(out_dir, fsync="always")
     rt.register("reference.out", ref.detach().cpu(), kind="dense")
-    checkpoint_paused(rt, ik.rowdot_reps_kernel, grid, args, kw, ctl)
+    checkpoint_paused(rt, ik.rowdot_reps_kernel, grid, args, kw, ctl, protocol=protocol)
     rt.close()
     lock = out_dir / "LOCK"
     if lock.exists():

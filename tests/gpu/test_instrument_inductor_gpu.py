@@ -88,8 +88,9 @@ def _paused_and_resumed(compiled) -> None:
         armed.reset()
         zeroed = torch.cuda.Event()
         zeroed.record()
-        side.wait_event(zeroed)  # the trigger must not count the previous call's done bits
-        trigger.arm(view, after, cd.Stream.borrow(side.cuda_stream))
+        side.wait_event(zeroed)  # the trigger must not count the previous call's done bits / outputs
+        trigger.arm(view, after, cd.Stream.borrow(side.cuda_stream), watch=out if armed.protocol == 5 else None,
+                    words_per_block=xblock)
         compiled(x, w, out)
         torch.cuda.synchronize()
         res = trigger.result()
@@ -101,8 +102,129 @@ def _paused_and_resumed(compiled) -> None:
             blocks_nan = unwritten.all(dim=1)
             assert torch.equal(blocks_nan, unwritten.any(dim=1))  # a block wrote all of its elements or none
             assert torch.nonzero(blocks_nan).flatten().tolist() == pend  # exactly the pending ones are unwritten
-        view.set_pause(False)
-        compiled(x, w, out)  # armed, not reset: the resume (done blocks leave at entry)
-        torch.cuda.synchronize()
+        if armed.protocol == 5:
+            armed.begin_resume()
+            compiled(x, w, out)  # resume mode: only the skipped blocks run
+            torch.cuda.synchronize()
+            assert armed.end_resume() == 0
+        else:
+            view.set_pause(False)
+            compiled(x, w, out)  # armed, not reset: the resume (done blocks leave at entry)
+            torch.cuda.synchronize()
         assert view.pending() == [] and torch.equal(out, want)
+    if armed.protocol == 5:  # armed, not paused: an armed call leaves the records zero, no reset needed
+        out.fill_(float("nan"))
+        compiled(x, w, out)
+        assert torch.equal(out, want) and armed.done_counts() == [k.nblocks]
+    armed.disarm()
+
+
+def _layer(x, w, out):
+    out.copy_(torch.tanh(x * w) * 0.5 + x)  # one pointwise kernel, reused by every "layer" of the stack
+
+
+@pytest.fixture
+def compiled_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import torch._dynamo
+    import torch._inductor.config as icfg
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(icfg, "compile_threads", 1)
+    monkeypatch.setattr(icfg, "fx_graph_cache", False)
+    torch._dynamo.reset()
+    triton_hook.install(SafepointOptions(**EXTRA), cache_dir=tmp_path / "triton")
+    try:
+        yield torch.compile(_layer, dynamic=False)
+    finally:
+        triton_hook.uninstall()
+        torch._dynamo.reset()
+
+
+def test_a_stack_reusing_one_kernel_pauses_twice_and_resumes_bit_equal(compiled_layer) -> None:
+    """Protocol 5: five launches of one compiled kernel (a stack of layers through one graph) share one control
+    region; paused inside layer 2, then paused again inside layer 4 while resuming, then resumed to the end:
+    bit-equal to the uninterrupted stack, every (layer, block) exactly once."""
+    from concordia_ft.cuda import driver as cd
+    from concordia_ft.instrument.inductor import ArmedLaunches, capture_launches
+    from concordia_ft.instrument.pause import GpuPauseTrigger
+
+    nl = 5
+    g = torch.Generator(device="cuda").manual_seed(5)
+    x = torch.randn(8192, 2048, device="cuda", generator=g)
+    ws = [torch.randn(2048, device="cuda", generator=g) for _ in range(nl)]
+    bufs = [x] + [torch.full_like(x, float("nan")) for _ in range(nl)]
+
+    def stack() -> None:
+        for i in range(nl):
+            compiled_layer(bufs[i], ws[i], bufs[i + 1])
+
+    with torch.no_grad():
+        stack()
+        stack()
+        ref = x.double()
+        for i in range(nl):
+            ref = torch.tanh(ref * ws[i].double()) * 0.5 + ref
+        torch.testing.assert_close(bufs[-1].double(), ref, rtol=1e-4, atol=1e-4)
+        want = [b.clone() for b in bufs[1:]]
+        launches = capture_launches(stack, ())
+    assert len(launches) == nl and len({k.function for k in launches}) == 1, [k.name for k in launches]
+    armed = ArmedLaunches(launches)
+    if armed.protocol != 5:
+        pytest.skip("the stack test is protocol 5's (protocol 4 needs repeated='per_launch')")
+    armed.arm()
+    k = launches[0]
+    xblock = int(k.autotuner.launchers[0].config.kwargs.get("XBLOCK", 0))
+    assert xblock and k.grid[1] == k.grid[2] == 1 and x.numel() == xblock * k.nblocks
+    assert k.nblocks > 8 * cd.sm_count()
+    trigger = GpuPauseTrigger()
+    side = torch.cuda.Stream()
+
+    def paused_at(layer: int, frac: float) -> None:
+        zeroed = torch.cuda.Event()
+        zeroed.record()
+        side.wait_event(zeroed)
+        trigger.arm(armed.view(layer), int(frac * k.nblocks), cd.Stream.borrow(side.cuda_stream),
+                    watch=bufs[layer + 1], words_per_block=xblock)
+
+    def check_pending() -> list[list[int]]:
+        pend = armed.pending()
+        for i, p in enumerate(pend):
+            nan = torch.isnan(bufs[i + 1].view(k.nblocks, xblock))
+            blocks_nan = nan.all(dim=1)
+            assert torch.equal(blocks_nan, nan.any(dim=1))
+            assert torch.nonzero(blocks_nan).flatten().tolist() == p, (i, len(p))
+            if not p:
+                assert torch.equal(bufs[i + 1], want[i]), i
+        return pend
+
+    with torch.no_grad():
+        for b in bufs[1:]:
+            b.fill_(float("nan"))
+        paused_at(1, 0.5)
+        stack()
+        torch.cuda.synchronize()
+        assert trigger.result()["reached"] == 1
+        pend = check_pending()
+        assert pend[0] == [] and 0 < len(pend[1]) < k.nblocks, [len(p) for p in pend]
+        assert all(len(p) == k.nblocks for p in pend[2:])  # the pause is sticky: later layers skipped whole
+        armed.begin_resume()
+        paused_at(3, 0.5)  # paused again while resuming, inside layer 4
+        stack()
+        torch.cuda.synchronize()
+        assert trigger.result()["reached"] == 1
+        pend = check_pending()
+        assert pend[:3] == [[], [], []] and 0 < len(pend[3]) < k.nblocks and len(pend[4]) == k.nblocks
+        assert armed.end_resume() > 0
+        armed.begin_resume()
+        stack()
+        torch.cuda.synchronize()
+        assert armed.end_resume() == 0
+        assert check_pending() == [[]] * nl
+        for i in range(nl):
+            assert torch.equal(bufs[i + 1], want[i]), f"layer {i}: resumed output differs"
+        # armed and not paused again: a plain call, bit-equal, nothing recorded
+        for b in bufs[1:]:
+            b.fill_(float("nan"))
+        stack()
+        assert armed.done_counts() == [k.nblocks] * nl and torch.equal(bufs[-1], want[-1])
     armed.disarm()

@@ -29,7 +29,8 @@ EXTRA = json.loads(os.environ.get("CFT_TEST_SAFEPOINT_OPTIONS", "{}"))
 @pytest.fixture(autouse=True)
 def _hook(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     barriers = bool(getattr(request, "param", False))
-    triton_hook.install(SafepointOptions(barrier_probes=barriers, **EXTRA), cache_dir=tmp_path_factory.mktemp("tcache"))
+    opts = {**EXTRA, "barrier_probes": True, "protocol": 4} if barriers else EXTRA  # barrier probes: v4 only
+    triton_hook.install(SafepointOptions(**opts), cache_dir=tmp_path_factory.mktemp("tcache"))
     yield
     triton_hook.uninstall()
 
@@ -64,6 +65,10 @@ def _layernorm_case(rows: int, cols: int = 3000):
     y = torch.full_like(x, float("nan"))
     ref = torch.nn.functional.layer_norm(x.double(), (cols,), w.double(), b.double(), 1e-5)
     return ik.layernorm_kernel, (rows,), [x, y, w, b, cols, x.stride(0), 1e-5], dict(BLOCK=512), y, ref
+
+
+def x_cols(args: list) -> int:
+    return int(args[0].stride(0))  # 32-bit words between two rows' first elements (fp32)
 
 
 CASES = {"matmul": lambda: _matmul_case(8192), "softmax": lambda: _softmax_case(262144),
@@ -193,14 +198,20 @@ def test_a_pause_written_by_the_gpu_at_a_block_count_lands_mid_grid_every_time()
         zeroed = torch.cuda.Event()
         zeroed.record()
         side.wait_event(zeroed)
-        trigger.arm(launch, after, cd.Stream.borrow(side.cuda_stream))
+        # protocol 4 counts done bits; 5 has none and watches each row's first word (sampled)
+        trigger.arm(launch, after, cd.Stream.borrow(side.cuda_stream), watch=out if launch.protocol == 5 else None,
+                    words_per_block=x_cols(args))
         launch._launch()
         torch.cuda.synchronize()
         res = trigger.result()
         pend = launch.pending()
         assert res["reached"] == 1 and res["done_seen"] >= after, res
-        assert 0 < len(pend) <= launch.nblocks - after, (frac, len(pend), res)  # mid-grid, at that count
-        assert torch.isnan(out).any()
+        assert 0 < len(pend) < launch.nblocks, (frac, len(pend), res)  # mid-grid
+        if res["sample_step"] == 1:
+            assert len(pend) <= launch.nblocks - after, (frac, len(pend), res)  # at that count
+        rows_nan = torch.isnan(out).all(dim=1)
+        assert torch.equal(rows_nan, torch.isnan(out).any(dim=1))  # a row written whole or not at all
+        assert torch.nonzero(rows_nan).flatten().tolist() == pend  # exactly the pending rows are unwritten
         launch.resume()
         launch.drain()
         assert launch.pending() == [] and torch.equal(out, want)

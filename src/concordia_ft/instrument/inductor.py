@@ -14,9 +14,21 @@ own control block in one device arena:
   from an earlier call would skip every block, so an armed caller resets before each call;
 - ``done_counts()``: blocks that recorded themselves, per launch (after an armed call: all of them).
 
-One control block per kernel, as the module global is per module: a kernel launched twice in one call of ``f``
-is refused (``InstrumentError``), since both launches would share its done bits, or with ``repeated="skip"``
-left disarmed and listed in ``skipped``.
+Protocol 4 (done bits): one control block per launch, as the module global is per module: a kernel launched
+twice in one call of ``f`` is refused (``InstrumentError``), since both launches would share its done bits, or
+with ``repeated="skip"`` left disarmed and listed in ``skipped``, or armed ``"per_launch"`` (a stream write of
+its global before each launch).
+
+Protocol 5 ("record on pause", the default): one arena for the call, aligned to a power of two, with one
+64-byte header (pause word, mode word) that every armed kernel reaches by masking its control pointer, and one
+region of per-block records ``(s, rem)`` per *kernel*, shared by all its launches in the call: a block that
+sees the pause adds one to its ``s`` and leaves, and since the pause is sticky a block skipped a suffix of the
+kernel's launches. Nothing is written per launch or per call while running (no memset, no stream writes): an
+armed call with no pause leaves every record zero. ``set_pause(True)`` (or ``GpuPauseTrigger``) writes the one
+pause word; ``pending()`` says per launch which blocks still have to run; ``begin_resume()`` clears the pause,
+sets the resume mode and each block's countdown ``rem`` (how many of its kernel's launches have that block),
+then calling ``f`` again runs exactly the skipped (kernel, block, launch) triples in call order (a pause during
+the resume leaves the rest pending again); ``end_resume()`` returns to run mode once nothing is pending.
 """
 
 from __future__ import annotations
@@ -26,7 +38,22 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InstrumentError
-from .safepoints import CTL_BITMAP, CTL_PAUSE, SYMBOL_PREFIX, ctl_bytes, pending_blocks
+from .safepoints import (
+    CTL_BITMAP,
+    CTL_PAUSE,
+    HDR_BYTES,
+    HDR_MODE,
+    HDR_PAUSE,
+    MODE_RESUME,
+    MODE_RUN,
+    PROTO_PREFIX,
+    SYMBOL_PREFIX,
+    ctl_bytes,
+    pending_blocks,
+    v5_ctl_value,
+    v5_region_bytes,
+    v5_totals,
+)
 
 ALIGN_WORDS = 16  # 64-byte aligned control blocks
 
@@ -115,20 +142,43 @@ def capture_launches(f: Callable[..., Any], inputs: Sequence[Any]) -> list[Kerne
 
 @dataclass
 class ControlView:
-    """One armed launch's control block, for pausing it: what ``pause.GpuPauseTrigger.arm`` takes (``ctl``,
-    ``nblocks``), the pending blocks after a pause, and clearing the pause word before the resuming call."""
+    """One armed launch's control state, for pausing it: what ``pause.GpuPauseTrigger.arm`` takes (``ctl``,
+    ``nblocks``, ``pause_ptr``, ``protocol``), the pending blocks after a pause, and the pause word. Protocol 4:
+    ``ctl`` is the launch's control block; protocol 5: the call's arena (its header's pause word is word 0)."""
 
     name: str
     nblocks: int
     ctl: Any  # int32 view of the arena
+    protocol: int = 4
+    owner: Any = None  # the ArmedLaunches (protocol 5)
+    index: int = 0
+
+    @property
+    def pause_ptr(self) -> int:
+        return int(self.ctl.data_ptr()) + (HDR_PAUSE if self.protocol == 5 else CTL_PAUSE)
 
     def pending(self) -> list[int]:
+        if self.protocol == 5:
+            return list(self.owner.pending()[self.index])
         words = self.ctl[CTL_BITMAP // 4:].cpu().numpy().view("uint32").tolist()
         return pending_blocks(words, self.nblocks)
 
     def set_pause(self, on: bool) -> None:
-        """Write the pause word on the current stream (``on`` False: the next armed call resumes)."""
-        self.ctl[CTL_PAUSE // 4:CTL_PAUSE // 4 + 1].fill_(1 if on else 0)
+        """Write the pause word on the current stream (``on`` False: protocol 4's next armed call resumes;
+        protocol 5 resumes through ``ArmedLaunches.begin_resume()``)."""
+        w = (HDR_PAUSE if self.protocol == 5 else CTL_PAUSE) // 4
+        self.ctl[w:w + 1].fill_(1 if on else 0)
+
+
+@dataclass
+class _Kernel5:
+    """Protocol 5: one kernel of the call, its launches, its record region."""
+
+    name: str
+    glob: int  # address of its cft_ctl_ global
+    launches: list[int]  # indexes into ArmedLaunches.launches, in call order
+    grids: list[int]  # block counts of those launches
+    offset: int = 0  # byte offset of its records in the arena
 
 
 class ArmedLaunches:
@@ -157,6 +207,9 @@ class ArmedLaunches:
         self._armed = False
         for k in launches:
             count[k.function] = count.get(k.function, 0) + 1
+        self.protocol = 4
+        self._k5: dict[int, _Kernel5] = {}
+        protos: dict[int, int] = {}
         for k in launches:
             mod = _check(drv.cuFuncGetModule(k.function), f"cuFuncGetModule({k.name})")
             res = drv.cuModuleGetGlobal(mod, (SYMBOL_PREFIX + k.name).encode())
@@ -168,6 +221,15 @@ class ArmedLaunches:
                 raise InstrumentError(f"{SYMBOL_PREFIX}{k.name} is {size} bytes, expected 8")
             if k.name not in self.with_probes:
                 self.with_probes.append(k.name)
+            if k.function not in protos:
+                protos[k.function] = 5 if int(drv.cuModuleGetGlobal(mod, (PROTO_PREFIX + k.name).encode())[0]) == 0 \
+                    else 4
+            if protos[k.function] == 5:
+                k5 = self._k5.setdefault(k.function, _Kernel5(k.name, ptr, [], []))
+                k5.launches.append(len(self.launches))
+                k5.grids.append(k.nblocks)
+                self.launches.append(k)
+                continue
             if count[k.function] > 1 and repeated == "per_launch":
                 self._repeat.setdefault(k.function, []).append((len(self.launches), ptr, k))
             elif count[k.function] > 1:
@@ -184,6 +246,13 @@ class ArmedLaunches:
             words += -(-n // ALIGN_WORDS) * ALIGN_WORDS
         dev = next((a.device for k in launches for a in k.args if isinstance(a, torch.Tensor)),
                    torch.device("cuda"))
+        if self._k5 and (offsets or self._repeat):
+            raise InstrumentError("this call mixes kernels compiled with probe protocols 4 and 5 (two hook "
+                                  "options in one process?): compile every kernel with one SafepointOptions")
+        if self._k5:
+            self.protocol = 5
+            self._arm5(dev)
+            return
         self.arena = torch.zeros(max(words, ALIGN_WORDS), dtype=torch.int32, device=dev)
         self._offsets = offsets
         if self._repeat:
@@ -194,6 +263,75 @@ class ArmedLaunches:
                                       "device or driver does not offer: use repeated='skip'")
         for fn, occ in self._repeat.items():
             self._wrap(fn, occ)
+
+    def _arm5(self, dev: Any) -> None:
+        import torch  # noqa: TID251 - the GPU host side, like pause.py
+
+        from .pause import aligned_arena
+
+        off = HDR_BYTES
+        for k5 in self._k5.values():
+            k5.offset = off
+            off += v5_region_bytes(max(k5.grids))
+        self.arena, self._backing, self._align = aligned_arena(off, dev)
+        # each block's resume countdown: how many of its kernel's launches have it
+        self._totals = {fn: torch.tensor(v5_totals(k5.grids, max(k5.grids)), dtype=torch.int32, device=dev)
+                        for fn, k5 in self._k5.items()}
+
+    def records(self, fn: int) -> Any:
+        """Protocol 5: the (s, rem) records of kernel ``fn`` (a CUfunction), an (nblocks, 2) int32 view."""
+        k5 = self._k5[fn]
+        n = max(k5.grids)
+        return self.arena[k5.offset // 4: k5.offset // 4 + 2 * n].view(n, 2)
+
+    def pending(self) -> list[list[int]]:
+        """Per launch, the blocks still to run (protocol 5: from the skip records; 4: from the done bits)."""
+        import numpy as np
+        import torch  # noqa: TID251
+
+        torch.cuda.synchronize()
+        if self.protocol == 4:
+            return [self.view(i).pending() for i in range(len(self.launches))]
+        out: list[list[int]] = [[] for _ in self.launches]
+        for fn, k5 in self._k5.items():
+            s = self.records(fn)[:, 0].cpu().numpy().astype(np.int64)
+            grids = np.asarray(k5.grids)
+            for j, i in enumerate(k5.launches):
+                g = int(grids[j])
+                later = np.sort(grids[j:])
+                place = len(later) - np.searchsorted(later, np.arange(g), side="right")  # from the end
+                sb = s[:g]
+                out[i] = np.nonzero((sb > 0) & (place <= sb))[0].tolist()
+        return out
+
+    def set_pause(self, on: bool = True) -> None:
+        """Protocol 5: write the call's one pause word on the current stream (every armed kernel sees it)."""
+        self._need5()
+        self.arena[HDR_PAUSE // 4:HDR_PAUSE // 4 + 1].fill_(1 if on else 0)
+
+    def begin_resume(self) -> None:
+        """Protocol 5, after a paused call drained: clear the pause, enter resume mode and set every block's
+        countdown, on the current stream; then call the compiled function again (same inputs): exactly the
+        skipped blocks of each launch run, in call order."""
+        self._need5()
+        self.arena[HDR_PAUSE // 4:HDR_PAUSE // 4 + 1].zero_()
+        self.arena[HDR_MODE // 4:HDR_MODE // 4 + 1].fill_(MODE_RESUME)
+        for fn, tot in self._totals.items():
+            self.records(fn)[:, 1].copy_(tot)
+
+    def end_resume(self) -> int:
+        """Protocol 5, after a resuming call drained: back to run mode if nothing is pending; returns how many
+        (launch, block) pairs are still pending (then resume again)."""
+        self._need5()
+        left = sum(len(p) for p in self.pending())
+        if left == 0:
+            self.arena[HDR_MODE // 4:HDR_MODE // 4 + 1].fill_(MODE_RUN)
+        return left
+
+    def _need5(self) -> None:
+        if self.protocol != 5:
+            raise InstrumentError("set_pause/begin_resume/end_resume are protocol 5's; a protocol-4 call pauses "
+                                  "through view(i).set_pause and resumes by calling again without reset()")
 
     def _wrap(self, fn: int, occ: list[tuple[int, int, KernelLaunch]]) -> None:
         from .pause import _check, _drv
@@ -220,14 +358,16 @@ class ArmedLaunches:
         scope["runner"] = runner
 
     def ctl(self, i: int) -> Any:
-        """Launch ``i``'s control block (a view of the arena)."""
+        """Launch ``i``'s control block (a view of the arena; protocol 5: the arena, header first)."""
+        if self.protocol == 5:
+            return self.arena
         n = ctl_bytes(self.launches[i].nblocks) // 4
         return self.arena[self._offsets[i]:self._offsets[i] + n]
 
     def view(self, i: int) -> ControlView:
-        """Launch ``i``'s control block as a ``ControlView``. A call of the compiled function made while
-        armed and without ``reset()`` is a resume: blocks whose done bit is set leave at entry, the rest run."""
-        return ControlView(self.launches[i].name, self.launches[i].nblocks, self.ctl(i))
+        """Launch ``i``'s control block as a ``ControlView``. Protocol 4: a call of the compiled function made
+        while armed and without ``reset()`` is a resume: blocks whose done bit is set leave at entry."""
+        return ControlView(self.launches[i].name, self.launches[i].nblocks, self.ctl(i), self.protocol, self, i)
 
     def arm(self, on: bool = True) -> None:
         import numpy as np
@@ -236,6 +376,12 @@ class ArmedLaunches:
 
         drv = _drv()
         self._armed = on
+        if self.protocol == 5:  # one write per kernel, whatever its launch count
+            for k5 in self._k5.values():
+                ptr = v5_ctl_value(self.arena.data_ptr() + k5.offset, self._align) if on else 0
+                value = np.array([ptr], dtype=np.uint64)
+                _check(drv.cuMemcpyHtoD(k5.glob, value.ctypes.data, 8), f"write {SYMBOL_PREFIX}{k5.name}")
+            return
         for i, g in enumerate(self._globals):
             value = np.array([self.ctl(i).data_ptr() if on else 0], dtype=np.uint64)
             _check(drv.cuMemcpyHtoD(g, value.ctypes.data, 8), f"write {SYMBOL_PREFIX}{self.launches[i].name}")
@@ -244,15 +390,19 @@ class ArmedLaunches:
         self.arm(False)
 
     def reset(self) -> None:
+        """Zero the control state on the current stream. Protocol 4: before every armed call (done bits);
+        protocol 5: only to abandon a paused call (an armed call that was not paused leaves it zero)."""
         self.arena.zero_()
         for fn in self._next:
             self._next[fn] = 0
 
     def done_counts(self) -> list[int]:
-        """Blocks of each launch whose done bit is set."""
+        """Blocks of each launch that ran (protocol 4: done bits set; 5: blocks not pending)."""
         import torch  # noqa: TID251 - the GPU host side, like pause.py
 
         torch.cuda.synchronize()
+        if self.protocol == 5:
+            return [k.nblocks - len(p) for k, p in zip(self.launches, self.pending(), strict=True)]
         out = []
         for i in range(len(self.launches)):
             bits = self.ctl(i)[CTL_BITMAP // 4:].cpu().numpy().view("uint32")

@@ -16,6 +16,12 @@ owns one launch of it:
   a Runtime epoch, and ``finish_from_log(log_dir)`` completes the launch in a fresh process.
 
 One armed launch per kernel at a time: the module global is per module, not per launch.
+
+Protocol 5 (the default, "record on pause"): the control block is an arena aligned to a power of two whose
+64-byte header holds the pause and mode words, followed by one record ``(s, rem)`` per block; a block that sees
+the pause at its vote adds one to its ``s`` and leaves, so after the drain *pending = blocks with s > 0*, and
+``resume()`` sets the mode to resume and each ``rem`` to 1 (the launch's place from the end of a one-launch
+sequence). Protocol 4 (done bits) is kept for comparison: which one a kernel carries is read from its PTX.
 """
 
 from __future__ import annotations
@@ -28,7 +34,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InstrumentError, UnsafeKernelError
-from .safepoints import CTL_BITMAP, CTL_PAUSE, SYMBOL_PREFIX, ctl_bytes, decode_bitmap, pending_blocks
+from .safepoints import (
+    CTL_BITMAP,
+    CTL_PAUSE,
+    HDR_BYTES,
+    HDR_MODE,
+    HDR_PAUSE,
+    MODE_RESUME,
+    PROTO_PREFIX,
+    SYMBOL_PREFIX,
+    ctl_bytes,
+    decode_bitmap,
+    pending_blocks,
+    v5_align_log2,
+    v5_ctl_value,
+    v5_region_bytes,
+)
 
 if TYPE_CHECKING:
     from .inductor import ControlView
@@ -42,6 +63,19 @@ def _grid3(grid: int | Sequence[int]) -> Grid:
     if any(int(x) < 1 for x in g):
         raise InstrumentError(f"grid {tuple(g)} has an empty dimension")
     return int(g[0]), int(g[1]), int(g[2])
+
+
+def aligned_arena(nbytes: int, device: Any) -> tuple[Any, Any, int]:
+    """An int32 tensor of ``nbytes`` whose address is aligned to ``2**A >= nbytes`` (protocol 5: the probes
+    find the header by masking the address): ``(arena view, backing tensor, A)``."""
+    import torch
+
+    a = v5_align_log2(nbytes)
+    backing = torch.zeros((2 << a) // 4, dtype=torch.int32, device=device)
+    base = backing.data_ptr()
+    off = (-base) % (1 << a)
+    arena = backing[off // 4: off // 4 + nbytes // 4]
+    return arena, backing, a
 
 
 def _drv() -> Any:
@@ -85,9 +119,18 @@ class PausableLaunch:
                                     "it was compiled without safe points (call triton_hook.install() before its "
                                     "first compile) or the rewriter refused it")
         self.nblocks = self.grid[0] * self.grid[1] * self.grid[2]
+        self.protocol = 5 if f"{PROTO_PREFIX}{self.name}" in ptx else 4
         dev = next((a.device for a in self.args if isinstance(a, torch.Tensor)), torch.device("cuda"))
-        self.ctl = ctl if ctl is not None else torch.zeros(ctl_bytes(self.nblocks) // 4, dtype=torch.int32,
-                                                           device=dev)
+        self._backing: Any = None
+        if self.protocol == 5:
+            # the arena: header (pause, mode), then one (s, rem) record per block
+            self.ctl, self._backing, self._align = aligned_arena(HDR_BYTES + v5_region_bytes(self.nblocks), dev)
+            self.records = self.ctl[HDR_BYTES // 4: HDR_BYTES // 4 + 2 * self.nblocks].view(self.nblocks, 2)
+            if ctl is not None:  # recovered records (finish_from_log)
+                self.records.copy_(ctl.reshape(self.nblocks, 2).to(self.ctl.device))
+        else:
+            self.ctl = ctl if ctl is not None else torch.zeros(ctl_bytes(self.nblocks) // 4, dtype=torch.int32,
+                                                               device=dev)
         self._side: Any = None
         self._done: Any = None
         self._one: Any = None
@@ -108,8 +151,15 @@ class PausableLaunch:
         import numpy as np
 
         drv = _drv()
-        value = np.array([self.ctl.data_ptr() if on else 0], dtype=np.uint64)
+        ptr = self.ctl.data_ptr() if self.protocol == 4 else \
+            v5_ctl_value(self.ctl.data_ptr() + HDR_BYTES, self._align)
+        value = np.array([ptr if on else 0], dtype=np.uint64)
         _check(drv.cuMemcpyHtoD(self._global, value.ctypes.data, 8), f"write {self.symbol}")
+
+    @property
+    def pause_ptr(self) -> int:
+        """Device address of the pause word (the header's, protocol 5)."""
+        return int(self.ctl.data_ptr()) + (HDR_PAUSE if self.protocol == 5 else CTL_PAUSE)
 
     def disarm(self) -> None:
         self.arm(False)
@@ -134,13 +184,13 @@ class PausableLaunch:
         if self._side is None:
             self._side = Stream.create(non_blocking=True)
         t = time.perf_counter()
-        res = drv.cuStreamWriteValue32(self._side.handle, self.ctl.data_ptr() + CTL_PAUSE, 1, 0)
+        res = drv.cuStreamWriteValue32(self._side.handle, self.pause_ptr, 1, 0)
         if int(res[0]) != 0:  # no stream memory ops here: a copy-engine write from pinned memory lands as well
             import torch
 
             if self._one is None:
                 self._one = torch.ones(1, dtype=torch.int32).pin_memory()
-            _check(drv.cuMemcpyHtoDAsync(self.ctl.data_ptr() + CTL_PAUSE, self._one.data_ptr(), 4,
+            _check(drv.cuMemcpyHtoDAsync(self.pause_ptr, self._one.data_ptr(), 4,
                                          self._side.handle), "cuMemcpyHtoDAsync(pause)")
         return t
 
@@ -160,18 +210,33 @@ class PausableLaunch:
     def done(self) -> list[int]:
         """Block indexes that ran to completion (``(z * ny + y) * nx + x``)."""
         self.drain()
+        if self.protocol == 5:
+            pend = set(self.pending())
+            return [b for b in range(self.nblocks) if b not in pend]
         return decode_bitmap(self.ctl[CTL_BITMAP // 4:].cpu().tolist(), self.nblocks)
 
     def pending(self) -> list[int]:
         """Block indexes that still have to run."""
         self.drain()
+        if self.protocol == 5:  # a block skipped (s > 0) this one-launch sequence's only launch
+            return [int(b) for b in self.records[:, 0].nonzero().flatten().cpu().tolist()]
         return pending_blocks(self.ctl[CTL_BITMAP // 4:].cpu().tolist(), self.nblocks)
 
     def resume(self) -> None:
         """Relaunch the full grid; only the pending blocks run."""
         self.drain()
-        self.ctl[CTL_PAUSE // 4].zero_()
+        if self.protocol == 5:
+            self.ctl[HDR_PAUSE // 4].zero_()
+            self.ctl[HDR_MODE // 4].fill_(MODE_RESUME)
+            self.records[:, 1].fill_(1)  # each block's place from the end of a one-launch sequence
+        else:
+            self.ctl[CTL_PAUSE // 4].zero_()
         self._launch()
+
+    def state(self) -> Any:
+        """The paused state that an epoch keeps: protocol 4 the control block (pause word + done bits),
+        protocol 5 the per-block records (``s``: launches skipped, the block bitmap in effect)."""
+        return self.records if self.protocol == 5 else self.ctl
 
     # ------------------------------------------------------------------ epochs
     def checkpoint(self, rt: Any, *, prefix: str = "paused") -> int:
@@ -181,13 +246,22 @@ class PausableLaunch:
         if not self.pending():
             raise InstrumentError(f"launch of {self.name} has no pending blocks: nothing to checkpoint")
         torch.cuda.synchronize()
-        return checkpoint_paused(rt, self.fn, self.grid, self.args, self.kwargs, self.ctl, prefix=prefix)
+        return checkpoint_paused(rt, self.fn, self.grid, self.args, self.kwargs, self.state(), prefix=prefix,
+                                 protocol=self.protocol)
+
+
+def _pending_of(state: Any, nblocks: int, protocol: int) -> list[int]:
+    if protocol == 5:
+        s = state.reshape(-1, 2)[:, 0].tolist()
+        return [b for b in range(nblocks) if int(s[b]) > 0]
+    return pending_blocks(state.reshape(-1)[CTL_BITMAP // 4:].tolist(), nblocks)
 
 
 def checkpoint_paused(rt: Any, fn: Any, grid: Sequence[int], args: Sequence[Any], kwargs: dict[str, Any],
-                      ctl: Any, *, prefix: str = "paused") -> int:
-    """Commit a paused launch as one epoch: every tensor argument (host copies), the scalars, the control
-    block, and what is needed to relaunch it (the kernel's import path, grid, constexprs)."""
+                      ctl: Any, *, prefix: str = "paused", protocol: int = 4) -> int:
+    """Commit a paused launch as one epoch: every tensor argument (host copies), the scalars, the paused state
+    (``ctl``: protocol 4 the control block with its done bits, protocol 5 the per-block skip records), and
+    what is needed to relaunch it (the kernel's import path, grid, constexprs)."""
     import torch
 
     spec: list[Any] = []
@@ -199,11 +273,11 @@ def checkpoint_paused(rt: Any, fn: Any, grid: Sequence[int], args: Sequence[Any]
             spec.append({"scalar": a})
     rt.register(f"{prefix}.ctl", ctl.detach().contiguous().cpu(), kind="dense")
     g = _grid3(grid)
-    pending = len(pending_blocks(ctl[CTL_BITMAP // 4:].cpu().tolist(), g[0] * g[1] * g[2]))
+    pending = len(_pending_of(ctl.detach().cpu(), g[0] * g[1] * g[2], protocol))
     py = getattr(fn, "fn", fn)  # JITFunction / InterpretedFunction -> the Python function
     meta = {"paused_launch": {"fn": f"{py.__module__}:{py.__qualname__}", "grid": list(g), "args": spec,
                               "kwargs": dict(kwargs), "ctl": f"{prefix}.ctl", "kernel": py.__name__,
-                              "pending": pending}}
+                              "pending": pending, "protocol": protocol}}
     return int(rt.checkpoint(meta=meta))
 
 
@@ -240,7 +314,8 @@ def finish_from_log(log_dir: str | Path, *, device: str = "cuda") -> dict[str, A
     fn = _import_fn(meta["fn"])
     grid = _grid3(meta["grid"])
     nblocks = grid[0] * grid[1] * grid[2]
-    pend = pending_blocks(ctl[CTL_BITMAP // 4:].tolist(), nblocks)
+    protocol = int(meta.get("protocol", 4))
+    pend = _pending_of(ctl.cpu(), nblocks, protocol)
     if len(pend) != meta["pending"]:
         raise InstrumentError(f"recovered bitmap has {len(pend)} pending blocks, the epoch said {meta['pending']}")
     if device == "cpu":
@@ -249,6 +324,10 @@ def finish_from_log(log_dir: str | Path, *, device: str = "cuda") -> dict[str, A
         run_blocks(fn, grid, args, meta["kwargs"], pend)
         return tensors
     launch = PausableLaunch(fn, grid, args, meta["kwargs"], ctl=ctl)
+    if launch.protocol != protocol:
+        raise InstrumentError(f"the epoch holds a protocol-{protocol} paused launch, but {launch.name} compiled "
+                              f"here carries protocol {launch.protocol}: install the hook with "
+                              f"SafepointOptions(protocol={protocol})")
     launch.resume()
     launch.drain()
     if launch.pending():
@@ -294,6 +373,38 @@ extern "C" __global__ void cft_pause_after_blocks(const unsigned int *bitmap, un
     out[3] = t0;
   }
 }
+
+/* Protocol 5 has no done bits: count sampled words of a watched output buffer that no longer hold
+   `sentinel` (word k*stride for k < n: the first word block k*step writes) until at least `threshold` of them
+   changed, then write the pause word. A block that wrote its first word had passed its vote. out: as above. */
+extern "C" __global__ void cft_pause_after_writes(const unsigned int *buf, unsigned int n,
+                                                  unsigned long long stride, unsigned int sentinel,
+                                                  unsigned int threshold, unsigned int *pause_word,
+                                                  unsigned long long timeout_ns, unsigned long long *out) {
+  __shared__ unsigned int total;
+  __shared__ int stop;
+  unsigned long long t0 = cft_now();
+  const volatile unsigned int *w = buf;
+  for (;;) {
+    if (threadIdx.x == 0) total = 0;
+    __syncthreads();
+    unsigned int c = 0;
+    for (unsigned int k = threadIdx.x; k < n; k += blockDim.x) c += (w[k * stride] != sentinel);
+    atomicAdd(&total, c);
+    __syncthreads();
+    if (threadIdx.x == 0) stop = total >= threshold ? 1 : (cft_now() - t0 > timeout_ns ? 2 : 0);
+    __syncthreads();
+    if (stop) break;
+  }
+  if (threadIdx.x == 0) {
+    atomicExch(pause_word, 1u);
+    __threadfence_system();
+    out[0] = total;
+    out[1] = cft_now();
+    out[2] = (unsigned long long)stop;
+    out[3] = t0;
+  }
+}
 """
 
 
@@ -309,10 +420,13 @@ class GpuPauseTrigger:
 
         self._mod = nvrtc.load_module(TRIGGER_SOURCE, "cft_pause_trigger", device=device)
         self._fn = self._mod.function("cft_pause_after_blocks")
+        self._fn_writes = self._mod.function("cft_pause_after_writes")
         self._out: Any = None
+        self.step = 1
 
     def arm(self, launch: PausableLaunch | ControlView, after_blocks: int, stream: Any, *,
-            timeout_s: float = 1.0) -> None:
+            watch: Any = None, words_per_block: int = 0, sentinel: int = 0x7FC00000,
+            max_samples: int = 32768, timeout_s: float = 1.0) -> None:
         """``launch``: a ``PausableLaunch``, or one launch of an Inductor-compiled function
         (``inductor.ArmedLaunches.view(i)``). Enqueue the trigger on ``stream`` (a ``cuda.driver.Stream``; not the launch's stream, which it must
         run beside). Call after the launch's control block was zeroed on its stream and ``stream`` waits for
@@ -327,10 +441,30 @@ class GpuPauseTrigger:
             raise InstrumentError(f"after_blocks {after_blocks}: the launch has {launch.nblocks} blocks")
         if self._out is None:
             self._out = torch.zeros(4, dtype=torch.int64, device=launch.ctl.device)
+        if getattr(launch, "protocol", 4) == 5 or watch is not None:
+            # no done bits (protocol 5): watch the first word each block writes, every step-th block
+            if watch is None or words_per_block < 1:
+                raise InstrumentError("a protocol-5 launch has no done bits to count: pass watch= (the output "
+                                      "tensor, filled with `sentinel` before the launch) and words_per_block= "
+                                      "(32-bit words between the first words two neighbouring blocks write)")
+            if watch.numel() * watch.element_size() < 4 * launch.nblocks * words_per_block:
+                raise InstrumentError(f"watch holds {watch.numel() * watch.element_size()} bytes, fewer than "
+                                      f"{launch.nblocks} blocks x {words_per_block} words")
+            self.step = step = -(-launch.nblocks // max_samples)
+            n = -(-launch.nblocks // step)
+            wargs = driver.KernelArgs([(ctypes.c_uint64, watch.data_ptr()), (ctypes.c_uint32, n),
+                                       (ctypes.c_uint64, step * words_per_block), (ctypes.c_uint32, sentinel),
+                                       (ctypes.c_uint32, -(-after_blocks // step)),
+                                       (ctypes.c_uint64, launch.pause_ptr), (ctypes.c_uint64, int(timeout_s * 1e9)),
+                                       (ctypes.c_uint64, self._out.data_ptr())])
+            self._args = wargs
+            driver.launch(self._fn_writes, 1, 1024, wargs, stream, what="cft_pause_after_writes")
+            return
+        self.step = 1
         nwords = (launch.nblocks + 31) // 32
         args = driver.KernelArgs([(ctypes.c_uint64, launch.ctl.data_ptr() + CTL_BITMAP),
                                   (ctypes.c_uint32, nwords), (ctypes.c_uint32, after_blocks),
-                                  (ctypes.c_uint64, launch.ctl.data_ptr() + CTL_PAUSE),
+                                  (ctypes.c_uint64, launch.pause_ptr),
                                   (ctypes.c_uint64, int(timeout_s * 1e9)), (ctypes.c_uint64, self._out.data_ptr())])
         self._args = args  # alive until the launch has read them (the driver copies them at launch)
         driver.launch(self._fn, 1, 256, args, stream, what="cft_pause_after_blocks")
@@ -339,4 +473,4 @@ class GpuPauseTrigger:
         """After the trigger ran: done blocks it saw when it wrote the pause word, the write's globaltimer (ns),
         and whether it reached the count (else it timed out and paused anyway)."""
         seen, t_write, how, t0 = (int(v) for v in self._out.cpu().tolist())
-        return {"done_seen": seen, "t_write_ns": t_write, "reached": int(how == 1), "spin_ns": t_write - t0}
+        return {"done_seen": seen * self.step, "sample_step": self.step, "t_write_ns": t_write, "reached": int(how == 1), "spin_ns": t_write - t0}

@@ -22,10 +22,10 @@ Kernels that cannot be paused by blocks without breaking exactly-once are refuse
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from ..errors import PtxParseError, UnsafeKernelError
+from ..errors import InstrumentError, PtxParseError, UnsafeKernelError
 from .ptx import (
     REG_RE,
     BasicBlock,
@@ -42,7 +42,21 @@ from .ptx import (
 CTL_PAUSE = 0  # u32, host sets 1 to pause (a stream write from another stream), 0 to run
 CTL_BITMAP = 16  # u32 words after a 16-byte header: bit b of word w = block 32*w+b ran to completion
 SYMBOL_PREFIX = "cft_ctl_"
-PROTOCOL_VERSION = 4  # bump when the probes' code or the control block changes (it salts compile caches)
+PROTOCOL_VERSION = 5  # bump when the probes' code or the control block changes (it salts compile caches)
+PROTO_PREFIX = "cft_proto_"  # v5 kernels: a u32 module global holding the protocol (absent: version 4)
+
+# ---- protocol 5, "record on pause" (DESIGN.md §1): one arena per armed call -------------------------------
+# The arena starts with a 64-byte header shared by every kernel of the call: u32 pause word, u32 mode word
+# (0 run, 1 resume), read by each block's leader as one 64-bit load. Each kernel K has a region of records,
+# one 8-byte record per block b: {u32 s: launches of K that b skipped (the pending suffix), u32 rem: resume
+# countdown}. The module global cft_ctl_K holds region | A, where the arena is aligned to 2**A bytes (A >= 6,
+# regions 64-byte aligned): the probe finds the header as global & ~(2**A - 1), its records at global & ~63.
+HDR_PAUSE = 0
+HDR_MODE = 4
+HDR_BYTES = 64
+REC_BYTES = 8
+MODE_RUN = 0
+MODE_RESUME = 1
 
 REFUSALS: dict[str, str] = {
     "cluster": "uses thread-block clusters (a skipped CTA breaks its cluster's co-residency and barriers)",
@@ -93,6 +107,10 @@ class SafepointOptions:
     # default since session 7: cheapest disarmed on the H200 (decode kernels: ~0.1 us left of ~0.3 us), armed
     # ~2 points dearer than without it on the 8x512 layer (DESIGN.md §6c); takes precedence over lazy_entry.
     late_reads: bool = True
+    # 5: "record on pause" (the default since session 8): no done bits, no exit probes, no per-call memset;
+    # the leader reads one 64-bit header word (pause, mode) at the vote and a paused block records itself.
+    # 4: done bits set at every block's exit (kept for comparison). Barrier probes need protocol 4.
+    protocol: int = 5
 
 
 @dataclass(frozen=True)
@@ -166,6 +184,70 @@ def decode_bitmap(words: Iterable[int], nblocks: int) -> list[int]:
             if b < nblocks:
                 out.append(b)
             word ^= low
+    return out
+
+
+def v5_region_bytes(nblocks: int) -> int:
+    """Bytes of one kernel's record region (64-byte aligned) in a protocol-5 arena."""
+    return -(-REC_BYTES * nblocks // 64) * 64
+
+
+def v5_align_log2(arena_bytes: int) -> int:
+    """A: the arena is aligned to 2**A >= its size (so that every address in it maps to its header)."""
+    a = 6
+    while (1 << a) < arena_bytes:
+        a += 1
+    if a > 47:
+        raise ValueError(f"an arena of {arena_bytes} bytes is too large")
+    return a
+
+
+def v5_ctl_value(region_addr: int, align_log2: int) -> int:
+    """The value of a kernel's ``cft_ctl_`` global that points at its records in an arena aligned to 2**A."""
+    if region_addr % 64 or region_addr & ((1 << align_log2) - 1) < HDR_BYTES:
+        raise ValueError(f"region 0x{region_addr:x} is not a 64-byte aligned region behind an arena header")
+    return region_addr | align_log2
+
+
+def v5_decide(mode: int, pause: int, s: int, rem: int) -> tuple[bool, int, int]:
+    """What a protocol-5 block leader does at the vote (the PTX of ``_v5_leader`` implements exactly this):
+    ``(runs, s', rem')`` from the header's mode and pause words and the block's record ``(s, rem)``.
+
+    Run mode: not paused -> run, the record untouched (nothing is read or written); paused -> leave, one more
+    launch skipped. Resume mode: ``r = rem`` is this launch's place counted from the end of the block's
+    launches of this kernel; ``rem' = r - 1``; it runs iff ``r <= s`` (it skipped this launch) and no pause is
+    set, and then ``s' = r - 1``; else it leaves (done already, or pending still)."""
+    m32 = 0xFFFFFFFF
+    if mode == MODE_RUN:
+        if pause == 0:
+            return True, s, rem
+        return False, (s + 1) & m32, rem
+    r = rem & m32
+    runs = r <= s and pause == 0
+    return runs, ((r - 1) & m32) if runs else s, (r - 1) & m32
+
+
+def v5_totals(grids: Sequence[int], nmax: int) -> list[int]:
+    """Per block b < nmax: how many of a kernel's launches (block counts ``grids``, in call order) have block
+    b: the resume countdown each block starts from."""
+    import bisect
+
+    srt = sorted(grids)
+    return [len(srt) - bisect.bisect_right(srt, b) for b in range(nmax)]
+
+
+def v5_pending(grids: Sequence[int], skipped: Sequence[int]) -> list[list[int]]:
+    """Per launch of one kernel (block counts ``grids`` in call order), the blocks still to run, given each
+    block's skip count ``skipped[b]`` (the records' ``s``): block b of launch i is pending iff its place
+    counted from the end among the launches that have block b is <= s[b]."""
+    import bisect
+
+    out: list[list[int]] = []
+    for i, g in enumerate(grids):
+        later = sorted(grids[i:])
+        n = len(later)
+        out.append([b for b in range(g) if b < len(skipped) and int(skipped[b]) > 0
+                    and n - bisect.bisect_right(later, b) <= int(skipped[b])])
     return out
 
 
@@ -378,6 +460,8 @@ def _plan(module: PtxModule, kernel: Kernel, opts: SafepointOptions,
         dirty = _dirty_before(blocks)
         safe = [st.index for st in barriers if st.index not in dirty]
     exits = [st.index for st in kernel.statements if st.op_parts[0] in ("ret", "exit")]
+    if opts.protocol == 5:  # record on pause: no exit probes (nothing to mark), no barrier probes
+        exits, safe, entry_only = [], [], "protocol 5: a block that passed the vote runs to completion"
     if entry_only is None and any(st.guard for st in kernel.statements if st.index in exits):
         entry_only, safe = "a guarded ret may take the block leader out before a barrier", []
     first = min([kernel.body_close] + [ln for ln in kernel.labels.values()] + [st.index for st in kernel.statements])
@@ -521,6 +605,73 @@ def _deferred_vote(st: Statement | None) -> list[str]:
     ]
 
 
+def _v5_leader(lab: str) -> list[str]:
+    """Protocol 5, the leader's decision (``v5_decide``) into ``%cft_r14`` (1: leave), everyone else 0.
+
+    Normal path: one 64-bit load of the header word pair (pause, mode); both zero -> run, nothing else read
+    or written. Otherwise (a pause or a resume: rare) the leader reads and rewrites its block's record."""
+    return [
+        "\tmov.u32 \t%cft_r14, 0;", *_leader(),
+        f"\t@!%cft_p0 bra \t{lab}_lread;",
+        "\tcvt.u32.u64 \t%cft_r3, %cft_rd0;", "\tand.b32 \t%cft_r3, %cft_r3, 63;",  # A: arena alignment
+        "\tmov.u64 \t%cft_rd2, -1;", "\tshl.b64 \t%cft_rd2, %cft_rd2, %cft_r3;",
+        "\tand.b64 \t%cft_rd2, %cft_rd2, %cft_rd0;",  # the call's header: global & ~(2**A - 1)
+        f"\tld.volatile.global.v2.u32 \t{{%cft_r12, %cft_r13}}, [%cft_rd2+{HDR_PAUSE}];",  # pause, mode
+        "\tor.b32 \t%cft_r11, %cft_r12, %cft_r13;",
+        "\tsetp.eq.u32 \t%cft_p3, %cft_r11, 0;",
+        f"\t@%cft_p3 bra \t{lab}_lread;",  # run mode, not paused: run
+        "\tmov.u32 \t%cft_r3, %ctaid.x;", "\tmov.u32 \t%cft_r4, %ctaid.y;", "\tmov.u32 \t%cft_r5, %ctaid.z;",
+        "\tmov.u32 \t%cft_r6, %nctaid.x;", "\tmov.u32 \t%cft_r7, %nctaid.y;",
+        "\tmad.lo.u32 \t%cft_r8, %cft_r5, %cft_r7, %cft_r4;",
+        "\tmad.lo.u32 \t%cft_r8, %cft_r8, %cft_r6, %cft_r3;",  # r8: block index
+        "\tand.b64 \t%cft_rd1, %cft_rd0, -64;",  # this kernel's records
+        f"\tmul.wide.u32 \t%cft_rd2, %cft_r8, {REC_BYTES};", "\tadd.s64 \t%cft_rd1, %cft_rd1, %cft_rd2;",
+        "\tld.volatile.global.v2.u32 \t{%cft_r9, %cft_r10}, [%cft_rd1];",  # s, rem
+        "\tmov.u32 \t%cft_r14, 1;",
+        "\tsetp.ne.u32 \t%cft_p3, %cft_r13, 0;",
+        f"\t@%cft_p3 bra \t{lab}_resume;",
+        "\tadd.u32 \t%cft_r9, %cft_r9, 1;",  # run mode, paused: one more launch of this kernel skipped
+        "\tst.volatile.global.u32 \t[%cft_rd1], %cft_r9;",
+        f"\tbra.uni \t{lab}_lread;",
+        f"{lab}_resume:",  # r = rem: this launch's place from the end of the block's launches of the kernel
+        "\tadd.u32 \t%cft_r11, %cft_r10, -1;",
+        "\tsetp.le.u32 \t%cft_p4, %cft_r10, %cft_r9;",  # it skipped this launch
+        "\tsetp.eq.and.u32 \t%cft_p4, %cft_r12, 0, %cft_p4;",  # and no pause now: it runs
+        "\tselp.b32 \t%cft_r9, %cft_r11, %cft_r9, %cft_p4;",
+        "\tselp.b32 \t%cft_r14, 0, 1, %cft_p4;",
+        "\tst.volatile.global.v2.u32 \t[%cft_rd1], {%cft_r9, %cft_r11};",
+        f"{lab}_lread:",
+    ]
+
+
+def _v5_decision_vote(st: Statement | None) -> list[str]:
+    aligned = st is not None and (st.opcode.startswith("bar.") or st.opcode.endswith(".aligned"))
+    red = "bar.red.or.pred" if aligned else "barrier.red.or.pred"
+    return ["\tsetp.ne.u32 \t%cft_p2, %cft_r14, 0;", f"\t{red} \t%cft_p2, 0, %cft_p2;", "\t@%cft_p2 ret;"]
+
+
+def _v5_entry_probe(sym: str) -> list[str]:
+    return ["\t// concordia-ft safe point (protocol 5): the control pointer's load issued, used at the vote",
+            f"\tld.global.u64 \t%cft_rd0, [{sym}];"]
+
+
+def _v5_vote(lab: str, st: Statement | None, original: str) -> list[str]:
+    """Protocol 5's vote at its site: a disarmed launch branches past (block-uniform: every thread read the
+    same pointer), keeping the kernel's own barrier (``original``) where the vote sits at one."""
+    head = "\t// concordia-ft: the entry decision (protocol 5), nothing global written yet"
+    if st is None:
+        return [head, "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@!%cft_p1 bra \t{lab}_novote;",
+                *_v5_leader(lab), *_v5_decision_vote(None), f"{lab}_novote:"]
+    return [head, "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@%cft_p1 bra \t{lab}_avote;", original,
+            f"\tbra.uni \t{lab}_vdone;", f"{lab}_avote:", *_v5_leader(lab), *_v5_decision_vote(st),
+            f"{lab}_vdone:"]
+
+
+def _v5_entry_vote(sym: str, lab: str) -> list[str]:
+    """Protocol 5 where no later vote site exists: load, decide and vote at entry."""
+    return [*_v5_entry_probe(sym), *_v5_vote(lab, None, "")]
+
+
 def _leader() -> list[str]:
     """``%cft_p0`` := this thread leads its block (thread 0,0,0); ``%cft_r0`` := tid.x | tid.y | tid.z."""
     return [
@@ -591,6 +742,7 @@ def _block_bit() -> list[str]:
 
 
 _DECLS = ["\t.reg .pred \t%cft_p<10>;", "\t.reg .b32 \t%cft_r<17>;", "\t.reg .b64 \t%cft_rd<2>;"]
+_DECLS5 = ["\t.reg .pred \t%cft_p<5>;", "\t.reg .b32 \t%cft_r<15>;", "\t.reg .b64 \t%cft_rd<3>;"]
 
 
 def _check_fresh(ptx: str) -> None:
@@ -606,6 +758,12 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
     ``launch_refusals`` names kernels refused for reasons the PTX does not show (a cooperative launch, from the
     compiler's metadata), as ``{kernel: (reason, detail)}``."""
     opts = options if isinstance(options, SafepointOptions) else SafepointOptions(**(options or {}))  # type: ignore[arg-type]
+    if opts.protocol not in (4, 5):
+        raise InstrumentError(f"SafepointOptions(protocol={opts.protocol}): protocols 4 and 5 exist")
+    if opts.protocol == 5 and opts.barrier_probes:
+        raise InstrumentError("barrier probes exist in protocol 4 only (a block leaving at a barrier would have "
+                              "to record itself after passing the vote): SafepointOptions(protocol=4, "
+                              "barrier_probes=True)")
     _check_fresh(ptx)
     module = parse_module(ptx)
     lr = launch_refusals or {}
@@ -624,8 +782,19 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
         before.setdefault(k.header_start, []).extend(
             [f"// concordia-ft control block pointer of {k.name} (0: disarmed)",
              f".visible .global .align 8 .u64 {sym};", ""])
-        after.setdefault(k.body_open, []).extend(_DECLS)
+        after.setdefault(k.body_open, []).extend(_DECLS5 if opts.protocol == 5 else _DECLS)
         by_index = {st.index: st for st in k.statements}
+        if opts.protocol == 5:
+            before[k.header_start].extend([f".visible .global .align 4 .u32 {PROTO_PREFIX}{k.name} = 5;", ""])
+            if p.vote_line < 0:
+                before.setdefault(p.entry_line, []).extend(_v5_entry_vote(sym, lab))
+            elif p.vote_inserted:
+                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym))
+                before.setdefault(p.vote_line, []).extend(_v5_vote(lab, None, ""))
+            else:
+                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym))
+                replace[p.vote_line] = _v5_vote(lab, by_index[p.vote_line], module.lines[p.vote_line].rstrip("\n"))
+            continue  # no exit probes, no barrier probes: a block that passed the vote runs unrecorded
         if p.vote_line >= 0 and opts.late_reads:
             before.setdefault(p.entry_line, []).extend(_late_entry_probe(sym))
             if p.vote_inserted:
