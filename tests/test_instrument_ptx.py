@@ -56,7 +56,7 @@ def _probe_free(text: str) -> list[str]:
 @pytest.mark.parametrize("name", ["matmul", "softmax", "layernorm", "atomic_sum"])
 def test_rewritten_real_triton_ptx_assembles_for_sm90a(name: str, barriers: bool) -> None:
     src = ptx_of(name)
-    res = rewrite_ptx(src, SafepointOptions(barrier_probes=barriers))
+    res = rewrite_ptx(src, SafepointOptions(barrier_probes=barriers, protocol=4))
     (rep,) = res.kernels
     assert rep.instrumented and rep.entry_probes == 1 and rep.exit_probes == 1
     assert f".visible .global .align 8 .u64 cft_ctl_{rep.name};" in res.ptx
@@ -67,13 +67,13 @@ def test_rewritten_real_triton_ptx_assembles_for_sm90a(name: str, barriers: bool
     assert after.spill_bytes.get(rep.name, 0) <= before.spill_bytes.get(rep.name, 0), after.log
 
 
-BARRIERS = SafepointOptions(barrier_probes=True)
+BARRIERS = SafepointOptions(barrier_probes=True, protocol=4)  # barrier probes exist in protocol 4 only
 
 
 @pytest.mark.parametrize("late", [True, False])
 def test_original_instructions_survive_except_probed_barriers(late: bool) -> None:
     src = ptx_of("softmax")
-    res = rewrite_ptx(src, SafepointOptions(barrier_probes=True, late_reads=late))
+    res = rewrite_ptx(src, SafepointOptions(barrier_probes=True, late_reads=late, protocol=4))
     rep = res.kernels[0]
     kept = _probe_free(res.ptx)
     orig = [ln for ln in src.splitlines() if ln.strip()]
@@ -93,8 +93,10 @@ def test_probe_kinds_per_kernel() -> None:
     assert at.refused is None and at.barrier_probes == 0 and "atomics" in (at.entry_only or "")
     ln = plan_safepoints(ptx_of("layernorm"), options=BARRIERS)[0]
     assert ln.entry_only is None and ln.barrier_probes == ln.barriers > 0
-    off = plan_safepoints(ptx_of("softmax"))[0]  # the default: entry probes only
+    off = plan_safepoints(ptx_of("softmax"), options=SafepointOptions(protocol=4))[0]  # entry probes only
     assert off.barrier_probes == 0 and off.entry_only == "barrier probes off"
+    v5 = plan_safepoints(ptx_of("softmax"))[0]  # the default, protocol 5: no exit probes either
+    assert v5.barrier_probes == 0 and v5.exit_probes == 0 and "protocol 5" in (v5.entry_only or "")
 
 
 def test_barriers_after_a_global_store_are_not_safe_points() -> None:
@@ -202,7 +204,7 @@ $L__BB1_0:
 
 
 def test_kernels_of_one_module_get_their_own_symbols_labels_and_keep_guards() -> None:
-    res = rewrite_ptx(_TWO_KERNELS, SafepointOptions(barrier_probes=True, deferred_vote=False))
+    res = rewrite_ptx(_TWO_KERNELS, SafepointOptions(barrier_probes=True, deferred_vote=False, protocol=4))
     a, b, c = res.kernels
     assert (a.name, b.name, c.name) == ("first", "second", "third")
     assert a.exit_probes == 1 and a.barrier_probes == 2  # both guarded barriers precede the store
@@ -265,14 +267,15 @@ def test_rewrite_assembles_across_compile_options(name: str) -> None:
     for opts in combos:
         src = ptx_of(name, **opts)
         for barriers in (False, True):
-            res = rewrite_ptx(src, SafepointOptions(barrier_probes=barriers))
+            res = rewrite_ptx(src, SafepointOptions(barrier_probes=barriers, protocol=4))
             assert res.kernels[0].instrumented
             assemble(res.ptx)
+        assemble(rewrite_ptx(src).ptx)  # protocol 5
 
 
 def test_entry_vote_is_deferred_to_the_first_barrier_when_nothing_global_precedes_it() -> None:
     src = ptx_of("softmax")
-    res = rewrite_ptx(src, SafepointOptions(late_reads=False))  # the leader's reads issued at entry
+    res = rewrite_ptx(src, SafepointOptions(late_reads=False, protocol=4))  # the leader's reads issued at entry
     rep = res.kernel("softmax_kernel")
     assert rep.deferred_vote and rep.barrier_probes == 0
     body = res.ptx[res.ptx.index(".entry"):]
@@ -295,7 +298,7 @@ def test_entry_vote_is_deferred_to_the_first_barrier_when_nothing_global_precede
     k = "softmax_kernel"
     assert a.spill_bytes[k] == plain.spill_bytes[k] and a.registers[k] <= plain.registers[k] + 4
     # off: the vote stays at entry
-    off = rewrite_ptx(src, SafepointOptions(deferred_vote=False))
+    off = rewrite_ptx(src, SafepointOptions(deferred_vote=False, protocol=4))
     assert not off.kernel("softmax_kernel").deferred_vote and "barrier.red.or.pred" in off.ptx
     assert "bar.red" not in off.ptx
     # a loop before the first barrier (a branch target): voted at entry
@@ -305,7 +308,7 @@ def test_entry_vote_is_deferred_to_the_first_barrier_when_nothing_global_precede
 
 def test_entry_vote_goes_before_the_first_global_write_in_straight_line_kernels() -> None:
     src = ptx_of("poi_silu_mul")
-    res = rewrite_ptx(src, SafepointOptions(late_reads=False))  # the leader's reads issued at entry
+    res = rewrite_ptx(src, SafepointOptions(late_reads=False, protocol=4))  # the leader's reads issued at entry
     rep = res.kernel("poi_silu_mul_kernel")
     assert rep.deferred_vote and rep.vote_site == "before_write" and rep.barriers == 0
     body = res.ptx[res.ptx.index(".entry"):]
@@ -325,7 +328,7 @@ def test_entry_vote_goes_before_the_first_global_write_in_straight_line_kernels(
     # the instructions of the kernel are all still there, in order
     assert _probe_free(res.ptx) == _probe_free(src)
     # option off: the version-3 probe, voted at entry
-    off = rewrite_ptx(src, SafepointOptions(vote_before_write=False, late_reads=False)).kernel(k)
+    off = rewrite_ptx(src, SafepointOptions(vote_before_write=False, late_reads=False, protocol=4)).kernel(k)
     assert off.vote_site == "entry" and not off.deferred_vote
     # a kernel whose first barrier precedes its first write keeps voting at that barrier
     assert rewrite_ptx(ptx_of("softmax")).kernel("softmax_kernel").vote_site == "barrier"
@@ -339,7 +342,7 @@ def test_entry_vote_goes_before_the_first_global_write_in_straight_line_kernels(
 def test_lazy_entry_only_the_leader_waits_for_the_control_pointer() -> None:
     k = "poi_silu_mul_kernel"
     src = ptx_of("poi_silu_mul")
-    res = rewrite_ptx(src, SafepointOptions(lazy_entry=True, late_reads=False))
+    res = rewrite_ptx(src, SafepointOptions(lazy_entry=True, late_reads=False, protocol=4))
     assert res.kernel(k).vote_site == "before_write"
     body = res.ptx[res.ptx.index(".entry"):]
     lines = [strip_comment(ln).strip().rstrip(";") for ln in body.splitlines()]
@@ -357,7 +360,7 @@ def test_lazy_entry_only_the_leader_waits_for_the_control_pointer() -> None:
     a = assemble(res.ptx)
     assert a.spill_bytes[k] == 0
     # where the vote sits at the kernel's own barrier, that barrier stays unconditional
-    sm = rewrite_ptx(ptx_of("softmax"), SafepointOptions(lazy_entry=True, late_reads=False))
+    sm = rewrite_ptx(ptx_of("softmax"), SafepointOptions(lazy_entry=True, late_reads=False, protocol=4))
     assert sm.kernel("softmax_kernel").vote_site == "barrier" and "_novote" not in sm.ptx
     assemble(sm.ptx)
 
@@ -375,12 +378,14 @@ def test_real_inductor_qwen3_ptx_rewrites_and_assembles_under_every_probe_option
     plain = assemble(src)
     (k,) = plain.registers
     sites = set()
-    for opts in (SafepointOptions(vote_before_write=False, late_reads=False), SafepointOptions(late_reads=False),
-                 SafepointOptions(lazy_entry=True, late_reads=False),
-                 SafepointOptions(late_reads=True)):
+    for opts in (SafepointOptions(vote_before_write=False, late_reads=False, protocol=4),
+                 SafepointOptions(late_reads=False, protocol=4),
+                 SafepointOptions(lazy_entry=True, late_reads=False, protocol=4),
+                 SafepointOptions(late_reads=True, protocol=4), SafepointOptions(protocol=5),
+                 SafepointOptions(vote_before_write=False, protocol=5)):
         res = rewrite_ptx(src, opts)
         rep = res.kernel(k)
-        assert rep.instrumented and rep.exit_probes >= 1, rep
+        assert rep.instrumented and (rep.exit_probes >= 1) == (opts.protocol == 4), rep
         a = assemble(res.ptx)
         assert a.spill_bytes[k] == plain.spill_bytes[k] == 0 and a.registers[k] <= plain.registers[k] + 12
         assert _probe_free(res.ptx) == _probe_free(src) or rep.vote_site == "barrier"
@@ -392,7 +397,7 @@ def test_real_inductor_qwen3_ptx_rewrites_and_assembles_under_every_probe_option
 def test_late_reads_leave_nothing_waiting_at_entry() -> None:
     src = ptx_of("poi_silu_mul")
     k = "poi_silu_mul_kernel"
-    res = rewrite_ptx(src, SafepointOptions(late_reads=True))
+    res = rewrite_ptx(src, SafepointOptions(late_reads=True, protocol=4))
     assert res.kernel(k).vote_site == "before_write"
     body = res.ptx[res.ptx.index(".entry"):]
     lines = [strip_comment(ln).strip().rstrip(";") for ln in body.splitlines()]
@@ -408,11 +413,11 @@ def test_late_reads_leave_nothing_waiting_at_entry() -> None:
     assert _probe_free(res.ptx) == _probe_free(src)
     assemble(res.ptx)
     # at a kernel's own barrier: disarmed launches pass the original barrier, armed ones vote in its place
-    sm = rewrite_ptx(ptx_of("softmax"), SafepointOptions(late_reads=True))
+    sm = rewrite_ptx(ptx_of("softmax"), SafepointOptions(late_reads=True, protocol=4))
     t = sm.ptx
     assert sm.kernel("softmax_kernel").vote_site == "barrier" and "_avote" in t and "_vdone" in t
     n_bar = lambda text: sum(strip_comment(ln).strip().startswith("bar.sync") for ln in text.splitlines())  # noqa: E731
     assert n_bar(t) == n_bar(ptx_of("softmax"))  # the original barrier kept, on the disarmed path
     assemble(t)
     for name in ("softmax", "layernorm", "atomic_sum"):  # with barrier probes too
-        assemble(rewrite_ptx(ptx_of(name), SafepointOptions(late_reads=True, barrier_probes=True)).ptx)
+        assemble(rewrite_ptx(ptx_of(name), SafepointOptions(late_reads=True, barrier_probes=True, protocol=4)).ptx)

@@ -20,7 +20,7 @@ def test_hook_instruments_only_inside_its_own_cache(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "plain"))
     plain = compile_for_sm90("layernorm")  # cached in 'plain' without probes
     assert "cft_ctl_" not in plain.asm["ptx"]
-    d = triton_hook.install(SafepointOptions(barrier_probes=True), cache_dir=tmp_path / "instrumented")
+    d = triton_hook.install(SafepointOptions(barrier_probes=True, protocol=4), cache_dir=tmp_path / "instrumented")
     try:
         assert knobs.cache.dir == str(d)
         inst = compile_for_sm90("layernorm")  # same source, same Triton key: must not come from 'plain'
@@ -39,7 +39,7 @@ def test_hook_instruments_only_inside_its_own_cache(tmp_path: Path, monkeypatch:
 
 def test_cache_dir_is_salted_by_options() -> None:
     a = triton_hook.default_cache_dir(SafepointOptions())
-    b = triton_hook.default_cache_dir(SafepointOptions(barrier_probes=True))
+    b = triton_hook.default_cache_dir(SafepointOptions(protocol=4))
     assert a != b and a == triton_hook.default_cache_dir(SafepointOptions())
 
 

@@ -112,6 +112,14 @@ class SafepointOptions:
     # 4: done bits set at every block's exit (kept for comparison). Barrier probes need protocol 4.
     protocol: int = 5
 
+    def __post_init__(self) -> None:
+        if self.protocol not in (4, 5):
+            raise InstrumentError(f"SafepointOptions(protocol={self.protocol}): protocols 4 and 5 exist")
+        if self.protocol == 5 and self.barrier_probes:
+            raise InstrumentError("barrier probes exist in protocol 4 only (a block leaving at a barrier would "
+                                  "have to record itself after passing the vote): SafepointOptions(protocol=4, "
+                                  "barrier_probes=True)")
+
 
 @dataclass(frozen=True)
 class KernelReport:
@@ -758,12 +766,6 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
     ``launch_refusals`` names kernels refused for reasons the PTX does not show (a cooperative launch, from the
     compiler's metadata), as ``{kernel: (reason, detail)}``."""
     opts = options if isinstance(options, SafepointOptions) else SafepointOptions(**(options or {}))  # type: ignore[arg-type]
-    if opts.protocol not in (4, 5):
-        raise InstrumentError(f"SafepointOptions(protocol={opts.protocol}): protocols 4 and 5 exist")
-    if opts.protocol == 5 and opts.barrier_probes:
-        raise InstrumentError("barrier probes exist in protocol 4 only (a block leaving at a barrier would have "
-                              "to record itself after passing the vote): SafepointOptions(protocol=4, "
-                              "barrier_probes=True)")
     _check_fresh(ptx)
     module = parse_module(ptx)
     lr = launch_refusals or {}

@@ -1,0 +1,332 @@
+"""CPU CI: protocol 5 ("record on pause") of the safe-point rewriter.
+
+- the probes on real Triton 3.6 PTX for sm_90, assembled by ptxas (registers reported, no spills): one 64-bit
+  header load at the vote in the normal path, no exit probes, no done bits;
+- the leader's decision, executed from the emitted PTX by a small interpreter of the opcodes it uses, equals
+  ``safepoints.v5_decide`` on random states (the model the host side and the tests below use);
+- exactly-once over repeated pause/resume: launch sequences of several kernels (a kernel launched many times
+  with differing grids, as the Qwen3 layer's q/k norm kernel and a stack of layers do), pauses landing at
+  random points of the vote order, resumed again and again: every (launch, block) runs once, in an order that
+  keeps the call's launch order, and ``v5_pending`` names exactly what has not run after every drain.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+triton = pytest.importorskip("triton", reason="triton not installed")
+
+from concordia_ft.errors import InstrumentError  # noqa: E402
+from concordia_ft.instrument import SafepointOptions, rewrite_ptx  # noqa: E402
+from concordia_ft.instrument.ptx import strip_comment  # noqa: E402
+from concordia_ft.instrument.ptxas import assemble, find_ptxas  # noqa: E402
+from concordia_ft.instrument.safepoints import (  # noqa: E402
+    HDR_BYTES,
+    MODE_RESUME,
+    MODE_RUN,
+    REC_BYTES,
+    v5_align_log2,
+    v5_ctl_value,
+    v5_decide,
+    v5_pending,
+    v5_totals,
+)
+from instrument_kernels import compile_for_sm90  # noqa: E402
+
+needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (triton bundles one)")
+
+_PTX: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton-cache")))
+    yield
+    mp.undo()
+
+
+def ptx_of(name: str) -> str:
+    if name not in _PTX:
+        _PTX[name] = compile_for_sm90(name).asm["ptx"]
+    return _PTX[name]
+
+
+def _lines(text: str) -> list[str]:
+    body = text[text.index(".entry"):]
+    return [strip_comment(ln).strip().rstrip(";") for ln in body.splitlines()]
+
+
+def _probe_free(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip() and not ("concordia-ft" in ln or "cft_" in ln or "$__cft" in ln)]
+
+
+@needs_ptxas
+@pytest.mark.parametrize("name,site", [("poi_silu_mul", "before_write"), ("softmax", "barrier"),
+                                       ("layernorm", "entry"), ("matmul", "entry"), ("atomic_sum", "barrier"),
+                                       ("copy_then_reduce", "before_write")])
+def test_protocol5_probes_assemble_with_no_exit_probe_and_one_header_load(name: str, site: str) -> None:
+    src = ptx_of(name)
+    res = rewrite_ptx(src)  # the default is protocol 5
+    (rep,) = res.kernels
+    assert rep.instrumented and rep.vote_site == site and rep.exit_probes == 0 and rep.barrier_probes == 0
+    assert f".visible .global .align 4 .u32 cft_proto_{rep.name} = 5;" in res.ptx
+    lines = _lines(res.ptx)
+    assert not any(ln.startswith("red.global") and "%cft_" in ln for ln in lines)  # no done bits
+    hdr = [i for i, ln in enumerate(lines) if ln.startswith("ld.volatile.global.v2.u32 \t{%cft_r12, %cft_r13}")]
+    assert len(hdr) == 1  # the normal path's only read: the header's (pause, mode) pair, one 64-bit load
+    # after it, the normal path branches straight to the vote: nothing else read or written
+    assert lines[hdr[0] + 2].startswith("setp.eq.u32 \t%cft_p3, %cft_r11, 0")
+    assert lines[hdr[0] + 3].startswith("@%cft_p3 bra") and lines[hdr[0] + 3].endswith("_lread")
+    ptr = [i for i, ln in enumerate(lines) if ln.startswith("ld.global.u64") and "cft_ctl_" in ln]
+    assert len(ptr) == 1 and ptr[0] < hdr[0]
+    vote = next(i for i, ln in enumerate(lines) if ln.startswith(("barrier.red.or.pred", "bar.red.or.pred")))
+    assert hdr[0] < vote and lines[vote + 1] == "@%cft_p2 ret"
+    stores = [i for i, ln in enumerate(lines) if "st.global" in ln and "%cft_" not in ln]
+    if stores:
+        assert vote < stores[0]  # the decision comes before the kernel's first global write
+    if site == "before_write":
+        assert _probe_free(res.ptx) == _probe_free(src)  # every instruction of the kernel kept, in order
+    plain, a = assemble(src), assemble(res.ptx)
+    k = rep.name
+    v4 = assemble(rewrite_ptx(src, SafepointOptions(protocol=4)).ptx)
+    print(f"{name}: registers plain {plain.registers[k]} v4 {v4.registers[k]} v5 {a.registers[k]}")
+    assert a.spill_bytes.get(k, 0) == plain.spill_bytes.get(k, 0)
+    assert a.registers[k] <= max(plain.registers[k] + 6, 32), a.log
+
+
+def test_protocol5_refuses_barrier_probes_and_unknown_protocols() -> None:
+    with pytest.raises(InstrumentError, match="protocol 4 only"):
+        SafepointOptions(barrier_probes=True)
+    with pytest.raises(InstrumentError, match="protocols 4 and 5"):
+        rewrite_ptx(ptx_of("softmax"), {"protocol": 3})
+    # refusals are the same under both protocols: the kernel is left byte-for-byte unchanged
+    gb = ptx_of("grid_barrier")
+    res = rewrite_ptx(gb)
+    assert res.kernels[0].refused == "spin_wait" and res.ptx == gb
+
+
+# ---- the leader's decision, run from the emitted PTX --------------------------------------------------------
+
+_M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def _leader_snippet() -> list[str]:
+    """The instructions of the v5 leader decision as rewrite_ptx emits them (poi_silu_mul's vote site)."""
+    lines = _lines(rewrite_ptx(ptx_of("poi_silu_mul")).ptx)
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("mov.u32 \t%cft_r14, 0"))
+    end = next(i for i, ln in enumerate(lines) if ln.endswith("_lread:"))
+    return lines[start:end + 1]
+
+
+def _run_leader(code: list[str], ctl: int, mem: dict[int, int], tid: tuple[int, int, int],
+                ctaid: tuple[int, int, int], nctaid: tuple[int, int, int]) -> tuple[int, list[tuple[int, int]]]:
+    """Execute the snippet for one thread: returns (%cft_r14, the stores made as (address, u32))."""
+    regs: dict[str, int] = {"%cft_rd0": ctl}
+    special = {"%tid.x": tid[0], "%tid.y": tid[1], "%tid.z": tid[2], "%ctaid.x": ctaid[0], "%ctaid.y": ctaid[1],
+               "%ctaid.z": ctaid[2], "%nctaid.x": nctaid[0], "%nctaid.y": nctaid[1]}
+    labels = {ln[:-1]: i for i, ln in enumerate(code) if ln.endswith(":")}
+    stores: list[tuple[int, int]] = []
+
+    def val(tok: str) -> int:
+        tok = tok.strip()
+        if tok in special:
+            return special[tok]
+        if tok.startswith("%"):
+            return regs[tok]
+        return int(tok, 0) & _M64
+
+    def addr(tok: str) -> int:
+        inner = tok.strip()[1:-1]
+        base, _, off = inner.partition("+")
+        return (val(base) + (int(off) if off else 0)) & _M64
+
+    pc, steps = 0, 0
+    while pc < len(code):
+        steps += 1
+        assert steps < 200
+        ln = code[pc]
+        pc += 1
+        if ln.endswith(":"):
+            continue
+        guard = ""
+        if ln.startswith("@"):
+            guard, ln = ln.split(None, 1)
+        op, _, rest = ln.partition(" ")
+        rest = rest.strip()
+        if guard:
+            g = guard[1:]
+            want = not g.startswith("!")
+            if bool(regs[g.lstrip("!")]) != want:
+                continue
+        ops = [t.strip() for t in re.split(r",(?![^{]*})", rest)] if rest else []
+        if op.startswith("bra"):
+            pc = labels[ops[0]]
+            continue
+        if op.startswith("ld.volatile.global.v2.u32"):
+            a = addr(ops[1])
+            d = ops[0].strip("{}").split(",")
+            regs[d[0].strip()] = mem.get(a, 0)
+            regs[d[1].strip()] = mem.get(a + 4, 0)
+            continue
+        if op.startswith("st.volatile.global.v2.u32"):
+            a = addr(ops[0])
+            s = ops[1].strip("{}").split(",")
+            stores += [(a, val(s[0]) & _M32), (a + 4, val(s[1]) & _M32)]
+            continue
+        if op.startswith("st.volatile.global.u32"):
+            stores.append((addr(ops[0]), val(ops[1]) & _M32))
+            continue
+        d = ops[0]
+        wide = ".u64" in op or ".b64" in op or ".s64" in op
+        m = _M64 if wide else _M32
+        if op in ("mov.u32", "mov.u64"):
+            regs[d] = val(ops[1]) & m
+        elif op == "cvt.u32.u64":
+            regs[d] = val(ops[1]) & _M32
+        elif op.startswith("and.b"):
+            regs[d] = val(ops[1]) & val(ops[2]) & m
+        elif op.startswith("or.b"):
+            regs[d] = (val(ops[1]) | val(ops[2])) & m
+        elif op == "shl.b64":
+            regs[d] = (val(ops[1]) << val(ops[2])) & _M64
+        elif op.startswith("add."):
+            regs[d] = (val(ops[1]) + val(ops[2])) & m
+        elif op == "mad.lo.u32":
+            regs[d] = (val(ops[1]) * val(ops[2]) + val(ops[3])) & _M32
+        elif op == "mul.wide.u32":
+            regs[d] = (val(ops[1]) * val(ops[2])) & _M64
+        elif op.startswith("setp."):
+            cmp = op.split(".")[1]
+            a, b = val(ops[1]), val(ops[2])
+            r = {"eq": a == b, "ne": a != b, "le": a <= b}[cmp]
+            if op.startswith(("setp.eq.and", "setp.ne.and")):
+                r = r and bool(regs[ops[3]])
+            regs[d] = int(r)
+        elif op == "selp.b32":
+            regs[d] = val(ops[1]) if regs[ops[3]] else val(ops[2])
+        else:
+            raise AssertionError(f"the interpreter does not know {op!r}: extend it with the rewriter")
+    return regs["%cft_r14"], stores
+
+
+@given(st.integers(MODE_RUN, MODE_RESUME), st.integers(0, 1), st.integers(0, 5), st.integers(0, 6),
+       st.integers(6, 20), st.integers(0, 3), st.integers(0, 2), st.data())
+@settings(max_examples=150, deadline=None)
+def test_the_emitted_leader_code_computes_v5_decide(mode: int, pause: int, s: int, rem: int, align: int,
+                                                    kreg: int, bx: int, data: st.DataObject) -> None:
+    code = _leader_snippet()
+    grid = (3, 2, 2)
+    by, bz = data.draw(st.integers(0, 1)), data.draw(st.integers(0, 1))
+    b = (bz * grid[1] + by) * grid[0] + bx
+    align = max(align, v5_align_log2(HDR_BYTES + 64 * kreg + REC_BYTES * 12))  # the arena fits its alignment
+    base = (0x7F1234567000 >> align) << align  # some 2**align-aligned device address
+    region = base + HDR_BYTES + 64 * kreg
+    ctl = v5_ctl_value(region, align)
+    rec = region + REC_BYTES * b
+    mem = {base: pause, base + 4: mode, rec: s, rec + 4: rem}
+    leave, stores = _run_leader(code, ctl, mem, (0, 0, 0), (bx, by, bz), grid)
+    runs, s2, rem2 = v5_decide(mode, pause, s, rem)
+    assert leave == int(not runs)
+    after = dict(mem)
+    after.update(stores)
+    assert (after[rec], after[rec + 4]) == (s2, rem2)
+    assert all(a in (rec, rec + 4) for a, _ in stores)  # only its own record is written
+    if mode == MODE_RUN and pause == 0:
+        assert stores == []  # the normal path writes nothing
+    # a thread other than the leader decides nothing and writes nothing
+    other, st2 = _run_leader(code, ctl, mem, (1, 0, 0), (bx, by, bz), grid)
+    assert other == 0 and st2 == []
+
+
+# ---- exactly once across repeated pause / resume -----------------------------------------------------------
+
+def _simulate(grids_by_kernel: dict[str, list[int]], order: list[tuple[str, int]], rng: random.Random,
+              pauses: list[float]) -> None:
+    """Calls of one launch sequence (``order``: (kernel, occurrence) in call order), each paused at a random
+    point of its votes, as the device does it (v5_decide per block leader), then resumed until nothing is
+    pending; checks exactly-once, order and v5_pending after every drain."""
+    rec = {k: [[0, 0] for _ in range(max(g))] for k, g in grids_by_kernel.items()}
+    ran: dict[tuple[int, int], int] = {}  # (launch index, block) -> call number
+    mode = MODE_RUN
+    ncalls = 0
+    for call in range(len(pauses) + 1):
+        ncalls += 1
+        if mode == MODE_RESUME:
+            for k, g in grids_by_kernel.items():  # begin_resume: the countdowns
+                for b, t in enumerate(v5_totals(g, max(g))):
+                    rec[k][b][1] = t
+        total_votes = sum(grids_by_kernel[k][o] for k, o in order)
+        frac = pauses[call] if call < len(pauses) else None
+        at = None if frac is None else int(frac * total_votes)
+        votes = 0
+        for li, (k, o) in enumerate(order):
+            n = grids_by_kernel[k][o]
+            blocks = list(range(n))
+            rng.shuffle(blocks)  # blocks of one launch vote in any order
+            for b in blocks:
+                pause = int(at is not None and votes >= at)
+                votes += 1
+                runs, s2, r2 = v5_decide(mode, pause, rec[k][b][0], rec[k][b][1])
+                rec[k][b] = [s2, r2]
+                if runs:
+                    assert (li, b) not in ran, f"launch {li} block {b} ran twice"
+                    # launch order: nothing of a later launch ran in an earlier call than this one
+                    assert all(c <= call for (lj, _), c in ran.items() if lj < li)
+                    assert not any(lj > li and c < call for (lj, _), c in ran.items()), "ran out of order"
+                    ran[(li, b)] = call
+        # the drain: what the host computes from the records equals what has not run
+        for k, g in grids_by_kernel.items():
+            pend = v5_pending(g, [r[0] for r in rec[k]])
+            idx = [li for li, (kk, _) in enumerate(order) if kk == k]
+            for occ, li in enumerate(idx):
+                assert pend[occ] == sorted(b for b in range(g[occ]) if (li, b) not in ran), (k, occ, call)
+        left = sum(grids_by_kernel[k][o] for k, o in order) - len(ran)
+        if left == 0:
+            mode = MODE_RUN
+            assert all(r[0] == 0 for rs in rec.values() for r in rs)  # records clean: the next call is plain
+            break
+        mode = MODE_RESUME
+    else:
+        raise AssertionError("still pending after the last call")
+    assert len(ran) == sum(grids_by_kernel[k][o] for k, o in order) and ncalls <= len(pauses) + 1
+
+
+@given(st.integers(0, 10_000), st.lists(st.floats(0.0, 1.0), min_size=0, max_size=4))
+@settings(max_examples=120, deadline=None)
+def test_every_block_of_every_launch_runs_exactly_once_over_repeated_pauses(seed: int,
+                                                                            pauses: list[float]) -> None:
+    rng = random.Random(seed)
+    # a layer-like call repeated 3 times: norm kernel twice per layer with different grids (q and k heads),
+    # a pointwise kernel once, another kernel once; plus a kernel with a single launch
+    grids = {"norm": [], "mlp": [], "attn": [], "tail": [rng.randint(1, 9)]}
+    order: list[tuple[str, int]] = []
+    for _ in range(rng.randint(1, 4)):
+        for k, g in (("norm", rng.choice([6, 8])), ("norm", rng.choice([3, 4])), ("attn", rng.randint(2, 7)),
+                     ("mlp", rng.randint(1, 12))):
+            order.append((k, len(grids[k])))
+            grids[k].append(g)
+    order.append(("tail", 0))
+    _simulate(grids, order, rng, pauses)
+
+
+def test_pending_and_totals_on_a_hand_example() -> None:
+    # three launches of one kernel with 4, 2, 4 blocks; block 3 skipped the last launch only, block 1 the last
+    # two launches that have it (launches 1 and 2), block 0 nothing
+    g = [4, 2, 4]
+    assert v5_totals(g, 4) == [3, 3, 2, 2]
+    assert v5_pending(g, [0, 2, 1, 1]) == [[], [1], [1, 2, 3]]
+    assert v5_decide(MODE_RUN, 0, 0, 0) == (True, 0, 0)
+    assert v5_decide(MODE_RUN, 1, 2, 0) == (False, 3, 0)
+    assert v5_decide(MODE_RESUME, 0, 2, 3) == (False, 2, 2)  # done already (place 3 > 2 skipped)
+    assert v5_decide(MODE_RESUME, 0, 2, 2) == (True, 1, 1)
+    assert v5_decide(MODE_RESUME, 1, 2, 2) == (False, 2, 1)  # paused again: still pending
+    assert v5_ctl_value(0x1000 + 64, 12) == 0x1000 + 64 + 12
+    with pytest.raises(ValueError):
+        v5_ctl_value(0x1000, 12)  # the header's own address is no region
+    assert v5_align_log2(64) == 6 and v5_align_log2(65) == 7
