@@ -14,7 +14,9 @@ with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache 
   load; the leader's reads and the vote happen at the vote site, which a disarmed launch branches past);
 - ``probes_v5``: protocol 5, "record on pause", today's default (the leader reads one 64-bit header word at
   the vote; no exit probes, no done bits, no per-call memset; repeated launches share one control region, so
-  the armed stack has no per-launch stream writes either).
+  the armed stack has no per-launch stream writes either);
+- ``probes_v5e``: as ``probes_v5`` with ``early_header=True`` (the leader issues its header load right after
+  the kernel's last global load before the vote, so it is in flight during the math).
 Every worker compiles with ``TORCHINDUCTOR_DETERMINISTIC=1`` and ``triton.autotune_pointwise=False`` (batch 1 of
 session 7 autotuned, and the variants picked different XBLOCKs for 9 of 24 kernels: up to 3x apart); with
 ``--pin-configs 1`` (the default) every autotuner that still holds more than one config (batch 2 of session 7:
@@ -66,6 +68,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "probes_lazy": {"lazy_entry": True, "late_reads": False, "protocol": 4},
     "probes_late": {"late_reads": True, "protocol": 4},  # session 7's default (protocol 4, late reads)
     "probes_v5": {"protocol": 5},  # session 8: record on pause (the default)
+    "probes_v5e": {"protocol": 5, "early_header": True},  # the leader's header read after the last load
 }
 
 from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import

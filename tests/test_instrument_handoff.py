@@ -1,6 +1,7 @@
 """CPU CI: a kernel launch paused on an H200 finishes on the CPU. tests/data/h200/paused-rowdot/ is the log the
 GPU wrote (tests/data/make_paused_log.py, expected.json says where and with what): the epoch committed while
-the launch was paused, its pending blocks recorded in the control block's bitmap by the probes, and the output
+the launch was paused, its pending blocks recorded by the probes (protocol 4: the control block's done bits;
+protocol 5, paused-rowdot-v5/: the per-block skip records), and the output
 of the same kernel compiled without probes and run uninterrupted there. A fresh process with no GPU
 (TRITON_INTERPRET=1) runs exactly the pending blocks in Triton's interpreter; the output is bit-equal to the
 GPU's uninterrupted launch (int32 arithmetic: the interpreter's numpy computes what the GPU does)."""
@@ -23,7 +24,9 @@ torch = pytest.importorskip("torch")
 from support import subprocess_env  # noqa: E402
 
 TESTS = Path(__file__).resolve().parent
-LOG = TESTS / "data" / "h200" / "paused-rowdot"
+# protocol 4 (done bits in the control block) and protocol 5 (per-block skip records), each written on the H200
+LOGS = [p for p in (TESTS / "data" / "h200" / "paused-rowdot", TESTS / "data" / "h200" / "paused-rowdot-v5")
+        if p.exists()]
 
 FINISH = textwrap.dedent("""
     import json, os, sys
@@ -40,7 +43,8 @@ FINISH = textwrap.dedent("""
 """)
 
 
-def test_a_launch_paused_on_the_gpu_finishes_on_the_cpu_bit_equal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("LOG", LOGS, ids=lambda p: p.name)
+def test_a_launch_paused_on_the_gpu_finishes_on_the_cpu_bit_equal(tmp_path: Path, LOG: Path) -> None:  # noqa: N803
     info = json.loads((LOG / "expected.json").read_text())
     assert info["device"] == "cuda" and "H200" in info["gpu"], info  # written on the GPU, not a stand-in
     log = tmp_path / "log"
@@ -57,6 +61,7 @@ def test_a_launch_paused_on_the_gpu_finishes_on_the_cpu_bit_equal(tmp_path: Path
     want = rec.tensor("reference.out", device="cpu")
     meta = rec.meta["paused_launch"]
     assert meta["pending"] == info["pending"] > 0 and meta["kernel"] == "rowdot_reps_kernel"
+    assert int(meta.get("protocol", 4)) == int(info.get("protocol", 4))
     before, after = got["before"], got["after"]
     left = (before != want).nonzero().flatten().tolist()
     assert left and min(left) >= info["long_rows"]  # the GPU left short rows; the long ones it finished

@@ -95,7 +95,18 @@ def test_protocol5_probes_assemble_with_no_exit_probe_and_one_header_load(name: 
     plain, a = assemble(src), assemble(res.ptx)
     k = rep.name
     v4 = assemble(rewrite_ptx(src, SafepointOptions(protocol=4)).ptx)
-    print(f"{name}: registers plain {plain.registers[k]} v4 {v4.registers[k]} v5 {a.registers[k]}")
+    early = rewrite_ptx(src, SafepointOptions(early_header=True))
+    ea = assemble(early.ptx)
+    print(f"{name}: registers plain {plain.registers[k]} v4 {v4.registers[k]} v5 {a.registers[k]} "
+          f"v5 early header {ea.registers[k]}")
+    assert ea.spill_bytes.get(k, 0) == plain.spill_bytes.get(k, 0)
+    el = _lines(early.ptx)
+    if site != "entry":  # the early read sits after the kernel's last global load before the vote
+        at = next(i for i, ln in enumerate(el) if ln.startswith("ld.volatile.global.v2.u32 \t{%cft_r12"))
+        ev = next(i for i, ln in enumerate(el) if ln.startswith(("barrier.red.or.pred", "bar.red.or.pred")))
+        own = [i for i, ln in enumerate(el) if re.match(r"(@%p\d+ )?ld\.global", ln) and "cft_" not in ln]
+        assert at < ev and [i for i in own if i < ev and i > at] == []
+        assert sum(ln.startswith("ld.volatile.global.v2.u32 \t{%cft_r12") for ln in el) == 1
     assert a.spill_bytes.get(k, 0) == plain.spill_bytes.get(k, 0)
     assert a.registers[k] <= max(plain.registers[k] + 6, 32), a.log
 
@@ -116,12 +127,18 @@ def test_protocol5_refuses_barrier_probes_and_unknown_protocols() -> None:
 _M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
 
 
-def _leader_snippet() -> list[str]:
-    """The instructions of the v5 leader decision as rewrite_ptx emits them (poi_silu_mul's vote site)."""
-    lines = _lines(rewrite_ptx(ptx_of("poi_silu_mul")).ptx)
+def _leader_snippet(early: bool = False) -> list[str]:
+    """The instructions of the v5 leader decision as rewrite_ptx emits them (poi_silu_mul's vote site); with
+    ``early``, the early header read (and the zeroing at entry) in front, as the thread meets them."""
+    lines = _lines(rewrite_ptx(ptx_of("poi_silu_mul"), SafepointOptions(early_header=early)).ptx)
     start = next(i for i, ln in enumerate(lines) if ln.startswith("mov.u32 \t%cft_r14, 0"))
     end = next(i for i, ln in enumerate(lines) if ln.endswith("_lread:"))
-    return lines[start:end + 1]
+    code = lines[start:end + 1]
+    if early:
+        e_end = next(i for i, ln in enumerate(lines) if ln.endswith("_early:"))
+        e_start = next(i for i, ln in enumerate(lines) if ln.startswith("@!%cft_p0 bra") and ln.endswith("_early"))
+        code = ["mov.u32 \t%cft_r12, 0", "mov.u32 \t%cft_r13, 0", *lines[e_start - 6:e_end + 1], *code]
+    return code
 
 
 def _run_leader(code: list[str], ctl: int, mem: dict[int, int], tid: tuple[int, int, int],
@@ -216,11 +233,11 @@ def _run_leader(code: list[str], ctl: int, mem: dict[int, int], tid: tuple[int, 
 
 
 @given(st.integers(MODE_RUN, MODE_RESUME), st.integers(0, 1), st.integers(0, 5), st.integers(0, 6),
-       st.integers(6, 20), st.integers(0, 3), st.integers(0, 2), st.data())
-@settings(max_examples=150, deadline=None)
+       st.integers(6, 20), st.integers(0, 3), st.integers(0, 2), st.booleans(), st.data())
+@settings(max_examples=200, deadline=None)
 def test_the_emitted_leader_code_computes_v5_decide(mode: int, pause: int, s: int, rem: int, align: int,
-                                                    kreg: int, bx: int, data: st.DataObject) -> None:
-    code = _leader_snippet()
+                                                    kreg: int, bx: int, early: bool, data: st.DataObject) -> None:
+    code = _leader_snippet(early)
     grid = (3, 2, 2)
     by, bz = data.draw(st.integers(0, 1)), data.draw(st.integers(0, 1))
     b = (bz * grid[1] + by) * grid[0] + bx

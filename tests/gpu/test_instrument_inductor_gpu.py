@@ -96,7 +96,9 @@ def _paused_and_resumed(compiled) -> None:
         res = trigger.result()
         pend = view.pending()
         assert res["reached"] == 1 and res["done_seen"] >= after, res
-        assert 0 < len(pend) <= k.nblocks - after, (frac, len(pend), res)
+        assert 0 < len(pend) < k.nblocks, (frac, len(pend), res)  # mid-grid
+        if res["sample_step"] == 1:  # protocol 4's exact count (5 samples the output)
+            assert len(pend) <= k.nblocks - after, (frac, len(pend), res)
         if xblock and k.grid[1] == k.grid[2] == 1 and out.numel() == xblock * k.nblocks:
             unwritten = torch.isnan(out.view(k.nblocks, xblock))
             blocks_nan = unwritten.all(dim=1)

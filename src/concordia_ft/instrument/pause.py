@@ -426,7 +426,7 @@ class GpuPauseTrigger:
 
     def arm(self, launch: PausableLaunch | ControlView, after_blocks: int, stream: Any, *,
             watch: Any = None, words_per_block: int = 0, sentinel: int = 0x7FC00000,
-            max_samples: int = 32768, timeout_s: float = 1.0) -> None:
+            max_samples: int = 1024, timeout_s: float = 1.0) -> None:
         """``launch``: a ``PausableLaunch``, or one launch of an Inductor-compiled function
         (``inductor.ArmedLaunches.view(i)``). Enqueue the trigger on ``stream`` (a ``cuda.driver.Stream``; not the launch's stream, which it must
         run beside). Call after the launch's control block was zeroed on its stream and ``stream`` waits for
@@ -442,7 +442,9 @@ class GpuPauseTrigger:
         if self._out is None:
             self._out = torch.zeros(4, dtype=torch.int64, device=launch.ctl.device)
         if getattr(launch, "protocol", 4) == 5 or watch is not None:
-            # no done bits (protocol 5): watch the first word each block writes, every step-th block
+            # no done bits (protocol 5): watch the first word each block writes, every step-th block (at most
+            # max_samples words, one per thread of the trigger: a scan costs about one memory round trip, so the
+            # pause lands close to the count; batch 1 of session 8 sampled 32768 and landed too late)
             if watch is None or words_per_block < 1:
                 raise InstrumentError("a protocol-5 launch has no done bits to count: pass watch= (the output "
                                       "tensor, filled with `sentinel` before the launch) and words_per_block= "

@@ -111,6 +111,10 @@ class SafepointOptions:
     # the leader reads one 64-bit header word (pause, mode) at the vote and a paused block records itself.
     # 4: done bits set at every block's exit (kept for comparison). Barrier probes need protocol 4.
     protocol: int = 5
+    # Protocol 5: the leader issues its header load right after the kernel's last global load before the vote
+    # site (straight-line code), so that it is in flight during the kernel's math instead of starting at the
+    # vote; only the leader's warp waits for the control pointer there (DESIGN.md §1.0).
+    early_header: bool = False
 
     def __post_init__(self) -> None:
         if self.protocol not in (4, 5):
@@ -613,18 +617,34 @@ def _deferred_vote(st: Statement | None) -> list[str]:
     ]
 
 
-def _v5_leader(lab: str) -> list[str]:
-    """Protocol 5, the leader's decision (``v5_decide``) into ``%cft_r14`` (1: leave), everyone else 0.
-
-    Normal path: one 64-bit load of the header word pair (pause, mode); both zero -> run, nothing else read
-    or written. Otherwise (a pause or a resume: rare) the leader reads and rewrites its block's record."""
+def _v5_header_load() -> list[str]:
+    """The leader's one read of the normal path: the call's header (pause, mode) as one 64-bit load."""
     return [
-        "\tmov.u32 \t%cft_r14, 0;", *_leader(),
-        f"\t@!%cft_p0 bra \t{lab}_lread;",
         "\tcvt.u32.u64 \t%cft_r3, %cft_rd0;", "\tand.b32 \t%cft_r3, %cft_r3, 63;",  # A: arena alignment
         "\tmov.u64 \t%cft_rd2, -1;", "\tshl.b64 \t%cft_rd2, %cft_rd2, %cft_r3;",
         "\tand.b64 \t%cft_rd2, %cft_rd2, %cft_rd0;",  # the call's header: global & ~(2**A - 1)
         f"\tld.volatile.global.v2.u32 \t{{%cft_r12, %cft_r13}}, [%cft_rd2+{HDR_PAUSE}];",  # pause, mode
+    ]
+
+
+def _v5_early_header(lab: str) -> list[str]:
+    """``early_header``: the leader of an armed launch issues the header load here (after the kernel's last
+    global load before the vote); everyone else, and a disarmed launch, carries zeros to the vote."""
+    return ["\t// concordia-ft (protocol 5): the leader's header read, issued early", *_leader(),
+            f"\t@!%cft_p0 bra \t{lab}_early;", "\tsetp.eq.u64 \t%cft_p3, %cft_rd0, 0;",
+            f"\t@%cft_p3 bra \t{lab}_early;", *_v5_header_load(), f"{lab}_early:"]
+
+
+def _v5_leader(lab: str, early: bool = False) -> list[str]:
+    """Protocol 5, the leader's decision (``v5_decide``) into ``%cft_r14`` (1: leave), everyone else 0.
+
+    Normal path: one 64-bit load of the header word pair (pause, mode); both zero -> run, nothing else read
+    or written. Otherwise (a pause or a resume: rare) the leader reads and rewrites its block's record. With
+    ``early`` the header was loaded before (``_v5_early_header``)."""
+    return [
+        "\tmov.u32 \t%cft_r14, 0;", *_leader(),
+        f"\t@!%cft_p0 bra \t{lab}_lread;",
+        *([] if early else _v5_header_load()),
         "\tor.b32 \t%cft_r11, %cft_r12, %cft_r13;",
         "\tsetp.eq.u32 \t%cft_p3, %cft_r11, 0;",
         f"\t@%cft_p3 bra \t{lab}_lread;",  # run mode, not paused: run
@@ -658,20 +678,21 @@ def _v5_decision_vote(st: Statement | None) -> list[str]:
     return ["\tsetp.ne.u32 \t%cft_p2, %cft_r14, 0;", f"\t{red} \t%cft_p2, 0, %cft_p2;", "\t@%cft_p2 ret;"]
 
 
-def _v5_entry_probe(sym: str) -> list[str]:
+def _v5_entry_probe(sym: str, early: bool = False) -> list[str]:
     return ["\t// concordia-ft safe point (protocol 5): the control pointer's load issued, used at the vote",
+            *(["\tmov.u32 \t%cft_r12, 0;", "\tmov.u32 \t%cft_r13, 0;"] if early else []),
             f"\tld.global.u64 \t%cft_rd0, [{sym}];"]
 
 
-def _v5_vote(lab: str, st: Statement | None, original: str) -> list[str]:
+def _v5_vote(lab: str, st: Statement | None, original: str, early: bool = False) -> list[str]:
     """Protocol 5's vote at its site: a disarmed launch branches past (block-uniform: every thread read the
     same pointer), keeping the kernel's own barrier (``original``) where the vote sits at one."""
     head = "\t// concordia-ft: the entry decision (protocol 5), nothing global written yet"
     if st is None:
         return [head, "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@!%cft_p1 bra \t{lab}_novote;",
-                *_v5_leader(lab), *_v5_decision_vote(None), f"{lab}_novote:"]
+                *_v5_leader(lab, early), *_v5_decision_vote(None), f"{lab}_novote:"]
     return [head, "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@%cft_p1 bra \t{lab}_avote;", original,
-            f"\tbra.uni \t{lab}_vdone;", f"{lab}_avote:", *_v5_leader(lab), *_v5_decision_vote(st),
+            f"\tbra.uni \t{lab}_vdone;", f"{lab}_avote:", *_v5_leader(lab, early), *_v5_decision_vote(st),
             f"{lab}_vdone:"]
 
 
@@ -788,14 +809,24 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
         by_index = {st.index: st for st in k.statements}
         if opts.protocol == 5:
             before[k.header_start].extend([f".visible .global .align 4 .u32 {PROTO_PREFIX}{k.name} = 5;", ""])
+            early = opts.early_header and p.vote_line >= 0
             if p.vote_line < 0:
                 before.setdefault(p.entry_line, []).extend(_v5_entry_vote(sym, lab))
             elif p.vote_inserted:
-                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym))
-                before.setdefault(p.vote_line, []).extend(_v5_vote(lab, None, ""))
+                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early))
+                before.setdefault(p.vote_line, []).extend(_v5_vote(lab, None, "", early))
             else:
-                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym))
-                replace[p.vote_line] = _v5_vote(lab, by_index[p.vote_line], module.lines[p.vote_line].rstrip("\n"))
+                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early))
+                replace[p.vote_line] = _v5_vote(lab, by_index[p.vote_line], module.lines[p.vote_line].rstrip("\n"),
+                                                early)
+            if early:  # after the kernel's last global load before the vote (straight-line code: no join)
+                loads = [st.index for st in k.statements if p.entry_line <= st.index < p.vote_line
+                         and st.op_parts[0] == "ld" and _space_of(st) in (".global", "")]
+                at = max(loads) if loads else -1
+                if at >= 0:
+                    after.setdefault(at, []).extend(_v5_early_header(lab))
+                else:
+                    before[p.entry_line].extend(_v5_early_header(lab))
             continue  # no exit probes, no barrier probes: a block that passed the vote runs unrecorded
         if p.vote_line >= 0 and opts.late_reads:
             before.setdefault(p.entry_line, []).extend(_late_entry_probe(sym))
