@@ -150,6 +150,8 @@ def test_a_stack_reusing_one_kernel_pauses_twice_and_resumes_bit_equal(compiled_
     from concordia_ft.instrument.inductor import ArmedLaunches, capture_launches
     from concordia_ft.instrument.pause import GpuPauseTrigger
 
+    if SafepointOptions(**EXTRA).protocol != 5:
+        pytest.skip("the stack test is protocol 5's (protocol 4 arms a repeated kernel per launch)")
     nl = 5
     g = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(8192, 2048, device="cuda", generator=g)
@@ -171,8 +173,7 @@ def test_a_stack_reusing_one_kernel_pauses_twice_and_resumes_bit_equal(compiled_
         launches = capture_launches(stack, ())
     assert len(launches) == nl and len({k.function for k in launches}) == 1, [k.name for k in launches]
     armed = ArmedLaunches(launches)
-    if armed.protocol != 5:
-        pytest.skip("the stack test is protocol 5's (protocol 4 needs repeated='per_launch')")
+    assert armed.protocol == 5
     armed.arm()
     k = launches[0]
     xblock = int(k.autotuner.launchers[0].config.kwargs.get("XBLOCK", 0))
