@@ -20,7 +20,8 @@ COLORS = {"probes_v3/disarmed": "lightsteelblue", "probes_v3/armed": "tab:blue",
           "probes_lazy/disarmed": "palegreen", "probes_lazy/armed": "tab:green",
           "probes_late/disarmed": "thistle", "probes_late/armed": "tab:purple", "probes/reset_only": "silver",
           "probes_v5/disarmed": "lightcoral", "probes_v5/armed": "tab:red",
-          "probes_v5e/disarmed": "peachpuff", "probes_v5e/armed": "tab:brown"}
+          "probes_v5e/disarmed": "peachpuff", "probes_v5e/armed": "tab:brown",
+          "probes_v5s/disarmed": "lightgray", "probes_v5s/armed": "tab:gray"}
 
 
 def short(name: str) -> str:

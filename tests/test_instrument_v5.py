@@ -347,3 +347,27 @@ def test_pending_and_totals_on_a_hand_example() -> None:
     with pytest.raises(ValueError):
         v5_ctl_value(0x1000, 12)  # the header's own address is no region
     assert v5_align_log2(64) == 6 and v5_align_log2(65) == 7
+
+
+@needs_ptxas
+def test_stmatrix_before_the_first_barrier_no_longer_forces_an_entry_vote() -> None:
+    """Inductor's RMSNorm+rope kernel of the Qwen3 layer at 8x512 (PTX from the H200) writes shared memory with
+    stmatrix before its first barrier: protocol 4 (and ``stmatrix_sync=False``) vote at entry, protocol 5 at that
+    barrier, after the kernel's loads, and it still assembles without spills."""
+    from pathlib import Path
+
+    (path,) = sorted((Path(__file__).parent / "data" / "h200" / "inductor-qwen3-ptx").glob("*cudnn*.ptx"))
+    src = path.read_text().replace(".version 9.0", ".version 8.7")
+    assert "stmatrix" in src
+    k = rewrite_ptx(src).kernels[0].name
+    assert rewrite_ptx(src, SafepointOptions(protocol=4)).kernel(k).vote_site == "entry"
+    assert rewrite_ptx(src, SafepointOptions(stmatrix_sync=False)).kernel(k).vote_site == "entry"
+    res = rewrite_ptx(src)
+    assert res.kernel(k).vote_site == "barrier"
+    lines = _lines(res.ptx)
+    stm = max(i for i, ln in enumerate(lines) if ln.startswith("stmatrix"))
+    vote = next(i for i, ln in enumerate(lines) if ln.startswith(("barrier.red.or.pred", "bar.red.or.pred")))
+    assert stm < vote
+    a, plain = assemble(res.ptx), assemble(src)
+    print(f"registers plain {plain.registers[k]} v5 {a.registers[k]}")
+    assert a.spill_bytes.get(k, 0) == plain.spill_bytes.get(k, 0) == 0

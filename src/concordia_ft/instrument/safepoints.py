@@ -77,6 +77,11 @@ _CLUSTER_RE = re.compile(r"%cluster|%is_explicit_cluster|barrier\.cluster|\bmapa
                          r"\.reqnctapercluster|\.explicitcluster|\.maxclusterrank")
 _ASYNC_RE = re.compile(r"^(cp\.async|wgmma|mbarrier|tcgen05|st\.async|red\.async|cp\.reduce\.async|"
                        r"setmaxnreg|elect|stmatrix)")
+# for the vote placement of protocol 5: stmatrix is a synchronous warp store to shared memory (block-private),
+# nothing stays in flight after it, so a block may still leave at a barrier after it (protocol 4 keeps treating
+# it as asynchronous, so its code and numbers stay what they were)
+_ASYNC_NO_STMATRIX_RE = re.compile(r"^(cp\.async|wgmma|mbarrier|tcgen05|st\.async|red\.async|cp\.reduce\.async|"
+                                   r"setmaxnreg|elect)")
 _BARRIER_OPS = ("bar.sync", "barrier.sync", "barrier.sync.aligned", "bar.cta.sync", "barrier.cta.sync",
                 "barrier.cta.sync.aligned")
 _LOCAL_SPACES = (".shared", ".local", ".param")
@@ -115,6 +120,10 @@ class SafepointOptions:
     # site (straight-line code), so that it is in flight during the kernel's math instead of starting at the
     # vote; only the leader's warp waits for the control pointer there (DESIGN.md §1.0).
     early_header: bool = False
+    # Protocol 5: treat stmatrix (a synchronous warp store to shared memory) as what it is when placing the vote,
+    # so kernels that use it before their first barrier (Inductor's RMSNorm+rope kernels at 8x512) vote at that
+    # barrier instead of at entry. Protocol 4 always treats it as asynchronous (its code unchanged).
+    stmatrix_sync: bool = True
 
     def __post_init__(self) -> None:
         if self.protocol not in (4, 5):
@@ -424,7 +433,8 @@ class _Plan:
     vote_inserted: bool = False  # the vote is a barrier inserted before vote_line (the first global write)
 
 
-def _first_vote_site(kernel: Kernel, entry_line: int, before_write: bool) -> tuple[int, bool]:
+def _first_vote_site(kernel: Kernel, entry_line: int, before_write: bool,
+                     stmatrix_ok: bool = False) -> tuple[int, bool]:
     """Where the entry decision can be voted after entry: ``(line, inserted)``, or ``(-1, False)``.
 
     The first ``bar.sync 0`` reached from entry in straight-line code (no branch target, branch, call, return
@@ -446,8 +456,9 @@ def _first_vote_site(kernel: Kernel, entry_line: int, before_write: bool) -> tup
         head = st.op_parts[0]
         if before_write and is_global_effect(st) and head != "call":
             return st.index, True
-        if head in ("bra", "brx", "call", "ret", "exit", "trap") or is_global_effect(st) or \
-                _ASYNC_RE.match(st.opcode) or st.opcode.startswith(("bar.", "barrier.")):
+        asynchronous = (_ASYNC_NO_STMATRIX_RE if stmatrix_ok else _ASYNC_RE).match(st.opcode)
+        if head in ("bra", "brx", "call", "ret", "exit", "trap") or is_global_effect(st) or asynchronous or \
+                st.opcode.startswith(("bar.", "barrier.")):
             return -1, False
     return -1, False
 
@@ -477,7 +488,9 @@ def _plan(module: PtxModule, kernel: Kernel, opts: SafepointOptions,
     if entry_only is None and any(st.guard for st in kernel.statements if st.index in exits):
         entry_only, safe = "a guarded ret may take the block leader out before a barrier", []
     first = min([kernel.body_close] + [ln for ln in kernel.labels.values()] + [st.index for st in kernel.statements])
-    vote, inserted = _first_vote_site(kernel, first, opts.vote_before_write) if opts.deferred_vote else (-1, False)
+    vote, inserted = _first_vote_site(kernel, first, opts.vote_before_write,
+                                      opts.protocol == 5 and opts.stmatrix_sync) \
+        if opts.deferred_vote else (-1, False)
     if not inserted:
         safe = [ln for ln in safe if ln != vote]  # that barrier carries the entry vote instead
     rep = KernelReport(kernel.name, entry_only=entry_only, entry_probes=1, exit_probes=len(exits),
