@@ -365,7 +365,7 @@ def test_stmatrix_before_the_first_barrier_no_longer_forces_an_entry_vote() -> N
     res = rewrite_ptx(src)
     assert res.kernel(k).vote_site == "barrier"
     lines = _lines(res.ptx)
-    stm = max(i for i, ln in enumerate(lines) if ln.startswith("stmatrix"))
+    stm = min(i for i, ln in enumerate(lines) if ln.startswith("stmatrix"))
     vote = next(i for i, ln in enumerate(lines) if ln.startswith(("barrier.red.or.pred", "bar.red.or.pred")))
     assert stm < vote
     a, plain = assemble(res.ptx), assemble(src)
