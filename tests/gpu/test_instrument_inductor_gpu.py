@@ -230,4 +230,15 @@ def test_a_stack_reusing_one_kernel_pauses_twice_and_resumes_bit_equal(compiled_
             b.fill_(float("nan"))
         stack()
         assert armed.done_counts() == [k.nblocks] * nl and torch.equal(bufs[-1], want[-1])
+        # paused from the host through the side stream before the call: every launch skipped whole
+        armed.request_pause()
+        torch.cuda.synchronize()
+        for b in bufs[1:]:
+            b.fill_(float("nan"))
+        stack()
+        assert [len(p) for p in check_pending()] == [k.nblocks] * nl
+        armed.begin_resume()
+        stack()
+        assert armed.end_resume() == 0
+        assert all(torch.equal(bufs[i + 1], want[i]) for i in range(nl))
     armed.disarm()

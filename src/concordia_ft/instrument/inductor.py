@@ -309,6 +309,20 @@ class ArmedLaunches:
         self._need5()
         self.arena[HDR_PAUSE // 4:HDR_PAUSE // 4 + 1].fill_(1 if on else 0)
 
+    def request_pause(self) -> None:
+        """Protocol 5: pause a call that is running now: one write of the header's pause word from a stream of
+        its own (a stream memory operation needs no SM, so it lands while the call's kernels hold them all).
+        ``set_pause`` instead writes in the current stream's order (before or after a call, never inside it)."""
+        from ..cuda.driver import Stream
+        from .pause import _check, _drv
+
+        self._need5()
+        drv = _drv()
+        if getattr(self, "_side", None) is None:
+            self._side = Stream.create(non_blocking=True)
+        _check(drv.cuStreamWriteValue32(self._side.handle, self.arena.data_ptr() + HDR_PAUSE, 1, 0),
+               "cuStreamWriteValue32(pause)")
+
     def begin_resume(self) -> None:
         """Protocol 5, after a paused call drained: clear the pause, enter resume mode and set every block's
         countdown, on the current stream; then call the compiled function again (same inputs): exactly the
