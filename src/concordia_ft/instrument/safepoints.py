@@ -1,7 +1,13 @@
 """PTX safe points: block-entry pause/resume probes, exit probes and restartable barrier probes.
 
 ``rewrite_ptx(ptx)`` takes a module as Triton/Inductor wrote it and returns it with, per kernel that can be
-paused safely (DESIGN.md beside this file has the protocol):
+paused safely (DESIGN.md beside this file has the protocol).
+
+Protocol 5 (the default, "record on pause"): a module global ``cft_ctl_<kernel>`` (0 = disarmed) pointing at
+the kernel's per-block records in an arena whose header (pause, mode) every kernel of a call shares; the block
+leader reads the header as one 64-bit load at the vote site and, only when a pause or a resume is on, reads
+and rewrites its block's record (``v5_decide``); no exit probes, no barrier probes. Protocol 4
+(``SafepointOptions(protocol=4)``), described below, marks blocks done at their exit:
 
 - a module global ``cft_ctl_<kernel>`` (u64, zero = disarmed: the kernel then behaves as before, at the cost
   of one cached load and a branch per thread);
