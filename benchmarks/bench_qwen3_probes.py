@@ -17,8 +17,8 @@ with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache 
   the armed stack has no per-launch stream writes either);
 - ``probes_v5e``: as ``probes_v5`` with ``early_header=True`` (the leader issues its header load right after
   the kernel's last global load before the vote, so it is in flight during the math);
-- ``probes_v5s``: as ``probes_v5`` with ``stmatrix_sync=False`` (session 8 batch 1's v5: a kernel with stmatrix
-  before its first barrier votes at entry).
+- ``probes_v5s``: as ``probes_v5`` with ``stmatrix_sync=True`` (a kernel with stmatrix before its first barrier
+  votes at that barrier instead of at entry).
 Every worker compiles with ``TORCHINDUCTOR_DETERMINISTIC=1`` and ``triton.autotune_pointwise=False`` (batch 1 of
 session 7 autotuned, and the variants picked different XBLOCKs for 9 of 24 kernels: up to 3x apart); with
 ``--pin-configs 1`` (the default) every autotuner that still holds more than one config (batch 2 of session 7:
@@ -71,7 +71,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "probes_late": {"late_reads": True, "protocol": 4},  # session 7's default (protocol 4, late reads)
     "probes_v5": {"protocol": 5},  # session 8: record on pause (the default)
     "probes_v5e": {"protocol": 5, "early_header": True},  # the leader's header read after the last load
-    "probes_v5s": {"protocol": 5, "stmatrix_sync": False},  # batch 1's v5: stmatrix blocks the deferred vote
+    "probes_v5s": {"protocol": 5, "stmatrix_sync": True},  # stmatrix no longer blocks the deferred vote
 }
 
 from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import

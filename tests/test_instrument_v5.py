@@ -352,8 +352,8 @@ def test_pending_and_totals_on_a_hand_example() -> None:
 @needs_ptxas
 def test_stmatrix_before_the_first_barrier_no_longer_forces_an_entry_vote() -> None:
     """Inductor's RMSNorm+rope kernel of the Qwen3 layer at 8x512 (PTX from the H200) writes shared memory with
-    stmatrix before its first barrier: protocol 4 (and ``stmatrix_sync=False``) vote at entry, protocol 5 at that
-    barrier, after the kernel's loads, and it still assembles without spills."""
+    stmatrix before its first barrier: protocol 4 (and protocol 5 by default) vote at entry; with
+    ``stmatrix_sync=True`` at that barrier, after the kernel's loads, and it still assembles without spills."""
     from pathlib import Path
 
     (path,) = sorted((Path(__file__).parent / "data" / "h200" / "inductor-qwen3-ptx").glob("*cudnn*.ptx"))
@@ -361,8 +361,8 @@ def test_stmatrix_before_the_first_barrier_no_longer_forces_an_entry_vote() -> N
     assert "stmatrix" in src
     k = rewrite_ptx(src).kernels[0].name
     assert rewrite_ptx(src, SafepointOptions(protocol=4)).kernel(k).vote_site == "entry"
-    assert rewrite_ptx(src, SafepointOptions(stmatrix_sync=False)).kernel(k).vote_site == "entry"
-    res = rewrite_ptx(src)
+    assert rewrite_ptx(src).kernel(k).vote_site == "entry"  # the default: stmatrix_sync off until measured
+    res = rewrite_ptx(src, SafepointOptions(stmatrix_sync=True))
     assert res.kernel(k).vote_site == "barrier"
     lines = _lines(res.ptx)
     stm = min(i for i, ln in enumerate(lines) if ln.startswith("stmatrix"))

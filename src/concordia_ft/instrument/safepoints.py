@@ -128,8 +128,9 @@ class SafepointOptions:
     early_header: bool = False
     # Protocol 5: treat stmatrix (a synchronous warp store to shared memory) as what it is when placing the vote,
     # so kernels that use it before their first barrier (Inductor's RMSNorm+rope kernels at 8x512) vote at that
-    # barrier instead of at entry. Protocol 4 always treats it as asynchronous (its code unchanged).
-    stmatrix_sync: bool = True
+    # barrier instead of at entry. Protocol 4 always treats it as asynchronous (its code unchanged). Off by
+    # default until measured on the GPU (session 8's batch 2, which had it, did not run; +9 registers there).
+    stmatrix_sync: bool = False
 
     def __post_init__(self) -> None:
         if self.protocol not in (4, 5):
