@@ -18,7 +18,11 @@ with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache 
 - ``probes_v5e``: as ``probes_v5`` with ``early_header=True`` (the leader issues its header load right after
   the kernel's last global load before the vote, so it is in flight during the math);
 - ``probes_v5s``: as ``probes_v5`` with ``stmatrix_sync=True`` (a kernel with stmatrix before its first barrier
-  votes at that barrier instead of at entry).
+  votes at that barrier instead of at entry);
+- ``probes_v5c``: as ``probes_v5`` with ``const_ctl=True`` (the control pointer in the module's constant bank:
+  a constant-cache hit the kernel's streaming loads cannot evict);
+- ``probes_v5ce``: ``const_ctl`` and ``entry_header`` (the leader's header read issued at block entry);
+  ``probes_v5ces``: the same with ``stmatrix_sync``; ``probes_v5n``: ``entry_header`` with the pointer global.
 Every worker compiles with ``TORCHINDUCTOR_DETERMINISTIC=1`` and ``triton.autotune_pointwise=False`` (batch 1 of
 session 7 autotuned, and the variants picked different XBLOCKs for 9 of 24 kernels: up to 3x apart); with
 ``--pin-configs 1`` (the default) every autotuner that still holds more than one config (batch 2 of session 7:
@@ -72,6 +76,10 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "probes_v5": {"protocol": 5},  # session 8: record on pause (the default)
     "probes_v5e": {"protocol": 5, "early_header": True},  # the leader's header read after the last load
     "probes_v5s": {"protocol": 5, "stmatrix_sync": True},  # stmatrix no longer blocks the deferred vote
+    "probes_v5c": {"protocol": 5, "const_ctl": True},  # the control pointer in the constant bank
+    "probes_v5ce": {"protocol": 5, "const_ctl": True, "entry_header": True},  # + the header read at entry
+    "probes_v5ces": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": True},
+    "probes_v5n": {"protocol": 5, "entry_header": True},  # the header read at entry, the pointer global
 }
 
 from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import

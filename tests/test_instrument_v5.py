@@ -111,9 +111,48 @@ def test_protocol5_probes_assemble_with_no_exit_probe_and_one_header_load(name: 
     assert a.registers[k] <= max(plain.registers[k] + 6, 32), a.log
 
 
+@needs_ptxas
+@pytest.mark.parametrize("name,site", [("poi_silu_mul", "before_write"), ("softmax", "barrier"),
+                                       ("layernorm", "entry"), ("copy_then_reduce", "before_write")])
+def test_const_ctl_and_entry_header_put_the_pointer_in_the_constant_bank_and_the_header_read_at_entry(
+        name: str, site: str) -> None:
+    src = ptx_of(name)
+    res = rewrite_ptx(src, SafepointOptions(const_ctl=True, entry_header=True))
+    (rep,) = res.kernels
+    k = rep.name
+    assert rep.instrumented and rep.vote_site == site
+    assert f".visible .const .align 8 .u64 cft_ctl_{k};" in res.ptx
+    assert f".visible .global .align 8 .u64 cft_ctl_{k};" not in res.ptx
+    lines = _lines(res.ptx)
+    ptr = [i for i, ln in enumerate(lines) if "cft_ctl_" in ln and ln.startswith("ld.")]
+    assert len(ptr) == 1 and lines[ptr[0]].startswith("ld.const.u64")
+    hdr = [i for i, ln in enumerate(lines) if ln.startswith("ld.volatile.global.v2.u32 \t{%cft_r12, %cft_r13}")]
+    assert len(hdr) == 1 and ptr[0] < hdr[0]
+    own = [i for i, ln in enumerate(lines) if re.match(r"(@%p\d+ )?ld\.global", ln) and "cft_" not in ln]
+    if site != "entry":
+        assert own and hdr[0] < own[0]  # issued before any of the kernel's own loads
+    vote = next(i for i, ln in enumerate(lines) if ln.startswith(("barrier.red.or.pred", "bar.red.or.pred")))
+    assert hdr[0] < vote and lines[vote + 1] == "@%cft_p2 ret"
+    if site == "before_write":
+        assert _probe_free(res.ptx) == _probe_free(src)
+    plain, a = assemble(src), assemble(res.ptx)
+    print(f"{name}: registers plain {plain.registers[k]} const+entry {a.registers[k]}")
+    assert a.spill_bytes.get(k, 0) == plain.spill_bytes.get(k, 0)
+    assert a.registers[k] <= max(plain.registers[k] + 6, 32), a.log
+    # const_ctl alone keeps the header read at the vote
+    c = _lines(rewrite_ptx(src, SafepointOptions(const_ctl=True)).ptx)
+    ch = next(i for i, ln in enumerate(c) if ln.startswith("ld.volatile.global.v2.u32 \t{%cft_r12"))
+    cv = next(i for i, ln in enumerate(c) if ln.startswith(("barrier.red.or.pred", "bar.red.or.pred")))
+    assert any(ln.startswith("ld.const.u64") and "cft_ctl_" in ln for ln in c) and ch < cv
+    assemble(rewrite_ptx(src, SafepointOptions(const_ctl=True)).ptx)
+
+
 def test_protocol5_refuses_barrier_probes_and_unknown_protocols() -> None:
     with pytest.raises(InstrumentError, match="protocol 4 only"):
         SafepointOptions(barrier_probes=True)
+    for opt in ("const_ctl", "entry_header", "early_header"):
+        with pytest.raises(InstrumentError, match="protocol 5 options"):
+            SafepointOptions(protocol=4, **{opt: True})
     with pytest.raises(InstrumentError, match="protocols 4 and 5"):
         rewrite_ptx(ptx_of("softmax"), {"protocol": 3})
     # refusals are the same under both protocols: the kernel is left byte-for-byte unchanged
@@ -127,10 +166,16 @@ def test_protocol5_refuses_barrier_probes_and_unknown_protocols() -> None:
 _M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
 
 
-def _leader_snippet(early: bool = False) -> list[str]:
+_SNIPPET_OPTIONS = {"vote": SafepointOptions(), "early": SafepointOptions(early_header=True),
+                    "entry": SafepointOptions(entry_header=True, const_ctl=True)}
+
+
+def _leader_snippet(where: str = "vote") -> list[str]:
     """The instructions of the v5 leader decision as rewrite_ptx emits them (poi_silu_mul's vote site); with
-    ``early``, the early header read (and the zeroing at entry) in front, as the thread meets them."""
-    lines = _lines(rewrite_ptx(ptx_of("poi_silu_mul"), SafepointOptions(early_header=early)).ptx)
+    the header read early (after the last load, or at entry), that read (and the zeroing at entry) in front,
+    as the thread meets them."""
+    early = where != "vote"
+    lines = _lines(rewrite_ptx(ptx_of("poi_silu_mul"), _SNIPPET_OPTIONS[where]).ptx)
     start = next(i for i, ln in enumerate(lines) if ln.startswith("mov.u32 \t%cft_r14, 0"))
     end = next(i for i, ln in enumerate(lines) if ln.endswith("_lread:"))
     code = lines[start:end + 1]
@@ -233,11 +278,12 @@ def _run_leader(code: list[str], ctl: int, mem: dict[int, int], tid: tuple[int, 
 
 
 @given(st.integers(MODE_RUN, MODE_RESUME), st.integers(0, 1), st.integers(0, 5), st.integers(0, 6),
-       st.integers(6, 20), st.integers(0, 3), st.integers(0, 2), st.booleans(), st.data())
+       st.integers(6, 20), st.integers(0, 3), st.integers(0, 2), st.sampled_from(sorted(_SNIPPET_OPTIONS)),
+       st.data())
 @settings(max_examples=200, deadline=None)
 def test_the_emitted_leader_code_computes_v5_decide(mode: int, pause: int, s: int, rem: int, align: int,
-                                                    kreg: int, bx: int, early: bool, data: st.DataObject) -> None:
-    code = _leader_snippet(early)
+                                                    kreg: int, bx: int, where: str, data: st.DataObject) -> None:
+    code = _leader_snippet(where)
     grid = (3, 2, 2)
     by, bz = data.draw(st.integers(0, 1)), data.draw(st.integers(0, 1))
     b = (bz * grid[1] + by) * grid[0] + bx

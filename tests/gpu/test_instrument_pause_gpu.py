@@ -29,7 +29,8 @@ EXTRA = json.loads(os.environ.get("CFT_TEST_SAFEPOINT_OPTIONS", "{}"))
 @pytest.fixture(autouse=True)
 def _hook(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     barriers = bool(getattr(request, "param", False))
-    opts = {**EXTRA, "barrier_probes": True, "protocol": 4} if barriers else EXTRA  # barrier probes: v4 only
+    v4 = {k: v for k, v in EXTRA.items() if k not in ("const_ctl", "entry_header", "early_header")}
+    opts = {**v4, "barrier_probes": True, "protocol": 4} if barriers else EXTRA  # barrier probes: v4 only
     triton_hook.install(SafepointOptions(**opts), cache_dir=tmp_path_factory.mktemp("tcache"))
     yield
     triton_hook.uninstall()

@@ -348,10 +348,12 @@ static __device__ __forceinline__ unsigned long long cft_now() {
    / 2 = timed out, globaltimer at start]. */
 extern "C" __global__ void cft_pause_after_blocks(const unsigned int *bitmap, unsigned int nwords,
                                                   unsigned int threshold, unsigned int *pause_word,
-                                                  unsigned long long timeout_ns, unsigned long long *out) {
+                                                  unsigned long long timeout_ns, unsigned long long *out,
+                                                  unsigned int *started, unsigned int gen) {
   __shared__ unsigned int total;
   __shared__ int stop;
   unsigned long long t0 = cft_now();
+  if (threadIdx.x == 0) { atomicExch(started, gen); __threadfence_system(); }  /* releases the gated stream */
   const volatile unsigned int *bits = bitmap;
   for (;;) {
     if (threadIdx.x == 0) total = 0;
@@ -380,10 +382,12 @@ extern "C" __global__ void cft_pause_after_blocks(const unsigned int *bitmap, un
 extern "C" __global__ void cft_pause_after_writes(const unsigned int *buf, unsigned int n,
                                                   unsigned long long stride, unsigned int sentinel,
                                                   unsigned int threshold, unsigned int *pause_word,
-                                                  unsigned long long timeout_ns, unsigned long long *out) {
+                                                  unsigned long long timeout_ns, unsigned long long *out,
+                                                  unsigned int *started, unsigned int gen) {
   __shared__ unsigned int total;
   __shared__ int stop;
   unsigned long long t0 = cft_now();
+  if (threadIdx.x == 0) { atomicExch(started, gen); __threadfence_system(); }  /* releases the gated stream */
   const volatile unsigned int *w = buf;
   for (;;) {
     if (threadIdx.x == 0) total = 0;
@@ -413,7 +417,13 @@ class GpuPauseTrigger:
     stream reads the launch's done bits while it runs and writes the pause word once at least ``after_blocks``
     blocks have finished. The blocks running then finish, the blocks not yet started leave at entry: the pause
     lands mid-grid by construction, not by a host timer (a host write takes ~50-100 us to arrive, longer than
-    many kernels). ``timeout_s`` bounds the spin if the count is never reached (the launch was not armed)."""
+    many kernels). ``timeout_s`` bounds the spin if the count is never reached (the launch was not armed).
+
+    The launch's stream is gated on the trigger: ``arm`` enqueues a stream wait there (``cuStreamWaitValue32``)
+    that the trigger releases once it runs, so the watched kernel cannot fill the GPU first and leave the
+    trigger's block waiting for an SM until most of its grid was dispatched (session 8: a pause meant for 3/4
+    of a 262,144-block softmax landed after the grid drained). The trigger block is 128 threads (8 samples per
+    thread), no larger than a typical Triton block."""
 
     def __init__(self, device: int | None = None) -> None:
         from ..cuda import nvrtc
@@ -422,15 +432,18 @@ class GpuPauseTrigger:
         self._fn = self._mod.function("cft_pause_after_blocks")
         self._fn_writes = self._mod.function("cft_pause_after_writes")
         self._out: Any = None
+        self._gen = 0
         self.step = 1
 
     def arm(self, launch: PausableLaunch | ControlView, after_blocks: int, stream: Any, *,
             watch: Any = None, words_per_block: int = 0, sentinel: int = 0x7FC00000,
-            max_samples: int = 1024, timeout_s: float = 1.0) -> None:
+            max_samples: int = 1024, timeout_s: float = 1.0, gate: Any = "current") -> None:
         """``launch``: a ``PausableLaunch``, or one launch of an Inductor-compiled function
         (``inductor.ArmedLaunches.view(i)``). Enqueue the trigger on ``stream`` (a ``cuda.driver.Stream``; not the launch's stream, which it must
         run beside). Call after the launch's control block was zeroed on its stream and ``stream`` waits for
-        that, and before the launch itself."""
+        that, and before the launch itself. ``gate``: the stream the launch will run on (a torch stream, a raw
+        stream handle, or "current": torch's current stream), which waits until the trigger runs; None: no
+        gate (the trigger may start late)."""
         import ctypes
 
         import torch
@@ -440,7 +453,18 @@ class GpuPauseTrigger:
         if not 0 < after_blocks <= launch.nblocks:
             raise InstrumentError(f"after_blocks {after_blocks}: the launch has {launch.nblocks} blocks")
         if self._out is None:
-            self._out = torch.zeros(4, dtype=torch.int64, device=launch.ctl.device)
+            self._out = torch.zeros(5, dtype=torch.int64, device=launch.ctl.device)  # [4]: the started word
+        self._gen = gen = (self._gen % 0x7FFFFFFF) + 1
+        started = self._out.data_ptr() + 32
+        gate_handle: int | None = None
+        if gate is not None:
+            gs: Any = torch.cuda.current_stream(launch.ctl.device) if isinstance(gate, str) and gate == "current" \
+                else gate
+            gate_handle = int(gs.cuda_stream if hasattr(gs, "cuda_stream") else gs)
+            if int(getattr(stream, "handle", -1)) == gate_handle:
+                raise InstrumentError("the trigger's stream is the launch's: run the trigger on a stream of its "
+                                      "own (it must run beside the launch)")
+        tail = [(ctypes.c_uint64, started), (ctypes.c_uint32, gen)]
         if getattr(launch, "protocol", 4) == 5 or watch is not None:
             # no done bits (protocol 5): watch the first word each block writes, every step-th block (at most
             # max_samples words, one per thread of the trigger: a scan costs about one memory round trip, so the
@@ -458,21 +482,33 @@ class GpuPauseTrigger:
                                        (ctypes.c_uint64, step * words_per_block), (ctypes.c_uint32, sentinel),
                                        (ctypes.c_uint32, -(-after_blocks // step)),
                                        (ctypes.c_uint64, launch.pause_ptr), (ctypes.c_uint64, int(timeout_s * 1e9)),
-                                       (ctypes.c_uint64, self._out.data_ptr())])
+                                       (ctypes.c_uint64, self._out.data_ptr()), *tail])
             self._args = wargs
-            driver.launch(self._fn_writes, 1, 1024, wargs, stream, what="cft_pause_after_writes")
+            driver.launch(self._fn_writes, 1, 128, wargs, stream, what="cft_pause_after_writes")
+            self._gate(gate_handle, started, gen)
             return
         self.step = 1
         nwords = (launch.nblocks + 31) // 32
         args = driver.KernelArgs([(ctypes.c_uint64, launch.ctl.data_ptr() + CTL_BITMAP),
                                   (ctypes.c_uint32, nwords), (ctypes.c_uint32, after_blocks),
                                   (ctypes.c_uint64, launch.pause_ptr),
-                                  (ctypes.c_uint64, int(timeout_s * 1e9)), (ctypes.c_uint64, self._out.data_ptr())])
+                                  (ctypes.c_uint64, int(timeout_s * 1e9)), (ctypes.c_uint64, self._out.data_ptr()),
+                                  *tail])
         self._args = args  # alive until the launch has read them (the driver copies them at launch)
         driver.launch(self._fn, 1, 256, args, stream, what="cft_pause_after_blocks")
+        self._gate(gate_handle, started, gen)
+
+    @staticmethod
+    def _gate(handle: int | None, started: int, gen: int) -> None:
+        """The launch's stream waits until the trigger wrote ``gen`` into its started word (it is running)."""
+        if handle is None:
+            return
+        drv = _drv()
+        _check(drv.cuStreamWaitValue32(handle, started, gen, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ),
+               "cuStreamWaitValue32 (the launch's stream waits for the pause trigger to start)")
 
     def result(self) -> dict[str, int]:
         """After the trigger ran: done blocks it saw when it wrote the pause word, the write's globaltimer (ns),
         and whether it reached the count (else it timed out and paused anyway)."""
-        seen, t_write, how, t0 = (int(v) for v in self._out.cpu().tolist())
+        seen, t_write, how, t0, _started = (int(v) for v in self._out.cpu().tolist())
         return {"done_seen": seen * self.step, "sample_step": self.step, "t_write_ns": t_write, "reached": int(how == 1), "spin_ns": t_write - t0}

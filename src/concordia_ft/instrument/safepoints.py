@@ -131,10 +131,24 @@ class SafepointOptions:
     # barrier instead of at entry. Protocol 4 always treats it as asynchronous (its code unchanged). Off by
     # default until measured on the GPU (session 8's batch 2, which had it, did not run; +9 registers there).
     stmatrix_sync: bool = False
+    # Protocol 5: the control pointer lives in the module's constant bank (`.const`, written by the host with a
+    # plain copy when arming, as cudaMemcpyToSymbol does) instead of global memory, so every thread's load of
+    # it is a constant-cache hit that the kernel's own streaming loads cannot evict from L1 (DESIGN.md §1.0).
+    # Protocol 4 writes its pointers from the stream per launch (cuStreamWriteValue64): global memory only.
+    const_ctl: bool = False
+    # Protocol 5: the leader issues its header load at block entry, right after the control pointer's load, so
+    # the one L2 round trip of an armed block overlaps all of the kernel's work before the vote (with
+    # ``const_ctl`` the pointer itself is a constant-cache hit, so only the leader's warp waits for it, briefly).
+    # Takes precedence over ``early_header``.
+    entry_header: bool = False
 
     def __post_init__(self) -> None:
         if self.protocol not in (4, 5):
             raise InstrumentError(f"SafepointOptions(protocol={self.protocol}): protocols 4 and 5 exist")
+        if self.protocol != 5 and (self.const_ctl or self.entry_header or self.early_header):
+            raise InstrumentError("const_ctl, entry_header and early_header are protocol 5 options (protocol 4 "
+                                  "writes its control pointers from the stream per launch): drop them or use "
+                                  "SafepointOptions(protocol=5)")
         if self.protocol == 5 and self.barrier_probes:
             raise InstrumentError("barrier probes exist in protocol 4 only (a block leaving at a barrier would "
                                   "have to record itself after passing the vote): SafepointOptions(protocol=4, "
@@ -698,10 +712,10 @@ def _v5_decision_vote(st: Statement | None) -> list[str]:
     return ["\tsetp.ne.u32 \t%cft_p2, %cft_r14, 0;", f"\t{red} \t%cft_p2, 0, %cft_p2;", "\t@%cft_p2 ret;"]
 
 
-def _v5_entry_probe(sym: str, early: bool = False) -> list[str]:
+def _v5_entry_probe(sym: str, early: bool = False, space: str = ".global") -> list[str]:
     return ["\t// concordia-ft safe point (protocol 5): the control pointer's load issued, used at the vote",
             *(["\tmov.u32 \t%cft_r12, 0;", "\tmov.u32 \t%cft_r13, 0;"] if early else []),
-            f"\tld.global.u64 \t%cft_rd0, [{sym}];"]
+            f"\tld{space}.u64 \t%cft_rd0, [{sym}];"]
 
 
 def _v5_vote(lab: str, st: Statement | None, original: str, early: bool = False) -> list[str]:
@@ -716,9 +730,9 @@ def _v5_vote(lab: str, st: Statement | None, original: str, early: bool = False)
             f"{lab}_vdone:"]
 
 
-def _v5_entry_vote(sym: str, lab: str) -> list[str]:
+def _v5_entry_vote(sym: str, lab: str, space: str = ".global") -> list[str]:
     """Protocol 5 where no later vote site exists: load, decide and vote at entry."""
-    return [*_v5_entry_probe(sym), *_v5_vote(lab, None, "")]
+    return [*_v5_entry_probe(sym, space=space), *_v5_vote(lab, None, "")]
 
 
 def _leader() -> list[str]:
@@ -822,24 +836,27 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
             continue
         lab = f"$__cft{ki}"
         sym = SYMBOL_PREFIX + k.name
+        space = ".const" if opts.const_ctl else ".global"
         before.setdefault(k.header_start, []).extend(
             [f"// concordia-ft control block pointer of {k.name} (0: disarmed)",
-             f".visible .global .align 8 .u64 {sym};", ""])
+             f".visible {space} .align 8 .u64 {sym};", ""])
         after.setdefault(k.body_open, []).extend(_DECLS5 if opts.protocol == 5 else _DECLS)
         by_index = {st.index: st for st in k.statements}
         if opts.protocol == 5:
             before[k.header_start].extend([f".visible .global .align 4 .u32 {PROTO_PREFIX}{k.name} = 5;", ""])
-            early = opts.early_header and p.vote_line >= 0
+            early = (opts.early_header or opts.entry_header) and p.vote_line >= 0
             if p.vote_line < 0:
-                before.setdefault(p.entry_line, []).extend(_v5_entry_vote(sym, lab))
+                before.setdefault(p.entry_line, []).extend(_v5_entry_vote(sym, lab, space))
             elif p.vote_inserted:
-                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early))
+                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early, space))
                 before.setdefault(p.vote_line, []).extend(_v5_vote(lab, None, "", early))
             else:
-                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early))
+                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early, space))
                 replace[p.vote_line] = _v5_vote(lab, by_index[p.vote_line], module.lines[p.vote_line].rstrip("\n"),
                                                 early)
-            if early:  # after the kernel's last global load before the vote (straight-line code: no join)
+            if early and opts.entry_header:  # at entry, right after the pointer's load
+                before[p.entry_line].extend(_v5_early_header(lab))
+            elif early:  # after the kernel's last global load before the vote (straight-line code: no join)
                 loads = [st.index for st in k.statements if p.entry_line <= st.index < p.vote_line
                          and st.op_parts[0] == "ld" and _space_of(st) in (".global", "")]
                 at = max(loads) if loads else -1
