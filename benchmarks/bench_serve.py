@@ -91,7 +91,10 @@ def prompts(n: int, length: int, vocab: int, seed: int = 1) -> list[list[int]]:
 # suffixes: ":dN" (async_depth N), and, to attribute the cost only (the log is then WRONG; tokens are not
 # affected), ":nogpu" (no gather or copy of the rows on the side stream) or ":nowriter" (no C writer); and
 # ":nocompact" (the log never compacts: by default the engine compacts after twice its pool's bytes appended);
-# ":tN": the C writer's copy + CRC threads (default min(4, cores - 2)).
+# ":tN": the C writer's copy + CRC threads (default min(12, cores - 4)); ":nofuse": the C writer copies each
+# piece of a large payload whole, then checksums it (before: the bytes read twice from DRAM; default: fused in
+# 256 KiB chunks); ":lazy": nothing prepared at construction (EngineOptions prepare_ahead=False: the log's next
+# segment is then prepared beside the first steps, the pinned bulk buffer allocated by the first prefill).
 EPOCHS = ("none", "sync", "async", "c", "c-async")
 MODE_OPTIONS: dict[str, dict[str, Any]] = {
     "none": {"checkpoint": False}, "sync": {"step_epochs": "runtime"},
@@ -103,7 +106,8 @@ def mode_options(mode: str) -> tuple[dict[str, Any], str]:
     """Engine options and the ablation (CONCORDIA_STEP_EPOCH_ABLATE) of a mode with its suffixes."""
     base, *sfx = mode.split(":")
     if base not in MODE_OPTIONS:
-        raise ValueError(f"unknown mode {mode!r} (of {EPOCHS}, suffixes :dN :tN :nogpu :nowriter :nocompact)")
+        raise ValueError(f"unknown mode {mode!r} (of {EPOCHS}, suffixes :dN :tN :nogpu :nowriter :nocompact "
+                         ":nofuse :lazy)")
     opts, ablate = dict(MODE_OPTIONS[base]), ""
     for x in sfx:
         if x.startswith("d") and x[1:].isdigit():
@@ -114,6 +118,10 @@ def mode_options(mode: str) -> tuple[dict[str, Any], str]:
             opts["_threads"] = x[1:]
         elif x == "nocompact" and base != "none":
             opts["_nocompact"] = True
+        elif x == "nofuse" and base.startswith("c"):
+            opts["_fuse"] = "0"
+        elif x == "lazy" and base != "none":
+            opts["prepare_ahead"] = False
         else:
             raise ValueError(f"unknown suffix {x!r} of mode {mode!r}")
     return opts, ablate
@@ -134,6 +142,9 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: st
     if threads:
         os.environ["CONCORDIA_STEP_EPOCH_THREADS"] = threads
     nocompact = opts.pop("_nocompact", False)
+    fuse = opts.pop("_fuse", None)
+    if fuse is not None:
+        os.environ["CONCORDIA_STEP_EPOCH_FUSE"] = fuse
     t_construct = time.perf_counter()
     try:
         eng = Engine(model, None if d is None else d / "log", options(n, prompt, new, backend=backend, graphs=graphs,
@@ -144,6 +155,7 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: st
         os.environ.pop("CONCORDIA_STEP_EPOCH_ABLATE", None)
         if threads:
             os.environ.pop("CONCORDIA_STEP_EPOCH_THREADS", None)
+        os.environ.pop("CONCORDIA_STEP_EPOCH_FUSE", None)
     construct_s = time.perf_counter() - t_construct  # (the log's first segment and epoch: not in the run)
     reqs = [eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
             for p in prompts(n, prompt, vocab)]
@@ -196,7 +208,10 @@ def run_batch(model: Any, device: str, n: int, prompt: int, new: int, epochs: st
             "graph_steps": graph_steps, "capture_s": captured, "tokens": tokens,
             **({f"step_epoch_{k}_ms": 1e3 * v / max(1, fast.steps) for k, v in fast.t.items()} | {
                 "step_epochs": fast.steps, "step_epoch_bulk": fast.bulk_steps, "step_epoch_rolls": fast.rolls,
-                "step_epoch_fallbacks": fast.fallbacks} if fast is not None else {})}
+                "step_epoch_fallbacks": fast.fallbacks, "step_epoch_send_deferred": fast.send_deferred,
+                "step_epoch_largest_mb": fast.largest["bytes"] / 1e6,
+                "step_epoch_largest_write_ms": fast.largest["write_ms"],
+                "step_epoch_largest_commit_ms": fast.largest["commit_ms"]} if fast is not None else {})}
 
 
 def bench_throughput(model: Any, device: str, concurrency: list[int], prompt: int, new: int,

@@ -361,3 +361,119 @@ def test_step_epochs_count_toward_compaction_while_the_lease_lasts(shm_dir: Path
     rec = Engine.recover(shm_dir / "log", tiny_model("llama"), OPTIONS)
     assert not rec.running and {r.id: r.generated for r in rec.finished.values()} == ref
     rec.close()
+
+
+# ----------------------------------------------------------------------- large payloads, prepared segments
+@pytest.mark.parametrize(("threads", "fuse"), [(1, 0), (1, 12352), (4, 0), (4, 12352), (4, 256 << 10)])
+def test_large_payloads_fused_or_not_write_the_bytes_append_writes(shm_dir: Path, threads: int, fuse: int) -> None:
+    """Prefill-sized kv records (several MiB: cut into pieces on the writer's threads, each copied and
+    checksummed whole or in fused chunks of an odd size, the pieces' CRCs combined) next to small ones: the
+    segments are byte for byte ``append``'s, and the log replays."""
+    ppr = 3
+    kv = RegionSpec("kv", RegionKind.PAGED, 4096 * ppr * PAGE, PAGE, block_bytes=ppr * PAGE)
+    meta_spec = [kv]
+    kw = {"mapped_segment_bytes": 32 << 20}
+    a, b = shm_dir / "a", shm_dir / "b"
+    la = RecoveryLog.open(a, {"backend": "dram", "fsync": "never", **kw})
+    lb = RecoveryLog.open(b, {"backend": "dram", "fsync": "never", **kw})
+    la.append(defs=meta_spec)
+    lb.append(defs=meta_spec)
+    rng = np.random.default_rng(11)
+    w = slotlog.StepLogWriter(la, queue=8, threads=threads, parallel_min_bytes=1 << 20, fuse_bytes=fuse)
+    keep: list[np.ndarray] = []
+    sizes = [1700, 3, 513, 40, 2049]  # rows: 20 MiB, 36 KiB, 6 MiB, ...
+    for i, n in enumerate(sizes):
+        rows = np.sort(rng.choice(4096, size=n, replace=False)).astype(np.int64)
+        pages = (rows[:, None] * ppr + np.arange(ppr)).reshape(-1)
+        data = rng.integers(0, 256, len(pages) * PAGE, np.uint8)
+        keep.append(data)
+        recs = [slotlog.rows_record(b"kv", rows, ppr, PAGE, int(data.ctypes.data)),
+                slotlog.meta_record(encode_json({"step": i}))]
+        w.submit(i, slotlog.step_blob(recs))
+        lb.append(deltas=[RegionDelta(kv, pages, memoryview(data))], meta={"step": i})
+    w.wait(len(sizes) - 1)
+    w.stop()
+    la.close()
+    lb.close()
+    sa, sb = _segments(a), _segments(b)
+    assert len(sa) > 1 and sa == sb  # (32 MiB segments: 50 MiB of epochs roll)
+    ra = replay(a)
+    assert ra.outcome is Outcome.OK and ra.epoch == len(sizes) + 1
+    assert bytes(ra.regions["kv"].data) == bytes(replay(b).regions["kv"].data)
+
+
+def test_fuse_bytes_is_checked(shm_dir: Path) -> None:
+    log = RecoveryLog.open(shm_dir / "log", {"backend": "dram", "fsync": "never"})
+    log.append(defs=_specs())
+    with pytest.raises(ValueError, match="fuse_bytes"):
+        slotlog.StepLogWriter(log, fuse_bytes=5000)
+    assert log.lease_tail() is not None  # the failed writer gave the lease back
+
+
+class _Pin:
+    """Stands in for the CUDA layer's registrar on a host without a driver (records what it pinned)."""
+
+    def __init__(self) -> None:
+        self.pinned: list[int] = []
+        self.closed = 0
+
+    def __call__(self, address: int, nbytes: int) -> _Pin:
+        self.pinned.append(nbytes)
+        return self
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_wait_spare_returns_once_the_next_segment_is_ready_and_the_roll_takes_it(shm_dir: Path) -> None:
+    log = RecoveryLog.open(shm_dir / "log", {"backend": "dram", "fsync": "never", "mapped_segment_bytes": 4 << 20})
+    assert log.wait_spare(0.1) is False  # nothing prepares one: not registered
+    log.append(defs=_specs())
+    pin = _Pin()
+    log.set_mapping_registrar(pin)
+    assert log.wait_spare(30.0) is True
+    spare = log._spare
+    assert spare is not None and spare.stats["made"] == 1 and len(pin.pinned) == 2  # active + spare
+    w = slotlog.StepLogWriter(log, threads=2)
+    keep: list[np.ndarray] = []
+    rolled = False
+    for i, (deltas, meta) in enumerate(_steps(40)):
+        w.submit(i, _blob(deltas, meta, keep))
+        w.wait(i)
+        if not rolled and int(w.state()["end"]) > (3 << 19):  # 3 MiB more do not fit the 4 MiB segment
+            assert w.roll_if_needed(3 << 20) is True
+            rolled = True
+    w.stop()
+    assert rolled and len(list((shm_dir / "log").glob("incr.*.cft"))) == 2
+    assert spare.stats["made"] == 1  # the roll took the prepared segment (none made on the spot by the spare)
+    log.close()
+    assert replay(shm_dir / "log").outcome is Outcome.OK
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_an_engine_prepares_its_bulk_buffer_at_construction(shm_dir: Path, ahead: bool) -> None:
+    """max_batch_tokens 40 > a ring slot's 32 rows: prefill steps go through the bulk buffer; with
+    ``prepare_ahead`` it exists once the engine is built and no step allocates it. Either way the log holds what
+    the generic path's does."""
+    opts = {**OPTIONS, "backend": "dram", "max_batch_tokens": 40, "async_epochs": True, "async_depth": 4,
+            "prepare_ahead": ahead}
+    ga = Engine(tiny_model("llama"), shm_dir / "generic", {**opts, "step_epochs": "runtime"})
+    ca = Engine(tiny_model("llama"), shm_dir / "c", {**opts, "step_epochs": "c"})
+    assert ca.fast.cap_rows == 32
+    assert (ca.fast.bulk is not None) == ahead
+    if ahead:
+        assert ca.fast.bulk.numel() >= 40 * ca.geo.row_bytes and ca.fast.t["alloc"] == 0.0
+    for e in (ga, ca):
+        for a in workload():
+            e.submit(a[2], a[3], request_id=a[1])
+        while e.has_work:
+            e.step()
+    assert ca.fast.bulk_steps > 0 and ca.fast.fallbacks == 0
+    assert (ca.fast.t["alloc"] == 0.0) == ahead
+    assert ca.fast.largest["bytes"] > 32 * ca.geo.row_bytes and ca.fast.largest["write_ms"] > 0
+    assert {r.id: r.generated for r in ga.finished.values()} == {r.id: r.generated for r in ca.finished.values()}
+    ga.close()
+    ca.close()
+    sg, sc = _state(shm_dir / "generic"), _state(shm_dir / "c")
+    assert sg[1] == sc[1] and sg[2] == sc[2]
+    assert all(sg[0][k] == sc[0][k] for k in ("kv", "tokens", "rng"))

@@ -154,41 +154,6 @@ static uint32_t crc32c(uint32_t crc, const void *p, size_t n) {
     return crc_sw(crc, (const uint8_t *)p, n);
 }
 
-/* crc32c_combine: the CRC of A || B from crc(A), crc(B) and len(B) (zlib's crc32_combine: GF(2) matrices of the
- * reflected Castagnoli polynomial) */
-static uint32_t gf2_times(const uint32_t *mat, uint32_t vec) {
-    uint32_t sum = 0;
-    while (vec) {
-        if (vec & 1) sum ^= *mat;
-        vec >>= 1;
-        mat++;
-    }
-    return sum;
-}
-
-static void gf2_square(uint32_t *sq, const uint32_t *mat) {
-    for (int n = 0; n < 32; n++) sq[n] = gf2_times(mat, mat[n]);
-}
-
-static uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
-    if (!len2) return crc1;
-    uint32_t even[32], odd[32], row = 1;
-    odd[0] = CRC_POLY;
-    for (int n = 1; n < 32; n++) { odd[n] = row; row <<= 1; }
-    gf2_square(even, odd);
-    gf2_square(odd, even);
-    do {
-        gf2_square(even, odd);
-        if (len2 & 1) crc1 = gf2_times(even, crc1);
-        len2 >>= 1;
-        if (!len2) break;
-        gf2_square(odd, even);
-        if (len2 & 1) crc1 = gf2_times(odd, crc1);
-        len2 >>= 1;
-    } while (len2);
-    return crc1 ^ crc2;
-}
-
 /* ------------------------------------------------------------------------------------------------ format */
 /* core/format.py: ALIGN, the epoch header, record entries, the commit marker (little-endian everywhere). */
 #define ALIGN 4096ull
@@ -289,9 +254,10 @@ typedef struct {
     size_t n_stats, stats_cap;
     uint8_t zeros[ALIGN];
     /* StepWriter: helper threads that copy + checksum pieces of a large payload (the writer thread takes pieces
-     * too); their CRCs are combined (crc32c_combine) */
+     * too); their CRCs are combined (gf2_multmodp by x^(8 len)) */
     int n_helpers, pool_ready, pool_quit;
     uint64_t par_min;
+    uint64_t fuse; /* copy + CRC in chunks of this many bytes (0: copy a whole piece, then checksum it) */
     pthread_t helpers[MAX_HELPERS];
     pthread_mutex_t pm;
     pthread_cond_t pcv, dcv;
@@ -456,6 +422,25 @@ static int write_blob(Writer *w, const Item *it) {
     return store_epoch(w, recs, (int)n);
 }
 
+/* One piece: its CRC32C, and its copy to dst unless NULL. Fused (fuse > 0): in chunks of ``fuse`` bytes, each
+ * copied then checksummed from the destination while it is still in the core's cache, so DRAM is read once
+ * (the source) and written once instead of the destination being read back after the whole piece was copied
+ * (a prefill's epoch is hundreds of MB: the unfused copy + CRC read the bytes twice from DRAM). */
+static uint32_t piece_crc_copy(const uint8_t *src, uint8_t *dst, uint64_t len, uint64_t fuse) {
+    if (!dst) return crc32c(0, src, len);
+    if (!fuse) {
+        memcpy(dst, src, len);
+        return crc32c(0, dst, len);
+    }
+    uint32_t c = 0;
+    for (uint64_t o = 0; o < len; o += fuse) {
+        uint64_t n = len - o < fuse ? len - o : fuse;
+        memcpy(dst + o, src + o, n);
+        c = crc32c(c, dst + o, n);
+    }
+    return c;
+}
+
 /* the helpers: take pieces until none is left (the writer thread runs the same loop) */
 static void run_pieces(Writer *w) {
     for (;;) {
@@ -463,12 +448,7 @@ static void run_pieces(Writer *w) {
         if (w->next_piece >= w->n_pieces) { pthread_mutex_unlock(&w->pm); return; }
         Piece *pc = &w->pieces[w->next_piece++];
         pthread_mutex_unlock(&w->pm);
-        if (pc->dst) {
-            memcpy(pc->dst, pc->src, pc->len);
-            pc->crc = crc32c(0, pc->dst, pc->len);
-        } else {
-            pc->crc = crc32c(0, pc->src, pc->len);
-        }
+        pc->crc = piece_crc_copy(pc->src, pc->dst, pc->len, w->fuse);
         pthread_mutex_lock(&w->pm);
         if (++w->done_pieces == w->n_pieces) pthread_cond_broadcast(&w->dcv);
         pthread_mutex_unlock(&w->pm);
@@ -489,10 +469,20 @@ static void *helper_main(void *arg) {
     return NULL;
 }
 
-/* CRC32C of src[0, len) (and a copy to dst unless NULL), cut into pieces shared with the helpers */
+/* CRC32C of src[0, len) (and a copy to dst unless NULL), cut into pieces shared with the helpers. Fused: up to
+ * PIECES_PER_THREAD pieces a thread (of at least MIN_PIECE bytes), taken in turn, so a thread the decode thread
+ * or the driver preempts holds up one small piece, not a whole share; unfused (the layout before): one piece a
+ * thread. The pieces' CRCs are combined in order (x^(8 len) mod P, then a multiply: microseconds a piece). */
+#define PIECES_PER_THREAD 4
+#define MIN_PIECE (4ull << 20)
 static uint32_t par_crc_copy(Writer *w, const uint8_t *src, uint8_t *dst, uint64_t len) {
-    int k = w->n_helpers + 1;
-    uint64_t piece = align_up((len + (uint64_t)k - 1) / (uint64_t)k, ALIGN);
+    uint64_t k = (uint64_t)w->n_helpers + 1;
+    if (w->fuse) {
+        uint64_t want = k * PIECES_PER_THREAD, most = (len + MIN_PIECE - 1) / MIN_PIECE;
+        k = want < most ? want : most;
+        if (k < (uint64_t)w->n_helpers + 1) k = (uint64_t)w->n_helpers + 1;
+    }
+    uint64_t piece = align_up((len + k - 1) / k, ALIGN);
     int n = (int)((len + piece - 1) / piece);
     if (n > MAX_PIECES) { piece = align_up((len + MAX_PIECES - 1) / MAX_PIECES, ALIGN); n = (int)((len + piece - 1) / piece); }
     Piece pcs[MAX_PIECES];
@@ -516,8 +506,9 @@ static uint32_t par_crc_copy(Writer *w, const uint8_t *src, uint8_t *dst, uint64
     w->n_pieces = w->next_piece = w->done_pieces = 0;
     w->pieces = NULL;
     pthread_mutex_unlock(&w->pm);
-    uint32_t crc = pcs[0].crc;
-    for (int i = 1; i < n; i++) crc = crc32c_combine(crc, pcs[i].crc, pcs[i].len);
+    uint32_t crc = pcs[0].crc, full = crc_shift_op(piece);
+    for (int i = 1; i < n; i++)
+        crc = gf2_multmodp(pcs[i].len == piece ? full : crc_shift_op(pcs[i].len), crc) ^ pcs[i].crc;
     return crc;
 }
 
@@ -555,10 +546,13 @@ static int store_epoch(Writer *w, Rec *recs, int nr) {
     for (int i = 0; i < nr; i++)
         if (recs[i].rtype != REC_META) {
             recs[i].placed = 0;
+            uint8_t *dst = w->kind == TARGET_MAPPED ? w->base + start + recs[i].off : NULL;
             if (w->pool_ready && recs[i].plen >= w->par_min) { /* large: copied (mapped) + checksummed in pieces */
-                uint8_t *dst = w->kind == TARGET_MAPPED ? w->base + start + recs[i].off : NULL;
                 recs[i].crc = par_crc_copy(w, recs[i].payload, dst, recs[i].plen);
                 recs[i].placed = dst != NULL;
+            } else if (dst && w->fuse && recs[i].plen >= w->par_min) { /* one thread: fused, read once */
+                recs[i].crc = piece_crc_copy(recs[i].payload, dst, recs[i].plen, w->fuse);
+                recs[i].placed = 1;
             } else {
                 recs[i].crc = crc32c(0, recs[i].payload, recs[i].plen);
             }
@@ -788,10 +782,14 @@ out:
 
 /* StepWriter(queue): generic epochs, each submitted as a records blob (write_blob) */
 static int StepWriter_init(Writer *w, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"queue", "threads", "parallel_min_bytes", NULL};
-    unsigned long long queue = 64, par_min = 1 << 20;
+    static char *kwlist[] = {"queue", "threads", "parallel_min_bytes", "fuse_bytes", NULL};
+    unsigned long long queue = 64, par_min = 1 << 20, fuse = 256 << 10;
     int threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|KiK", kwlist, &queue, &threads, &par_min)) return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|KiKK", kwlist, &queue, &threads, &par_min, &fuse)) return -1;
+    if (fuse && (fuse < 4096 || fuse % 64)) {
+        PyErr_SetString(PyExc_ValueError, "fuse_bytes must be 0 or a multiple of 64 of at least 4096");
+        return -1;
+    }
     if (threads < 1 || threads > MAX_HELPERS + 1) {
         PyErr_Format(PyExc_ValueError, "threads must be 1 to %d", MAX_HELPERS + 1);
         return -1;
@@ -811,6 +809,7 @@ static int StepWriter_init(Writer *w, PyObject *args, PyObject *kw) {
     w->last_seq = -1;
     w->fd = -1;
     w->par_min = par_min ? par_min : 1;
+    w->fuse = fuse;
     if (threads > 1) {
         pthread_mutex_init(&w->pm, NULL);
         pthread_cond_init(&w->pcv, NULL);

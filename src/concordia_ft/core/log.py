@@ -605,6 +605,13 @@ class RecoveryLog:
                     header_bytes=SEGMENT_HEADER_BYTES)
                 self._spare.start()
 
+    def wait_spare(self, timeout_s: float | None = None) -> bool:
+        """Until the next segment being prepared ahead (``set_mapping_registrar``) is ready, at most
+        ``timeout_s``; True when one is ready, False when none is (no spare preparer: not a mapped log, or
+        nothing registered it; a failed preparation: the roll then makes its segment itself)."""
+        spare = self._spare
+        return spare.wait_ready(timeout_s) if spare is not None else False
+
     def _placed_append(self, number: int, defs: list[RegionSpec], drops: list[str], deltas: list[RegionDelta],
                        placed: dict[int, PlacedPayload], meta: Any) -> tuple[Any, int]:
         """One epoch whose payloads ``placed`` (index into ``deltas`` -> device payload) are DMA'd straight into

@@ -424,6 +424,25 @@ class SparePreparer:
         else:
             self.stats["retired"] += 1
 
+    def wait_ready(self, timeout_s: float | None = None) -> bool:
+        """Until the spare being prepared (created, faulted in, registered) is ready, at most ``timeout_s``:
+        True when one is ready. A caller that must not have the preparation run beside its work (the serving
+        engine, before its first step) waits here, where the time is its own and reported as such."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self.ahead:
+            t = self._thread
+            if t is not None:
+                t.join(timeout_s)
+            with self._lock:
+                return self._spare is not None
+        with self._cond:
+            while self._making and not self._stopping and self._worker is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(left)
+            return self._spare is not None
+
     def stop(self) -> None:
         """Tell the worker to finish (without waiting: ``close`` joins it)."""
         with self._cond:

@@ -75,6 +75,11 @@ class EngineOptions:
     # waits for the oldest when more are held; outputs committed by a step's end leave then, merged); the
     # generic path holds one; a ring slot of pinned memory per held step. Not logged.
     async_depth: int = 24
+    # a fresh engine prepares at construction what its first steps would otherwise wait for or run beside: the
+    # log's next segment (created, faulted in, registered with the driver: ~0.25 s on the H200 host for 0.5 GiB,
+    # which beside the first decode steps cost them throughput and p99) and the step epochs' pinned bulk buffer
+    # for a full prefill. Construction takes that much longer (benchmarks report it apart). Not logged.
+    prepare_ahead: bool = True
 
     @classmethod
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
@@ -279,6 +284,10 @@ class Engine:
                 # a fresh log's first epoch: the region definitions and the empty engine (step 0), so the first
                 # step's epoch (a prefill, the largest) need not carry the definitions and may take the step path
                 self.runtime.checkpoint(meta={META_KEY: self._meta()})
+                if opts.prepare_ahead:
+                    if self.fast is not None:
+                        self.fast.prepare_bulk(opts.max_batch_tokens)
+                    self.runtime.log.wait_spare(timeout_s=60.0)
 
     def _log_options(self) -> dict[str, Any] | None:
         """A GPU engine's mapped log segments hold its largest step's epoch (a full prefill of
@@ -574,7 +583,7 @@ class Engine:
         if self._fast_rows is not None:
             self.fast.gather(self.step_no + 1, self._fast_rows)
         if self.fast is not None and (self.fast.prepared is not None or self.fast.deferred is not None):
-            self.fast.send()  # the previous step's epoch (pipelined), while this forward computes
+            self.fast.send(wait_copy=False)  # the previous step's epoch (pipelined), while this forward computes
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:
         if not r.params.ignore_eos and tok in r.params.eos_token_ids:

@@ -140,6 +140,9 @@ class StepEpochs:
         # (H200 host, 16 cores, 32 requests: 12 threads cut the whole-run cost 22.2 -> 17.0%)
         self.threads = int(threads) if threads else int(os.environ.get(
             "CONCORDIA_STEP_EPOCH_THREADS", max(1, min(12, (os.cpu_count() or 1) - 4))))
+        # copy + CRC of a large payload fused in chunks of this many bytes (0: unfused, the layout before; the
+        # benchmark's ablation ``:nofuse``)
+        self.fuse_bytes = int(os.environ.get("CONCORDIA_STEP_EPOCH_FUSE", 256 << 10))
         geo = eng.geo
         self.device = eng.device
         self.cuda = self.device.type == "cuda"
@@ -195,6 +198,10 @@ class StepEpochs:
         self.t = dict.fromkeys(PHASES, 0.0)  # host seconds in each phase, all steps
         self.rolls = 0  # segment rolls done on the engine's thread
         self.overlapped = 0  # deferred epochs prepared and sent while the next forward ran (pipelined)
+        self.send_deferred = 0  # sends put off to the step's end: the rows' copy was still running (pipelined)
+        # the largest epoch the writer stored (a prefill's): its bytes, the writer's time on it (start to commit)
+        # and from its submit to its commit (ms), from the writer's stats at the end of each lease
+        self.largest = {"bytes": 0.0, "write_ms": 0.0, "commit_ms": 0.0}
         # benchmark attribution only (bench_serve.py --modes c-async:nogpu / :nowriter): "gpu" skips the rows'
         # gather and copy, "writer" the C writer (the epoch counts as committed): the log is then WRONG
         self._ablate = os.environ.get("CONCORDIA_STEP_EPOCH_ABLATE", "")
@@ -253,9 +260,7 @@ class StepEpochs:
 
     def _idx_host(self, seq: int, n: int, bulk: bool) -> torch.Tensor:
         if bulk:
-            if self.bulk_idx.numel() < n:
-                self.bulk_idx = torch.empty(1 << (n - 1).bit_length(), dtype=torch.long, pin_memory=True)
-            return self.bulk_idx[:n]
+            return self.bulk_idx[:n]  # (sized by _bulk_view)
         k = seq % self.n_slots
         return self.idx_host[k * self.cap_rows: k * self.cap_rows + n]
 
@@ -266,6 +271,13 @@ class StepEpochs:
         if self.bulk_p is not None:
             self.bulk_p.wait()
             self.bulk_p = None
+        self._ensure_bulk(n)
+        assert self.bulk is not None
+        return self.bulk[: n * self.row_bytes].view(n, self.row_bytes)
+
+    def _ensure_bulk(self, n: int) -> None:
+        """The bulk buffer (and the indices' buffers) for ``n`` rows (nothing of the last bulk step is in
+        flight: it committed)."""
         need = n * self.row_bytes
         if self.bulk is None or self.bulk.numel() < need:
             t0 = time.perf_counter()
@@ -273,9 +285,20 @@ class StepEpochs:
                 _give_bulk(self.bulk)
             self.bulk = _take_bulk(1 << max(20, (need - 1).bit_length()), self.cuda)
             self.t["alloc"] += time.perf_counter() - t0
-        if self.cuda and self.bulk_idx_dev.numel() < n:  # (the last bulk step's side work is done: it committed)
+        if self.cuda and self.bulk_idx_dev.numel() < n:
             self.bulk_idx_dev = torch.empty(1 << (n - 1).bit_length(), dtype=torch.long, device=self.device)
-        return self.bulk[:need].view(n, self.row_bytes)
+        if self.cuda and self.bulk_idx.numel() < n:
+            self.bulk_idx = torch.empty(1 << (n - 1).bit_length(), dtype=torch.long, pin_memory=True)
+
+    def prepare_bulk(self, rows: int) -> None:
+        """At construction (``EngineOptions.prepare_ahead``): the bulk buffer for a step of ``rows`` rows (a full
+        prefill of ``max_batch_tokens``), so the first prefill does not page-lock it (~0.3 s for 0.5 GiB on the
+        H200 host; a buffer a closed engine of this process left is taken instead). Nothing when such a step
+        fits a ring slot or would take the generic path."""
+        if self.cap_rows < rows and rows * self.row_bytes <= self.bulk_max_bytes and self.bulk_p is None:
+            t = self.t["alloc"]
+            self._ensure_bulk(rows)
+            self.t["alloc"] = t  # construction's, not a step's
 
     def _free_slot(self, seq: int) -> None:
         old = seq - self.n_slots
@@ -353,7 +376,8 @@ class StepEpochs:
         t0 = time.perf_counter()
         seq, rows, kv_rec, bulk = gathered
         if self.writer is None:
-            self.writer = slotlog.StepLogWriter(eng.runtime.log, queue=self.n_slots + 2, threads=self.threads)
+            self.writer = slotlog.StepLogWriter(eng.runtime.log, queue=self.n_slots + 2, threads=self.threads,
+                                                fuse_bytes=self.fuse_bytes)
             st = self.writer.state()
             self.bytes0, self.epochs0 = int(st["bytes_written"]), int(st["epochs"])
             self._bytes_seen = self.bytes0
@@ -391,12 +415,17 @@ class StepEpochs:
         self.prepared = p
         self.t["prepare"] += time.perf_counter() - t0
 
-    def send(self) -> None:
+    def send(self, *, wait_copy: bool = True) -> None:
         """Hand the prepared (or deferred) epoch to the C writer (once its rows are in the ring: the side
-        stream's copy)."""
+        stream's copy). ``wait_copy=False`` (right after the next forward's launch): an epoch whose rows are
+        still being copied (a prefill's hundreds of MB) stays prepared, and the step's end sends it (``defer``),
+        instead of the decode thread waiting for the copy before the sampler."""
         self.materialize(overlapped=True)
         p = self.prepared
         if p is None:
+            return
+        if not wait_copy and p.event is not None and not p.event.query():
+            self.send_deferred += 1
             return
         t0 = time.perf_counter()
         self.prepared = None
@@ -493,6 +522,15 @@ class StepEpochs:
         self.writer = None
         w.stop()
         self._count(w)
+        self._note_largest(w)
+
+    def _note_largest(self, w: slotlog.StepLogWriter) -> None:
+        st = w.stats()
+        if len(st):
+            i = int(np.argmax(st[:, 4]))
+            if st[i, 4] > self.largest["bytes"]:
+                self.largest = {"bytes": float(st[i, 4]), "write_ms": float(st[i, 3] - st[i, 2]) / 1e6,
+                                "commit_ms": float(st[i, 3] - st[i, 1]) / 1e6}
 
     def _count(self, w: slotlog.StepLogWriter, *, reset: bool = True) -> None:
         """The writer's bytes and epochs since the last count go to the runtime's compaction threshold like its
