@@ -13,11 +13,14 @@ import pytest
 
 import concordia_ft as cft
 from concordia_ft.core.replay import ReplayOptions, replay
+from concordia_ft.core import streamed as streamed_mod
 from concordia_ft.core.streamed import HostSink, plan_streamed, run_streamed
 from concordia_ft.errors import ConfigError, LogCorruptError
 from concordia_ft.recovery import RecoveryOptions
 
 PAGE = 512
+# the chunk loop: the C one (core/_streamloop.c) where it is built, and always the Python one
+LOOPS = ["python"] + (["c"] if streamed_mod.c_loop_available() else [])
 ROW = 4 * PAGE  # a "row" of 4 pages, the paged region's block
 
 
@@ -54,13 +57,15 @@ def _write_log(log: Path, rng: np.random.Generator, *, steps: int, compact_at: i
     return {"kv": kv.copy(), "small": small.copy()}
 
 
-def _streamed(log: Path, name: str, *, slot_bytes: int, slots: int, threads: int) -> tuple[np.ndarray, object]:
+def _streamed(log: Path, name: str, *, slot_bytes: int, slots: int, threads: int,
+              loop: str = "auto") -> tuple[np.ndarray, object]:
     res = replay(log, materialize=False)
     assert res.pending is not None
     spec = res.specs[name]
     plan = res.pending.streamed_plan(name, slot_bytes)
     out = np.full(spec.n_pages * spec.page_bytes, 0xAB, dtype=np.uint8)  # garbage: every byte must be written
-    stats = run_streamed(plan, HostSink(out, spec.page_bytes, slots=slots, slot_bytes=slot_bytes), threads=threads)
+    stats = run_streamed(plan, HostSink(out, spec.page_bytes, slots=slots, slot_bytes=slot_bytes), threads=threads,
+                         loop=loop)
     res.close()
     return out[: spec.nbytes], (plan, stats)
 
@@ -68,16 +73,18 @@ def _streamed(log: Path, name: str, *, slot_bytes: int, slots: int, threads: int
 @pytest.mark.parametrize(("slot_bytes", "slots", "threads"), [(PAGE, 2, 1), (3 * PAGE, 3, 2), (64 << 10, 4, 3),
                                                               (1 << 20, 2, 1)])
 @pytest.mark.parametrize("shape", ["plain", "compacted", "redefined"])
+@pytest.mark.parametrize("loop", LOOPS)
 def test_streamed_restore_equals_the_image_and_the_live_buffer(shm_dir: Path, slot_bytes: int, slots: int,
-                                                               threads: int, shape: str) -> None:
+                                                               threads: int, shape: str, loop: str) -> None:
     rng = np.random.default_rng(7)
     log = shm_dir / "log"
     kw = {"compact_at": 9} if shape == "compacted" else {"redefine_at": 12} if shape == "redefined" else {}
     final = _write_log(log, rng, steps=20, **kw)
     image = replay(log).regions["kv"].data
     assert np.array_equal(image, final["kv"])  # the reference: the image path
-    got, (plan, stats) = _streamed(log, "kv", slot_bytes=slot_bytes, slots=slots, threads=threads)
+    got, (plan, stats) = _streamed(log, "kv", slot_bytes=slot_bytes, slots=slots, threads=threads, loop=loop)
     assert np.array_equal(got, final["kv"])
+    assert stats.extra.get("c_loop", 0.0) == float(loop == "c")  # type: ignore[attr-defined]
     assert plan.copy_bytes + plan.unfilled * PAGE == final["kv"].nbytes  # each live page copied exactly once
     # rows no one wrote (zeros) are written by the sink, not by a chunk; a redefinition logged every row anew
     assert (plan.unfilled > 0) == (shape != "redefined")
@@ -151,8 +158,9 @@ def _damage(log: Path, where: str) -> None:
 
 @pytest.mark.parametrize("on_sink", [False, True], ids=["fill-threads", "sink"])
 @pytest.mark.parametrize("where", ["live", "superseded"])
+@pytest.mark.parametrize("loop", LOOPS)
 def test_a_deferred_checksum_failure_is_raised_by_the_streamed_restore(shm_dir: Path, where: str,
-                                                                       on_sink: bool) -> None:
+                                                                       on_sink: bool, loop: str) -> None:
     log = shm_dir / "log"
     _write_log(log, np.random.default_rng(3), steps=30)
     _damage(log, where)
@@ -165,13 +173,16 @@ def test_a_deferred_checksum_failure_is_raised_by_the_streamed_restore(shm_dir: 
     out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
     # the sink checksums the copied pieces where they landed (the device sink's protocol), or the fill threads do
     with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
-        run_streamed(plan, HostSink(out, PAGE, slots=3, slot_bytes=16 << 10, verify=on_sink), threads=2)
+        run_streamed(plan, HostSink(out, PAGE, slots=3, slot_bytes=16 << 10, verify=on_sink), threads=2, loop=loop)
     res.close()
 
 
-@pytest.mark.parametrize(("on_sink", "prefault"), [(False, 0), (True, 0), (True, 2)])
+@pytest.mark.parametrize(("on_sink", "prefault", "loop"), [(False, 0, "python"), (True, 0, "python"),
+                                                          (True, 2, "python"), (False, 0, "c"), (True, 0, "c")])
 def test_deferred_checks_of_an_undamaged_log_pass_and_cover_every_payload_byte(shm_dir: Path, on_sink: bool,
-                                                                              prefault: int) -> None:
+                                                                              prefault: int, loop: str) -> None:
+    if loop not in LOOPS:
+        pytest.skip("the C chunk loop is not built")
     log = shm_dir / "log"
     final = _write_log(log, np.random.default_rng(5), steps=30)
     res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
@@ -182,11 +193,12 @@ def test_deferred_checks_of_an_undamaged_log_pass_and_cover_every_payload_byte(s
     assert plan.crc_only  # some bytes are only checksummed (superseded rows)
     out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
     st = run_streamed(plan, HostSink(out, PAGE, slots=4, slot_bytes=8 << 10, verify=on_sink), threads=3,
-                      prefault=prefault)
+                      prefault=prefault, loop=loop)
     res.close()
     assert st.extra["verified_bytes"] == total
-    assert st.extra["verify_on_device"] == float(on_sink)
-    if on_sink:  # every copied piece was checksummed by the sink, the superseded ones on the host
+    # the C loop's host target cannot call the sink back: its fill threads checksum the pieces instead
+    assert st.extra["verify_on_device"] == float(on_sink and loop == "python")
+    if on_sink and loop == "python":  # every copied piece was checksummed by the sink, the superseded ones on the host
         assert st.extra["device_verified_pieces"] == len(plan.pieces) - len(plan.crc_only)
     assert np.array_equal(out[: final["kv"].nbytes], final["kv"])
 
