@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import concordia_ft as cft
-from concordia_ft.core.replay import ReplayOptions, replay
 from concordia_ft.core import streamed as streamed_mod
+from concordia_ft.core.replay import ReplayOptions, replay
 from concordia_ft.core.streamed import HostSink, plan_streamed, run_streamed
 from concordia_ft.errors import ConfigError, LogCorruptError
 from concordia_ft.recovery import RecoveryOptions
@@ -217,3 +217,82 @@ def test_a_runtime_with_deferred_checks_refuses_damage_before_restoring_or_appen
         rt.recover_into(keep_images=False)  # a host region: checked before its image is built
     assert not kv.any()
     rt.close()
+
+
+@pytest.mark.skipif("c" not in LOOPS, reason="the C chunk loop is not built")
+def test_the_c_loops_crc32c_is_the_reference_crc32c() -> None:
+    from concordia_ft.core.checksums import crc32c
+
+    lib = streamed_mod._streamloop
+    rng = np.random.default_rng(11)
+    data = rng.integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    for a, n in [(0, 0), (1, 7), (3, 64), (5, 1000), (0, 5000), (7, 4093)]:
+        part = data[a:a + n]
+        assert lib.crc32c(part) == crc32c(part)
+        assert lib.crc32c(part[n // 2:], lib.crc32c(part[:n // 2])) == crc32c(part)  # continued
+
+
+@pytest.mark.skipif("c" not in LOOPS, reason="the C chunk loop is not built")
+def test_the_c_loop_refuses_a_plan_that_points_outside_its_ring_or_target(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    SLOT = 4 * ROW  # noqa: N806
+    _write_log(log, np.random.default_rng(2), steps=12)
+    res = replay(log, materialize=False)
+    assert res.pending is not None
+    plan = res.pending.streamed_plan("kv", SLOT)
+    out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
+    sink = HostSink(out, PAGE, slots=2, slot_bytes=SLOT)
+    lib = streamed_mod._streamloop
+    scattered = [k for k, c in enumerate(plan.chunks) if c.run_start < 0]
+    direct = [k for k, c in enumerate(plan.chunks) if c.run_start >= 0]
+    assert scattered and direct
+
+    def attempt(edit: object) -> None:
+        flat = streamed_mod.flatten_plan(plan)
+        edit(flat)  # type: ignore[operator]
+        lib.run(flat.srcs, flat.copies, flat.chunks, flat.pages, sink._ring_mem, SLOT, 2, 2, PAGE, host_dst=out)
+
+    attempt(lambda f: None)  # the plan as made streams
+
+    def far_page(f: streamed_mod.FlatPlan) -> None:
+        f.pages[int(f.chunks[scattered[0], streamed_mod.C_PAGE0])] = plan.spec.n_pages
+
+    def far_run(f: streamed_mod.FlatPlan) -> None:
+        f.chunks[direct[0], streamed_mod.C_RUN] = plan.spec.n_pages - 1
+
+    def big_chunk(f: streamed_mod.FlatPlan) -> None:
+        f.chunks[0, streamed_mod.C_NBYTES] = 2 * SLOT
+        f.chunks[0, streamed_mod.C_NPAGES] = 2 * SLOT // PAGE
+
+    def far_copy(f: streamed_mod.FlatPlan) -> None:
+        f.copies[0, 0] = SLOT
+
+    for edit in (far_page, far_run, big_chunk, far_copy):
+        with pytest.raises(ValueError, match="chunk"):
+            attempt(edit)
+    with pytest.raises(ValueError, match="target"):
+        flat = streamed_mod.flatten_plan(plan)
+        lib.run(flat.srcs, flat.copies, flat.chunks, flat.pages, sink._ring_mem, SLOT, 2, 2, PAGE)
+    res.close()
+
+
+def test_a_chunk_loop_that_cannot_run_is_refused_with_what_to_do(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    _write_log(log, np.random.default_rng(2), steps=4)
+    res = replay(log, materialize=False)
+    assert res.pending is not None
+    plan = res.pending.streamed_plan("kv", 4 * PAGE)
+    out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
+    sink = HostSink(out, PAGE, slots=2, slot_bytes=4 * PAGE)
+    with pytest.raises(ConfigError, match="loop='fast'"):
+        run_streamed(plan, sink, loop="fast")
+    bare = type("Bare", (), {})()
+    for attr in ("slots", "slot_bytes", "begin", "slot", "put", "done", "wait", "finish"):
+        setattr(bare, attr, getattr(sink, attr))
+    with pytest.raises(ConfigError, match="C chunk loop cannot run.*loop='auto'"):
+        run_streamed(plan, bare, loop="c")  # type: ignore[arg-type]
+    st = run_streamed(plan, bare, loop="auto")  # type: ignore[arg-type]  # the Python loop
+    assert st.extra.get("c_loop", 0.0) == 0.0
+    res.close()
+    with pytest.raises(ConfigError, match="stream_loop"):
+        RecoveryOptions(stream_loop="cython")
