@@ -296,3 +296,46 @@ def test_a_chunk_loop_that_cannot_run_is_refused_with_what_to_do(shm_dir: Path) 
     res.close()
     with pytest.raises(ConfigError, match="stream_loop"):
         RecoveryOptions(stream_loop="cython")
+
+
+def test_the_cuda_sinks_crc_descriptors_cover_each_checked_piece_where_its_chunk_lands(shm_dir: Path) -> None:
+    """The C loop's device checksums are described once, before the stream (cuda/streamed.py
+    ``crc_descriptors``): each checked piece with tiles gets a row at the address its chunk's DMA puts it (in
+    place for a run, staging twin ``k % slots`` otherwise), the rows of a chunk count their blocks from 0."""
+    from concordia_ft.cuda import crc
+    from concordia_ft.cuda.streamed import crc_descriptors
+
+    log = shm_dir / "log"
+    _write_log(log, np.random.default_rng(9), steps=30)
+    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
+    assert res.pending is not None
+    slot, slots = 8 * PAGE, 3
+    plan = res.pending.streamed_plan("kv", slot)
+    flat = streamed_mod.flatten_plan(plan)
+    ntiles = [crc.tiles_of(n) for _, _, n in plan.pieces]
+    for pid, _ in plan.crc_only:
+        ntiles[pid] = 0
+    tile0 = np.concatenate([[0], np.cumsum(ntiles)[:-1]]).astype(int).tolist()
+    piece_dev = [0] * len(plan.pieces)
+    dst, staging = 1 << 40, 1 << 44
+    table, launches, tiles = crc_descriptors(plan, flat, dst, staging, slot, slots, ntiles, tile0, piece_dev)
+    copied = {pid for c in plan.chunks for _, _, pid in c.copies if pid >= 0}
+    assert tiles == sum(ntiles[p] for p in copied) > 0
+    assert launches == sum(1 for c in plan.chunks if any(p >= 0 and ntiles[p] for _, _, p in c.copies))
+    assert int(flat.chunks[:, streamed_mod.C_NMETA].sum()) == len(table)
+    scattered = 0
+    for k, c in enumerate(plan.chunks):
+        row = flat.chunks[k]
+        base = dst + c.run_start * PAGE if c.run_start >= 0 else staging + (k % slots) * slot
+        scattered += c.run_start < 0
+        mine = table[int(row[streamed_mod.C_META0]):int(row[streamed_mod.C_META0] + row[streamed_mod.C_NMETA])]
+        want = [(base + off, src.nbytes, tile0[pid]) for src, off, pid in c.copies if pid >= 0 and ntiles[pid]]
+        assert [(int(r["ptr"]), int(r["len"]), int(r["tile0"])) for r in mine] == want
+        counts = [ntiles[pid] for _, _, pid in c.copies if pid >= 0 and ntiles[pid]]
+        assert [int(r["first_block"]) for r in mine] == [sum(counts[:i]) for i in range(len(counts))]
+        assert int(row[streamed_mod.C_BLOCKS]) == sum(counts)
+        for _, off, pid in c.copies:
+            if pid >= 0:
+                assert piece_dev[pid] == base + off and base <= piece_dev[pid] < base + c.nbytes
+    assert scattered  # some chunks land in a staging twin
+    res.close()

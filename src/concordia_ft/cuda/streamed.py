@@ -83,6 +83,37 @@ def scatter_function(device: int) -> Any:
     return m.function("concordia_scatter_pages")
 
 
+def crc_descriptors(plan: StreamedPlan, flat: Any, dst: int, staging: int, slot_bytes: int, slots: int,
+                    ntiles: list[int], tile0: list[int], piece_dev: list[int]) -> tuple[npt.NDArray[Any], int, int]:
+    """The CRC tile kernel's descriptor rows (``crc.PIECE_DTYPE``) of every chunk of a C-loop stream, end to end:
+    chunk ``k`` lands in place (``dst + run_start * page_bytes``) or in staging twin ``k % slots``; its checked
+    pieces with tiles get a row each (``first_block`` counted from the chunk's launch), and
+    ``flat.chunks[k, C_META0:C_BLOCKS + 1]`` says where its rows start, how many, and how many blocks.
+    ``piece_dev[pid]``: where piece ``pid`` landed. Returns (table, launches, tiles)."""
+    from ..core.streamed import C_BLOCKS, C_META0
+    from .crc import PIECE_DTYPE
+
+    pb = plan.spec.page_bytes
+    rows: list[tuple[int, int, int, int]] = []
+    launches = tiles = 0
+    for k, c in enumerate(plan.chunks):
+        base = dst + c.run_start * pb if c.run_start >= 0 else staging + (k % slots) * slot_bytes
+        m0, blocks = len(rows), 0
+        for src, off, pid in c.copies:
+            if pid < 0:
+                continue
+            piece_dev[pid] = base + off
+            nt = ntiles[pid]
+            if nt:
+                rows.append((base + off, src.nbytes, tile0[pid], blocks))
+                blocks += nt
+        flat.chunks[k, C_META0:C_BLOCKS + 1] = (m0, len(rows) - m0, blocks)
+        launches += blocks > 0
+        tiles += blocks
+    table = np.array(rows, dtype=PIECE_DTYPE) if rows else np.zeros(1, dtype=PIECE_DTYPE)
+    return table, launches, tiles
+
+
 class CudaSink:
     def __init__(self, tensor: Any, nbytes: int, page_bytes: int, *, slots: int = 16,
                  slot_bytes: int = 16 << 20, verify: str = "host") -> None:
@@ -176,10 +207,10 @@ class CudaSink:
     def c_target(self, plan: StreamedPlan, flat: Any) -> dict[str, Any]:
         """What the C chunk loop needs (after ``begin``): the scattered chunks' page indices and every chunk's
         CRC descriptor rows uploaded, and the driver handles. Chunk ``k`` goes through slot ``k % slots``."""
-        from ..core.streamed import C_BLOCKS, C_META0, C_NMETA, C_RUN
+        from ..core.streamed import C_RUN
 
         torch = self._torch
-        dev, pb, slots = self.device, self.page_bytes, self.slots
+        dev, slots = self.device, self.slots
         staging = int(self.dev.data_ptr())
         self._c_pages = torch.from_numpy(flat.pages).to(dev) if len(flat.pages) else None
         pages_ptr = int(self._c_pages.data_ptr()) if self._c_pages is not None else 0
@@ -189,29 +220,13 @@ class CudaSink:
         if self.verifies:
             from . import crc
 
-            rows: list[tuple[int, int, int, int]] = []
-            launches = tiles = 0
-            for k, c in enumerate(plan.chunks):
-                base = self.flat_ptr + c.run_start * pb if c.run_start >= 0 else staging + (k % slots) * self.slot_bytes
-                m0, blocks = len(rows), 0
-                for src, off, pid in c.copies:
-                    if pid < 0:
-                        continue
-                    self._piece_dev[pid] = base + off
-                    nt = self._ntiles[pid]
-                    if nt:
-                        rows.append((base + off, src.nbytes, self._tile0[pid], blocks))
-                        blocks += nt
-                flat.chunks[k, C_META0:C_BLOCKS + 1] = (m0, len(rows) - m0, blocks)
-                launches += blocks > 0
-                tiles += blocks
-            table = np.array(rows, dtype=crc.PIECE_DTYPE) if rows else np.zeros(1, dtype=crc.PIECE_DTYPE)
+            table, launches, tiles = crc_descriptors(plan, flat, self.flat_ptr, staging, self.slot_bytes, slots,
+                                                     self._ntiles, self._tile0, self._piece_dev)
             self._c_meta = torch.from_numpy(table.view(np.uint8)).to(dev)
             meta_ptr, tile_crc = int(self._c_meta.data_ptr()), int(self.tile_crc.data_ptr())
             f_tiles, x_span = int(self._crc.fn_tiles), crc.X_SPAN
             self.crc_stats["tiles"] += tiles
             self.crc_stats["launches"] += launches
-            assert int(flat.chunks[:, C_NMETA].sum()) == len(rows)
         # the uploads above ran on torch's current stream: the sink's stream waits for them
         self.stream.wait_stream(torch.cuda.current_stream(dev))
         return {"ring": self.host_np, "slot_bytes": self.raw_slot, "sink_verifies": self.verifies,
