@@ -339,3 +339,29 @@ def test_the_cuda_sinks_crc_descriptors_cover_each_checked_piece_where_its_chunk
                 assert piece_dev[pid] == base + off and base <= piece_dev[pid] < base + c.nbytes
     assert scattered  # some chunks land in a staging twin
     res.close()
+
+
+@pytest.mark.skipif("c" not in LOOPS, reason="the C chunk loop is not built")
+def test_a_c_loop_that_fails_is_streamed_again_by_the_python_loop_under_auto(shm_dir: Path) -> None:
+    import ctypes.util
+
+    if ctypes.util.find_library("cuda"):
+        pytest.skip("a CUDA driver is present: the failing target below would reach it")
+    log = shm_dir / "log"
+    final = _write_log(log, np.random.default_rng(6), steps=20)
+    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
+    assert res.pending is not None
+    plan = res.pending.streamed_plan("kv", 8 << 10)
+
+    class NoDriver(HostSink):
+        def c_target(self, plan: object, flat: object) -> dict[str, object]:
+            return {"ring": self._ring_mem, "slot_bytes": self.slot_bytes, "cuda": (0,) * 10}  # no libcuda here
+
+    out = np.full(plan.spec.n_pages * PAGE, 0xAB, dtype=np.uint8)
+    with pytest.raises(cft.errors.RecoveryError, match="C chunk loop.*libcuda.*stream_loop='python'"):
+        run_streamed(plan, NoDriver(out, PAGE, slots=3, slot_bytes=8 << 10), threads=2, loop="c")
+    st = run_streamed(plan, NoDriver(out, PAGE, slots=3, slot_bytes=8 << 10, verify=True), threads=2, loop="auto")
+    assert st.extra["c_loop_failed"] == 1.0 and "c_loop" not in st.extra
+    assert st.extra["verified_bytes"] > 0
+    assert np.array_equal(out[: final["kv"].nbytes], final["kv"])
+    res.close()

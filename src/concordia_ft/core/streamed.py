@@ -29,6 +29,7 @@ disjoint pages, so their order does not matter.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -54,6 +55,7 @@ except ImportError as _e:  # not built: the Python loop runs
     _streamloop = None
     _LOOP_WHY = f"not built: {_e}"
 
+_log = logging.getLogger(__name__)
 LOOPS = ("auto", "c", "python")
 # the C loop's chunk table columns (_streamloop.c: C_COPY0 ... C_BLOCKS)
 C_COPY0, C_COPY1, C_NBYTES, C_RUN, C_PAGE0, C_NPAGES, C_META0, C_NMETA, C_BLOCKS = range(9)
@@ -418,9 +420,21 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
         if use_c:
             if plan.crc_only:  # superseded bytes: checksummed beside the stream (GIL released for big pieces)
                 crc_jobs = _submit_crc_only(plan.crc_only, crcs, ex, workers)
-            on_sink = _run_c(plan, sink, workers, crcs, fill_crcs is not None, stats)
+            try:
+                on_sink = _run_c(plan, sink, workers, crcs, fill_crcs is not None, stats)
+                chunks = []  # the Python loop below has nothing left to do
+            except RecoveryError as e:
+                if loop != "auto":
+                    raise
+                # "auto": the Python loop streams the whole plan again (every chunk rewrites its pages) once
+                # whatever the C loop queued has drained
+                _log.warning("%s; streaming it again with the Python loop", e)
+                stats.extra["c_loop_failed"] = 1.0
+                sink.finish()
+                sink.begin(plan)
+                on_sink = bool(plan.checks) and bool(getattr(sink, "verifies", False))
+                fill_crcs = None if on_sink else crcs
             stats.extra["verify_on_device"] = float(on_sink and bool(plan.checks))
-            chunks = []  # the Python loop below has nothing left to do
         if prefault > 0 and len(chunks) > 1:
             faulters = [threading.Thread(target=_prefault, args=(chunks[i::prefault], stop), daemon=True,
                                          name="concordia-prefault") for i in range(prefault)]
