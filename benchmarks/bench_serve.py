@@ -345,6 +345,7 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
                     "stream_verify_on_device": bool(st.extra.get("verify_on_device", 0.0)),
                     "stream_device_crc_tiles": int(st.extra.get("device_crc_tiles", 0.0)),
                     "stream_c_loop": bool(st.extra.get("c_loop", 0.0)),
+                    "stream_c_loop_failed": bool(st.extra.get("c_loop_failed", 0.0)),
                     "stream_put_s": st.extra.get("put_s", 0.0),
                     # the copy phase: the ring's loop (fills, DMAs, device checksums), without the plan
                     "copy_s": st.seconds - st.plan_s, "copy_gbps": st.bytes / max(1e-9, st.seconds - st.plan_s) / 1e9,
@@ -452,7 +453,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
                  "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal",
                  "copy_gbps": "copyGB/s", "e2e_gbps": "e2eGB/s", "warm_capture_s": "wcap",
                  "capture_wait_s": "capw", "stream_verify_on_device": "dev",
-                 "stream_c_loop": "C", "stream_put_s": "put"}
+                 "stream_c_loop": "C", "stream_c_loop_failed": "Cfail", "stream_put_s": "put"}
         brief = {short[k]: round(v, 3) if isinstance(v, float) else v for k, v in got.items() if k in short}
         print(f"  recovery {dims} [{mode}]: {brief} (+{time.perf_counter() - t_start:.1f} s)", flush=True)
         torch.cuda.empty_cache() if device.startswith("cuda") else None
