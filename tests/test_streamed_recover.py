@@ -230,6 +230,16 @@ def test_the_c_loops_crc32c_is_the_reference_crc32c() -> None:
         part = data[a:a + n]
         assert lib.crc32c(part) == crc32c(part)
         assert lib.crc32c(part[n // 2:], lib.crc32c(part[:n // 2])) == crc32c(part)  # continued
+    # the portable table path, as on a CPU without SSE4.2 (chosen at import: a fresh interpreter)
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from concordia_ft.core import _streamloop as s; from concordia_ft.core.checksums import "
+            "crc32c; d = bytes(range(256)) * 41; assert s.crc_impl() == 'table', s.crc_impl(); "
+            "assert all(s.crc32c(d[a:a + n]) == crc32c(d[a:a + n]) for a in range(9) for n in (0, 1, 9, 4000))")
+    env = {**os.environ, "CONCORDIA_CRC_TABLE": "1", "PYTHONPATH": str(Path(streamed_mod.__file__).parents[2])}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
 
 
 @pytest.mark.skipif("c" not in LOOPS, reason="the C chunk loop is not built")
