@@ -288,7 +288,9 @@ def _log_facts(log: Path) -> dict[str, Any]:
 # copy threads as they copy), "streamed_open" (every checksum at the log's open first: each byte read twice),
 # "streamed_prefault" (+2 threads mapping the log's pages ahead of the copies), "streamed_r24" (a 24-slot
 # ring), "streamed_s32" (32 MiB slots: half the chunks), "streamed_cold" (the graph captured at the first
-# step, after the restore), "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
+# step, after the restore), "streamed_py" / "streamed_py_cold" (the Python chunk loop: the fallback where the C
+# one, core/_streamloop.c, is not built), "streamed_c_cold" (the C loop required, graph at the first step),
+# "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
 RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed": {"streamed": True},
     "streamed_host": {"streamed": True, "stream_verify": "host", "threads": 8},
@@ -297,6 +299,9 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed_r24": {"streamed": True, "ring_slots": 24},
     "streamed_s32": {"streamed": True, "slot_bytes": 32 << 20},
     "streamed_cold": {"streamed": True, "warm_graphs": False},
+    "streamed_py": {"streamed": True, "stream_loop": "python"},
+    "streamed_py_cold": {"streamed": True, "stream_loop": "python", "warm_graphs": False},
+    "streamed_c_cold": {"streamed": True, "stream_loop": "c", "warm_graphs": False},
     "image": {"streamed": False, "defer_verify": ()},
 }
 
@@ -354,6 +359,9 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
                     "stream_sink_setup_s": st.extra.get("sink_setup_s", 0.0),
                     "stream_verify_on_device": bool(st.extra.get("verify_on_device", 0.0)),
                     "stream_device_crc_tiles": int(st.extra.get("device_crc_tiles", 0.0)),
+                    "stream_c_loop": bool(st.extra.get("c_loop", 0.0)),
+                    "stream_c_loop_failed": bool(st.extra.get("c_loop_failed", 0.0)),
+                    "stream_put_s": st.extra.get("put_s", 0.0),
                     # the copy phase: the ring's loop (fills, DMAs, device checksums), without the plan
                     "copy_s": st.seconds - st.plan_s, "copy_gbps": st.bytes / max(1e-9, st.seconds - st.plan_s) / 1e9,
                     # end to end: the bytes moved over Engine.recover (open + engine + restore)
@@ -459,7 +467,8 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
                  "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring",
                  "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal",
                  "copy_gbps": "copyGB/s", "e2e_gbps": "e2eGB/s", "warm_capture_s": "wcap",
-                 "capture_wait_s": "capw", "stream_verify_on_device": "dev"}
+                 "capture_wait_s": "capw", "stream_verify_on_device": "dev",
+                 "stream_c_loop": "C", "stream_c_loop_failed": "Cfail", "stream_put_s": "put"}
         brief = {short[k]: round(v, 3) if isinstance(v, float) else v for k, v in got.items() if k in short}
         print(f"  recovery {dims} [{mode}]: {brief} (+{time.perf_counter() - t_start:.1f} s)", flush=True)
         torch.cuda.empty_cache() if device.startswith("cuda") else None
@@ -503,7 +512,7 @@ def main() -> int:
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--recovery-modes", default="streamed",
                     help="comma-separated, of RECOVERY_MODES (streamed, streamed_host, streamed_open, "
-                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, image); ':N' sets the copy threads, "
+                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_c_cold, image); ':N' sets the copy threads, "
                          "e.g. streamed:8")
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,

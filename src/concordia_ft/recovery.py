@@ -46,6 +46,9 @@ class RecoveryOptions:
     stream_verify: str = "device"
     # helper threads mapping the log's pages ahead of the copy threads (MADV_POPULATE_READ); 0: none
     prefault: int = 0
+    # the streamed restore's chunk loop: "auto" (the C loop, core/_streamloop.c, where it is built), "c" (refused
+    # where it is not), "python" (the Python loop: the fallback, and the reference)
+    stream_loop: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.ring_slots, int) or self.ring_slots < 2:
@@ -54,6 +57,8 @@ class RecoveryOptions:
             raise ConfigError(f"RecoveryOptions.slot_bytes={self.slot_bytes!r}: use an int >= 65536")
         if self.stream_verify not in ("device", "host"):
             raise ConfigError(f"RecoveryOptions.stream_verify={self.stream_verify!r}: use 'device' or 'host'")
+        if self.stream_loop not in ("auto", "c", "python"):
+            raise ConfigError(f"RecoveryOptions.stream_loop={self.stream_loop!r}: use 'auto', 'c' or 'python'")
         if not isinstance(self.prefault, int) or self.prefault < 0:
             raise ConfigError(f"RecoveryOptions.prefault={self.prefault!r}: use an int >= 0")
         if self.defer_verify is not None:

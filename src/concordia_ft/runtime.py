@@ -490,7 +490,8 @@ class Runtime:
             plan = plans[name]
             plan_s = float(getattr(sink, "plan_s", 0.0))
             try:
-                stats = run_streamed(plan, sink, threads=self.recovery.threads, prefault=self.recovery.prefault)
+                stats = run_streamed(plan, sink, threads=self.recovery.threads, prefault=self.recovery.prefault,
+                                     loop=self.recovery.stream_loop)
             finally:
                 close = getattr(sink, "close", None)
                 if close is not None:

@@ -35,7 +35,9 @@ def test_device_crc32c_equals_crc32c_on_odd_lengths_and_offsets() -> None:
 
 
 @pytest.mark.parametrize("slot_bytes", [64 << 10, 1 << 20])
-def test_the_device_sink_verifies_a_log_and_refuses_a_flipped_byte(tmp_path: Path, slot_bytes: int) -> None:
+@pytest.mark.parametrize(("loop", "verify"), [("python", "device"), ("c", "device"), ("c", "host")])
+def test_the_device_sink_verifies_a_log_and_refuses_a_flipped_byte(tmp_path: Path, slot_bytes: int, loop: str,
+                                                                   verify: str) -> None:
     import concordia_ft as cft
     from concordia_ft.core.replay import ReplayOptions, replay
     from concordia_ft.core.streamed import run_streamed
@@ -62,10 +64,10 @@ def test_the_device_sink_verifies_a_log_and_refuses_a_flipped_byte(tmp_path: Pat
         res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
         assert res.pending is not None
         out = torch.full((rows * row,), 0xAB, dtype=torch.uint8, device="cuda")
-        sink = CudaSink(out, rows * row, page, slots=3, slot_bytes=slot_bytes, verify="device")
+        sink = CudaSink(out, rows * row, page, slots=3, slot_bytes=slot_bytes, verify=verify)
         plan = res.pending.streamed_plan("kv", sink.slot_bytes)
         try:
-            st = run_streamed(plan, sink, threads=2)
+            st = run_streamed(plan, sink, threads=2, loop=loop)
         finally:
             sink.close()
             res.close()
@@ -73,7 +75,12 @@ def test_the_device_sink_verifies_a_log_and_refuses_a_flipped_byte(tmp_path: Pat
 
     out, st = restore()
     assert np.array_equal(out.cpu().numpy(), kv)
-    assert st.extra["verify_on_device"] == 1.0 and st.extra["device_verified_pieces"] > 0  # type: ignore[attr-defined]
+    ex = st.extra  # type: ignore[attr-defined]
+    assert ex.get("c_loop", 0.0) == float(loop == "c")
+    assert ex["verify_on_device"] == float(verify == "device")
+    if verify == "device":
+        assert ex["device_verified_pieces"] > 0
+    assert st.direct_chunks < st.chunks  # type: ignore[attr-defined]  # some chunks went through the scatter
     seg = sorted(log.glob("incr.*.cft"))[0]
     raw = bytearray(seg.read_bytes())
     r = next(r for r in range(30) if r not in later)  # a row written once, at step 0: its bytes are copied

@@ -184,16 +184,18 @@ def _pool_log(shm: Path, model: torch.nn.Module, *, slots_reused: bool) -> tuple
 
 
 @pytest.mark.parametrize("slots_reused", [False, True])
-def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees(shm: Path,
-                                                                                   slots_reused: bool) -> None:
+@pytest.mark.parametrize("loop", ["c", "python"])
+def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees(shm: Path, slots_reused: bool,
+                                                                                   loop: str) -> None:
     model = _bf16_model()
     log, pool, _ = _pool_log(shm, model, slots_reused=slots_reused)
     copy = shm / "copy"
     shutil.copytree(log, copy)
     (copy / "LOCK").unlink(missing_ok=True)
     # a tiny ring (3 slots of 64 KiB) so that chunks wrap it many times, some straight into place, some scattered
-    rec = Engine.recover(log, model, recovery={"ring_slots": 3, "slot_bytes": 64 << 10})
+    rec = Engine.recover(log, model, recovery={"ring_slots": 3, "slot_bytes": 64 << 10, "stream_loop": loop})
     st = rec.recovered.streamed["kv"]
+    assert st.extra.get("c_loop", 0.0) == float(loop == "c")
     assert st.chunks > 6 and 0 < st.direct_chunks < st.chunks
     assert torch.equal(rec.pool.arena, pool)
     old = Engine.recover(copy, model, recovery={"streamed": False})
@@ -244,6 +246,10 @@ def test_the_first_step_after_recovery_replays_a_graph_captured_beside_the_resto
     assert warm.recover_phases["warm_captured"] == 1.0
     st = warm.recovered.streamed["kv"]
     assert st.extra["verify_on_device"] == 1.0 and st.extra["device_verified_pieces"] > 0
+    from concordia_ft.core.streamed import c_loop_available
+
+    # the C chunk loop (driver calls from C threads) beside the capture, where it is built
+    assert st.extra.get("c_loop", 0.0) == float(c_loop_available())
     cold = Engine.recover(copy, model, warm_graphs=False)
     assert "warm_captured" not in cold.recover_phases
     assert torch.equal(warm.pool.arena, cold.pool.arena)

@@ -28,7 +28,7 @@ def _version(name: str) -> str | None:
 def collect() -> dict[str, Any]:
     import crc32c
 
-    from ..core import slotlog
+    from ..core import slotlog, streamed
     from ..core.segment import is_tmpfs
     from ..executor import ring
 
@@ -48,6 +48,7 @@ def collect() -> dict[str, Any]:
         "cuda_devices": 0,
         "ring_fast_path": ring.fast_path_status(),
         "epoch_writer": slotlog.status(),
+        "restore_loop": streamed.loop_status(),
         "hints": [],
     }
     try:
