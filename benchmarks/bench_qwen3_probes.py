@@ -12,7 +12,7 @@ with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache 
   entry; a disarmed launch skips an inserted vote);
 - ``probes_late``: as ``probes`` with ``late_reads=True``, session 7's default (entry only issues the pointer's
   load; the leader's reads and the vote happen at the vote site, which a disarmed launch branches past);
-- ``probes_v5``: protocol 5, "record on pause", today's default (the leader reads one 64-bit header word at
+- ``probes_v5``: protocol 5, "record on pause", as session 8 built it (the leader reads one 64-bit header word at
   the vote; no exit probes, no done bits, no per-call memset; repeated launches share one control region, so
   the armed stack has no per-launch stream writes either);
 - ``probes_v5e``: as ``probes_v5`` with ``early_header=True`` (the leader issues its header load right after
@@ -22,7 +22,7 @@ with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache 
 - ``probes_v5c``: as ``probes_v5`` with ``const_ctl=True`` (the control pointer in the module's constant bank:
   a constant-cache hit the kernel's streaming loads cannot evict);
 - ``probes_v5ce``: ``const_ctl`` and ``entry_header`` (the leader's header read issued at block entry);
-  ``probes_v5ces``: the same with ``stmatrix_sync``; ``probes_v5n``: ``entry_header`` with the pointer global.
+  ``probes_v5ces``: the same with ``stmatrix_sync``, today's default; ``probes_v5n``: ``entry_header`` with the pointer global.
 Every worker compiles with ``TORCHINDUCTOR_DETERMINISTIC=1`` and ``triton.autotune_pointwise=False`` (batch 1 of
 session 7 autotuned, and the variants picked different XBLOCKs for 9 of 24 kernels: up to 3x apart); with
 ``--pin-configs 1`` (the default) every autotuner that still holds more than one config (batch 2 of session 7:
@@ -73,13 +73,16 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     "probes": {"late_reads": False, "protocol": 4},  # protocol 4 without late reads (session 7's batch-2 name)
     "probes_lazy": {"lazy_entry": True, "late_reads": False, "protocol": 4},
     "probes_late": {"late_reads": True, "protocol": 4},  # session 7's default (protocol 4, late reads)
-    "probes_v5": {"protocol": 5},  # session 8: record on pause (the default)
-    "probes_v5e": {"protocol": 5, "early_header": True},  # the leader's header read after the last load
-    "probes_v5s": {"protocol": 5, "stmatrix_sync": True},  # stmatrix no longer blocks the deferred vote
-    "probes_v5c": {"protocol": 5, "const_ctl": True},  # the control pointer in the constant bank
-    "probes_v5ce": {"protocol": 5, "const_ctl": True, "entry_header": True},  # + the header read at entry
+    # session 8's protocol 5 as first built: the pointer global, the header read at the vote
+    "probes_v5": {"protocol": 5, "const_ctl": False, "entry_header": False, "stmatrix_sync": False},
+    "probes_v5e": {"protocol": 5, "const_ctl": False, "entry_header": False, "stmatrix_sync": False,
+                   "early_header": True},  # the leader's header read after the last load
+    "probes_v5s": {"protocol": 5, "const_ctl": False, "entry_header": False, "stmatrix_sync": True},
+    "probes_v5c": {"protocol": 5, "const_ctl": True, "entry_header": False, "stmatrix_sync": False},
+    "probes_v5ce": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": False},
+    # today's default (session 11): the pointer in the constant bank, the header read at entry, stmatrix sync
     "probes_v5ces": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": True},
-    "probes_v5n": {"protocol": 5, "entry_header": True},  # the header read at entry, the pointer global
+    "probes_v5n": {"protocol": 5, "const_ctl": False, "entry_header": True, "stmatrix_sync": False},
 }
 
 from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import

@@ -41,6 +41,8 @@ from instrument_kernels import compile_for_sm90  # noqa: E402
 needs_ptxas = pytest.mark.skipif(find_ptxas() is None, reason="no ptxas (triton bundles one)")
 
 _PTX: dict[str, str] = {}
+# protocol 5 as session 8 built it (the pointer global, the header read at the vote): the layout tests pin it
+V5_BASE = {"const_ctl": False, "entry_header": False, "stmatrix_sync": False}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -72,7 +74,7 @@ def _probe_free(text: str) -> list[str]:
                                        ("copy_then_reduce", "before_write")])
 def test_protocol5_probes_assemble_with_no_exit_probe_and_one_header_load(name: str, site: str) -> None:
     src = ptx_of(name)
-    res = rewrite_ptx(src)  # the default is protocol 5
+    res = rewrite_ptx(src, SafepointOptions(**V5_BASE))  # the default is protocol 5
     (rep,) = res.kernels
     assert rep.instrumented and rep.vote_site == site and rep.exit_probes == 0 and rep.barrier_probes == 0
     assert f".visible .global .align 4 .u32 cft_proto_{rep.name} = 5;" in res.ptx
@@ -95,7 +97,7 @@ def test_protocol5_probes_assemble_with_no_exit_probe_and_one_header_load(name: 
     plain, a = assemble(src), assemble(res.ptx)
     k = rep.name
     v4 = assemble(rewrite_ptx(src, SafepointOptions(protocol=4)).ptx)
-    early = rewrite_ptx(src, SafepointOptions(early_header=True))
+    early = rewrite_ptx(src, SafepointOptions(early_header=True, **V5_BASE))
     ea = assemble(early.ptx)
     print(f"{name}: registers plain {plain.registers[k]} v4 {v4.registers[k]} v5 {a.registers[k]} "
           f"v5 early header {ea.registers[k]}")
@@ -140,19 +142,22 @@ def test_const_ctl_and_entry_header_put_the_pointer_in_the_constant_bank_and_the
     assert a.spill_bytes.get(k, 0) == plain.spill_bytes.get(k, 0)
     assert a.registers[k] <= max(plain.registers[k] + 6, 32), a.log
     # const_ctl alone keeps the header read at the vote
-    c = _lines(rewrite_ptx(src, SafepointOptions(const_ctl=True)).ptx)
+    c = _lines(rewrite_ptx(src, SafepointOptions(const_ctl=True, entry_header=False)).ptx)
     ch = next(i for i, ln in enumerate(c) if ln.startswith("ld.volatile.global.v2.u32 \t{%cft_r12"))
     cv = next(i for i, ln in enumerate(c) if ln.startswith(("barrier.red.or.pred", "bar.red.or.pred")))
     assert any(ln.startswith("ld.const.u64") and "cft_ctl_" in ln for ln in c) and ch < cv
-    assemble(rewrite_ptx(src, SafepointOptions(const_ctl=True)).ptx)
+    assemble(rewrite_ptx(src, SafepointOptions(const_ctl=True, entry_header=False)).ptx)
+    assert rewrite_ptx(src).ptx == res.ptx  # today's default: both (stmatrix_sync changes none of these)
 
 
 def test_protocol5_refuses_barrier_probes_and_unknown_protocols() -> None:
     with pytest.raises(InstrumentError, match="protocol 4 only"):
         SafepointOptions(barrier_probes=True)
-    for opt in ("const_ctl", "entry_header", "early_header"):
-        with pytest.raises(InstrumentError, match="protocol 5 options"):
-            SafepointOptions(protocol=4, **{opt: True})
+    # the protocol-5 options leave protocol 4's code as it was (its pointers are written from the stream)
+    v4 = {"protocol": 4, "const_ctl": False, "entry_header": False, "stmatrix_sync": False}
+    for opt in ("const_ctl", "entry_header", "early_header", "stmatrix_sync"):
+        for name in ("softmax", "poi_silu_mul"):
+            assert rewrite_ptx(ptx_of(name), {**v4, opt: True}).ptx == rewrite_ptx(ptx_of(name), v4).ptx
     with pytest.raises(InstrumentError, match="protocols 4 and 5"):
         rewrite_ptx(ptx_of("softmax"), {"protocol": 3})
     # refusals are the same under both protocols: the kernel is left byte-for-byte unchanged
@@ -166,7 +171,7 @@ def test_protocol5_refuses_barrier_probes_and_unknown_protocols() -> None:
 _M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
 
 
-_SNIPPET_OPTIONS = {"vote": SafepointOptions(), "early": SafepointOptions(early_header=True),
+_SNIPPET_OPTIONS = {"vote": SafepointOptions(**V5_BASE), "early": SafepointOptions(early_header=True, **V5_BASE),
                     "entry": SafepointOptions(entry_header=True, const_ctl=True)}
 
 
@@ -398,8 +403,9 @@ def test_pending_and_totals_on_a_hand_example() -> None:
 @needs_ptxas
 def test_stmatrix_before_the_first_barrier_no_longer_forces_an_entry_vote() -> None:
     """Inductor's RMSNorm+rope kernel of the Qwen3 layer at 8x512 (PTX from the H200) writes shared memory with
-    stmatrix before its first barrier: protocol 4 (and protocol 5 by default) vote at entry; with
-    ``stmatrix_sync=True`` at that barrier, after the kernel's loads, and it still assembles without spills."""
+    stmatrix before its first barrier: protocol 4 (and protocol 5 without it) vote at entry; with
+    ``stmatrix_sync=True`` (the default since session 11) at that barrier, after the kernel's loads, and it
+    still assembles without spills."""
     from pathlib import Path
 
     (path,) = sorted((Path(__file__).parent / "data" / "h200" / "inductor-qwen3-ptx").glob("*cudnn*.ptx"))
@@ -407,7 +413,8 @@ def test_stmatrix_before_the_first_barrier_no_longer_forces_an_entry_vote() -> N
     assert "stmatrix" in src
     k = rewrite_ptx(src).kernels[0].name
     assert rewrite_ptx(src, SafepointOptions(protocol=4)).kernel(k).vote_site == "entry"
-    assert rewrite_ptx(src).kernel(k).vote_site == "entry"  # the default: stmatrix_sync off until measured
+    assert rewrite_ptx(src, SafepointOptions(**V5_BASE)).kernel(k).vote_site == "entry"
+    assert rewrite_ptx(src).kernel(k).vote_site == "barrier"  # the default
     res = rewrite_ptx(src, SafepointOptions(stmatrix_sync=True))
     assert res.kernel(k).vote_site == "barrier"
     lines = _lines(res.ptx)

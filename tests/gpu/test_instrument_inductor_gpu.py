@@ -18,6 +18,9 @@ from concordia_ft.instrument import SafepointOptions, triton_hook  # noqa: E402
 
 # probe options under test beside the defaults (e.g. '{"late_reads": true}')
 EXTRA = json.loads(os.environ.get("CFT_TEST_SAFEPOINT_OPTIONS", "{}"))
+# "0": the pause trigger does not gate the launch's stream (GpuPauseTrigger.arm(gate=None)), to compare
+GATE = None if os.environ.get("CFT_TEST_TRIGGER_GATE") == "0" else "current"
+THREADS = int(os.environ.get("CFT_TEST_TRIGGER_THREADS", "128"))
 
 
 def _silu_mul_add(x, w, out):
@@ -90,7 +93,7 @@ def _paused_and_resumed(compiled) -> None:
         zeroed.record()
         side.wait_event(zeroed)  # the trigger must not count the previous call's done bits / outputs
         trigger.arm(view, after, cd.Stream.borrow(side.cuda_stream), watch=out if armed.protocol == 5 else None,
-                    words_per_block=xblock)
+                    words_per_block=xblock, gate=GATE, threads=THREADS)
         compiled(x, w, out)
         torch.cuda.synchronize()
         res = trigger.result()
@@ -187,7 +190,7 @@ def test_a_stack_reusing_one_kernel_pauses_twice_and_resumes_bit_equal(compiled_
         zeroed.record()
         side.wait_event(zeroed)
         trigger.arm(armed.view(layer), int(frac * k.nblocks), cd.Stream.borrow(side.cuda_stream),
-                    watch=bufs[layer + 1], words_per_block=xblock)
+                    watch=bufs[layer + 1], words_per_block=xblock, gate=GATE, threads=THREADS)
 
     def check_pending() -> list[list[int]]:
         pend = armed.pending()

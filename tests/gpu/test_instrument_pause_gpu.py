@@ -24,6 +24,9 @@ import instrument_kernels as ik  # noqa: E402
 
 # probe options under test beside the defaults (e.g. '{"late_reads": true}'): the same GPU tests for a variant
 EXTRA = json.loads(os.environ.get("CFT_TEST_SAFEPOINT_OPTIONS", "{}"))
+# "0": the pause trigger does not gate the launch's stream (GpuPauseTrigger.arm(gate=None)), to compare
+GATE = None if os.environ.get("CFT_TEST_TRIGGER_GATE") == "0" else "current"
+THREADS = int(os.environ.get("CFT_TEST_TRIGGER_THREADS", "128"))
 
 
 @pytest.fixture(autouse=True)
@@ -201,7 +204,7 @@ def test_a_pause_written_by_the_gpu_at_a_block_count_lands_mid_grid_every_time()
         side.wait_event(zeroed)
         # protocol 4 counts done bits; 5 has none and watches each row's first word (sampled)
         trigger.arm(launch, after, cd.Stream.borrow(side.cuda_stream), watch=out if launch.protocol == 5 else None,
-                    words_per_block=x_cols(args))
+                    words_per_block=x_cols(args), gate=GATE, threads=THREADS)
         launch._launch()
         torch.cuda.synchronize()
         res = trigger.result()

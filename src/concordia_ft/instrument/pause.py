@@ -437,13 +437,13 @@ class GpuPauseTrigger:
 
     def arm(self, launch: PausableLaunch | ControlView, after_blocks: int, stream: Any, *,
             watch: Any = None, words_per_block: int = 0, sentinel: int = 0x7FC00000,
-            max_samples: int = 1024, timeout_s: float = 1.0, gate: Any = "current") -> None:
+            max_samples: int = 1024, timeout_s: float = 1.0, gate: Any = "current", threads: int = 128) -> None:
         """``launch``: a ``PausableLaunch``, or one launch of an Inductor-compiled function
         (``inductor.ArmedLaunches.view(i)``). Enqueue the trigger on ``stream`` (a ``cuda.driver.Stream``; not the launch's stream, which it must
         run beside). Call after the launch's control block was zeroed on its stream and ``stream`` waits for
         that, and before the launch itself. ``gate``: the stream the launch will run on (a torch stream, a raw
         stream handle, or "current": torch's current stream), which waits until the trigger runs; None: no
-        gate (the trigger may start late)."""
+        gate (the trigger may start late). ``threads``: the protocol-5 trigger block's size (32..1024)."""
         import ctypes
 
         import torch
@@ -452,6 +452,8 @@ class GpuPauseTrigger:
 
         if not 0 < after_blocks <= launch.nblocks:
             raise InstrumentError(f"after_blocks {after_blocks}: the launch has {launch.nblocks} blocks")
+        if not 32 <= threads <= 1024 or threads % 32:
+            raise InstrumentError(f"threads={threads}: a multiple of 32 from 32 to 1024")
         if self._out is None:
             self._out = torch.zeros(5, dtype=torch.int64, device=launch.ctl.device)  # [4]: the started word
         self._gen = gen = (self._gen % 0x7FFFFFFF) + 1
@@ -484,7 +486,7 @@ class GpuPauseTrigger:
                                        (ctypes.c_uint64, launch.pause_ptr), (ctypes.c_uint64, int(timeout_s * 1e9)),
                                        (ctypes.c_uint64, self._out.data_ptr()), *tail])
             self._args = wargs
-            driver.launch(self._fn_writes, 1, 128, wargs, stream, what="cft_pause_after_writes")
+            driver.launch(self._fn_writes, 1, threads, wargs, stream, what="cft_pause_after_writes")
             self._gate(gate_handle, started, gen)
             return
         self.step = 1

@@ -129,26 +129,24 @@ class SafepointOptions:
     # Protocol 5: treat stmatrix (a synchronous warp store to shared memory) as what it is when placing the vote,
     # so kernels that use it before their first barrier (Inductor's RMSNorm+rope kernels at 8x512) vote at that
     # barrier instead of at entry. Protocol 4 always treats it as asynchronous (its code unchanged). Off by
-    # default until measured on the GPU (session 8's batch 2, which had it, did not run; +9 registers there).
-    stmatrix_sync: bool = False
+    # default since session 11 (with const_ctl and entry_header: armed +1.5% on the 8x512 layer, DESIGN.md §6e;
+    # +9 registers on the RMSNorm+rope kernels).
+    stmatrix_sync: bool = True
     # Protocol 5: the control pointer lives in the module's constant bank (`.const`, written by the host with a
     # plain copy when arming, as cudaMemcpyToSymbol does) instead of global memory, so every thread's load of
     # it is a constant-cache hit that the kernel's own streaming loads cannot evict from L1 (DESIGN.md §1.0).
-    # Protocol 4 writes its pointers from the stream per launch (cuStreamWriteValue64): global memory only.
-    const_ctl: bool = False
+    # Protocol 4 writes its pointers from the stream per launch (cuStreamWriteValue64): global memory only, so
+    # protocol 4 ignores it (and entry_header, early_header, stmatrix_sync). Default since session 11.
+    const_ctl: bool = True
     # Protocol 5: the leader issues its header load at block entry, right after the control pointer's load, so
     # the one L2 round trip of an armed block overlaps all of the kernel's work before the vote (with
     # ``const_ctl`` the pointer itself is a constant-cache hit, so only the leader's warp waits for it, briefly).
-    # Takes precedence over ``early_header``.
-    entry_header: bool = False
+    # Takes precedence over ``early_header``. Default since session 11.
+    entry_header: bool = True
 
     def __post_init__(self) -> None:
         if self.protocol not in (4, 5):
             raise InstrumentError(f"SafepointOptions(protocol={self.protocol}): protocols 4 and 5 exist")
-        if self.protocol != 5 and (self.const_ctl or self.entry_header or self.early_header):
-            raise InstrumentError("const_ctl, entry_header and early_header are protocol 5 options (protocol 4 "
-                                  "writes its control pointers from the stream per launch): drop them or use "
-                                  "SafepointOptions(protocol=5)")
         if self.protocol == 5 and self.barrier_probes:
             raise InstrumentError("barrier probes exist in protocol 4 only (a block leaving at a barrier would "
                                   "have to record itself after passing the vote): SafepointOptions(protocol=4, "
@@ -836,7 +834,7 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
             continue
         lab = f"$__cft{ki}"
         sym = SYMBOL_PREFIX + k.name
-        space = ".const" if opts.const_ctl else ".global"
+        space = ".const" if opts.const_ctl and opts.protocol == 5 else ".global"  # v4 writes it from the stream
         before.setdefault(k.header_start, []).extend(
             [f"// concordia-ft control block pointer of {k.name} (0: disarmed)",
              f".visible {space} .align 8 .u64 {sym};", ""])
