@@ -83,6 +83,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # today's default (session 11): the pointer in the constant bank, the header read at entry, stmatrix sync
     "probes_v5ces": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": True},
     "probes_v5n": {"protocol": 5, "const_ctl": False, "entry_header": True, "stmatrix_sync": False},
+    # the default's pointer and stmatrix vote, the header read after the kernel's last load (not at entry)
+    "probes_v5cls": {"protocol": 5, "const_ctl": True, "entry_header": False, "early_header": True,
+                     "stmatrix_sync": True},
 }
 
 from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import
