@@ -26,7 +26,7 @@ import instrument_kernels as ik  # noqa: E402
 EXTRA = json.loads(os.environ.get("CFT_TEST_SAFEPOINT_OPTIONS", "{}"))
 # "0": the pause trigger does not gate the launch's stream (GpuPauseTrigger.arm(gate=None)), to compare
 GATE = None if os.environ.get("CFT_TEST_TRIGGER_GATE") == "0" else "current"
-THREADS = int(os.environ.get("CFT_TEST_TRIGGER_THREADS", "128"))
+THREADS = int(os.environ.get("CFT_TEST_TRIGGER_THREADS", "1024"))
 
 
 @pytest.fixture(autouse=True)

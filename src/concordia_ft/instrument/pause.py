@@ -422,8 +422,9 @@ class GpuPauseTrigger:
     The launch's stream is gated on the trigger: ``arm`` enqueues a stream wait there (``cuStreamWaitValue32``)
     that the trigger releases once it runs, so the watched kernel cannot fill the GPU first and leave the
     trigger's block waiting for an SM until most of its grid was dispatched (session 8: a pause meant for 3/4
-    of a 262,144-block softmax landed after the grid drained). The trigger block is 128 threads (8 samples per
-    thread), no larger than a typical Triton block."""
+    of a 262,144-block softmax landed after the grid drained). The trigger block has one thread per sample (1024
+    by default), so a scan is one memory round trip: with 128 threads (8 samples each) the pause meant for the
+    middle of a 35 us layer landed after it (session 11)."""
 
     def __init__(self, device: int | None = None) -> None:
         from ..cuda import nvrtc
@@ -437,7 +438,7 @@ class GpuPauseTrigger:
 
     def arm(self, launch: PausableLaunch | ControlView, after_blocks: int, stream: Any, *,
             watch: Any = None, words_per_block: int = 0, sentinel: int = 0x7FC00000,
-            max_samples: int = 1024, timeout_s: float = 1.0, gate: Any = "current", threads: int = 128) -> None:
+            max_samples: int = 1024, timeout_s: float = 1.0, gate: Any = "current", threads: int = 1024) -> None:
         """``launch``: a ``PausableLaunch``, or one launch of an Inductor-compiled function
         (``inductor.ArmedLaunches.view(i)``). Enqueue the trigger on ``stream`` (a ``cuda.driver.Stream``; not the launch's stream, which it must
         run beside). Call after the launch's control block was zeroed on its stream and ``stream`` waits for
