@@ -288,8 +288,8 @@ def _log_facts(log: Path) -> dict[str, Any]:
 # copy threads as they copy), "streamed_open" (every checksum at the log's open first: each byte read twice),
 # "streamed_prefault" (+2 threads mapping the log's pages ahead of the copies), "streamed_r24" (a 24-slot
 # ring), "streamed_s32" (32 MiB slots: half the chunks), "streamed_cold" (the graph captured at the first
-# step, after the restore), "streamed_py" / "streamed_py_cold" (the Python chunk loop: the fallback where the C
-# one, core/_streamloop.c, is not built), "streamed_c_cold" (the C loop required, graph at the first step),
+# step, after the restore), "streamed_py" / "streamed_py_cold" (the Python chunk loop, the default since session
+# 11, named), "streamed_c" / "streamed_c_cold" (the C loop, core/_streamloop.c, required),
 # "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
 RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed": {"streamed": True},
@@ -301,6 +301,7 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed_cold": {"streamed": True, "warm_graphs": False},
     "streamed_py": {"streamed": True, "stream_loop": "python"},
     "streamed_py_cold": {"streamed": True, "stream_loop": "python", "warm_graphs": False},
+    "streamed_c": {"streamed": True, "stream_loop": "c"},
     "streamed_c_cold": {"streamed": True, "stream_loop": "c", "warm_graphs": False},
     "image": {"streamed": False, "defer_verify": ()},
 }

@@ -21,7 +21,12 @@ COLORS = {"probes_v3/disarmed": "lightsteelblue", "probes_v3/armed": "tab:blue",
           "probes_late/disarmed": "thistle", "probes_late/armed": "tab:purple", "probes/reset_only": "silver",
           "probes_v5/disarmed": "lightcoral", "probes_v5/armed": "tab:red",
           "probes_v5e/disarmed": "peachpuff", "probes_v5e/armed": "tab:brown",
-          "probes_v5s/disarmed": "lightgray", "probes_v5s/armed": "tab:gray"}
+          "probes_v5s/disarmed": "lightgray", "probes_v5s/armed": "tab:gray",
+          "probes_v5c/disarmed": "lightcyan", "probes_v5c/armed": "tab:cyan",
+          "probes_v5ce/disarmed": "khaki", "probes_v5ce/armed": "tab:olive",
+          "probes_v5ces/disarmed": "lightgreen", "probes_v5ces/armed": "darkgreen",
+          "probes_v5cls/disarmed": "pink", "probes_v5cls/armed": "tab:pink",
+          "probes_v5n/disarmed": "wheat", "probes_v5n/armed": "goldenrod"}
 
 
 def short(name: str) -> str:

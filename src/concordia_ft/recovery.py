@@ -46,9 +46,12 @@ class RecoveryOptions:
     stream_verify: str = "device"
     # helper threads mapping the log's pages ahead of the copy threads (MADV_POPULATE_READ); 0: none
     prefault: int = 0
-    # the streamed restore's chunk loop: "auto" (the C loop, core/_streamloop.c, where it is built), "c" (refused
-    # where it is not), "python" (the Python loop: the fallback, and the reference)
-    stream_loop: str = "auto"
+    # the streamed restore's chunk loop: "python" (the default: the Python-driven loop, 16 copy threads), "c" (the
+    # chunk loop in C with the GIL released, core/_streamloop.c; refused where it is not built), "auto" (C where
+    # built, else Python). Python is the default by measurement: on the H200 (session 11, two runs, 64 x 2k
+    # tokens at Qwen3-8B dims) its first token came at 0.84 / 1.12 s vs the C loop's 0.92 / 1.67 s
+    # (serve/DESIGN.md, "Session 11").
+    stream_loop: str = "python"
 
     def __post_init__(self) -> None:
         if not isinstance(self.ring_slots, int) or self.ring_slots < 2:

@@ -68,12 +68,13 @@ def c_loop_available() -> bool:
 
 
 def loop_status() -> str:
-    """One line for ``concordia doctor``, build scripts and benchmark stamps."""
+    """One line for ``concordia doctor``, build scripts and benchmark stamps: the C loop's availability (the
+    default loop is RecoveryOptions.stream_loop's, "python")."""
     if _streamloop is None:
-        return f"python ({_LOOP_WHY})"
+        return f"python only ({_LOOP_WHY})"
     if not c_loop_available():
-        return "python (CONCORDIA_STREAM_LOOP=python)"
-    return f"c (crc32c: {_streamloop.crc_impl()})"
+        return "python only (CONCORDIA_STREAM_LOOP=python)"
+    return f"python by default; c built (stream_loop='c', crc32c: {_streamloop.crc_impl()})"
 
 
 @dataclass(frozen=True)
