@@ -26,64 +26,7 @@
 #include <string.h>
 #include <time.h>
 
-#if defined(__x86_64__)
-#include <nmmintrin.h>
-#define SL_X86 1
-#endif
-
-/* ------------------------------------------------------------------------------------------------ CRC32C */
-#define CRC_POLY 0x82F63B78u
-static uint32_t crc_tab[8][256];
-static int crc_hw = 0;
-
-static void crc_init(void) {
-    for (uint32_t i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (int k = 0; k < 8; k++) c = (c & 1) ? (c >> 1) ^ CRC_POLY : c >> 1;
-        crc_tab[0][i] = c;
-    }
-    for (uint32_t i = 0; i < 256; i++)
-        for (int t = 1; t < 8; t++) crc_tab[t][i] = (crc_tab[t - 1][i] >> 8) ^ crc_tab[0][crc_tab[t - 1][i] & 0xff];
-#ifdef SL_X86
-    __builtin_cpu_init();
-    crc_hw = __builtin_cpu_supports("sse4.2");
-#endif
-    if (getenv("CONCORDIA_CRC_TABLE")) crc_hw = 0; /* tests: the portable path on an SSE4.2 machine */
-}
-
-static uint32_t crc_sw(uint32_t crc, const uint8_t *p, size_t n) {
-    uint32_t c = ~crc;
-    while (n && ((uintptr_t)p & 7)) { c = (c >> 8) ^ crc_tab[0][(c ^ *p++) & 0xff]; n--; }
-    while (n >= 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        w ^= c;
-        c = crc_tab[7][w & 0xff] ^ crc_tab[6][(w >> 8) & 0xff] ^ crc_tab[5][(w >> 16) & 0xff] ^
-            crc_tab[4][(w >> 24) & 0xff] ^ crc_tab[3][(w >> 32) & 0xff] ^ crc_tab[2][(w >> 40) & 0xff] ^
-            crc_tab[1][(w >> 48) & 0xff] ^ crc_tab[0][(w >> 56) & 0xff];
-        p += 8;
-        n -= 8;
-    }
-    while (n--) c = (c >> 8) ^ crc_tab[0][(c ^ *p++) & 0xff];
-    return ~c;
-}
-
-#ifdef SL_X86
-__attribute__((target("sse4.2"))) static uint32_t crc_sse42(uint32_t crc, const uint8_t *p, size_t n) {
-    uint64_t c = (uint32_t)~crc;
-    while (n && ((uintptr_t)p & 7)) { c = _mm_crc32_u8((uint32_t)c, *p++); n--; }
-    while (n >= 8) { uint64_t a; memcpy(&a, p, 8); c = _mm_crc32_u64(c, a); p += 8; n -= 8; }
-    while (n--) c = _mm_crc32_u8((uint32_t)c, *p++);
-    return ~(uint32_t)c;
-}
-#endif
-
-static uint32_t crc32c_buf(uint32_t crc, const uint8_t *p, size_t n) {
-#ifdef SL_X86
-    if (crc_hw) return crc_sse42(crc, p, n);
-#endif
-    return crc_sw(crc, p, n);
-}
+#include "_crc32c.h"
 
 /* ---------------------------------------------------------------------------------------- driver entries */
 typedef int CUres;
@@ -211,7 +154,7 @@ static void fill(Run *r, Py_ssize_t k) {
         uint32_t crc = 0;
         for (size_t a = 0; a < n; a += VERIFY_STEP) {
             size_t m = n - a < VERIFY_STEP ? n - a : VERIFY_STEP;
-            crc = crc32c_buf(crc, s + a, m);
+            crc = crc32c(crc, s + a, m);
             memcpy(d + a, s + a, m);
         }
         r->crc_out[pid] = crc;
@@ -519,7 +462,7 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     Py_buffer b;
     unsigned int crc = 0;
     if (!PyArg_ParseTuple(args, "y*|I", &b, &crc)) return NULL;
-    uint32_t c = crc32c_buf(crc, (const uint8_t *)b.buf, (size_t)b.len);
+    uint32_t c = crc32c(crc, (const uint8_t *)b.buf, (size_t)b.len);
     PyBuffer_Release(&b);
     return PyLong_FromUnsignedLong(c);
 }
