@@ -14,8 +14,9 @@ every byte into it, then a DMA of the whole image. A streamed restore never buil
    (the CUDA sink: one DMA into a device staging slot and one scatter kernel, or one DMA straight into place
    when the chunk's pages are one run) and tells when the slot may be refilled. Fills, DMA and scatter overlap.
    With the C extension (``_streamloop.c``) built and a sink that offers ``c_target``, the whole chunk loop
-   runs in C with the GIL released (copy pthreads, the hand-over on the calling thread: ``loop="auto"``, the
-   default, or ``"c"``); the Python loop below is the fallback (``loop="python"``) and the reference.
+   can run in C with the GIL released (copy pthreads, the hand-over on the calling thread: ``loop="c"``, or
+   ``"auto"`` where built); the Python loop below is the default (``loop="python"``: it was as fast or faster
+   on the H200, serve/DESIGN.md "Session 11"), the fallback and the reference.
 
 Verification: either the caller streams from a replay whose pass 1 verified every payload's checksum (at the
 Runtime's open), or the plan carries the region's deferred checks (``ReplayOptions.defer``): each record's
@@ -392,16 +393,16 @@ def _run_c(plan: StreamedPlan, sink: Any, workers: int, crcs: list[int], fill_cr
 
 
 def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = None,
-                 pool: Executor | None = None, prefault: int = 0, loop: str = "auto") -> StreamedStats:
+                 pool: Executor | None = None, prefault: int = 0, loop: str = "python") -> StreamedStats:
     """Stream ``plan`` through ``sink``'s ring; returns when every byte has arrived (``sink.finish()``) and every
     deferred checksum the plan carries passed (``LogCorruptError`` for the earliest record that failed).
 
     A sink with ``verifies`` true after ``begin`` checksums the copied pieces itself (on the device) and hands
     their CRCs over in ``collect_crcs(crcs)`` after ``finish``; the fills are then plain copies. ``prefault``:
     helper threads that map the chunks' source pages ahead of the copies (``MADV_POPULATE_READ``), so the copy
-    threads do not take first-touch page faults on the mapped log (Python loop only). ``loop``: "auto" (the C
-    chunk loop when it is built and the sink offers ``c_target``), "c" (ConfigError where it cannot run),
-    "python"."""
+    threads do not take first-touch page faults on the mapped log (Python loop only). ``loop``: "python" (the
+    default, as ``RecoveryOptions.stream_loop``), "auto" (the C chunk loop when it is built and the sink offers
+    ``c_target``), "c" (ConfigError where it cannot run)."""
     t0 = time.perf_counter()
     use_c = _use_c_loop(loop, sink, prefault)
     workers = max(1, min(threads or streamed_threads(), sink.slots))
