@@ -242,7 +242,9 @@ def test_the_first_step_after_recovery_replays_a_graph_captured_beside_the_resto
     copy = shm / "copy"
     shutil.copytree(shm / "log", copy)
     (copy / "LOCK").unlink(missing_ok=True)
-    warm = Engine.recover(shm / "log", model)
+    # "auto": the C chunk loop where built (the default is the Python loop), so that its driver calls from C
+    # threads run beside the capture (where an earlier C loop met CUDA_ERROR_CAPTURED_EVENT)
+    warm = Engine.recover(shm / "log", model, recovery={"stream_loop": "auto"})
     assert warm.recover_phases["warm_captured"] == 1.0
     st = warm.recovered.streamed["kv"]
     assert st.extra["verify_on_device"] == 1.0 and st.extra["device_verified_pieces"] > 0
