@@ -289,7 +289,8 @@ def _log_facts(log: Path) -> dict[str, Any]:
 # "streamed_prefault" (+2 threads mapping the log's pages ahead of the copies), "streamed_r24" (a 24-slot
 # ring), "streamed_s32" (32 MiB slots: half the chunks), "streamed_cold" (the graph captured at the first
 # step, after the restore), "streamed_py" / "streamed_py_cold" (the Python chunk loop, the default since session
-# 11, named), "streamed_c" / "streamed_c_cold" (the C loop, core/_streamloop.c, required),
+# 11, named), "streamed_c" / "streamed_c_cold" (the C loop, core/_streamloop.c, required), "streamed_nopop"
+# (the Python loop with no populate threads during the log's open: session 11's restore, RecoveryOptions.populate),
 # "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
 RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed": {"streamed": True},
@@ -300,6 +301,7 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed_s32": {"streamed": True, "slot_bytes": 32 << 20},
     "streamed_cold": {"streamed": True, "warm_graphs": False},
     "streamed_py": {"streamed": True, "stream_loop": "python"},
+    "streamed_nopop": {"streamed": True, "stream_loop": "python", "populate": 0},  # no populate during the open
     "streamed_py_cold": {"streamed": True, "stream_loop": "python", "warm_graphs": False},
     "streamed_c": {"streamed": True, "stream_loop": "c"},
     "streamed_c_cold": {"streamed": True, "stream_loop": "c", "warm_graphs": False},
@@ -363,6 +365,9 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
                     "stream_c_loop": bool(st.extra.get("c_loop", 0.0)),
                     "stream_c_loop_failed": bool(st.extra.get("c_loop_failed", 0.0)),
                     "stream_put_s": st.extra.get("put_s", 0.0),
+                    "open_populated_gb": st.extra.get("open_populated_bytes", 0.0) / 1e9,
+                    "open_populate_s": st.extra.get("open_populate_s", 0.0),
+                    "open_populate_pending": int(st.extra.get("open_populate_pending", 0.0)),
                     # the copy phase: the ring's loop (fills, DMAs, device checksums), without the plan
                     "copy_s": st.seconds - st.plan_s, "copy_gbps": st.bytes / max(1e-9, st.seconds - st.plan_s) / 1e9,
                     # end to end: the bytes moved over Engine.recover (open + engine + restore)
@@ -465,7 +470,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
                  "construct_s": "constr", "load_s": "load", "verify_s": "verify", "streamed_s": "stream",
                  "streamed_gbps": "GB/s", "stream_plan_s": "plan", "stream_fill_wait_s": "fillw",
                  "stream_slot_wait_s": "slotw", "stream_finish_s": "fin", "stream_verify_combine_s": "comb",
-                 "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring",
+                 "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring", "open_populated_gb": "popGB",
                  "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal",
                  "copy_gbps": "copyGB/s", "e2e_gbps": "e2eGB/s", "warm_capture_s": "wcap",
                  "capture_wait_s": "capw", "stream_verify_on_device": "dev",
@@ -513,7 +518,7 @@ def main() -> int:
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--recovery-modes", default="streamed",
                     help="comma-separated, of RECOVERY_MODES (streamed, streamed_host, streamed_open, "
-                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_c_cold, image); ':N' sets the copy threads, "
+                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_nopop, streamed_c_cold, image); ':N' sets the copy threads, "
                          "e.g. streamed:8")
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,

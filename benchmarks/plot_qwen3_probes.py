@@ -1,6 +1,6 @@
 """Plot benchmarks/results/qwen3_probes-h200.json: per shape and timing (CUDA graph / host launched), the layer
-and the stack with probes disarmed and armed against the plain compile (each compiled in its own process), and
-per Triton kernel the GPU time change.  Run: python benchmarks/plot_qwen3_probes.py [results.json]"""
+and the stack with probes disarmed and armed against the plain build in the same process and against the plain
+process (with the A/A control of two plain processes), and per Triton kernel the GPU time change.  Run: python benchmarks/plot_qwen3_probes.py [results.json]"""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ COLORS = {"probes_v3/disarmed": "lightsteelblue", "probes_v3/armed": "tab:blue",
           "probes_v5ce/disarmed": "khaki", "probes_v5ce/armed": "tab:olive",
           "probes_v5ces/disarmed": "lightgreen", "probes_v5ces/armed": "darkgreen",
           "probes_v5cls/disarmed": "pink", "probes_v5cls/armed": "tab:pink",
-          "probes_v5n/disarmed": "wheat", "probes_v5n/armed": "goldenrod"}
+          "probes_v5n/disarmed": "wheat", "probes_v5n/armed": "goldenrod",
+          "plain_b/plain": "black"}  # the A/A control: a second plain process
 
 
 def short(name: str) -> str:
@@ -39,43 +40,51 @@ def main() -> int:
     doc = json.loads(src.read_text())
     rows = [r for r in doc["rows"] if "target" in r]
     summary = next((r for r in doc["rows"] if r.get("variant") == "summary"), {})
-    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    fig, axes = plt.subplots(1, 3, figsize=(22, 5))
     groups = sorted({(r["target"], r["shape"], r["how"]) for r in rows})
-    series = [k for k in COLORS if any(f"{r['variant']}/{r['mode']}" == k for r in rows)]
-    w = 0.8 / max(1, len(series))
-    for j, key in enumerate(series):
-        ys = []
-        for g in groups:
-            r = next((r for r in rows if (r["target"], r["shape"], r["how"]) == g
-                      and f"{r['variant']}/{r['mode']}" == key), None)
-            ys.append(r.get("vs_plain_pct", 0.0) if r else 0.0)
-        axes[0].bar([i + (j - (len(series) - 1) / 2) * w for i in range(len(groups))], ys, w, label=key,
-                    color=COLORS[key])
-    plain = {(r["target"], r["shape"], r["how"]): r for r in rows if r["mode"] == "plain"}
+    plain = {(r["target"], r["shape"], r["how"]): r for r in rows if r["mode"] == "plain" and r["variant"] == "plain"}
     labels = []
     for g in groups:
         p = plain.get(g)
         tok = f"\n{p['tokens_per_s']:.3g} tok/s" if p else ""
         labels.append(f"{g[0]} {g[1]}\n{'graph' if g[2] == 'graph' else 'host-bound'}{tok}")
-    axes[0].set_xticks(range(len(groups)), labels, fontsize=7)
-    axes[0].axhline(2, color="red", lw=0.8, ls="--")
-    axes[0].axhline(0, color="black", lw=0.6)
-    axes[0].set(title=f"vs plain compile (own process); stack = {summary.get('stack_layers')} layers; "
-                      "plain tokens/s under each", ylabel="% time vs plain (median of rounds)")
-    axes[0].legend(fontsize=8)
+    for ax, col, title in ((axes[0], "vs_inproc_plain_pct", "vs the plain build in the SAME process (same "
+                            "weights and inputs)"),
+                           (axes[1], "vs_plain_pct", "vs the plain process (plain_b/plain: two plain processes, "
+                            "the A/A control)")):
+        series = [k for k in COLORS if any(f"{r['variant']}/{r['mode']}" == k and col in r for r in rows)]
+        w = 0.8 / max(1, len(series))
+        for j, key in enumerate(series):
+            ys = []
+            for g in groups:
+                r = next((r for r in rows if (r["target"], r["shape"], r["how"]) == g
+                          and f"{r['variant']}/{r['mode']}" == key), None)
+                ys.append(r.get(col, 0.0) if r else 0.0)
+            ax.bar([i + (j - (len(series) - 1) / 2) * w for i in range(len(groups))], ys, w, label=key,
+                   color=COLORS[key])
+        ax.set_xticks(range(len(groups)), labels, fontsize=7)
+        ax.axhline(2, color="red", lw=0.8, ls="--")
+        ax.axhline(0, color="black", lw=0.6)
+        ax.set(title=f"{title}; stack = {summary.get('stack_layers')} layers", ylabel="% time (median of rounds)")
+        if series:
+            ax.legend(fontsize=7)
+    axes[0].title.set_fontsize(9)
+    axes[1].title.set_fontsize(9)
+    series = [k for k in COLORS if any(f"{r['variant']}/{r['mode']}" == k for r in rows)]
+    w = 0.8 / max(1, len(series))
     pk = [r for r in summary.get("per_kernel", []) if r.get("kernel", "").startswith("triton_")]
     if pk:
         shape = pk[0]["shape"]
         pk = [r for r in pk if r["shape"] == shape]
         for j, key in enumerate(series):
             col = key.replace("/", "_") + "_pct"
-            axes[1].bar([i + (j - (len(series) - 1) / 2) * w for i in range(len(pk))],
+            axes[2].bar([i + (j - (len(series) - 1) / 2) * w for i in range(len(pk))],
                         [r.get(col, 0.0) for r in pk], w, label=key, color=COLORS[key])
-        axes[1].set_xticks(range(len(pk)), [f"{short(r['kernel'])}\n{r.get('blocks', '?')} blk\n"
+        axes[2].set_xticks(range(len(pk)), [f"{short(r['kernel'])}\n{r.get('blocks', '?')} blk\n"
                                              f"{r['plain_us']:.1f} us" for r in pk], fontsize=7)
-        axes[1].axhline(0, color="black", lw=0.6)
-        axes[1].set(title=f"Triton kernels at {shape}: GPU time vs plain (torch.profiler medians)", ylabel="%")
-        axes[1].legend(fontsize=8)
+        axes[2].axhline(0, color="black", lw=0.6)
+        axes[2].set(title=f"Triton kernels at {shape}: GPU time vs plain (torch.profiler medians)", ylabel="%")
+        axes[2].legend(fontsize=8)
     out = save_figure(fig, doc, src.with_suffix(".png"))
     plt.close(fig)
     print(out)

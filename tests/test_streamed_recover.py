@@ -6,6 +6,7 @@ is checked against the same reference on the GPU (tests/gpu/test_serve_gpu.py)."
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -375,3 +376,89 @@ def test_a_c_loop_that_fails_is_streamed_again_by_the_python_loop_under_auto(shm
     assert st.extra["verified_bytes"] > 0
     assert np.array_equal(out[: final["kv"].nbytes], final["kv"])
     res.close()
+
+
+def _mapped_kib(path: Path) -> int:
+    """Kilobytes of ``path``'s mappings that this process's page tables hold (``Rss`` in /proc/self/smaps)."""
+    total, mine = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line: its range, ..., its file
+            mine = line.endswith(str(path))
+        elif mine and line.startswith("Rss:"):
+            total += int(head[1])
+    return total
+
+
+def _big_paged_log(log: Path) -> np.ndarray:
+    pages = 2048  # 8 MiB of 4 KiB pages, one prefill-like epoch and a few decode-like ones
+    kv = np.random.default_rng(11).integers(1, 256, pages * 4096, dtype=np.uint8)
+    flags = np.ones(pages // 4, dtype=np.uint8)
+    with cft.Runtime(log, fsync="never", compact_after_bytes=None, page_bytes=4096) as rt:
+        rt.register("kv", kv, "paged", block_bytes=4 * 4096, dirty_blocks=flags)
+        rt.checkpoint()
+        for r in (3, 77, 300):
+            kv[r * 16384:(r + 1) * 16384] ^= 0x5A
+            flags[r] = 1
+            rt.checkpoint()
+    return kv.copy()
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps (Linux)")
+def test_populate_threads_map_the_deferred_payloads_in_during_the_open(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    final = _big_paged_log(log)
+    segs = sorted(log.glob("*.cft"))
+    seg_kib = sum(p.stat().st_size for p in segs) // 1024
+    assert seg_kib > 8 << 10
+    # without populate threads a deferred payload's pages are not touched by the open (the copy threads fault them;
+    # segments of the engine's size are checked on several threads, so they are not mapped with MAP_POPULATE)
+    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",), populate=0, threads=2,
+                                                               parallel_min_bytes=0))
+    assert res.pending is not None and res.pending.populate_stats() == {}
+    cold = sum(_mapped_kib(p) for p in segs)
+    res.close()
+    assert cold < seg_kib // 4, (cold, seg_kib)
+    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",), populate=2, threads=2,
+                                                               parallel_min_bytes=0))
+    assert res.pending is not None
+    assert res.timings.populate_bytes == sum(p.stat().st_size for p in segs)
+    for _ in range(200):  # best effort and asynchronous: wait for the two threads (milliseconds here)
+        if res.pending.populate_stats()["populate_pending"] == 0:
+            break
+        time.sleep(0.01)
+    st = res.pending.populate_stats()
+    if st["populated_bytes"] == 0:
+        res.close()
+        pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14)")
+    warm = sum(_mapped_kib(p) for p in segs)
+    assert st["populated_bytes"] == res.timings.populate_bytes
+    assert warm >= seg_kib - 8, (warm, seg_kib)  # every page of every segment is in this process's page tables
+    plan = res.pending.streamed_plan("kv", 64 << 10)
+    out = np.zeros(plan.spec.n_pages * 4096, dtype=np.uint8)
+    run_streamed(plan, HostSink(out, 4096, slots=4, slot_bytes=64 << 10, verify=True), threads=2, loop="python")
+    res.close()  # stops the populate threads (idle by now) before the mappings go
+    assert np.array_equal(out[: final.nbytes], final)
+
+
+def test_a_replay_closed_while_populating_unmaps_cleanly(shm_dir: Path) -> None:
+    log = shm_dir / "log"
+    _big_paged_log(log)
+    for _ in range(5):  # closed at once: queued pieces are cancelled, running ones finish before the unmap
+        res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",), populate=1))
+        pending = res.pending
+        assert pending is not None
+        res.close()
+        assert pending.populate_stats()["populate_pending"] == 0
+
+
+def test_recovery_options_resolve_the_populate_threads() -> None:
+    assert RecoveryOptions(defer_verify=("kv",)).populate_threads() >= 1  # automatic: a streamed restore follows
+    assert RecoveryOptions().populate_threads() == 0  # every checksum at the open touches the pages anyway
+    assert RecoveryOptions(defer_verify=("kv",), streamed=False).populate_threads() == 0
+    assert RecoveryOptions(defer_verify=("kv",), populate=0).populate_threads() == 0
+    assert RecoveryOptions(populate=3).replay_options().populate == 3
+    with pytest.raises(ConfigError, match="populate"):
+        RecoveryOptions(populate=-1)
+    with pytest.raises(ConfigError, match="populate"):
+        ReplayOptions(populate=1.5)  # type: ignore[arg-type]

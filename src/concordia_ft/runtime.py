@@ -438,7 +438,10 @@ class Runtime:
                         sink.plan_s = time.perf_counter() - tp
                     res.pending.check_deferred()  # the other regions' deferred checks, before their images
                     res.regions = res.pending.materialize(allocs, res.timings, skip=set(sinks))
+                    populated = res.pending.populate_stats()  # how far the open's populate threads got
                     streamed = self._stream_restore(sinks, plans)
+                    for stats in streamed.values():
+                        stats.extra.update({f"open_{k}": v for k, v in populated.items()})
                 else:
                     res.materialize(allocs)  # runs any deferred checks first
             finally:

@@ -498,12 +498,13 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
     return stats
 
 
-_MADV_POPULATE_READ = 22  # Linux >= 5.14
+MADV_POPULATE_READ = 22  # Linux >= 5.14
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _libc: Any = None
 
 
-def _madvise() -> Any:
+def madvise_fn() -> Any:
+    """libc's madvise through ctypes (the GIL released for each call), or False where it cannot be loaded."""
     global _libc
     if _libc is None:
         try:
@@ -520,7 +521,7 @@ def _madvise() -> Any:
 def _prefault(chunks: Sequence[Chunk], stop: threading.Event) -> None:
     """Map the source pages of ``chunks`` (in order) into this process's page tables; stops at the first
     failure (an older kernel without MADV_POPULATE_READ: the copies then fault the pages themselves)."""
-    fn = _madvise()
+    fn = madvise_fn()
     if not fn:
         return
     for c in chunks:
@@ -532,7 +533,7 @@ def _prefault(chunks: Sequence[Chunk], stop: threading.Event) -> None:
                 continue
             addr = np.frombuffer(src, dtype=np.uint8).ctypes.data
             lo = addr - addr % _PAGE
-            if fn(lo, addr + n - lo, _MADV_POPULATE_READ) != 0:
+            if fn(lo, addr + n - lo, MADV_POPULATE_READ) != 0:
                 return
 
 
