@@ -289,8 +289,8 @@ def _log_facts(log: Path) -> dict[str, Any]:
 # "streamed_prefault" (+2 threads mapping the log's pages ahead of the copies), "streamed_r24" (a 24-slot
 # ring), "streamed_s32" (32 MiB slots: half the chunks), "streamed_cold" (the graph captured at the first
 # step, after the restore), "streamed_py" / "streamed_py_cold" (the Python chunk loop, the default since session
-# 11, named), "streamed_c" / "streamed_c_cold" (the C loop, core/_streamloop.c, required), "streamed_nopop"
-# (the Python loop with no populate threads during the log's open: session 11's restore, RecoveryOptions.populate),
+# 11, named), "streamed_c" / "streamed_c_cold" (the C loop, core/_streamloop.c, required), "streamed_pop"
+# (the Python loop with 8 threads populating the log's mappings during its open: RecoveryOptions.populate),
 # "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
 RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed": {"streamed": True},
@@ -301,7 +301,7 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed_s32": {"streamed": True, "slot_bytes": 32 << 20},
     "streamed_cold": {"streamed": True, "warm_graphs": False},
     "streamed_py": {"streamed": True, "stream_loop": "python"},
-    "streamed_nopop": {"streamed": True, "stream_loop": "python", "populate": 0},  # no populate during the open
+    "streamed_pop": {"streamed": True, "stream_loop": "python", "populate": 8},  # 8 populate threads in the open
     "streamed_py_cold": {"streamed": True, "stream_loop": "python", "warm_graphs": False},
     "streamed_c": {"streamed": True, "stream_loop": "c"},
     "streamed_c_cold": {"streamed": True, "stream_loop": "c", "warm_graphs": False},
@@ -379,9 +379,32 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
     return row, first
 
 
+def _fresh_kernels() -> None:
+    """Drop this process's loaded restore kernels (the CRC32C and page-scatter modules), so every recovery loads
+    them as a restarted server does: from the NVRTC cache on disk, not from an earlier recovery in the process."""
+    from concordia_ft.cuda import crc, streamed
+
+    crc._loaded.clear()
+    streamed._scatter.clear()
+
+
+def _medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per key, the median over the rounds of a number (bools and strings: the first round's value)."""
+    out: dict[str, Any] = {}
+    for k, v in rounds[0].items():
+        vals = [r[k] for r in rounds if k in r]
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            vals = sorted(vals)
+            m = len(vals)
+            out[k] = vals[m // 2] if m % 2 else 0.5 * (vals[m // 2 - 1] + vals[m // 2])
+        else:
+            out[k] = v if all(x == v for x in vals) else vals
+    return out
+
+
 def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: int, decoded: int,
                    h2d: float, *, modes: list[str], batch_tokens: int | None = None, compact: bool = True,
-                   row: dict[str, Any] | None = None, progress: Any = None) -> dict[str, Any]:
+                   row: dict[str, Any] | None = None, progress: Any = None, rounds: int = 3) -> dict[str, Any]:
     """``row``: filled in as the run goes (``progress()`` after each part saves it), so a run cut short keeps
     what it measured. ``compact=False``: the writing engine's log never compacts (all incremental segments)."""
     t_start = time.perf_counter()
@@ -454,30 +477,51 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     torch.cuda.empty_cache() if device.startswith("cuda") else None
     progress()
     firsts: dict[str, dict[str, int]] = {}
-    for mode in modes:
-        name, _, threads = mode.partition(":")
-        recovery: dict[str, Any] = dict(RECOVERY_MODES[name])
-        if threads:
-            recovery["threads"] = int(threads)
-        fork = fork_log(d / "log", d / f"fork-{len(firsts)}")
-        got, firsts[mode] = recover_once(fork, model, device, backend, ref_pool, n, recovery)
-        shutil.rmtree(fork, ignore_errors=True)
-        row.update({f"{mode}.{k}": v for k, v in got.items()})
-        row[f"{mode}.speedup"] = t_reprefill / got["first_token_all_s"]
-        row[f"{mode}.restore_gbps"] = pool_bytes / got["recover_s"] / 1e9
-        progress()
-        short = {"recover_s": "rec", "first_token_all_s": "first", "graph_capture_s": "cap", "open_s": "open",
-                 "construct_s": "constr", "load_s": "load", "verify_s": "verify", "streamed_s": "stream",
-                 "streamed_gbps": "GB/s", "stream_plan_s": "plan", "stream_fill_wait_s": "fillw",
-                 "stream_slot_wait_s": "slotw", "stream_finish_s": "fin", "stream_verify_combine_s": "comb",
-                 "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring", "open_populated_gb": "popGB",
-                 "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal",
-                 "copy_gbps": "copyGB/s", "e2e_gbps": "e2eGB/s", "warm_capture_s": "wcap",
-                 "capture_wait_s": "capw", "stream_verify_on_device": "dev",
-                 "stream_c_loop": "C", "stream_c_loop_failed": "Cfail", "stream_put_s": "put"}
-        brief = {short[k]: round(v, 3) if isinstance(v, float) else v for k, v in got.items() if k in short}
-        print(f"  recovery {dims} [{mode}]: {brief} (+{time.perf_counter() - t_start:.1f} s)", flush=True)
-        torch.cuda.empty_cache() if device.startswith("cuda") else None
+    per_round: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    row["recovery_rounds"] = rounds
+    row["recovery_order"] = []
+    forks = 0
+    for rnd in range(rounds):
+        # modes rotated per round: in every earlier run the mode measured first was the slowest (6 of 6 pairs), so
+        # each mode takes each place in turn and the rows hold medians over the rounds (and every round's value)
+        order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
+        row["recovery_order"].append(order)
+        for mode in order:
+            name, _, threads = mode.partition(":")
+            recovery: dict[str, Any] = dict(RECOVERY_MODES[name])
+            if threads:
+                recovery["threads"] = int(threads)
+            fork = fork_log(d / "log", d / f"fork-{forks}")
+            forks += 1
+            _fresh_kernels()
+            got, tokens = recover_once(fork, model, device, backend, ref_pool, n, recovery)
+            shutil.rmtree(fork, ignore_errors=True)
+            if mode in firsts and tokens != firsts[mode]:
+                raise AssertionError(f"recovery {dims} [{mode}]: round {rnd + 1} gave other next tokens than round 1")
+            firsts.setdefault(mode, tokens)
+            got["round"], got["place"] = rnd, order.index(mode)
+            per_round[mode].append(got)
+            row.update({f"{mode}.{k}": v for k, v in _medians(per_round[mode]).items()})
+            for k in ("first_token_all_s", "recover_s", "open_s", "streamed_s", "copy_gbps", "e2e_gbps"):
+                if k in got:
+                    row[f"{mode}.rounds.{k}"] = [g[k] for g in per_round[mode]]
+            row[f"{mode}.rounds.place"] = [g["place"] for g in per_round[mode]]
+            row[f"{mode}.speedup"] = t_reprefill / row[f"{mode}.first_token_all_s"]
+            row[f"{mode}.restore_gbps"] = pool_bytes / row[f"{mode}.recover_s"] / 1e9
+            progress()
+            short = {"recover_s": "rec", "first_token_all_s": "first", "graph_capture_s": "cap", "open_s": "open",
+                     "construct_s": "constr", "load_s": "load", "verify_s": "verify", "streamed_s": "stream",
+                     "streamed_gbps": "GB/s", "stream_plan_s": "plan", "stream_fill_wait_s": "fillw",
+                     "stream_slot_wait_s": "slotw", "stream_finish_s": "fin", "stream_verify_combine_s": "comb",
+                     "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring", "open_populated_gb": "popGB",
+                     "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal",
+                     "copy_gbps": "copyGB/s", "e2e_gbps": "e2eGB/s", "warm_capture_s": "wcap",
+                     "capture_wait_s": "capw", "stream_verify_on_device": "dev",
+                     "stream_c_loop": "C", "stream_c_loop_failed": "Cfail", "stream_put_s": "put"}
+            brief = {short[k]: round(v, 3) if isinstance(v, float) else v for k, v in got.items() if k in short}
+            print(f"  recovery {dims} [{mode}] round {rnd + 1}: {brief} (+{time.perf_counter() - t_start:.1f} s)",
+                  flush=True)
+            torch.cuda.empty_cache() if device.startswith("cuda") else None
     del ref_pool
     shutil.rmtree(d, ignore_errors=True)
     torch.cuda.empty_cache() if device.startswith("cuda") else None
@@ -508,6 +552,8 @@ def main() -> int:
     ap.add_argument("--only", default="throughput,recovery")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--recovery-dims", default="0.6b,8b")
+    ap.add_argument("--recovery-rounds", type=int, default=3,
+                    help="recoveries per mode, the modes rotated per round (medians reported)")
     ap.add_argument("--concurrency", default=None, help="comma-separated (default 1,8,32,64)")
     ap.add_argument("--prompt", type=int, default=None, help="throughput prompt tokens (default 128)")
     ap.add_argument("--new", type=int, default=None, help="throughput new tokens each (default 128)")
@@ -518,7 +564,7 @@ def main() -> int:
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--recovery-modes", default="streamed",
                     help="comma-separated, of RECOVERY_MODES (streamed, streamed_host, streamed_open, "
-                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_nopop, streamed_c_cold, image); ':N' sets the copy threads, "
+                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_c_cold, image); ':N' sets the copy threads, "
                          "e.g. streamed:8")
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,
@@ -589,7 +635,8 @@ def main() -> int:
             modes = a.recovery_modes.split(",") + (["image"] if dims in a.image_dims.split(",") else [])
             recs.append({"part": "recovery"})
             bench_recovery(dims, a.device, dtype, n, prompt, 8, h2d, modes=modes, batch_tokens=a.build_batch_tokens,
-                           compact=not a.no_build_compaction, row=recs[-1], progress=save)
+                           compact=not a.no_build_compaction, row=recs[-1], progress=save,
+                           rounds=1 if a.quick else a.recovery_rounds)
             save()
     if len(recs) >= 2 and all("streamed.speedup" in r for r in recs[:2]):
         import math

@@ -5,7 +5,6 @@ buffers with these; ``open_to_recover`` opens a log for a component that restore
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,10 +46,10 @@ class RecoveryOptions:
     stream_verify: str = "device"
     # helper threads mapping the log's pages ahead of the copy threads (MADV_POPULATE_READ); 0: none
     prefault: int = 0
-    # threads mapping the log's segments into the process WHILE the log is opened (ReplayOptions.populate), so a
-    # streamed restore's copy threads take no first-touch page faults; None: automatic (up to 8 when a region's
-    # checksums are deferred to its streamed restore, else none); 0: none
-    populate: int | None = None
+    # threads mapping the log's segments into the process while the log is opened (ReplayOptions.populate), so a
+    # streamed restore's copy threads take no first-touch page faults; 0: none. Off by default: on the H200 host
+    # 8 of them took 0.25 s for 15-19 GB and stretched the open from ~0.1 to 0.28 s (serve/DESIGN.md, session 12)
+    populate: int = 0
     # the streamed restore's chunk loop: "python" (the default: the Python-driven loop, 16 copy threads), "c" (the
     # chunk loop in C with the GIL released, core/_streamloop.c; refused where it is not built), "auto" (C where
     # built, else Python). Python is the default by measurement: on the H200 (session 11, two runs, 64 x 2k
@@ -69,8 +68,8 @@ class RecoveryOptions:
             raise ConfigError(f"RecoveryOptions.stream_loop={self.stream_loop!r}: use 'auto', 'c' or 'python'")
         if not isinstance(self.prefault, int) or self.prefault < 0:
             raise ConfigError(f"RecoveryOptions.prefault={self.prefault!r}: use an int >= 0")
-        if self.populate is not None and (not isinstance(self.populate, int) or self.populate < 0):
-            raise ConfigError(f"RecoveryOptions.populate={self.populate!r}: use None (automatic) or an int >= 0")
+        if not isinstance(self.populate, int) or self.populate < 0:
+            raise ConfigError(f"RecoveryOptions.populate={self.populate!r}: use an int >= 0")
         if self.defer_verify is not None:
             if isinstance(self.defer_verify, list):
                 object.__setattr__(self, "defer_verify", tuple(self.defer_verify))
@@ -83,14 +82,7 @@ class RecoveryOptions:
 
     def replay_options(self) -> ReplayOptions:
         return ReplayOptions(threads=self.threads, parallel_verify=self.parallel_verify,
-                             defer=tuple(self.defer_verify or ()), populate=self.populate_threads())
-
-    def populate_threads(self) -> int:
-        """``populate`` resolved: None means up to 8 (one per core) when checksums are deferred to a streamed
-        restore (the restore reads nearly every byte of the log next), else 0."""
-        if self.populate is not None:
-            return self.populate
-        return min(8, os.cpu_count() or 1) if self.streamed and self.defer_verify else 0
+                             defer=tuple(self.defer_verify or ()), populate=self.populate)
 
 
 @dataclass
