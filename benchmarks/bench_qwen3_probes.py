@@ -2,19 +2,14 @@
 random weights), each variant compiled in a process of its own.
 
 Why processes: in one process the "plain" compile ran kernels with probes in sessions 5 and 6 (instrument/
-DESIGN.md §3), so no in-process plain number is a baseline unless it is proven plain. Here the parent starts one
-worker per variant, each with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache off,
-compiles in-process):
+DESIGN.md §3), so no in-process plain number is a baseline. Here the parent starts one worker per variant, each
+with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache off, compiles in-process):
 - ``plain``: torch.compile as a user runs it, the hook never imported; ``plain_b``: the same in a second
-  process, the A/A control (separate processes place weights, inputs and graphs at different addresses; at decode
-  shapes, where the layer is ~50-70 us of mostly cuBLAS, that alone moved untouched kernels by several percent in
-  session 11's profiles);
-- with ``--inproc-plain 1`` (the default) every probe worker ALSO compiles the layer without probes, on the same
-  weights and inputs, before its probe build (mode ``inplain``): the hook suspended and Inductor's and Triton's
-  caches fresh around that compile (``torch._inductor.utils.fresh_cache``) and cleared after it, and the worker
-  refuses to start unless every kernel that build launches has no ``cft_ctl_`` global and its output is
-  bit-equal to the plain process's. Its probe modes are then also reported against it
-  (``vs_inproc_plain_pct``, ``overhead_vs_inproc_plain``): the comparison without the process-placement noise;
+  process, the A/A control (separate processes place weights, inputs and graphs at different addresses: session
+  12 measured plain_b within 0.7% of plain for single layers, 1.9% for the 28-layer 1x1 stack);
+- (session 12 tried an in-process plain build beside each probe build, with fresh Inductor and Triton caches
+  around it: the probe build that followed picked other configs for two kernels at 8x512 (XBLOCK 1 for 8) and
+  ran 18% slower, so it was dropped; the A/A control above measures the process-placement noise instead);
 - ``probes_v3``: ``triton_hook.install(SafepointOptions(vote_before_write=False))`` (the session-6 probe);
 - ``probes``: protocol 4 without late reads (the entry vote before the first global write where
   straight-line code reaches it, the leader's reads issued at entry);
@@ -232,22 +227,6 @@ def _worker_setup(ns: argparse.Namespace) -> dict[str, Any]:
             g = types.FunctionType(code, fwd.__globals__, code.co_name, fwd.__defaults__, fwd.__closure__)
             return torch.compile(g, dynamic=False)
 
-        fp = None
-        if hooked and ns.inproc_plain:
-            # the same layer compiled WITHOUT probes in this process, on the same weights and inputs, so the
-            # probe variant is also compared with a plain build sharing its allocations, clocks and neighbours
-            # (the cross-process A/A control, plain_b, shows what separate processes alone differ by). The hook
-            # is suspended and Inductor's and Triton's caches are fresh around this compile, and cleared again
-            # after it, so neither build can load the other's kernels (checked below through the launches)
-            from torch._inductor.utils import fresh_cache
-
-            from concordia_ft.instrument import triton_hook
-
-            with triton_hook.suspended(), fresh_cache():
-                fp = compiled("_plain")
-                with torch.no_grad():
-                    yp = fp(params[0], x, cos, sin)
-                torch.cuda.synchronize()
         f = compiled("")
         tc = time.perf_counter()
         with torch.no_grad():
@@ -268,11 +247,6 @@ def _worker_setup(ns: argparse.Namespace) -> dict[str, Any]:
             with torch.no_grad():
                 ys = stack()
 
-        def stack_plain(fp: Any = fp, x: Any = x, cos: Any = cos, sin: Any = sin) -> Any:
-            h = x
-            for p in params:
-                h = fp(p, h, cos, sin)
-            return h
         launches = capture_launches(f, (params[0], x, cos, sin))
         probe_info = ArmedLaunches(launches, repeated="skip")  # only asks each module for its global
         sh: dict[str, Any] = {"shape": f"{b}x{s}", "tokens": b * s, "compile_s": compile_s,
@@ -282,17 +256,6 @@ def _worker_setup(ns: argparse.Namespace) -> dict[str, Any]:
                               "static_launcher": all(k.static for k in launches),
                               "kernel_attrs": _kernel_attrs(launches)}
         st = {"f": f, "inputs": (params[0], x, cos, sin), "stack": stack, "launches": launches}
-        if fp is not None:
-            plaunch = capture_launches(fp, (params[0], x, cos, sin))
-            with_probes = sorted(ArmedLaunches(plaunch, repeated="skip").with_probes)
-            if with_probes:
-                raise RuntimeError(f"the in-process plain build launched kernels with probes: {with_probes}")
-            sh.update(inplain_digest=_digest(yp), inplain_kernels=sorted({k.name for k in plaunch}),
-                      inplain_with_probes=with_probes)
-            if stacked:
-                with torch.no_grad():
-                    sh["inplain_stack_digest"] = _digest(stack_plain())
-            st.update(f_plain=fp, stack_plain=stack_plain)
         v5 = hooked and int(opts.get("protocol", 5)) == 5
         if hooked:
             armed = ArmedLaunches(launches, repeated="per_launch")
@@ -375,8 +338,6 @@ def _callable(state: dict[str, Any], req: dict[str, Any]) -> Any:
     st = state["shapes"][req["shape"]]
     mode, target = req["mode"], req["target"]
     f, inputs, stack = st["f"], st["inputs"], st["stack"]
-    if mode == "inplain":  # the in-process plain build (--inproc-plain)
-        f, stack = st["f_plain"], st["stack_plain"]
     body = (lambda: f(*inputs)) if target == "layer" else stack
     armed_ = st.get("armed" if target == "layer" else "stack_armed")
     if mode == "armed" and armed_ is not None and armed_.protocol == 5:
@@ -424,8 +385,6 @@ def _worker_do(state: dict[str, Any], req: dict[str, Any]) -> dict[str, Any]:
 
     if req["mode"] in ("armed", "reset_only") and not state["hooked"]:
         raise RuntimeError("the plain variant has no probes to arm")
-    if req["mode"] == "inplain" and "f_plain" not in state["shapes"][req["shape"]]:
-        raise RuntimeError("this worker has no in-process plain build (--inproc-plain 0, or the plain variant)")
     fn = _callable(state, req)
     _prepare(state, req)
     if req["op"] == "time":
@@ -466,7 +425,7 @@ class Worker:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", variant,
                "--options", json.dumps(VARIANTS[variant]), "--shapes", ns.shapes, "--stack", str(ns.stack),
                "--stack-shapes", ns.stack_shapes, "--lock", str(root / "gpu.lock"),
-               "--pin-configs", str(ns.pin_configs), "--inproc-plain", str(ns.inproc_plain)]
+               "--pin-configs", str(ns.pin_configs)]
         if ns.ptx_dir:
             cmd += ["--ptx-dir", ns.ptx_dir]
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
@@ -524,8 +483,8 @@ def main() -> int:
                                                              "run sharing the GPU while the workers compile)")
     ap.add_argument("--pin-configs", type=int, default=1, help="1: every autotuner takes its first config "
                                                                   "(no benchmark decides; same in every variant)")
-    ap.add_argument("--inproc-plain", type=int, default=1, help="1: each probe worker also compiles the plain "
-                    "layer in its own process (mode 'inplain'), and its probe modes are compared with it too")
+    ap.add_argument("--profile-how", default="stream", choices=("stream", "graph"),
+                    help="the per-kernel profile: host launches, or the replay of each mode's CUDA graph")
     ap.add_argument("--worker", default="", help=argparse.SUPPRESS)
     ap.add_argument("--options", default="null", help=argparse.SUPPRESS)
     ap.add_argument("--lock", default="", help=argparse.SUPPRESS)
@@ -622,10 +581,7 @@ def main() -> int:
                                "armed_equal_plain": a["y_digest"] == b.get("armed_digest"),
                                "stack_equal_plain": a["stack_digest"] == b["stack_digest"],
                                "stack_armed_equal_plain": a["stack_digest"] == b.get("stack_armed_digest",
-                                                                                      a["stack_digest"]),
-                               "inproc_plain_equal_plain": a["y_digest"] == b.get("inplain_digest", a["y_digest"]),
-                               "inproc_plain_stack_equal_plain": a["stack_digest"] == b.get("inplain_stack_digest",
-                                                                                            a["stack_digest"])})
+                                                                                      a["stack_digest"])})
                 checks[v]["bit_equal"] = eq
         summary["checks"] = checks
         print(json.dumps(checks)[:2000], flush=True)
@@ -646,9 +602,7 @@ def main() -> int:
                 jobs.append(("layer", si, how))
                 if ns.stack > 1 and s in ns.stack_shapes.split(","):
                     jobs.append(("stack", si, how))
-        configs = [(v, m) for v in workers for m in (("plain",) if VARIANTS[v] is None else
-                                                     ("inplain", "disarmed", "armed") if ns.inproc_plain
-                                                     else ("disarmed", "armed"))]
+        configs = [(v, m) for v in workers for m in (("plain",) if VARIANTS[v] is None else ("disarmed", "armed"))]
         if "probes" in workers:  # the armed call's memset alone, probes disarmed: what arming costs besides probes
             configs.append(("probes", "reset_only"))
         prof: dict[str, Any] = {}
@@ -659,7 +613,8 @@ def main() -> int:
                     if v not in workers:
                         continue
                     try:
-                        res = workers[v].ask(op="profile", shape=si, target="layer", how="stream", mode=m, n=10)
+                        res = workers[v].ask(op="profile", shape=si, target="layer", how=ns.profile_how, mode=m,
+                                             n=10)
                     except RuntimeError as e:
                         res = {"error": str(e)}
                         workers.pop(v).close()
@@ -730,22 +685,16 @@ def _rows(times: dict[tuple[str, int, str, str, str], list[float]], shapes: list
             row["vs_plain_pct"] = 100 * (med / _median(base) - 1)
         if m == "armed" and (target, si, how, v, "disarmed") in times:
             row["vs_disarmed_pct"] = 100 * (med / _median(times[(target, si, how, v, "disarmed")]) - 1)
-        if m in ("armed", "disarmed") and (target, si, how, v, "inplain") in times:
-            row["vs_inproc_plain_pct"] = 100 * (med / _median(times[(target, si, how, v, "inplain")]) - 1)
         rows.append(row)
     return rows
 
 
 def _headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    inproc: dict[str, Any] = {}
     for r in rows:
-        key = f"{r['target']}_{r['shape']}_{r['how']}_{r['variant']}_{r['mode']}_pct"
         if "vs_plain_pct" in r and r["variant"] != "plain":  # plain_b/plain: the A/A control
-            out[key] = round(r["vs_plain_pct"], 2)
-        if "vs_inproc_plain_pct" in r:
-            inproc[key] = round(r["vs_inproc_plain_pct"], 2)
-    return {"overhead_vs_plain": out, "overhead_vs_inproc_plain": inproc}
+            out[f"{r['target']}_{r['shape']}_{r['how']}_{r['variant']}_{r['mode']}_pct"] = round(r["vs_plain_pct"], 2)
+    return {"overhead_vs_plain": out}
 
 
 def _per_kernel(prof: dict[str, Any], shapes: list[str], infos: dict[str, Any]) -> list[dict[str, Any]]:

@@ -291,6 +291,7 @@ def _log_facts(log: Path) -> dict[str, Any]:
 # step, after the restore), "streamed_py" / "streamed_py_cold" (the Python chunk loop, the default since session
 # 11, named), "streamed_c" / "streamed_c_cold" (the C loop, core/_streamloop.c, required), "streamed_pop"
 # (the Python loop with 8 threads populating the log's mappings during its open: RecoveryOptions.populate),
+# "streamed_reg" (the log's pages registered for DMA from the plan's end backwards: RecoveryOptions.register_log),
 # "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
 RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed": {"streamed": True},
@@ -302,6 +303,8 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed_cold": {"streamed": True, "warm_graphs": False},
     "streamed_py": {"streamed": True, "stream_loop": "python"},
     "streamed_pop": {"streamed": True, "stream_loop": "python", "populate": 8},  # 8 populate threads in the open
+    # the log's pages registered for DMA from the end of the plan backwards, those chunks sent straight from the log
+    "streamed_reg": {"streamed": True, "stream_loop": "python", "register_log": True},
     "streamed_py_cold": {"streamed": True, "stream_loop": "python", "warm_graphs": False},
     "streamed_c": {"streamed": True, "stream_loop": "c"},
     "streamed_c_cold": {"streamed": True, "stream_loop": "c", "warm_graphs": False},
@@ -368,6 +371,9 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
                     "open_populated_gb": st.extra.get("open_populated_bytes", 0.0) / 1e9,
                     "open_populate_s": st.extra.get("open_populate_s", 0.0),
                     "open_populate_pending": int(st.extra.get("open_populate_pending", 0.0)),
+                    "stream_registered_chunks": int(st.extra.get("registered_chunks", 0.0)),
+                    "stream_registered_gb": st.extra.get("registered_bytes", 0.0) / 1e9,
+                    "stream_register_s": st.extra.get("register_s", 0.0),
                     # the copy phase: the ring's loop (fills, DMAs, device checksums), without the plan
                     "copy_s": st.seconds - st.plan_s, "copy_gbps": st.bytes / max(1e-9, st.seconds - st.plan_s) / 1e9,
                     # end to end: the bytes moved over Engine.recover (open + engine + restore)
@@ -514,6 +520,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
                      "streamed_gbps": "GB/s", "stream_plan_s": "plan", "stream_fill_wait_s": "fillw",
                      "stream_slot_wait_s": "slotw", "stream_finish_s": "fin", "stream_verify_combine_s": "comb",
                      "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring", "open_populated_gb": "popGB",
+                     "stream_registered_chunks": "regch", "stream_registered_gb": "regGB", "stream_register_s": "regs",
                      "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal",
                      "copy_gbps": "copyGB/s", "e2e_gbps": "e2eGB/s", "warm_capture_s": "wcap",
                      "capture_wait_s": "capw", "stream_verify_on_device": "dev",
@@ -564,7 +571,7 @@ def main() -> int:
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--recovery-modes", default="streamed",
                     help="comma-separated, of RECOVERY_MODES (streamed, streamed_host, streamed_open, "
-                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_c_cold, image); ':N' sets the copy threads, "
+                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_reg, streamed_c_cold, image); ':N' sets the copy threads, "
                          "e.g. streamed:8")
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,

@@ -1,6 +1,6 @@
 """Plot benchmarks/results/qwen3_probes-h200.json: per shape and timing (CUDA graph / host launched), the layer
-and the stack with probes disarmed and armed against the plain build in the same process and against the plain
-process (with the A/A control of two plain processes), and per Triton kernel the GPU time change.  Run: python benchmarks/plot_qwen3_probes.py [results.json]"""
+and the stack with probes disarmed and armed against the plain process (with the A/A control of two plain
+processes), and per Triton kernel the GPU time change.  Run: python benchmarks/plot_qwen3_probes.py [results.json]"""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def main() -> int:
     doc = json.loads(src.read_text())
     rows = [r for r in doc["rows"] if "target" in r]
     summary = next((r for r in doc["rows"] if r.get("variant") == "summary"), {})
-    fig, axes = plt.subplots(1, 3, figsize=(22, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(16, 5))
     groups = sorted({(r["target"], r["shape"], r["how"]) for r in rows})
     plain = {(r["target"], r["shape"], r["how"]): r for r in rows if r["mode"] == "plain" and r["variant"] == "plain"}
     labels = []
@@ -48,10 +48,8 @@ def main() -> int:
         p = plain.get(g)
         tok = f"\n{p['tokens_per_s']:.3g} tok/s" if p else ""
         labels.append(f"{g[0]} {g[1]}\n{'graph' if g[2] == 'graph' else 'host-bound'}{tok}")
-    for ax, col, title in ((axes[0], "vs_inproc_plain_pct", "vs the plain build in the SAME process (same "
-                            "weights and inputs)"),
-                           (axes[1], "vs_plain_pct", "vs the plain process (plain_b/plain: two plain processes, "
-                            "the A/A control)")):
+    for ax, col, title in ((axes[0], "vs_plain_pct", "vs the plain process (plain_b/plain: two plain processes, "
+                            "the A/A control)"),):
         series = [k for k in COLORS if any(f"{r['variant']}/{r['mode']}" == k and col in r for r in rows)]
         w = 0.8 / max(1, len(series))
         for j, key in enumerate(series):
@@ -69,7 +67,6 @@ def main() -> int:
         if series:
             ax.legend(fontsize=7)
     axes[0].title.set_fontsize(9)
-    axes[1].title.set_fontsize(9)
     series = [k for k in COLORS if any(f"{r['variant']}/{r['mode']}" == k for r in rows)]
     w = 0.8 / max(1, len(series))
     pk = [r for r in summary.get("per_kernel", []) if r.get("kernel", "").startswith("triton_")]
@@ -78,13 +75,13 @@ def main() -> int:
         pk = [r for r in pk if r["shape"] == shape]
         for j, key in enumerate(series):
             col = key.replace("/", "_") + "_pct"
-            axes[2].bar([i + (j - (len(series) - 1) / 2) * w for i in range(len(pk))],
+            axes[1].bar([i + (j - (len(series) - 1) / 2) * w for i in range(len(pk))],
                         [r.get(col, 0.0) for r in pk], w, label=key, color=COLORS[key])
-        axes[2].set_xticks(range(len(pk)), [f"{short(r['kernel'])}\n{r.get('blocks', '?')} blk\n"
+        axes[1].set_xticks(range(len(pk)), [f"{short(r['kernel'])}\n{r.get('blocks', '?')} blk\n"
                                              f"{r['plain_us']:.1f} us" for r in pk], fontsize=7)
-        axes[2].axhline(0, color="black", lw=0.6)
-        axes[2].set(title=f"Triton kernels at {shape}: GPU time vs plain (torch.profiler medians)", ylabel="%")
-        axes[2].legend(fontsize=8)
+        axes[1].axhline(0, color="black", lw=0.6)
+        axes[1].set(title=f"Triton kernels at {shape}: GPU time vs plain (torch.profiler medians)", ylabel="%")
+        axes[1].legend(fontsize=8)
     out = save_figure(fig, doc, src.with_suffix(".png"))
     plt.close(fig)
     print(out)

@@ -50,6 +50,11 @@ class RecoveryOptions:
     # streamed restore's copy threads take no first-touch page faults; 0: none. Off by default: on the H200 host
     # 8 of them took 0.25 s for 15-19 GB and stretched the open from ~0.1 to 0.28 s (serve/DESIGN.md, session 12)
     populate: int = 0
+    # streamed restores: a registrar thread makes the log's own pages DMA-able (cuMemHostRegister, read-only) from
+    # the end of the plan backwards, and the chunks it reaches first go to the device straight from the log, their
+    # bytes crossing host memory once instead of three times (core/streamed.py run_streamed(register=True));
+    # "first": every such chunk registered before the stream starts (the direct path alone)
+    register_log: bool | str = False
     # the streamed restore's chunk loop: "python" (the default: the Python-driven loop, 16 copy threads), "c" (the
     # chunk loop in C with the GIL released, core/_streamloop.c; refused where it is not built), "auto" (C where
     # built, else Python). Python is the default by measurement: on the H200 (session 11, two runs, 64 x 2k
@@ -68,6 +73,8 @@ class RecoveryOptions:
             raise ConfigError(f"RecoveryOptions.stream_loop={self.stream_loop!r}: use 'auto', 'c' or 'python'")
         if not isinstance(self.prefault, int) or self.prefault < 0:
             raise ConfigError(f"RecoveryOptions.prefault={self.prefault!r}: use an int >= 0")
+        if self.register_log not in (False, True, "first"):
+            raise ConfigError(f"RecoveryOptions.register_log={self.register_log!r}: use False, True or 'first'")
         if not isinstance(self.populate, int) or self.populate < 0:
             raise ConfigError(f"RecoveryOptions.populate={self.populate!r}: use an int >= 0")
         if self.defer_verify is not None:

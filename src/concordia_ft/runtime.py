@@ -431,6 +431,9 @@ class Runtime:
                 allocs = {n: a for n in names if n not in sinks and (a := self._image_alloc(n, direct)) is not None}
                 if sinks:
                     assert res.pending is not None
+                    for sink in sinks.values():  # a sink that registered the log's pages releases them first
+                        if hasattr(sink, "wait_released"):
+                            res.pending.before_unmap(sink.wait_released)
                     plans = {}
                     for n, sink in sinks.items():
                         tp = time.perf_counter()
@@ -494,7 +497,7 @@ class Runtime:
             plan_s = float(getattr(sink, "plan_s", 0.0))
             try:
                 stats = run_streamed(plan, sink, threads=self.recovery.threads, prefault=self.recovery.prefault,
-                                     loop=self.recovery.stream_loop)
+                                     loop=self.recovery.stream_loop, register=self.recovery.register_log)
             finally:
                 close = getattr(sink, "close", None)
                 if close is not None:

@@ -184,7 +184,7 @@ def _pool_log(shm: Path, model: torch.nn.Module, *, slots_reused: bool) -> tuple
 
 
 @pytest.mark.parametrize("slots_reused", [False, True])
-@pytest.mark.parametrize("loop", ["c", "python"])
+@pytest.mark.parametrize("loop", ["c", "python", "registered", "registered_overlap"])
 def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees(shm: Path, slots_reused: bool,
                                                                                    loop: str) -> None:
     model = _bf16_model()
@@ -192,10 +192,19 @@ def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees
     copy = shm / "copy"
     shutil.copytree(log, copy)
     (copy / "LOCK").unlink(missing_ok=True)
-    # a tiny ring (3 slots of 64 KiB) so that chunks wrap it many times, some straight into place, some scattered
-    rec = Engine.recover(log, model, recovery={"ring_slots": 3, "slot_bytes": 64 << 10, "stream_loop": loop})
+    # a tiny ring (3 slots of 64 KiB) so that chunks wrap it many times, some straight into place, some scattered;
+    # "registered": the one-run chunks DMA'd straight from the log's registered pages (all registered first),
+    # "registered_overlap": registered beside the stream, from the end (what RecoveryOptions.register_log=True does)
+    reg = {"registered": "first", "registered_overlap": True}.get(loop, False)
+    rec = Engine.recover(log, model, recovery={"ring_slots": 3, "slot_bytes": 64 << 10,
+                                               "stream_loop": "c" if loop == "c" else "python",
+                                               "register_log": reg})
     st = rec.recovered.streamed["kv"]
     assert st.extra.get("c_loop", 0.0) == float(loop == "c")
+    if loop == "registered":  # everything registered before the stream: every one-run chunk but the first direct
+        assert st.extra["registered_chunks"] > 0 and st.extra["registered_bytes"] > 0, st.extra
+    if reg:
+        assert not st.extra["register_failed"], st.extra
     assert st.chunks > 6 and 0 < st.direct_chunks < st.chunks
     assert torch.equal(rec.pool.arena, pool)
     old = Engine.recover(copy, model, recovery={"streamed": False})
@@ -207,7 +216,7 @@ def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees
     old.close()
 
 
-@pytest.mark.parametrize("verify", ["device", "host"])
+@pytest.mark.parametrize("verify", ["device", "host", "device_registered"])
 def test_streamed_restore_refuses_a_damaged_kv_payload_before_anything_is_restored(shm: Path, verify: str) -> None:
     from concordia_ft.errors import LogCorruptError
 
@@ -222,8 +231,9 @@ def test_streamed_restore_refuses_a_damaged_kv_payload_before_anything_is_restor
     (copy / "LOCK").unlink(missing_ok=True)
     # the default: the pool's checksums run by the streamed restore, on the bytes it copies; Engine.recover
     # raises, so no engine exists to serve a restored block
+    reg = "first" if verify == "device_registered" else False  # the damaged rows sent straight from the log
     with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch \\(found by the restore"):
-        Engine.recover(log, model, recovery={"stream_verify": verify})
+        Engine.recover(log, model, recovery={"stream_verify": verify.split("_")[0], "register_log": reg})
     # every checksum at the open: refused before the pool even exists
     with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch") as e:
         Engine.recover(copy, model, recovery={"defer_verify": ()})

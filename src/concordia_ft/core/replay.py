@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import mmap
 import os
 import queue
@@ -286,6 +287,12 @@ class PendingImages:
         self._mappings: list[mmap.mmap] | None = mappings
         self._options = options
         self._populator = populator
+        self._before_unmap: list[Callable[[], None]] = []
+
+    def before_unmap(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` after ``close`` and before the mappings are unmapped (on the unmapper thread for large
+        ones): e.g. wait until a driver registration of the log's pages is released."""
+        self._before_unmap.append(fn)
 
     def populate_stats(self) -> dict[str, float]:
         """What the populate threads (``ReplayOptions.populate``) did so far: bytes mapped in, pieces left."""
@@ -361,6 +368,9 @@ class PendingImages:
         if self._populator is not None:  # no madvise may run on an address range after it is unmapped
             self._populator.stop()
         mappings, self._mappings = self._mappings or [], None
+        hooks, self._before_unmap = self._before_unmap, []
+        if hooks:
+            mappings = [_Hooked(hooks)] + mappings  # type: ignore[list-item]  # run first by _unmap
         if sum(len(m) for m in mappings) >= BACKGROUND_UNMAP_BYTES:
             # unmapping a large populated mapping tears down a page table entry per 4 KiB (~24 ms for 232 MB on
             # the H200 host) and stalls the whole process meanwhile: profiled there, an unmap running beside the
@@ -435,6 +445,23 @@ BACKGROUND_UNMAP_DELAY_S = 2.0  # after a recovery's first token on every host w
 _unmap_queue: queue.SimpleQueue[tuple[float, list[mmap.mmap]]] | None = None
 _unmap_pid = 0  # the process whose thread serves the queue (a fork() child starts its own)
 _unmap_lock = threading.Lock()
+
+
+class _Hooked:
+    """Callables that must run before the mappings after them in an unmap list are unmapped."""
+
+    def __init__(self, hooks: list[Callable[[], None]]) -> None:
+        self.hooks = hooks
+
+    def __len__(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        for fn in self.hooks:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the unmap goes on; what failed is logged
+                logging.getLogger(__name__).warning("a hook before unmapping the log failed", exc_info=True)
 
 
 def _unmap(mappings: list[mmap.mmap]) -> None:

@@ -32,6 +32,7 @@ freed on a helper thread after the last transfer (``close``).
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -57,6 +58,8 @@ def _alloc_ring(slots: int, slot_bytes: int, device: int | None) -> Any:
 
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
+DIRECT_LANES = 8  # put_direct's CRC descriptor rows in flight (a row is reused once its upload has run)
+_log = logging.getLogger(__name__)
 
 SCATTER_SOURCE = r"""
 typedef unsigned long long u64;
@@ -159,6 +162,17 @@ class CudaSink:
         self._crc: Any = None
         self._piece_dev: list[int] = []  # pid -> device pointer of where its bytes landed (0: not on the device)
         self.crc_stats = {"tiles": 0, "launches": 0}
+        # run_streamed(register=True): the log's pages registered for DMA (read-only), released after the last
+        # transfer (close); ``released`` is set once they all are, before the log's mappings may go
+        self.can_register = True
+        self._registered: list[int] = []
+        self.registered_bytes = 0
+        self.released = threading.Event()
+        self.released.set()
+        self._lock = threading.Lock()
+        self._lane = 0  # the next direct lane (a meta row + event of its own, after the slots')
+        self._lane_used = [False] * DIRECT_LANES
+        self._lane_events = [driver.check(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(DIRECT_LANES)]
 
     def begin(self, plan: StreamedPlan) -> None:
         torch = self._torch
@@ -193,11 +207,12 @@ class CudaSink:
         self.dev_ntiles = torch.from_numpy(ntiles.astype(np.int32)).to(dev)
         self.dev_out = torch.zeros(max(1, n), dtype=torch.int32, device=dev)
         item = crc.PIECE_DTYPE.itemsize
-        self.meta = PinnedBuffer(self.slots * self.per * item, mapped=False)  # a chunk: at most a copy per page
-        self.meta_np = self.meta.numpy().view(crc.PIECE_DTYPE).reshape(self.slots, self.per)
-        self.dev_meta = torch.zeros((self.slots, self.per * item), dtype=torch.uint8, device=dev)
+        rows = self.slots + DIRECT_LANES  # a row per slot, then the direct lanes' (put_direct)
+        self.meta = PinnedBuffer(rows * self.per * item, mapped=False)  # a chunk: at most a copy per page
+        self.meta_np = self.meta.numpy().view(crc.PIECE_DTYPE).reshape(rows, self.per)
+        self.dev_meta = torch.zeros((rows, self.per * item), dtype=torch.uint8, device=dev)
         tc = int(self.tile_crc.data_ptr())
-        self._args = [self._crc.tile_args(int(self.dev_meta[i].data_ptr()), tc) for i in range(self.slots)]
+        self._args = [self._crc.tile_args(int(self.dev_meta[i].data_ptr()), tc) for i in range(rows)]
         self._piece_dev = [0] * n
 
     def slot(self, i: int) -> npt.NDArray[np.uint8]:
@@ -256,6 +271,43 @@ class CudaSink:
                 self.pages.index_copy_(0, self.dev_index[i, :k], src_rows)
         driver.check(driver.bindings().cuEventRecord(self.events[i], self.ds.handle), "cuEventRecord")
         self.used[i] = True
+
+    def register_source(self, address: int, nbytes: int) -> bool:
+        """Make ``nbytes`` of the log's mapping at ``address`` DMA-able (``cuMemHostRegister``, read-only: the
+        replay maps segments read-only). False if the driver refuses (the ring then copies those chunks)."""
+        drv = driver.bindings()
+        driver.ensure_context(self.dev_no)  # the registrar's thread
+        (err,) = drv.cuMemHostRegister(address, nbytes, drv.CU_MEMHOSTREGISTER_READ_ONLY)
+        if int(err) != 0:
+            _log.warning("cuMemHostRegister of %d log bytes refused (%s); the ring copies the rest", nbytes,
+                         driver.error_name(int(err)))
+            return False
+        with self._lock:
+            self.released.clear()
+            self._registered.append(int(address))
+            self.registered_bytes += int(nbytes)
+        return True
+
+    def put_direct(self, chunk: Chunk) -> None:
+        """A one-run chunk DMA'd from its registered sources straight into place (no slot), then its pieces
+        checksummed where they landed, as ``put`` does."""
+        dst = self.flat_ptr + chunk.run_start * self.page_bytes
+        for src, off, _ in chunk.copies:
+            if src.nbytes:
+                driver.memcpy_htod_async(dst + off, int(np.frombuffer(src, dtype=np.uint8).ctypes.data),
+                                         src.nbytes, self.ds)
+        if self.verifies:
+            j = self._lane
+            self._lane = (j + 1) % DIRECT_LANES
+            if self._lane_used[j]:  # its meta row's last upload must have left the host
+                driver.check(driver.bindings().cuEventSynchronize(self._lane_events[j]), "cuEventSynchronize")
+            self._verify_put(self.slots + j, chunk, dst)
+            driver.check(driver.bindings().cuEventRecord(self._lane_events[j], self.ds.handle), "cuEventRecord")
+            self._lane_used[j] = True
+
+    def wait_released(self) -> None:
+        """Block until every registration of the log's pages is released (the log may be unmapped then)."""
+        self.released.wait()
 
     def _verify_put(self, i: int, chunk: Chunk, base: int) -> None:
         """The tile kernel over the chunk's checked pieces, where they are on the device now (``base``: where
@@ -340,14 +392,21 @@ class CudaSink:
             self._c_pages = self._c_meta = None
             self.ds.close()  # after the synchronize: nothing is queued on it
             drv = driver.bindings()
-            for ev in self.events:
+            for ev in self.events + self._lane_events:
                 drv.cuEventDestroy(ev)
-            self.events = []
+            self.events, self._lane_events = [], []
             dev_no = self.dev_no
+            with self._lock:
+                registered, self._registered = self._registered, []
 
             def free() -> None:
                 driver.ensure_context(dev_no)
-                for b in bufs:
-                    b.close()
+                try:
+                    for a in registered:  # every DMA from them has run (the synchronize above)
+                        driver.check(drv.cuMemHostUnregister(a), "cuMemHostUnregister")
+                finally:
+                    self.released.set()
+                    for b in bufs:
+                        b.close()
 
             threading.Thread(target=free, name="concordia-ring-free", daemon=True).start()
