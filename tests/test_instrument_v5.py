@@ -114,6 +114,31 @@ def test_protocol5_probes_assemble_with_no_exit_probe_and_one_header_load(name: 
 
 
 @needs_ptxas
+@pytest.mark.parametrize("name", ["poi_silu_mul", "softmax", "layernorm", "matmul", "copy_then_reduce"])
+def test_cold_path_moves_the_leaders_rare_path_after_the_kernels_last_instruction(name: str) -> None:
+    src = ptx_of(name)
+    hot, cold = rewrite_ptx(src), rewrite_ptx(src, SafepointOptions(cold_path=True))
+    lines = _lines(cold.ptx)
+    close = max(i for i, ln in enumerate(lines) if ln == "}")
+    rare = next(i for i, ln in enumerate(lines) if ln.endswith("_rare:"))
+    last_ret = max(i for i, ln in enumerate(lines[:rare]) if ln == "ret")
+    assert last_ret < rare < close  # after the kernel's last instruction, reached only by its branch
+    assert sum(ln.endswith("_rare") and "bra" in ln for ln in lines) == 1
+    # the normal path: the header test, one branch to the rare path, and the vote right after
+    hdr = next(i for i, ln in enumerate(lines) if ln.startswith("setp.eq.u32 \t%cft_p3, %cft_r11, 0"))
+    assert lines[hdr + 1].startswith("@!%cft_p3 bra") and lines[hdr + 2].endswith("_lread:")
+    assert lines[hdr + 3].startswith("setp.ne.u32 \t%cft_p2, %cft_r14, 0")
+    # the same instructions otherwise: both sets, sorted, differ only by the branches and labels that move
+    def body(text: str) -> list[str]:
+        return sorted(ln for ln in _lines(text) if ln and "bra" not in ln and not ln.endswith(":"))
+    assert body(hot.ptx) == body(cold.ptx)
+    k = cold.kernels[0].name
+    plain, a = assemble(src), assemble(cold.ptx)
+    print(f"{name}: registers plain {plain.registers[k]} default {assemble(hot.ptx).registers[k]} cold {a.registers[k]}")
+    assert a.spill_bytes.get(k, 0) == plain.spill_bytes.get(k, 0)
+
+
+@needs_ptxas
 @pytest.mark.parametrize("name,site", [("poi_silu_mul", "before_write"), ("softmax", "barrier"),
                                        ("layernorm", "entry"), ("copy_then_reduce", "before_write")])
 def test_const_ctl_and_entry_header_put_the_pointer_in_the_constant_bank_and_the_header_read_at_entry(
@@ -172,18 +197,25 @@ _M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
 
 
 _SNIPPET_OPTIONS = {"vote": SafepointOptions(**V5_BASE), "early": SafepointOptions(early_header=True, **V5_BASE),
-                    "entry": SafepointOptions(entry_header=True, const_ctl=True)}
+                    "entry": SafepointOptions(entry_header=True, const_ctl=True),
+                    "cold": SafepointOptions(cold_path=True), "cold_vote": SafepointOptions(cold_path=True, **V5_BASE)}
 
 
 def _leader_snippet(where: str = "vote") -> list[str]:
     """The instructions of the v5 leader decision as rewrite_ptx emits them (poi_silu_mul's vote site); with
     the header read early (after the last load, or at entry), that read (and the zeroing at entry) in front,
     as the thread meets them."""
-    early = where != "vote"
-    lines = _lines(rewrite_ptx(ptx_of("poi_silu_mul"), _SNIPPET_OPTIONS[where]).ptx)
+    opts = _SNIPPET_OPTIONS[where]
+    early = opts.early_header or opts.entry_header
+    lines = _lines(rewrite_ptx(ptx_of("poi_silu_mul"), opts).ptx)
     start = next(i for i, ln in enumerate(lines) if ln.startswith("mov.u32 \t%cft_r14, 0"))
     end = next(i for i, ln in enumerate(lines) if ln.endswith("_lread:"))
     code = lines[start:end + 1]
+    if opts.cold_path:  # the rare path after the kernel's last instruction: run it where the branch goes
+        r0 = next(i for i, ln in enumerate(lines) if ln.endswith("_rare:"))
+        r1 = max(i for i in range(r0, len(lines)) if lines[i].startswith("bra.uni") and lines[i].endswith("_lread"))
+        assert r0 > end and not any(ln.endswith("_rare:") for ln in code)
+        code = [*code, "bra.uni \t$__snippet_end", *lines[r0:r1 + 1], "$__snippet_end:"]
     if early:
         e_end = next(i for i, ln in enumerate(lines) if ln.endswith("_early:"))
         e_start = next(i for i, ln in enumerate(lines) if ln.startswith("@!%cft_p0 bra") and ln.endswith("_early"))

@@ -143,6 +143,11 @@ class SafepointOptions:
     # ``const_ctl`` the pointer itself is a constant-cache hit, so only the leader's warp waits for it, briefly).
     # Takes precedence over ``early_header``. Default since session 11.
     entry_header: bool = True
+    # Protocol 5: the leader's rare path (a pause or a resume: reading and rewriting its block's record) is placed
+    # after the kernel's last instruction and reached by a branch, so the normal path between the header test and
+    # the kernel's own next instruction is a few instructions long instead of ~20 (the instruction stream a
+    # small decode-shape kernel fetches cold on every launch). Same decision (the CPU interpreter test runs it).
+    cold_path: bool = False
 
     def __post_init__(self) -> None:
         if self.protocol not in (4, 5):
@@ -667,19 +672,33 @@ def _v5_early_header(lab: str) -> list[str]:
             f"\t@%cft_p3 bra \t{lab}_early;", *_v5_header_load(), f"{lab}_early:"]
 
 
-def _v5_leader(lab: str, early: bool = False) -> list[str]:
+def _v5_leader(lab: str, early: bool = False, cold: list[str] | None = None) -> list[str]:
     """Protocol 5, the leader's decision (``v5_decide``) into ``%cft_r14`` (1: leave), everyone else 0.
 
     Normal path: one 64-bit load of the header word pair (pause, mode); both zero -> run, nothing else read
     or written. Otherwise (a pause or a resume: rare) the leader reads and rewrites its block's record. With
-    ``early`` the header was loaded before (``_v5_early_header``)."""
-    return [
+    ``early`` the header was loaded before (``_v5_early_header``). With ``cold`` (a list), the rare path is
+    appended to it instead (``cold_path``: placed after the kernel's last instruction by the caller) and
+    reached by a branch that returns to ``{lab}_lread``."""
+    head = [
         "\tmov.u32 \t%cft_r14, 0;", *_leader(),
         f"\t@!%cft_p0 bra \t{lab}_lread;",
         *([] if early else _v5_header_load()),
         "\tor.b32 \t%cft_r11, %cft_r12, %cft_r13;",
         "\tsetp.eq.u32 \t%cft_p3, %cft_r11, 0;",
-        f"\t@%cft_p3 bra \t{lab}_lread;",  # run mode, not paused: run
+    ]
+    rare = _v5_rare(lab)
+    if cold is None:
+        return [*head, f"\t@%cft_p3 bra \t{lab}_lread;", *rare, f"{lab}_lread:"]  # run mode, not paused: run
+    cold.extend([f"{lab}_rare:", *rare, f"\tbra.uni \t{lab}_lread;"])
+    return [*head, f"\t@!%cft_p3 bra \t{lab}_rare;", f"{lab}_lread:"]
+
+
+def _v5_rare(lab: str) -> list[str]:
+    """The leader's rare path (paused, or resuming): its block's record read and rewritten, ``%cft_r14`` set;
+    its end falls through (inline) or the caller branches back (``cold_path``) to where the normal path rejoins;
+    the pause case branches to ``{lab}_lread`` itself."""
+    return [
         "\tmov.u32 \t%cft_r3, %ctaid.x;", "\tmov.u32 \t%cft_r4, %ctaid.y;", "\tmov.u32 \t%cft_r5, %ctaid.z;",
         "\tmov.u32 \t%cft_r6, %nctaid.x;", "\tmov.u32 \t%cft_r7, %nctaid.y;",
         "\tmad.lo.u32 \t%cft_r8, %cft_r5, %cft_r7, %cft_r4;",
@@ -700,7 +719,6 @@ def _v5_leader(lab: str, early: bool = False) -> list[str]:
         "\tselp.b32 \t%cft_r9, %cft_r11, %cft_r9, %cft_p4;",
         "\tselp.b32 \t%cft_r14, 0, 1, %cft_p4;",
         "\tst.volatile.global.v2.u32 \t[%cft_rd1], {%cft_r9, %cft_r11};",
-        f"{lab}_lread:",
     ]
 
 
@@ -716,21 +734,22 @@ def _v5_entry_probe(sym: str, early: bool = False, space: str = ".global") -> li
             f"\tld{space}.u64 \t%cft_rd0, [{sym}];"]
 
 
-def _v5_vote(lab: str, st: Statement | None, original: str, early: bool = False) -> list[str]:
+def _v5_vote(lab: str, st: Statement | None, original: str, early: bool = False,
+             cold: list[str] | None = None) -> list[str]:
     """Protocol 5's vote at its site: a disarmed launch branches past (block-uniform: every thread read the
     same pointer), keeping the kernel's own barrier (``original``) where the vote sits at one."""
     head = "\t// concordia-ft: the entry decision (protocol 5), nothing global written yet"
     if st is None:
         return [head, "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@!%cft_p1 bra \t{lab}_novote;",
-                *_v5_leader(lab, early), *_v5_decision_vote(None), f"{lab}_novote:"]
+                *_v5_leader(lab, early, cold), *_v5_decision_vote(None), f"{lab}_novote:"]
     return [head, "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@%cft_p1 bra \t{lab}_avote;", original,
-            f"\tbra.uni \t{lab}_vdone;", f"{lab}_avote:", *_v5_leader(lab, early), *_v5_decision_vote(st),
+            f"\tbra.uni \t{lab}_vdone;", f"{lab}_avote:", *_v5_leader(lab, early, cold), *_v5_decision_vote(st),
             f"{lab}_vdone:"]
 
 
-def _v5_entry_vote(sym: str, lab: str, space: str = ".global") -> list[str]:
+def _v5_entry_vote(sym: str, lab: str, space: str = ".global", cold: list[str] | None = None) -> list[str]:
     """Protocol 5 where no later vote site exists: load, decide and vote at entry."""
-    return [*_v5_entry_probe(sym, space=space), *_v5_vote(lab, None, "")]
+    return [*_v5_entry_probe(sym, space=space), *_v5_vote(lab, None, "", cold=cold)]
 
 
 def _leader() -> list[str]:
@@ -843,15 +862,19 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
         if opts.protocol == 5:
             before[k.header_start].extend([f".visible .global .align 4 .u32 {PROTO_PREFIX}{k.name} = 5;", ""])
             early = (opts.early_header or opts.entry_header) and p.vote_line >= 0
+            cold: list[str] | None = [] if opts.cold_path else None  # the rare path, after the last instruction
             if p.vote_line < 0:
-                before.setdefault(p.entry_line, []).extend(_v5_entry_vote(sym, lab, space))
+                before.setdefault(p.entry_line, []).extend(_v5_entry_vote(sym, lab, space, cold))
             elif p.vote_inserted:
                 before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early, space))
-                before.setdefault(p.vote_line, []).extend(_v5_vote(lab, None, "", early))
+                before.setdefault(p.vote_line, []).extend(_v5_vote(lab, None, "", early, cold))
             else:
                 before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early, space))
                 replace[p.vote_line] = _v5_vote(lab, by_index[p.vote_line], module.lines[p.vote_line].rstrip("\n"),
-                                                early)
+                                                early, cold)
+            if cold:
+                before.setdefault(k.body_close, []).extend(
+                    ["\t// concordia-ft (protocol 5): the leader's rare path (pause, resume), out of line", *cold])
             if early and opts.entry_header:  # at entry, right after the pointer's load
                 before[p.entry_line].extend(_v5_early_header(lab))
             elif early:  # after the kernel's last global load before the vote (straight-line code: no join)
