@@ -292,6 +292,7 @@ def _log_facts(log: Path) -> dict[str, Any]:
 # 11, named), "streamed_c" / "streamed_c_cold" (the C loop, core/_streamloop.c, required), "streamed_pop"
 # (the Python loop with 8 threads populating the log's mappings during its open: RecoveryOptions.populate),
 # "streamed_reg" (the log's pages registered for DMA from the plan's end backwards: RecoveryOptions.register_log),
+# "streamed_noprefetch" (the ring page-locked after the open: EngineOptions.prefetch_ring=False),
 # "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
 RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed": {"streamed": True},
@@ -303,6 +304,8 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed_cold": {"streamed": True, "warm_graphs": False},
     "streamed_py": {"streamed": True, "stream_loop": "python"},
     "streamed_pop": {"streamed": True, "stream_loop": "python", "populate": 8},  # 8 populate threads in the open
+    # the ring page-locked after the open, as before session 12 (EngineOptions.prefetch_ring=False)
+    "streamed_noprefetch": {"streamed": True, "stream_loop": "python", "engine": {"prefetch_ring": False}},
     # the log's pages registered for DMA from the end of the plan backwards, those chunks sent straight from the log
     "streamed_reg": {"streamed": True, "stream_loop": "python", "register_log": True},
     "streamed_py_cold": {"streamed": True, "stream_loop": "python", "warm_graphs": False},
@@ -335,8 +338,9 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
     next measurement; it starts after the first step's epoch committed, so it never delays the first token)."""
     recovery = dict(recovery)
     warm = bool(recovery.pop("warm_graphs", True))
+    engine_opts = {"backend": backend, **recovery.pop("engine", {})}
     t0 = time.perf_counter()
-    rec = Engine.recover(log, model, {"backend": backend}, recovery=recovery,
+    rec = Engine.recover(log, model, engine_opts, recovery=recovery,
                          runtime_options={"compact_after_bytes": None}, warm_graphs=warm)
     sync(device)
     t_restored = time.perf_counter() - t0
@@ -363,6 +367,7 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
                     "stream_verified_gb": st.extra.get("verified_bytes", 0.0) / 1e9,
                     "stream_verify_combine_s": st.extra.get("verify_combine_s", 0.0), "stream_finish_s": st.finish_s,
                     "stream_sink_setup_s": st.extra.get("sink_setup_s", 0.0),
+                    "stream_ring_prefetched": bool(st.extra.get("ring_prefetched", 0.0)),
                     "stream_verify_on_device": bool(st.extra.get("verify_on_device", 0.0)),
                     "stream_device_crc_tiles": int(st.extra.get("device_crc_tiles", 0.0)),
                     "stream_c_loop": bool(st.extra.get("c_loop", 0.0)),
@@ -519,7 +524,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
                      "construct_s": "constr", "load_s": "load", "verify_s": "verify", "streamed_s": "stream",
                      "streamed_gbps": "GB/s", "stream_plan_s": "plan", "stream_fill_wait_s": "fillw",
                      "stream_slot_wait_s": "slotw", "stream_finish_s": "fin", "stream_verify_combine_s": "comb",
-                     "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring", "open_populated_gb": "popGB",
+                     "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring", "stream_ring_prefetched": "pre", "open_populated_gb": "popGB",
                      "stream_registered_chunks": "regch", "stream_registered_gb": "regGB", "stream_register_s": "regs",
                      "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal",
                      "copy_gbps": "copyGB/s", "e2e_gbps": "e2eGB/s", "warm_capture_s": "wcap",
@@ -571,7 +576,7 @@ def main() -> int:
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--recovery-modes", default="streamed",
                     help="comma-separated, of RECOVERY_MODES (streamed, streamed_host, streamed_open, "
-                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_reg, streamed_c_cold, image); ':N' sets the copy threads, "
+                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_reg, streamed_noprefetch, streamed_c_cold, image); ':N' sets the copy threads, "
                          "e.g. streamed:8")
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,

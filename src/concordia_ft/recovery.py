@@ -53,7 +53,9 @@ class RecoveryOptions:
     # streamed restores: a registrar thread makes the log's own pages DMA-able (cuMemHostRegister, read-only) from
     # the end of the plan backwards, and the chunks it reaches first go to the device straight from the log, their
     # bytes crossing host memory once instead of three times (core/streamed.py run_streamed(register=True));
-    # "first": every such chunk registered before the stream starts (the direct path alone)
+    # "first": every such chunk registered before the stream starts (the direct path alone). Off: on the H200
+    # (driver 580) the driver serialises each registration against the stream's DMA submissions, and the 8B
+    # restore took 2.2 s instead of 1.2 (serve/DESIGN.md, session 12)
     register_log: bool | str = False
     # the streamed restore's chunk loop: "python" (the default: the Python-driven loop, 16 copy threads), "c" (the
     # chunk loop in C with the GIL released, core/_streamloop.c; refused where it is not built), "auto" (C where

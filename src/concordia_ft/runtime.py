@@ -505,6 +505,7 @@ class Runtime:
             stats.plan_s = plan_s
             stats.seconds += plan_s
             stats.extra["sink_setup_s"] = float(getattr(sink, "setup_s", 0.0))
+            stats.extra["ring_prefetched"] = float(bool(getattr(sink, "prefetched_ring", False)))
             out[name] = stats
             tracker = self._trackers[name]
             tracker.initialised = True  # type: ignore[attr-defined]  # the whole region holds committed bytes

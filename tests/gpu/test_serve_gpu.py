@@ -257,13 +257,15 @@ def test_the_first_step_after_recovery_replays_a_graph_captured_beside_the_resto
     warm = Engine.recover(shm / "log", model, recovery={"stream_loop": "auto"})
     assert warm.recover_phases["warm_captured"] == 1.0
     st = warm.recovered.streamed["kv"]
+    assert st.extra["ring_prefetched"] == 1.0  # page-locked while the log was opened (EngineOptions.prefetch_ring)
     assert st.extra["verify_on_device"] == 1.0 and st.extra["device_verified_pieces"] > 0
     from concordia_ft.core.streamed import c_loop_available
 
     # the C chunk loop (driver calls from C threads) beside the capture, where it is built
     assert st.extra.get("c_loop", 0.0) == float(c_loop_available())
-    cold = Engine.recover(copy, model, warm_graphs=False)
+    cold = Engine.recover(copy, model, {"prefetch_ring": False}, warm_graphs=False)
     assert "warm_captured" not in cold.recover_phases
+    assert cold.recovered.streamed["kv"].extra["ring_prefetched"] == 0.0
     assert torch.equal(warm.pool.arena, cold.pool.arena)
     cap = warm.graphs.capture_s
     a, b = warm.step(), cold.step()

@@ -25,15 +25,17 @@ The side stream is the sink's own (``cuStreamCreate``, non-blocking), not one of
 stream a decode graph is being captured on beside it (serve/engine.py ``warm_graphs``); the restore's DMAs
 would then be captured instead of run, and its events refused (``CUDA_ERROR_CAPTURED_EVENT``).
 
-The ring is ``cuMemHostAlloc`` memory page-locked when the sink is built (~0.1 s for 256 MiB; allocating it on
-a helper thread beside the log's open slowed the open by more than that on the H200: serve/DESIGN.md) and
-freed on a helper thread after the last transfer (``close``).
+The ring is ``cuMemHostAlloc`` memory (~0.13 s to page-lock 256 MiB on the H200 host), page-locked on a helper
+thread while the log is opened (``prefetch_ring``, serve/engine.py: the driver releases the GIL; torch's pinned
+allocator, tried in session 6, did not and slowed the open) or else when the sink is built, and freed on a
+helper thread after the last transfer (``close``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
@@ -55,6 +57,61 @@ def _alloc_ring(slots: int, slot_bytes: int, device: int | None) -> Any:
 
     driver.ensure_context(device)
     return PinnedBuffer(slots * slot_bytes, mapped=False)
+
+
+_prefetched: dict[int, tuple[int, Future[Any]]] = {}  # device -> (bytes, the ring being page-locked)
+_prefetch_lock = threading.Lock()
+
+
+def prefetch_ring(slots: int, slot_bytes: int, device: int) -> None:
+    """Start page-locking a restore ring of ``slots * slot_bytes`` for ``device`` on a helper thread (the
+    driver call releases the GIL), so that it is ready when the streamed restore builds its sink after the log's
+    open (~0.13 s for 256 MiB on the H200 host, otherwise spent between the open and the first chunk). The
+    next ``CudaSink`` on that device that fits in it takes it; ``discard_prefetched`` frees one never taken."""
+    with _prefetch_lock:
+        if device in _prefetched:
+            return
+        fut: Future[Any] = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(_alloc_ring(slots, slot_bytes, device))
+            except BaseException as e:  # noqa: BLE001 - the sink allocates its own then
+                fut.set_exception(e)
+
+        _prefetched[device] = (slots * slot_bytes, fut)
+        threading.Thread(target=run, name="concordia-ring-prefetch", daemon=True).start()
+
+
+def _take_ring(nbytes: int, device: int) -> Any:
+    with _prefetch_lock:
+        got = _prefetched.pop(device, None)
+    if got is not None:
+        size, fut = got
+        try:
+            ring = fut.result()
+        except Exception:  # noqa: BLE001 - could not page-lock it there: allocate here (and say why then)
+            _log.debug("the prefetched restore ring failed", exc_info=True)
+            ring = None
+        if ring is not None and size >= nbytes:
+            return ring
+        if ring is not None:
+            ring.close()
+    return None
+
+
+def discard_prefetched(device: int) -> None:
+    """Free a ring ``prefetch_ring`` prepared that no sink took (a recovery that did not stream)."""
+    with _prefetch_lock:
+        got = _prefetched.pop(device, None)
+    if got is not None:
+        def free() -> None:
+            try:
+                got[1].result().close()
+            except Exception:  # noqa: BLE001 - nothing was allocated
+                pass
+
+        threading.Thread(target=free, name="concordia-ring-free", daemon=True).start()
 
 
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
@@ -143,8 +200,12 @@ class CudaSink:
         self.stream: Any = torch.cuda.ExternalStream(self.ds.handle, device=self.device)  # type: ignore[no-untyped-call]
         # host ring: cuMemHostAlloc memory (page-locked for this restore, freed after it on a helper thread)
         self.raw_slot = self.slot_bytes
-        self.ring = _alloc_ring(self.slots, self.raw_slot, self.dev_no)
-        self.host_np: npt.NDArray[np.uint8] = self.ring.numpy().reshape(self.slots, self.raw_slot)
+        ring_bytes = self.slots * self.raw_slot
+        self.ring = _take_ring(ring_bytes, self.dev_no)  # page-locked during the open (prefetch_ring), or now
+        self.prefetched_ring = self.ring is not None
+        if self.ring is None:
+            self.ring = _alloc_ring(self.slots, self.raw_slot, self.dev_no)
+        self.host_np: npt.NDArray[np.uint8] = self.ring.numpy()[:ring_bytes].reshape(self.slots, self.raw_slot)
         self.host_ptr = int(self.ring.host_ptr)
         self.small = PinnedBuffer(self.slots * per * 8, mapped=False)  # the scatter's page indices
         self.index_np: npt.NDArray[np.int64] = self.small.numpy(np.int64).reshape(self.slots, per)

@@ -80,6 +80,9 @@ class EngineOptions:
     # which beside the first decode steps cost them throughput and p99) and the step epochs' pinned bulk buffer
     # for a full prefill. Construction takes that much longer (benchmarks report it apart). Not logged.
     prepare_ahead: bool = True
+    # Engine.recover on a GPU: page-lock the streamed restore's ring on a helper thread while the log is opened
+    # (cuda/streamed.py prefetch_ring), instead of between the open and the first chunk
+    prefetch_ring: bool = True
 
     @classmethod
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
@@ -712,15 +715,24 @@ class Engine:
             # once); a CPU pool is replayed into its own buffer after every checksum passed at the open
             rec_opts = dataclasses.replace(rec_opts, defer_verify=("kv",) if cuda and rec_opts.streamed else ())
         t0 = time.perf_counter()
-        # (nothing runs beside the open: page-locking the ring or loading the CRC kernels on a helper thread
-        # slowed the open from ~0.13 to 0.28-0.41 s on the H200, more than the ~0.1 s it hid; serve/DESIGN.md)
-        rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
-                                runtime_options={**(runtime_options or {}), "recovery": rec_opts})
+        dev = next(model.parameters()).device
+        prefetch = cuda and rec_opts.streamed and opts.prefetch_ring
+        if prefetch:  # the streamed restore's pinned ring, page-locked on a helper thread while the log opens
+            from ..cuda.streamed import discard_prefetched, prefetch_ring
+
+            prefetch_ring(rec_opts.ring_slots, rec_opts.slot_bytes, dev.index if dev.index is not None else
+                          torch.cuda.current_device())
         try:
-            return cls._recover_open(log_dir, model, opts, rt, m, t0, warm_graphs)
-        except BaseException:
-            rt.close()
-            raise
+            rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
+                                    runtime_options={**(runtime_options or {}), "recovery": rec_opts})
+            try:
+                return cls._recover_open(log_dir, model, opts, rt, m, t0, warm_graphs)
+            except BaseException:
+                rt.close()
+                raise
+        finally:
+            if prefetch:  # a ring no sink took (nothing was streamed) is freed
+                discard_prefetched(dev.index if dev.index is not None else torch.cuda.current_device())
 
     @classmethod
     def _recover_open(cls, log_dir: str | Path, model: Any, opts: EngineOptions, rt: Any, m: dict[str, Any],
