@@ -292,7 +292,8 @@ def _log_facts(log: Path) -> dict[str, Any]:
 # 11, named), "streamed_c" / "streamed_c_cold" (the C loop, core/_streamloop.c, required), "streamed_pop"
 # (the Python loop with 8 threads populating the log's mappings during its open: RecoveryOptions.populate),
 # "streamed_reg" (the log's pages registered for DMA from the plan's end backwards: RecoveryOptions.register_log),
-# "streamed_noprefetch" (the ring page-locked after the open: EngineOptions.prefetch_ring=False),
+# "streamed_prefetch" / "streamed_noprefetch" (the ring page-locked while the log opens, or after: the default;
+# EngineOptions.prefetch_ring),
 # "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
 RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed": {"streamed": True},
@@ -304,7 +305,8 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed_cold": {"streamed": True, "warm_graphs": False},
     "streamed_py": {"streamed": True, "stream_loop": "python"},
     "streamed_pop": {"streamed": True, "stream_loop": "python", "populate": 8},  # 8 populate threads in the open
-    # the ring page-locked after the open, as before session 12 (EngineOptions.prefetch_ring=False)
+    # the ring page-locked while the log opens (EngineOptions.prefetch_ring=True; off by default since session 12)
+    "streamed_prefetch": {"streamed": True, "stream_loop": "python", "engine": {"prefetch_ring": True}},
     "streamed_noprefetch": {"streamed": True, "stream_loop": "python", "engine": {"prefetch_ring": False}},
     # the log's pages registered for DMA from the end of the plan backwards, those chunks sent straight from the log
     "streamed_reg": {"streamed": True, "stream_loop": "python", "register_log": True},
@@ -576,7 +578,7 @@ def main() -> int:
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--recovery-modes", default="streamed",
                     help="comma-separated, of RECOVERY_MODES (streamed, streamed_host, streamed_open, "
-                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_reg, streamed_noprefetch, streamed_c_cold, image); ':N' sets the copy threads, "
+                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_reg, streamed_prefetch, streamed_noprefetch, streamed_c_cold, image); ':N' sets the copy threads, "
                          "e.g. streamed:8")
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,

@@ -254,7 +254,7 @@ def test_the_first_step_after_recovery_replays_a_graph_captured_beside_the_resto
     (copy / "LOCK").unlink(missing_ok=True)
     # "auto": the C chunk loop where built (the default is the Python loop), so that its driver calls from C
     # threads run beside the capture (where an earlier C loop met CUDA_ERROR_CAPTURED_EVENT)
-    warm = Engine.recover(shm / "log", model, recovery={"stream_loop": "auto"})
+    warm = Engine.recover(shm / "log", model, {"prefetch_ring": True}, recovery={"stream_loop": "auto"})
     assert warm.recover_phases["warm_captured"] == 1.0
     st = warm.recovered.streamed["kv"]
     assert st.extra["ring_prefetched"] == 1.0  # page-locked while the log was opened (EngineOptions.prefetch_ring)
@@ -263,7 +263,7 @@ def test_the_first_step_after_recovery_replays_a_graph_captured_beside_the_resto
 
     # the C chunk loop (driver calls from C threads) beside the capture, where it is built
     assert st.extra.get("c_loop", 0.0) == float(c_loop_available())
-    cold = Engine.recover(copy, model, {"prefetch_ring": False}, warm_graphs=False)
+    cold = Engine.recover(copy, model, warm_graphs=False)  # the default: the ring page-locked after the open
     assert "warm_captured" not in cold.recover_phases
     assert cold.recovered.streamed["kv"].extra["ring_prefetched"] == 0.0
     assert torch.equal(warm.pool.arena, cold.pool.arena)

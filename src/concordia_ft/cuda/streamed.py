@@ -25,10 +25,11 @@ The side stream is the sink's own (``cuStreamCreate``, non-blocking), not one of
 stream a decode graph is being captured on beside it (serve/engine.py ``warm_graphs``); the restore's DMAs
 would then be captured instead of run, and its events refused (``CUDA_ERROR_CAPTURED_EVENT``).
 
-The ring is ``cuMemHostAlloc`` memory (~0.13 s to page-lock 256 MiB on the H200 host), page-locked on a helper
-thread while the log is opened (``prefetch_ring``, serve/engine.py: the driver releases the GIL; torch's pinned
-allocator, tried in session 6, did not and slowed the open) or else when the sink is built, and freed on a
-helper thread after the last transfer (``close``).
+The ring is ``cuMemHostAlloc`` memory (~0.1 s to page-lock 256 MiB on the H200 host), page-locked when the sink
+is built, and freed on a helper thread after the last transfer (``close``). ``prefetch_ring`` page-locks it on
+a helper thread while the log is opened instead (``EngineOptions.prefetch_ring``): off by default, because on
+the H200 host that stretched the open by more than it hid, with the driver's allocation (GIL released) as with
+torch's pinned allocator in session 6 (serve/DESIGN.md, session 12).
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ _prefetch_lock = threading.Lock()
 def prefetch_ring(slots: int, slot_bytes: int, device: int) -> None:
     """Start page-locking a restore ring of ``slots * slot_bytes`` for ``device`` on a helper thread (the
     driver call releases the GIL), so that it is ready when the streamed restore builds its sink after the log's
-    open (~0.13 s for 256 MiB on the H200 host, otherwise spent between the open and the first chunk). The
-    next ``CudaSink`` on that device that fits in it takes it; ``discard_prefetched`` frees one never taken."""
+    open (~0.1 s for 256 MiB on the H200 host, otherwise spent between the open and the first chunk; measured
+    there, the open itself got slower by more). The next ``CudaSink`` on that device that fits in it takes it;
+    ``discard_prefetched`` frees one never taken."""
     with _prefetch_lock:
         if device in _prefetched:
             return
