@@ -63,14 +63,7 @@ from .options import coerce_options
 from .regions import RegionSpec
 from .segment import map_segment
 from .snapshot import RegionPages, region_pages
-from .streamed import (
-    MADV_POPULATE_READ,
-    DeferredCheck,
-    StreamedPlan,
-    first_bad_deferred,
-    madvise_fn,
-    plan_streamed,
-)
+from .streamed import DeferredCheck, StreamedPlan, first_bad_deferred, plan_streamed, populate_read
 
 __all__ = ["DeferredCheck", "EpochSummary", "Outcome", "PendingImages", "RegionImage", "ReplayOptions", "ReplayResult",
            "ReplayTimings", "TailInfo", "replay"]
@@ -418,8 +411,7 @@ class Populator:
     def _piece(self, addr: int, n: int) -> int:
         if self._stop.is_set():
             return 0
-        fn = madvise_fn()
-        if not fn or fn(addr, n, MADV_POPULATE_READ) != 0:
+        if not populate_read(addr, n):
             self._stop.set()  # not supported here (or the range is gone): the readers fault the pages
             return 0
         with self._lock:

@@ -644,22 +644,25 @@ def madvise_fn() -> Any:
     return _libc
 
 
+def populate_read(address: int, nbytes: int) -> bool:
+    """Map ``nbytes`` of this process's memory at ``address`` into its page tables (``MADV_POPULATE_READ``, Linux
+    >= 5.14; the GIL is released for the call) without reading them; False where that is not possible (an older
+    kernel, no libc, a range not mapped): the readers then fault the pages themselves."""
+    fn = madvise_fn()
+    if not fn:
+        return False
+    lo = address - address % _PAGE
+    return bool(fn(lo, address + nbytes - lo, MADV_POPULATE_READ) == 0)
+
+
 def _prefault(chunks: Sequence[Chunk], stop: threading.Event) -> None:
     """Map the source pages of ``chunks`` (in order) into this process's page tables; stops at the first
     failure (an older kernel without MADV_POPULATE_READ: the copies then fault the pages themselves)."""
-    fn = madvise_fn()
-    if not fn:
-        return
     for c in chunks:
         if stop.is_set():
             return
         for src, _, _ in c.copies:
-            n = src.nbytes
-            if not n:
-                continue
-            addr = np.frombuffer(src, dtype=np.uint8).ctypes.data
-            lo = addr - addr % _PAGE
-            if fn(lo, addr + n - lo, MADV_POPULATE_READ) != 0:
+            if src.nbytes and not populate_read(int(np.frombuffer(src, dtype=np.uint8).ctypes.data), src.nbytes):
                 return
 
 

@@ -20,12 +20,14 @@ from . import driver
 
 
 class HostRegistration:
-    """A host range pinned with ``cuMemHostRegister``; ``close`` unregisters it (before the memory goes)."""
+    """A host range pinned with ``cuMemHostRegister``; ``close`` unregisters it (before the memory goes).
+    ``read_only``: a read-only mapping (a replayed segment), DMA'd from only (``CU_MEMHOSTREGISTER_READ_ONLY``)."""
 
-    def __init__(self, address: int, nbytes: int) -> None:
-        self.device = driver.ensure_context()
+    def __init__(self, address: int, nbytes: int, *, device: int | None = None, read_only: bool = False) -> None:
+        self.device = driver.ensure_context(device)
         drv = driver.bindings()
-        flags = drv.CU_MEMHOSTREGISTER_PORTABLE | drv.CU_MEMHOSTREGISTER_DEVICEMAP
+        flags = drv.CU_MEMHOSTREGISTER_READ_ONLY if read_only else \
+            drv.CU_MEMHOSTREGISTER_PORTABLE | drv.CU_MEMHOSTREGISTER_DEVICEMAP
         driver.check(drv.cuMemHostRegister(address, nbytes, flags), f"cuMemHostRegister({nbytes} bytes)")
         self.address, self.nbytes = int(address), int(nbytes)
 

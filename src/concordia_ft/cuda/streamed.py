@@ -228,8 +228,7 @@ class CudaSink:
         # run_streamed(register=True): the log's pages registered for DMA (read-only), released after the last
         # transfer (close); ``released`` is set once they all are, before the log's mappings may go
         self.can_register = True
-        self._registered: list[int] = []
-        self.registered_bytes = 0
+        self._registered: list[Any] = []  # mapped.HostRegistration of each registered range
         self.released = threading.Event()
         self.released.set()
         self._lock = threading.Lock()
@@ -338,17 +337,17 @@ class CudaSink:
     def register_source(self, address: int, nbytes: int) -> bool:
         """Make ``nbytes`` of the log's mapping at ``address`` DMA-able (``cuMemHostRegister``, read-only: the
         replay maps segments read-only). False if the driver refuses (the ring then copies those chunks)."""
-        drv = driver.bindings()
-        driver.ensure_context(self.dev_no)  # the registrar's thread
-        (err,) = drv.cuMemHostRegister(address, nbytes, drv.CU_MEMHOSTREGISTER_READ_ONLY)
-        if int(err) != 0:
-            _log.warning("cuMemHostRegister of %d log bytes refused (%s); the ring copies the rest", nbytes,
-                         driver.error_name(int(err)))
+        from ..errors import DeviceError
+        from .mapped import HostRegistration
+
+        try:
+            reg = HostRegistration(address, nbytes, device=self.dev_no, read_only=True)  # on the registrar's thread
+        except DeviceError as e:
+            _log.warning("%s; the ring copies the rest", e)
             return False
         with self._lock:
             self.released.clear()
-            self._registered.append(int(address))
-            self.registered_bytes += int(nbytes)
+            self._registered.append(reg)
         return True
 
     def put_direct(self, chunk: Chunk) -> None:
@@ -465,8 +464,8 @@ class CudaSink:
             def free() -> None:
                 driver.ensure_context(dev_no)
                 try:
-                    for a in registered:  # every DMA from them has run (the synchronize above)
-                        driver.check(drv.cuMemHostUnregister(a), "cuMemHostUnregister")
+                    for reg in registered:  # every DMA from them has run (the synchronize above)
+                        reg.close()
                 finally:
                     self.released.set()
                     for b in bufs:
