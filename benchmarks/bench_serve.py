@@ -293,7 +293,8 @@ def _log_facts(log: Path) -> dict[str, Any]:
 # (the Python loop with 8 threads populating the log's mappings during its open: RecoveryOptions.populate),
 # "streamed_reg" (the log's pages registered for DMA from the plan's end backwards: RecoveryOptions.register_log),
 # "streamed_prefetch" / "streamed_noprefetch" (the ring page-locked while the log opens, or after: the default;
-# EngineOptions.prefetch_ring),
+# EngineOptions.prefetch_ring), "streamed_nt" / "streamed_c_nt" (the fills write the ring with streaming stores:
+# RecoveryOptions.nontemporal, Python or C loop),
 # "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
 RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed": {"streamed": True},
@@ -312,6 +313,8 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed_reg": {"streamed": True, "stream_loop": "python", "register_log": True},
     "streamed_py_cold": {"streamed": True, "stream_loop": "python", "warm_graphs": False},
     "streamed_c": {"streamed": True, "stream_loop": "c"},
+    "streamed_nt": {"streamed": True, "stream_loop": "python", "nontemporal": True},
+    "streamed_c_nt": {"streamed": True, "stream_loop": "c", "nontemporal": True},
     "streamed_c_cold": {"streamed": True, "stream_loop": "c", "warm_graphs": False},
     "image": {"streamed": False, "defer_verify": ()},
 }
@@ -578,7 +581,7 @@ def main() -> int:
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--recovery-modes", default="streamed",
                     help="comma-separated, of RECOVERY_MODES (streamed, streamed_host, streamed_open, "
-                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_reg, streamed_prefetch, streamed_noprefetch, streamed_c_cold, image); ':N' sets the copy threads, "
+                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_reg, streamed_prefetch, streamed_noprefetch, streamed_nt, streamed_c_nt, streamed_c_cold, image); ':N' sets the copy threads, "
                          "e.g. streamed:8")
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,

@@ -564,3 +564,53 @@ def test_hooks_before_unmap_run_before_the_log_is_unmapped(shm_dir: Path, big: b
             break
         time.sleep(0.01)
     assert seen == [True] and all(m.closed for m in mappings)
+
+
+@pytest.mark.skipif(not streamed_mod.stream_copy_available(), reason="the C extension _streamloop is not built")
+def test_the_streaming_copy_equals_memcpy_at_every_alignment() -> None:
+    from concordia_ft.core import _streamloop  # type: ignore[attr-defined]
+
+    rng = np.random.default_rng(11)
+    src = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+    for _ in range(200):  # heads and tails of every alignment, bodies from none to megabytes
+        n = int(rng.choice([int(rng.integers(0, 300)), int(rng.integers(8000, 70000)), int(rng.integers(1, 3 << 20))]))
+        so = int(rng.integers(0, src.size - n + 1))
+        dst = np.full(n + 512, 0x5A, dtype=np.uint8)
+        do = int(rng.integers(0, 256))
+        _streamloop.copy(dst[do:do + n], memoryview(src[so:so + n]))
+        assert np.array_equal(dst[do:do + n], src[so:so + n])
+        assert (dst[:do] == 0x5A).all() and (dst[do + n:] == 0x5A).all()  # nothing outside the destination
+    with pytest.raises(ValueError, match="destination of 4 bytes, source of 5"):
+        _streamloop.copy(np.zeros(4, dtype=np.uint8), b"abcde")
+
+
+@pytest.mark.skipif(not streamed_mod.stream_copy_available(), reason="the C extension _streamloop is not built")
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("damaged", [False, True])
+def test_nontemporal_fills_restore_the_same_bytes_and_catch_the_same_damage(shm_dir: Path, loop: str,
+                                                                           damaged: bool) -> None:
+    log = shm_dir / "log"
+    final = _write_log(log, np.random.default_rng(8), steps=30)
+    if damaged:
+        _damage(log, "live")
+    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",), threads=2))
+    assert res.pending is not None
+    plan = res.pending.streamed_plan("kv", 40 << 10)
+    out = np.full(plan.spec.n_pages * PAGE, 0xAB, dtype=np.uint8)
+    for on_sink in (False, True):
+        sink = HostSink(out, PAGE, slots=3, slot_bytes=40 << 10, verify=on_sink)
+        if damaged:
+            with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
+                run_streamed(plan, sink, threads=3, loop=loop, nontemporal=True)
+            continue
+        st = run_streamed(plan, sink, threads=3, loop=loop, nontemporal=True)
+        assert st.extra["nontemporal"] == 1.0
+        assert np.array_equal(out[: final["kv"].nbytes], final["kv"])
+        out[:] = 0xAB
+    res.close()
+
+
+def test_nontemporal_is_a_bool_option() -> None:
+    assert RecoveryOptions(nontemporal=True).nontemporal
+    with pytest.raises(ConfigError, match="nontemporal"):
+        RecoveryOptions(nontemporal="yes")  # type: ignore[arg-type]

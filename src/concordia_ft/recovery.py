@@ -63,6 +63,10 @@ class RecoveryOptions:
     # tokens at Qwen3-8B dims) its first token came at 0.84 / 1.12 s vs the C loop's 0.92 / 1.67 s
     # (serve/DESIGN.md, "Session 11").
     stream_loop: str = "python"
+    # streamed restores: the copy threads write the ring's slots with streaming (non-temporal) stores instead of
+    # memcpy, so the host's memory is not read for the slot lines each fill overwrites and the source stays out of
+    # the way of the DMA's reads (both loops; needs the C extension)
+    nontemporal: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.ring_slots, int) or self.ring_slots < 2:
@@ -77,6 +81,8 @@ class RecoveryOptions:
             raise ConfigError(f"RecoveryOptions.prefault={self.prefault!r}: use an int >= 0")
         if self.register_log not in (False, True, "first"):
             raise ConfigError(f"RecoveryOptions.register_log={self.register_log!r}: use False, True or 'first'")
+        if not isinstance(self.nontemporal, bool):
+            raise ConfigError(f"RecoveryOptions.nontemporal={self.nontemporal!r}: use True or False")
         if not isinstance(self.populate, int) or self.populate < 0:
             raise ConfigError(f"RecoveryOptions.populate={self.populate!r}: use an int >= 0")
         if self.defer_verify is not None:

@@ -497,7 +497,8 @@ class Runtime:
             plan_s = float(getattr(sink, "plan_s", 0.0))
             try:
                 stats = run_streamed(plan, sink, threads=self.recovery.threads, prefault=self.recovery.prefault,
-                                     loop=self.recovery.stream_loop, register=self.recovery.register_log)
+                                     loop=self.recovery.stream_loop, register=self.recovery.register_log,
+                                     nontemporal=self.recovery.nontemporal)
             finally:
                 close = getattr(sink, "close", None)
                 if close is not None:

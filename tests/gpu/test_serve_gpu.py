@@ -184,7 +184,7 @@ def _pool_log(shm: Path, model: torch.nn.Module, *, slots_reused: bool) -> tuple
 
 
 @pytest.mark.parametrize("slots_reused", [False, True])
-@pytest.mark.parametrize("loop", ["c", "python", "registered", "registered_overlap"])
+@pytest.mark.parametrize("loop", ["c", "python", "registered", "registered_overlap", "python_nt", "c_nt"])
 def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees(shm: Path, slots_reused: bool,
                                                                                    loop: str) -> None:
     model = _bf16_model()
@@ -195,12 +195,15 @@ def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees
     # a tiny ring (3 slots of 64 KiB) so that chunks wrap it many times, some straight into place, some scattered;
     # "registered": the one-run chunks DMA'd straight from the log's registered pages (all registered first),
     # "registered_overlap": registered beside the stream, from the end (what RecoveryOptions.register_log=True does)
+    # "python_nt" / "c_nt": the fills write the ring with streaming stores (RecoveryOptions.nontemporal)
     reg = {"registered": "first", "registered_overlap": True}.get(loop, False)
+    c_loop = loop.split("_")[0] == "c"
     rec = Engine.recover(log, model, recovery={"ring_slots": 3, "slot_bytes": 64 << 10,
-                                               "stream_loop": "c" if loop == "c" else "python",
-                                               "register_log": reg})
+                                               "stream_loop": "c" if c_loop else "python",
+                                               "register_log": reg, "nontemporal": loop.endswith("_nt")})
     st = rec.recovered.streamed["kv"]
-    assert st.extra.get("c_loop", 0.0) == float(loop == "c")
+    assert st.extra.get("c_loop", 0.0) == float(c_loop)
+    assert st.extra["nontemporal"] == float(loop.endswith("_nt"))
     if loop == "registered":  # everything registered before the stream: every one-run chunk but the first direct
         assert st.extra["registered_chunks"] > 0 and st.extra["registered_bytes"] > 0, st.extra
     if reg:

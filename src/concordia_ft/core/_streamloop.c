@@ -28,6 +28,75 @@
 
 #include "_crc32c.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+/* ------------------------------------------------------------------------------- copies that skip the cache */
+/* A fill's destination (a pinned ring slot) is read next by the DMA engine, not by this core, so writing it
+ * through the cache only costs a read of every destination line first (the read-for-ownership) and evicts the
+ * source. Streaming (non-temporal) stores write whole lines to memory: per byte, the host's memory sees one
+ * read of the log and one write of the slot instead of two reads and a write. Where glibc's memcpy already
+ * streams (copies above its non-temporal threshold) this is the same traffic. */
+#if defined(__x86_64__)
+__attribute__((target("avx2"))) static void stream_copy_avx2(uint8_t *d, const uint8_t *s, size_t n) {
+    for (size_t i = 0; i < n; i += 128) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
+        __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
+        _mm256_stream_si256((__m256i *)(d + i), a);
+        _mm256_stream_si256((__m256i *)(d + i + 32), b);
+        _mm256_stream_si256((__m256i *)(d + i + 64), c);
+        _mm256_stream_si256((__m256i *)(d + i + 96), e);
+    }
+}
+
+static void stream_copy_sse2(uint8_t *d, const uint8_t *s, size_t n) {
+    for (size_t i = 0; i < n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+        _mm_stream_si128((__m128i *)(d + i), a);
+        _mm_stream_si128((__m128i *)(d + i + 16), b);
+        _mm_stream_si128((__m128i *)(d + i + 32), c);
+        _mm_stream_si128((__m128i *)(d + i + 48), e);
+    }
+}
+static int have_avx2 = -1;
+#endif
+
+/* memcpy(d, s, n) with streaming stores for the 128-byte-aligned body of the destination (a plain memcpy for the
+ * unaligned head and tail, and for short copies); fenced, so the bytes are in memory when it returns */
+static void stream_copy(uint8_t *d, const uint8_t *s, size_t n) {
+#if defined(__x86_64__)
+    if (n < 8192) {
+        memcpy(d, s, n);
+        return;
+    }
+    size_t head = (128 - ((uintptr_t)d & 127)) & 127;
+    memcpy(d, s, head);
+    size_t body = (n - head) & ~(size_t)127;
+    if (have_avx2 < 0) have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    if (have_avx2) stream_copy_avx2(d + head, s + head, body);
+    else stream_copy_sse2(d + head, s + head, body);
+    _mm_sfence();
+    memcpy(d + head + body, s + head + body, n - head - body);
+#else
+    memcpy(d, s, n);
+#endif
+}
+
+static const char *stream_copy_impl(void) {
+#if defined(__x86_64__)
+    if (have_avx2 < 0) have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+    return have_avx2 ? "avx2 streaming stores" : "sse2 streaming stores";
+#else
+    return "memcpy (no streaming stores on this architecture)";
+#endif
+}
+
 /* ---------------------------------------------------------------------------------------- driver entries */
 typedef int CUres;
 typedef CUres (*f_htod_t)(uint64_t, const void *, size_t, void *);
@@ -94,6 +163,7 @@ typedef struct {
     size_t *src_len;
     const int64_t *pages;
     uint32_t *crc_out;
+    int stream_stores; /* fills with stream_copy instead of memcpy */
     uint8_t *ring;
     size_t slot_bytes;
     Py_ssize_t slots;
@@ -148,14 +218,16 @@ static void fill(Run *r, Py_ssize_t k) {
         uint8_t *d = slot + r->copies[2 * i];
         int64_t pid = r->copies[2 * i + 1];
         if (pid < 0 || !r->crc_out) {
-            memcpy(d, s, n);
+            if (r->stream_stores) stream_copy(d, s, n);
+            else memcpy(d, s, n);
             continue;
         }
         uint32_t crc = 0;
         for (size_t a = 0; a < n; a += VERIFY_STEP) {
             size_t m = n - a < VERIFY_STEP ? n - a : VERIFY_STEP;
             crc = crc32c(crc, s + a, m);
-            memcpy(d + a, s + a, m);
+            if (r->stream_stores) stream_copy(d + a, s + a, m);
+            else memcpy(d + a, s + a, m);
         }
         r->crc_out[pid] = crc;
     }
@@ -298,12 +370,13 @@ static int get_i64(PyObject *obj, Py_buffer *b, const char *what, Py_ssize_t col
 
 static PyObject *py_run(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"srcs", "copies", "chunks", "pages", "ring", "slot_bytes", "slots", "threads",
-                             "page_bytes", "crc_out", "host_dst", "cuda", NULL};
+                             "page_bytes", "crc_out", "host_dst", "cuda", "stream_stores", NULL};
     PyObject *srcs, *o_copies, *o_chunks, *o_pages, *o_ring, *o_crc = Py_None, *o_dst = Py_None, *o_cuda = Py_None;
     Py_ssize_t slot_bytes, slots, page_bytes;
-    int threads;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOnnin|OOO", kwlist, &srcs, &o_copies, &o_chunks, &o_pages,
-                                     &o_ring, &slot_bytes, &slots, &threads, &page_bytes, &o_crc, &o_dst, &o_cuda))
+    int threads, stream_stores = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOnnin|OOOp", kwlist, &srcs, &o_copies, &o_chunks, &o_pages,
+                                     &o_ring, &slot_bytes, &slots, &threads, &page_bytes, &o_crc, &o_dst, &o_cuda,
+                                     &stream_stores))
         return NULL;
     if (!PyList_Check(srcs)) return PyErr_Format(PyExc_TypeError, "srcs: want a list of buffers");
     if (slots < 1 || slots > MAX_SLOTS || slot_bytes < 1 || page_bytes < 8 || page_bytes % 8 || threads < 1)
@@ -337,6 +410,7 @@ static PyObject *py_run(PyObject *self, PyObject *args, PyObject *kw) {
     r->copies = (const int64_t *)b_copies.buf;
     r->pages = (const int64_t *)b_pages.buf;
     r->ring = (uint8_t *)b_ring.buf;
+    r->stream_stores = stream_stores;
     r->slot_bytes = (size_t)slot_bytes;
     r->slots = slots;
     r->page_bytes = (size_t)page_bytes;
@@ -467,6 +541,29 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(c);
 }
 
+static PyObject *py_copy(PyObject *self, PyObject *args) {
+    Py_buffer d, s;
+    int stream = 1;
+    if (!PyArg_ParseTuple(args, "w*y*|p", &d, &s, &stream)) return NULL;
+    if (d.len != s.len) {
+        PyErr_Format(PyExc_ValueError, "copy: destination of %zd bytes, source of %zd", d.len, s.len);
+        PyBuffer_Release(&d);
+        PyBuffer_Release(&s);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (stream) stream_copy((uint8_t *)d.buf, (const uint8_t *)s.buf, (size_t)s.len);
+    else memcpy(d.buf, s.buf, (size_t)s.len);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_copy_impl(PyObject *self, PyObject *noargs) {
+    return PyUnicode_FromString(stream_copy_impl());
+}
+
 static PyObject *py_crc_impl(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString(crc_hw ? "sse4.2" : "table");
 }
@@ -474,7 +571,10 @@ static PyObject *py_crc_impl(PyObject *self, PyObject *noargs) {
 static PyMethodDef methods[] = {
     {"run", (PyCFunction)(void (*)(void))py_run, METH_VARARGS | METH_KEYWORDS,
      "run(srcs, copies, chunks, pages, ring, slot_bytes, slots, threads, page_bytes, crc_out=None, host_dst=None, "
-     "cuda=None) -> stats: stream a flattened plan through the ring (GIL released)"},
+     "cuda=None, stream_stores=False) -> stats: stream a flattened plan through the ring (GIL released)"},
+    {"copy", py_copy, METH_VARARGS,
+     "copy(dst, src, stream=True): dst[:] = src with the GIL released; stream: non-temporal stores for the body"},
+    {"copy_impl", py_copy_impl, METH_NOARGS, "which copy the streaming fills use"},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, crc=0): the C loop's CRC32C (tests)"},
     {"crc_impl", py_crc_impl, METH_NOARGS, "which CRC32C the fills use"},
     {NULL, NULL, 0, NULL},
@@ -484,5 +584,6 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_streamloop", NULL, 
 
 PyMODINIT_FUNC PyInit__streamloop(void) {
     crc_init();
+    (void)stream_copy_impl(); /* probes the CPU once, before any copy thread runs */
     return PyModule_Create(&moddef);
 }

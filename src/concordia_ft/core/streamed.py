@@ -273,17 +273,28 @@ def streamed_threads() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
-def _fill(slot: npt.NDArray[np.uint8], chunk: Chunk, crcs: list[int] | None) -> None:
+def stream_copy_available() -> bool:
+    """True when fills can use streaming (non-temporal) stores: the C extension is built."""
+    return _streamloop is not None
+
+
+def _fill(slot: npt.NDArray[np.uint8], chunk: Chunk, crcs: list[int] | None, nontemporal: bool = False) -> None:
     for src, off, pid in chunk.copies:
         n = src.nbytes
         if pid < 0 or crcs is None:
-            slot[off:off + n] = np.frombuffer(src, dtype=np.uint8)  # numpy releases the GIL for the copy
+            if nontemporal:
+                _streamloop.copy(slot[off:off + n], src)  # GIL released; streaming stores for the body
+            else:
+                slot[off:off + n] = np.frombuffer(src, dtype=np.uint8)  # numpy releases the GIL for the copy
             continue
         crc = 0
         for a in range(0, n, VERIFY_STEP):
             part = src[a:a + VERIFY_STEP]
             crc = crc32c(part, crc, release_gil=True)
-            slot[off + a:off + a + part.nbytes] = np.frombuffer(part, dtype=np.uint8)
+            if nontemporal:
+                _streamloop.copy(slot[off + a:off + a + part.nbytes], part)
+            else:
+                slot[off + a:off + a + part.nbytes] = np.frombuffer(part, dtype=np.uint8)
         crcs[pid] = crc
 
 
@@ -367,7 +378,7 @@ def _use_c_loop(loop: str, sink: StreamSink, prefault: int) -> bool:
 
 
 def _run_c(plan: StreamedPlan, sink: Any, workers: int, crcs: list[int], fill_crcs: bool,
-           stats: StreamedStats) -> bool:
+           stats: StreamedStats, nontemporal: bool = False) -> bool:
     """The chunk loop in C; returns whether the sink checksums the pieces (``collect_crcs`` after finish)."""
     flat = flatten_plan(plan)
     target: dict[str, Any] = sink.c_target(plan, flat)
@@ -376,7 +387,8 @@ def _run_c(plan: StreamedPlan, sink: Any, workers: int, crcs: list[int], fill_cr
     crc_out = np.zeros(max(1, len(plan.pieces)), dtype=np.uint32) if want_crc else None
     try:
         res = _streamloop.run(flat.srcs, flat.copies, flat.chunks, flat.pages, slots=sink.slots, threads=workers,
-                              page_bytes=plan.spec.page_bytes, crc_out=crc_out, **target)
+                              page_bytes=plan.spec.page_bytes, crc_out=crc_out, stream_stores=nontemporal,
+                              **target)
     except RuntimeError as e:
         raise RecoveryError(f"streamed restore of region {plan.spec.name!r} failed in the C chunk loop: {e}; "
                             "retry with RecoveryOptions(stream_loop='python') to use the Python loop") from e
@@ -395,7 +407,7 @@ def _run_c(plan: StreamedPlan, sink: Any, workers: int, crcs: list[int], fill_cr
 
 def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = None,
                  pool: Executor | None = None, prefault: int = 0, loop: str = "python",
-                 register: bool | str = False) -> StreamedStats:
+                 register: bool | str = False, nontemporal: bool = False) -> StreamedStats:
     """Stream ``plan`` through ``sink``'s ring; returns when every byte has arrived (``sink.finish()``) and every
     deferred checksum the plan carries passed (``LogCorruptError`` for the earliest record that failed).
 
@@ -413,8 +425,15 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
     cross host memory once instead of three times (read, write into the ring, DMA read). The sink releases the
     registrations after its last transfer; they must be gone before the log's mappings are unmapped
     (``wait_released``). ``register="first"``: every such chunk is registered before the stream starts (the
-    direct path alone: the ablation, and what the tests drive)."""
+    direct path alone: the ablation, and what the tests drive).
+
+    ``nontemporal``: the fills write the slots with streaming stores (``_streamloop.copy``; both loops), so the
+    host's memory is not read for the slot lines the fill overwrites; ConfigError where the C extension is not
+    built."""
     t0 = time.perf_counter()
+    if nontemporal and not stream_copy_available():
+        raise ConfigError(f"nontemporal=True needs the C extension _streamloop ({_LOOP_WHY}): build it with "
+                          "scripts/build_ext.sh, or leave RecoveryOptions.nontemporal off")
     use_c = _use_c_loop(loop, sink, prefault)
     workers = max(1, min(threads or streamed_threads(), sink.slots))
     stats = StreamedStats(bytes=plan.copy_bytes, chunks=len(plan.chunks), threads=workers)
@@ -430,12 +449,13 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
         on_sink = bool(plan.checks) and bool(getattr(sink, "verifies", False))
         fill_crcs: list[int] | None = None if on_sink else crcs
         stats.extra["verify_on_device"] = float(on_sink)
+        stats.extra["nontemporal"] = float(nontemporal)
         chunks = plan.chunks
         if use_c:
             if plan.crc_only:  # superseded bytes: checksummed beside the stream (GIL released for big pieces)
                 crc_jobs = _submit_crc_only(plan.crc_only, crcs, ex, workers)
             try:
-                on_sink = _run_c(plan, sink, workers, crcs, fill_crcs is not None, stats)
+                on_sink = _run_c(plan, sink, workers, crcs, fill_crcs is not None, stats, nontemporal)
                 chunks = []  # the Python loop below has nothing left to do
             except RecoveryError as e:
                 if loop != "auto":
@@ -479,9 +499,9 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
                     break  # sent directly by the loop above
                 progress[0] = k + 1
                 s = free.popleft()
-                fut = ex.submit(_fill, sink.slot(s), chunks[k], fill_crcs) if ex is not None else None
+                fut = ex.submit(_fill, sink.slot(s), chunks[k], fill_crcs, nontemporal) if ex is not None else None
                 if fut is None:
-                    _fill(sink.slot(s), chunks[k], fill_crcs)
+                    _fill(sink.slot(s), chunks[k], fill_crcs, nontemporal)
                 filling.append((k, s, fut))
                 k += 1
             if k == len(chunks) and plan.crc_only and not crc_jobs:  # superseded bytes: behind the last fill
