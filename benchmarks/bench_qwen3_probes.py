@@ -29,6 +29,7 @@ with its own fresh TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR (FX graph cache 
 - ``probes_v5ce``: ``const_ctl`` and ``entry_header`` (the leader's header read issued at block entry);
   ``probes_v5ces``: the same with ``stmatrix_sync``, today's default; ``probes_v5n``: ``entry_header`` with the pointer global;
   ``probes_v5cesx``: the default with ``cold_path`` (the leader's rare path after the kernel's last instruction).
+  ``probes_v5cesw``: the default with ``warp_vote`` (pointwise kernels decide per warp: no vote barrier).
 Every worker compiles with ``TORCHINDUCTOR_DETERMINISTIC=1`` and ``triton.autotune_pointwise=False`` (batch 1 of
 session 7 autotuned, and the variants picked different XBLOCKs for 9 of 24 kernels: up to 3x apart); with
 ``--pin-configs 1`` (the default) every autotuner that still holds more than one config (batch 2 of session 7:
@@ -96,6 +97,9 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # the default with the leader's rare path (pause, resume) out of line, after the kernel's last instruction
     "probes_v5cesx": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": True,
                       "cold_path": True},
+    # the default with the per-warp vote for pointwise kernels (no vote barrier: SafepointOptions.warp_vote)
+    "probes_v5cesw": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": True,
+                      "warp_vote": True},
 }
 
 from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import

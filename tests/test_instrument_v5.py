@@ -456,3 +456,219 @@ def test_stmatrix_before_the_first_barrier_no_longer_forces_an_entry_vote() -> N
     a, plain = assemble(res.ptx), assemble(src)
     print(f"registers plain {plain.registers[k]} v5 {a.registers[k]}")
     assert a.spill_bytes.get(k, 0) == plain.spill_bytes.get(k, 0) == 0
+
+
+# ---- the per-warp vote (SafepointOptions.warp_vote), run from the emitted PTX on a block of warps ------------
+
+_WARP = SafepointOptions(warp_vote=True)
+
+
+@needs_ptxas
+def test_the_per_warp_vote_goes_where_the_inserted_barrier_was_and_waits_for_nothing_in_the_normal_path() -> None:
+    src = ptx_of("poi_silu_mul")
+    res = rewrite_ptx(src, _WARP)
+    (rep,) = res.kernels
+    assert rep.vote_site == "before_write" and rep.warp_vote
+    lines = _lines(res.ptx)
+    assert not any(ln.startswith(("barrier.red", "bar.red")) for ln in lines)  # no block-wide vote barrier
+    hdr = [i for i, ln in enumerate(lines) if "ld.volatile.global.v2.u32 \t{%cft_r12, %cft_r13}" in ln]
+    own = [i for i, ln in enumerate(lines) if re.match(r"(@%p\d+ )?ld\.global", ln) and "cft_" not in ln]
+    stores = [i for i, ln in enumerate(lines) if "st.global" in ln and "%cft_" not in ln]
+    arrive = [i for i, ln in enumerate(lines) if ln.startswith("barrier.arrive")]
+    syncs = [i for i, ln in enumerate(lines) if ln.startswith("barrier.sync")]
+    assert len(hdr) == 1 and lines[hdr[0]].startswith("@%cft_p3 ")  # every thread's read, armed launches only
+    assert max(own) < hdr[0] < arrive[0] < stores[0]  # after the kernel's loads, decided before its first write
+    assert len(arrive) == 1 and lines[arrive[0]] == "barrier.arrive \t1, 256" and len(syncs) == 2
+    # the normal path from the header test: straight to the kernel's store, no barrier that waits
+    normal = lines[arrive[0] - 12:arrive[0] + 2]
+    assert normal[-1].startswith("bra.uni") and normal[-1].endswith("_novote")
+    assert ".shared .align 4 .b32 cft_warps_poi_silu_mul_kernel[33];" in res.ptx[:res.ptx.index(".entry")]
+    # every instruction of the kernel kept, in order (the barrier-1 lines are the vote's: the kernel has none)
+    assert [ln for ln in _probe_free(res.ptx) if "barrier." not in ln] == _probe_free(src)
+    plain, a = assemble(src), assemble(res.ptx)
+    k = rep.name
+    print(f"poi_silu_mul: registers plain {plain.registers[k]} default {assemble(rewrite_ptx(src).ptx).registers[k]} "
+          f"warp vote {a.registers[k]}")
+    assert a.spill_bytes.get(k, 0) == 0 and a.registers[k] <= plain.registers[k] + 8
+    # where it cannot apply, the block vote stays: kernels with barriers, and a vote at entry or at a barrier
+    for name in ("copy_then_reduce", "softmax", "layernorm", "atomic_sum"):
+        r = rewrite_ptx(ptx_of(name), _WARP)
+        assert not r.kernels[0].warp_vote and "cft_warps_" not in r.ptx
+        assert r.ptx == rewrite_ptx(ptx_of(name)).ptx
+
+
+def _warp_snippet() -> list[str]:
+    """The per-warp vote as a thread meets it: the header read, then the site through its ``_novote`` label."""
+    lines = _lines(rewrite_ptx(ptx_of("poi_silu_mul"), _WARP).ptx)
+    h = next(i for i, ln in enumerate(lines) if ln.startswith("setp.ne.u64 \t%cft_p3, %cft_rd0, 0"))
+    h_end = next(i for i in range(h, len(lines)) if "ld.volatile.global.v2.u32" in lines[i])
+    v = next(i for i in range(h_end, len(lines)) if lines[i].startswith("setp.ne.u64 \t%cft_p1, %cft_rd0, 0"))
+    v_end = next(i for i in range(v, len(lines)) if lines[i].endswith("_novote:"))
+    return ["mov.u32 \t%cft_r12, 0", "mov.u32 \t%cft_r13, 0", *lines[h:h_end + 1], *lines[v:v_end + 1]]
+
+
+def _run_block(code: list[str], ctl: int, mem: dict[int, int], header: int, views: list[tuple[int, int]],
+               block: int, rng: random.Random) -> tuple[list[str], list[tuple[int, int]]]:
+    """Run the snippet on one block of ``len(views)`` warps of 32 threads, interleaved at random one instruction
+    at a time, with barrier 1, ``vote.sync`` and shared memory as the hardware has them; warp w reads the header
+    as ``views[w]`` (pause, mode), as a pause landing between two warps' reads would make it. Returns each
+    thread's outcome ("run": reached the site's end, "leave": returned) and the global stores, in order."""
+    nw = len(views)
+    n = 32 * nw
+    labels = {ln[:-1]: i for i, ln in enumerate(code) if ln.endswith(":")}
+    smem_sym = next(t for ln in code for t in re.split(r"[\s,;\[\]+]+", ln) if t.startswith("cft_warps_"))
+    regs = [{"%cft_rd0": ctl} for _ in range(n)]
+    pc = [0] * n
+    out: list[str | None] = [None] * n
+    waiting: dict[int, str] = {}  # thread -> "bar" or "vote:<pc>"
+    arrived, bar_waiters = 0, []
+    votes: dict[tuple[int, int], dict[int, bool]] = {}
+    shared: dict[int, int] = {}
+    stores: list[tuple[int, int]] = []
+    SMEM = 0x400  # where the slots array sits in the shared window
+
+    def val(t: int, tok: str) -> int:
+        tok = tok.strip()
+        special = {"%tid.x": t, "%tid.y": 0, "%tid.z": 0, "%ctaid.x": block, "%ctaid.y": 0, "%ctaid.z": 0,
+                   "%nctaid.x": 64, "%nctaid.y": 1}
+        if tok in special:
+            return special[tok]
+        if tok == smem_sym:
+            return SMEM
+        if tok.startswith("%"):
+            return regs[t][tok]
+        return int(tok, 0) & _M64
+
+    def addr(t: int, tok: str) -> int:
+        base, _, off = tok.strip()[1:-1].partition("+")
+        return (val(t, base) + (int(off) if off else 0)) & _M64
+
+    steps = 0
+    while any(o is None for o in out):
+        runnable = [t for t in range(n) if out[t] is None and t not in waiting]
+        assert runnable, f"deadlock: {waiting}"
+        t = rng.choice(runnable)
+        steps += 1
+        assert steps < 200_000
+        if pc[t] >= len(code):
+            out[t] = "run"
+            continue
+        ln = code[pc[t]]
+        pc[t] += 1
+        if ln.endswith(":"):
+            continue
+        guard = ""
+        if ln.startswith("@"):
+            guard, ln = ln.split(None, 1)
+            g = guard[1:]
+            if bool(regs[t][g.lstrip("!")]) != (not g.startswith("!")):
+                continue
+        op, _, rest = ln.partition(" ")
+        ops = [x.strip() for x in re.split(r",(?![^{]*})", rest.strip())] if rest.strip() else []
+        w = t // 32
+        if op == "ret":
+            out[t] = "leave"
+        elif op.startswith("bra"):
+            pc[t] = labels[ops[0]]
+        elif op == "vote.sync.any.pred":
+            assert ops[2] == "-1"
+            key = (w, pc[t])
+            votes.setdefault(key, {})[t] = bool(regs[t][ops[1]])
+            waiting[t] = f"vote:{pc[t]}"
+            if len(votes[key]) == 32:  # every lane of the warp is at this vote
+                anyv = any(votes[key].values())
+                for lt in votes.pop(key):
+                    regs[lt][ops[0]] = int(anyv)
+                    del waiting[lt]
+        elif op in ("barrier.arrive", "barrier.sync"):
+            assert ops == ["1", str(n)], ops
+            arrived += 1
+            if op == "barrier.sync":
+                waiting[t] = "bar"
+                bar_waiters.append(t)
+            if arrived == n:  # the barrier completes: its waiters go on, it is ready for the next use
+                for bt in bar_waiters:
+                    del waiting[bt]
+                arrived, bar_waiters = 0, []
+        elif op == "ld.volatile.global.v2.u32":
+            a = addr(t, ops[1])
+            d = [x.strip() for x in ops[0].strip("{}").split(",")]
+            lo, hi = (views[w] if a == header else (mem.get(a, 0), mem.get(a + 4, 0)))
+            regs[t][d[0]], regs[t][d[1]] = lo, hi
+        elif op == "st.volatile.global.v2.u32":
+            a = addr(t, ops[0])
+            s_ = [x.strip() for x in ops[1].strip("{}").split(",")]
+            for aa, v in ((a, val(t, s_[0])), (a + 4, val(t, s_[1]))):
+                mem[aa] = v & _M32
+                stores.append((aa, v & _M32))
+        elif op == "st.volatile.global.u32":
+            a = addr(t, ops[0])
+            mem[a] = val(t, ops[1]) & _M32
+            stores.append((a, mem[a]))
+        elif op == "st.shared.u32":
+            shared[addr(t, ops[0])] = val(t, ops[1]) & _M32
+        elif op == "ld.shared.u32":
+            a = addr(t, ops[1])
+            assert a in shared, f"thread {t} read shared {a:#x} before any warp wrote it"
+            regs[t][ops[0]] = shared[a]
+        else:
+            d = ops[0]
+            m = _M64 if any(x in op for x in (".u64", ".b64", ".s64")) else _M32
+            if op in ("mov.u32", "mov.u64"):
+                regs[t][d] = val(t, ops[1]) & m
+            elif op == "cvt.u32.u64":
+                regs[t][d] = val(t, ops[1]) & _M32
+            elif op.startswith("and.b"):
+                regs[t][d] = val(t, ops[1]) & val(t, ops[2]) & m
+            elif op.startswith("or.b"):
+                regs[t][d] = (val(t, ops[1]) | val(t, ops[2])) & m
+            elif op.startswith("shl.b"):
+                regs[t][d] = (val(t, ops[1]) << val(t, ops[2])) & m
+            elif op == "shr.u32":
+                regs[t][d] = (val(t, ops[1]) >> val(t, ops[2])) & _M32
+            elif op.startswith("add."):
+                regs[t][d] = (val(t, ops[1]) + val(t, ops[2])) & m
+            elif op == "mad.lo.u32":
+                regs[t][d] = (val(t, ops[1]) * val(t, ops[2]) + val(t, ops[3])) & _M32
+            elif op == "mul.wide.u32":
+                regs[t][d] = (val(t, ops[1]) * val(t, ops[2])) & _M64
+            elif op.startswith("setp."):
+                a_, b_ = val(t, ops[1]), val(t, ops[2])
+                r = {"eq": a_ == b_, "ne": a_ != b_, "le": a_ <= b_, "lt": a_ < b_}[op.split(".")[1]]
+                if op.startswith(("setp.eq.and", "setp.ne.and")):
+                    r = r and bool(regs[t][ops[3]])
+                regs[t][d] = int(r)
+            elif op in ("selp.b32", "selp.u32"):
+                regs[t][d] = val(t, ops[1]) if regs[t][ops[3]] else val(t, ops[2])
+            else:
+                raise AssertionError(f"the interpreter does not know {op!r}: extend it with the rewriter")
+    assert not waiting and arrived == 0  # nobody left inside the barrier or a vote
+    return [o for o in out if o is not None], stores
+
+
+@needs_ptxas
+@given(st.integers(MODE_RUN, MODE_RESUME), st.lists(st.integers(0, 1), min_size=8, max_size=8),
+       st.integers(0, 5), st.integers(0, 6), st.integers(0, 63), st.integers(0, 10_000), st.booleans())
+@settings(max_examples=60, deadline=None)
+def test_the_per_warp_vote_gives_every_block_one_outcome_and_the_block_votes_record(
+        mode: int, pauses: list[int], s: int, rem: int, block: int, seed: int, armed: bool) -> None:
+    code = _warp_snippet()
+    nw = 8  # poi_silu_mul: .reqntid 256
+    align = v5_align_log2(HDR_BYTES + REC_BYTES * 64)
+    base = (0x7F1234567000 >> align) << align
+    region = base + HDR_BYTES
+    rec = region + REC_BYTES * block
+    mem = {rec: s, rec + 4: rem}
+    views = [(p, mode) for p in pauses[:nw]]  # each warp's read of (pause, mode): the pause may land between them
+    outs, stores = _run_block(code, v5_ctl_value(region, align) if armed else 0, mem, base, views, block,
+                              random.Random(seed))
+    assert len(set(outs)) == 1, "the block's warps disagree"  # one outcome for the whole block
+    if not armed:
+        assert outs[0] == "run" and stores == []
+        return
+    if mode == MODE_RUN and 0 in pauses[:nw]:  # a warp passed the vote: the block runs whole, unrecorded
+        assert outs[0] == "run" and stores == []
+        return
+    runs, s2, rem2 = v5_decide(mode, views[0][0], s, rem)  # every warp waited: the leader's decision (warp 0)
+    assert outs[0] == ("run" if runs else "leave")
+    assert (mem[rec], mem[rec + 4]) == (s2, rem2) and all(a in (rec, rec + 4) for a, _ in stores)

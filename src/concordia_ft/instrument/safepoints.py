@@ -27,6 +27,7 @@ Kernels that cannot be paused by blocks without breaking exactly-once are refuse
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from .ptx import (
     PtxModule,
     Statement,
     build_cfg,
+    header_text,
     loop_blocks,
     parse_module,
     strip_comment,
@@ -148,6 +150,16 @@ class SafepointOptions:
     # the kernel's own next instruction is a few instructions long instead of ~20 (the instruction stream a
     # small decode-shape kernel fetches cold on every launch). Same decision (the CPU interpreter test runs it).
     cold_path: bool = False
+    # Protocol 5, kernels whose vote is a barrier inserted before their first global write and that have no
+    # barrier of their own (Inductor's pointwise kernels, a 1-D ``.reqntid`` of whole warps): decide per warp
+    # instead. Every thread reads the header after the kernel's last load before the site; a warp where no lane
+    # saw a pause or a resume records "ran" in shared memory, arrives at a named barrier without waiting and
+    # goes on; only a warp that saw one waits there for every warp's decision. If any warp ran, the block runs
+    # whole (unrecorded, as a block that passed the vote does); if none did, the leader decides for the block
+    # (``v5_decide``) as before. So in the normal path no warp waits for another (the inserted barrier made
+    # every warp of silu*mul wait for the slowest one's loads: +2.7 us of 17.3, DESIGN.md §6e), and the block's
+    # outcome and its record are what the block vote gives.
+    warp_vote: bool = False
 
     def __post_init__(self) -> None:
         if self.protocol not in (4, 5):
@@ -172,6 +184,7 @@ class KernelReport:
     barriers: int = 0  # bar.sync sites in the kernel
     deferred_vote: bool = False  # the entry decision is voted after entry (SafepointOptions)
     vote_site: str = "entry"  # "entry", "barrier" (the first bar.sync) or "before_write" (an inserted barrier)
+    warp_vote: bool = False  # the before_write vote is decided per warp (SafepointOptions.warp_vote)
 
     @property
     def instrumented(self) -> bool:
@@ -455,6 +468,7 @@ class _Plan:
     entry_line: int = -1
     vote_line: int = -1  # the barrier that carries the entry decision (-1: voted at entry)
     vote_inserted: bool = False  # the vote is a barrier inserted before vote_line (the first global write)
+    warp_threads: int = 0  # > 0: the inserted vote is decided per warp; the block's (.reqntid) thread count
 
 
 def _first_vote_site(kernel: Kernel, entry_line: int, before_write: bool,
@@ -523,7 +537,28 @@ def _plan(module: PtxModule, kernel: Kernel, opts: SafepointOptions,
                        detail=f"{len(safe)} of {len(barriers)} barriers are restartable safe points"
                               + ("" if vote < 0 else "; entry vote before the first global write" if inserted
                                  else "; entry vote at the first barrier"))
-    return _Plan(rep, safe, exits, first, vote, inserted)
+    warp_threads = 0
+    if opts.protocol == 5 and opts.warp_vote and inserted:
+        warp_threads = _warp_vote_threads(module, kernel)
+        if warp_threads:
+            rep = dataclasses.replace(rep, warp_vote=True, detail=rep.detail + " (decided per warp)")
+    return _Plan(rep, safe, exits, first, vote, inserted, warp_threads)
+
+
+_REQNTID_RE = re.compile(r"\.reqntid\s+(\d+)\s*(?:,\s*(\d+)\s*)?(?:,\s*(\d+)\s*)?")
+
+
+def _warp_vote_threads(module: PtxModule, kernel: Kernel) -> int:
+    """The block's thread count where a per-warp vote is safe (0: it is not): no barrier anywhere in the kernel
+    (named barrier 1 is the vote's own, and no shared memory is handed between warps), and a 1-D ``.reqntid``
+    of whole warps (every lane of every warp reaches the vote: the full-mask ``vote.sync``)."""
+    if any(st.opcode.startswith(("bar", "barrier")) for st in kernel.statements):
+        return 0
+    m = _REQNTID_RE.search(header_text(module, kernel))
+    if m is None or any(g not in (None, "1") for g in m.groups()[1:]):
+        return 0
+    n = int(m.group(1))
+    return n if 32 <= n <= 1024 and n % 32 == 0 else 0
 
 
 def plan_safepoints(ptx: str, *, options: SafepointOptions | None = None,
@@ -752,6 +787,64 @@ def _v5_entry_vote(sym: str, lab: str, space: str = ".global", cold: list[str] |
     return [*_v5_entry_probe(sym, space=space), *_v5_vote(lab, None, "", cold=cold)]
 
 
+WARP_SMEM_PREFIX = "cft_warps_"  # per-warp vote: one u32 per warp ("ran"), then the leader's decision
+
+
+def _v5_warp_header() -> list[str]:
+    """Per-warp vote: every thread of an armed launch reads the header (one request per warp: the same address),
+    issued after the kernel's last load before the site; a disarmed launch keeps the zeros set at entry."""
+    return ["\t// concordia-ft (protocol 5): every thread's header read, for the per-warp vote",
+            "\tsetp.ne.u64 \t%cft_p3, %cft_rd0, 0;",
+            *[("\t@%cft_p3 " + ln.lstrip("\t")) if ln.lstrip("\t").startswith("ld.") else ln
+              for ln in _v5_header_load()]]
+
+
+def _v5_warp_vote(lab: str, smem: str, nthreads: int) -> list[str]:
+    """Protocol 5's decision per warp, at the inserted site (``SafepointOptions.warp_vote``). The block's outcome
+    is still one: a warp that saw neither a pause nor a resume (the normal path) marks its slot 1, arrives at
+    barrier 1 without waiting and runs; a warp that saw one marks 0 and waits at barrier 1 until every warp has
+    marked. Then, if any slot is 1, it runs too (the block passed the vote: unrecorded); if none is, every warp
+    is waiting here, the leader decides for the block (``_v5_rare``: its record read and rewritten) and a second
+    barrier hands its decision to all."""
+    nwarps = nthreads // 32
+    return [
+        "\t// concordia-ft: the entry decision (protocol 5), per warp: in the normal path no warp waits for another",
+        "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@!%cft_p1 bra \t{lab}_novote;",
+        "\tor.b32 \t%cft_r11, %cft_r12, %cft_r13;",
+        "\tsetp.ne.u32 \t%cft_p2, %cft_r11, 0;",
+        "\tvote.sync.any.pred \t%cft_p2, %cft_p2, -1;",  # the warp's view: a pause or resume seen by any lane
+        "\tmov.u32 \t%cft_r0, %tid.x;", "\tshr.u32 \t%cft_r1, %cft_r0, 5;", "\tand.b32 \t%cft_r2, %cft_r0, 31;",
+        f"\tmov.u32 \t%cft_r3, {smem};",
+        "\tshl.b32 \t%cft_r4, %cft_r1, 2;", "\tadd.u32 \t%cft_r4, %cft_r4, %cft_r3;",
+        "\tselp.u32 \t%cft_r5, 0, 1, %cft_p2;",
+        "\tsetp.eq.u32 \t%cft_p0, %cft_r2, 0;",
+        "\t@%cft_p0 st.shared.u32 \t[%cft_r4], %cft_r5;",
+        f"\t@%cft_p2 bra \t{lab}_wrare;",
+        f"\tbarrier.arrive \t1, {nthreads};",
+        f"\tbra.uni \t{lab}_novote;",
+        f"{lab}_wrare:",
+        f"\tbarrier.sync \t1, {nthreads};",
+        f"\tsetp.lt.u32 \t%cft_p1, %cft_r2, {nwarps};",
+        "\tmov.u32 \t%cft_r5, 0;",
+        "\tshl.b32 \t%cft_r4, %cft_r2, 2;", "\tadd.u32 \t%cft_r4, %cft_r4, %cft_r3;",
+        "\t@%cft_p1 ld.shared.u32 \t%cft_r5, [%cft_r4];",
+        "\tsetp.ne.u32 \t%cft_p1, %cft_r5, 0;",
+        "\tvote.sync.any.pred \t%cft_p1, %cft_p1, -1;",
+        f"\t@%cft_p1 bra \t{lab}_novote;",  # another warp passed the vote: the block runs whole, unrecorded
+        "\tmov.u32 \t%cft_r15, %cft_r3;",  # the slots' address, kept across the leader's rare path
+        "\tmov.u32 \t%cft_r14, 0;", *_leader(),
+        f"\t@!%cft_p0 bra \t{lab}_lread;",
+        *_v5_rare(lab),
+        f"{lab}_lread:",
+        "\t@%cft_p0 st.shared.u32 \t[%cft_r15+128], %cft_r14;",
+        f"\tbarrier.sync \t1, {nthreads};",
+        "\tld.shared.u32 \t%cft_r14, [%cft_r15+128];",
+        "\tsetp.ne.u32 \t%cft_p2, %cft_r14, 0;",
+        "\t@%cft_p2 ret;",
+        f"{lab}_novote:",
+    ]
+
+
 def _leader() -> list[str]:
     """``%cft_p0`` := this thread leads its block (thread 0,0,0); ``%cft_r0`` := tid.x | tid.y | tid.z."""
     return [
@@ -823,6 +916,7 @@ def _block_bit() -> list[str]:
 
 _DECLS = ["\t.reg .pred \t%cft_p<10>;", "\t.reg .b32 \t%cft_r<17>;", "\t.reg .b64 \t%cft_rd<2>;"]
 _DECLS5 = ["\t.reg .pred \t%cft_p<5>;", "\t.reg .b32 \t%cft_r<15>;", "\t.reg .b64 \t%cft_rd<3>;"]
+_DECLS5W = ["\t.reg .pred \t%cft_p<5>;", "\t.reg .b32 \t%cft_r<16>;", "\t.reg .b64 \t%cft_rd<3>;"]
 
 
 def _check_fresh(ptx: str) -> None:
@@ -857,12 +951,25 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
         before.setdefault(k.header_start, []).extend(
             [f"// concordia-ft control block pointer of {k.name} (0: disarmed)",
              f".visible {space} .align 8 .u64 {sym};", ""])
-        after.setdefault(k.body_open, []).extend(_DECLS5 if opts.protocol == 5 else _DECLS)
+        after.setdefault(k.body_open, []).extend(
+            (_DECLS5W if p.warp_threads else _DECLS5) if opts.protocol == 5 else _DECLS)
         by_index = {st.index: st for st in k.statements}
         if opts.protocol == 5:
             before[k.header_start].extend([f".visible .global .align 4 .u32 {PROTO_PREFIX}{k.name} = 5;", ""])
             early = (opts.early_header or opts.entry_header) and p.vote_line >= 0
             cold: list[str] | None = [] if opts.cold_path else None  # the rare path, after the last instruction
+            if p.warp_threads:  # per-warp vote: every thread's header read after the kernel's last load
+                smem = WARP_SMEM_PREFIX + k.name
+                before[k.header_start].extend([f".shared .align 4 .b32 {smem}[33];", ""])
+                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, True, space))
+                loads = [st.index for st in k.statements if p.entry_line <= st.index < p.vote_line
+                         and st.op_parts[0] == "ld" and _space_of(st) in (".global", "")]
+                if loads:
+                    after.setdefault(max(loads), []).extend(_v5_warp_header())
+                else:
+                    before[p.entry_line].extend(_v5_warp_header())
+                before.setdefault(p.vote_line, []).extend(_v5_warp_vote(lab, smem, p.warp_threads))
+                continue
             if p.vote_line < 0:
                 before.setdefault(p.entry_line, []).extend(_v5_entry_vote(sym, lab, space, cold))
             elif p.vote_inserted:
