@@ -467,3 +467,31 @@ def test_a_large_replay_unmaps_its_segments_in_the_background(shm_dir: Path, mon
         while seg in maps.read_text() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert seg not in maps.read_text(), "the segment mapping was never released"
+
+
+def test_flush_unmaps_releases_queued_mappings_at_once(shm_dir: Path) -> None:
+    """A replay's large mappings wait BACKGROUND_UNMAP_DELAY_S (2 s) before they are unmapped; flush_unmaps()
+    unmaps them now and returns once they are gone (what a benchmark's rounds call between recoveries)."""
+    import time
+
+    from concordia_ft.core.replay import BACKGROUND_UNMAP_DELAY_S, flush_unmaps
+
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc/self/maps (Linux)")
+    assert flush_unmaps()  # nothing queued: returns at once
+    a = np.random.default_rng(23).integers(0, 256, 70 << 20, dtype=np.uint8)
+    with cft.Runtime(shm_dir / "log", fsync="never") as rt:
+        rt.register("a", a, "dense")
+        rt.checkpoint()
+    seg = str(_segment(shm_dir / "log"))
+    for _ in range(2):
+        res = replay(shm_dir / "log", options=PARALLEL, materialize=False)
+        res.materialize()
+        assert res.regions["a"].data.tobytes() == a.tobytes()
+        res.close()
+        assert seg in maps.read_text()  # queued: still mapped
+        t0 = time.monotonic()
+        assert flush_unmaps(timeout=10.0)
+        assert time.monotonic() - t0 < BACKGROUND_UNMAP_DELAY_S / 2
+        assert seg not in maps.read_text()

@@ -370,7 +370,7 @@ class PendingImages:
             # the H200 host) and stalls the whole process meanwhile: profiled there, an unmap running beside the
             # restore stretched its other work from ~25 to ~50 ms. So the unmapper waits
             # BACKGROUND_UNMAP_DELAY_S first: off recovery's critical path (restore + first token)
-            _unmapper().put((time.monotonic() + BACKGROUND_UNMAP_DELAY_S, mappings))
+            _queue_unmap(mappings)
         else:
             _unmap(mappings)
 
@@ -464,23 +464,62 @@ def _unmap(mappings: list[mmap.mmap]) -> None:
             m.close()
 
 
+_unmap_cv = threading.Condition()
+_unmap_pending = 0  # mapping lists queued and not yet unmapped
+_unmap_now = False  # flush_unmaps(): no more waiting for the delay
+
+
 def _unmapper() -> queue.SimpleQueue[tuple[float, list[mmap.mmap]]]:
     """The queue of ONE daemon thread per process that unmaps what it is given (started on first use: a
     thread started per release would cost its start-up wait, several ms on a busy host)."""
-    global _unmap_queue, _unmap_pid
+    global _unmap_queue, _unmap_pid, _unmap_pending
     with _unmap_lock:
         if _unmap_queue is None or _unmap_pid != os.getpid():
             q: queue.SimpleQueue[tuple[float, list[mmap.mmap]]] = queue.SimpleQueue()
 
             def loop() -> None:
+                global _unmap_pending
                 while True:
                     due, mappings = q.get()
-                    time.sleep(max(0.0, due - time.monotonic()))
+                    with _unmap_cv:
+                        _unmap_cv.wait_for(lambda: _unmap_now or time.monotonic() >= due,
+                                           timeout=max(0.0, due - time.monotonic()))
                     _unmap(mappings)
+                    with _unmap_cv:
+                        _unmap_pending -= 1
+                        _unmap_cv.notify_all()
 
             threading.Thread(target=loop, name="concordia-unmap", daemon=True).start()
             _unmap_queue, _unmap_pid = q, os.getpid()
+            with _unmap_cv:
+                _unmap_pending = 0
         return _unmap_queue
+
+
+def _queue_unmap(mappings: list[Any]) -> None:
+    global _unmap_pending
+    q = _unmapper()
+    with _unmap_cv:
+        _unmap_pending += 1
+    q.put((time.monotonic() + BACKGROUND_UNMAP_DELAY_S, mappings))
+
+
+def flush_unmaps(timeout: float | None = 30.0) -> bool:
+    """Unmap now every log mapping a closed replay left to the background unmapper (which otherwise waits
+    BACKGROUND_UNMAP_DELAY_S, to stay off a recovery's critical path), and wait until it is done. A process that
+    opens logs one after another (a benchmark's rounds, a test) calls this between them, so that one open's
+    unmap does not land in the next one's (the unmap holds the process's memory-map lock that the next open's
+    mappings and page faults need). Returns False if ``timeout`` passed first."""
+    global _unmap_now
+    with _unmap_cv:
+        if _unmap_pending == 0 or _unmap_pid != os.getpid():
+            return True
+        _unmap_now = True
+        _unmap_cv.notify_all()
+        try:
+            return _unmap_cv.wait_for(lambda: _unmap_pending == 0, timeout=timeout)
+        finally:
+            _unmap_now = False
 
 
 def _valid_epoch_header_after(buf: memoryview, start: int) -> int | None:
