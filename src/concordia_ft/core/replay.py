@@ -482,7 +482,7 @@ def _unmapper() -> queue.SimpleQueue[tuple[float, list[mmap.mmap]]]:
                 while True:
                     due, mappings = q.get()
                     with _unmap_cv:
-                        _unmap_cv.wait_for(lambda: _unmap_now or time.monotonic() >= due,
+                        _unmap_cv.wait_for(lambda due=due: _unmap_now or time.monotonic() >= due,
                                            timeout=max(0.0, due - time.monotonic()))
                     _unmap(mappings)
                     with _unmap_cv:
