@@ -304,7 +304,7 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed_r24": {"streamed": True, "ring_slots": 24},
     "streamed_s32": {"streamed": True, "slot_bytes": 32 << 20},
     "streamed_cold": {"streamed": True, "warm_graphs": False},
-    "streamed_py": {"streamed": True, "stream_loop": "python"},
+    "streamed_py": {"streamed": True, "stream_loop": "python", "nontemporal": False},
     "streamed_pop": {"streamed": True, "stream_loop": "python", "populate": 8},  # 8 populate threads in the open
     # the ring page-locked while the log opens (EngineOptions.prefetch_ring=True; off by default since session 12)
     "streamed_prefetch": {"streamed": True, "stream_loop": "python", "engine": {"prefetch_ring": True}},
@@ -312,7 +312,7 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     # the log's pages registered for DMA from the end of the plan backwards, those chunks sent straight from the log
     "streamed_reg": {"streamed": True, "stream_loop": "python", "register_log": True},
     "streamed_py_cold": {"streamed": True, "stream_loop": "python", "warm_graphs": False},
-    "streamed_c": {"streamed": True, "stream_loop": "c"},
+    "streamed_c": {"streamed": True, "stream_loop": "c", "nontemporal": False},
     "streamed_nt": {"streamed": True, "stream_loop": "python", "nontemporal": True},
     "streamed_c_nt": {"streamed": True, "stream_loop": "c", "nontemporal": True},
     "streamed_c_cold": {"streamed": True, "stream_loop": "c", "warm_graphs": False},

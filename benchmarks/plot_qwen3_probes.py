@@ -28,6 +28,7 @@ COLORS = {"probes_v3/disarmed": "lightsteelblue", "probes_v3/armed": "tab:blue",
           "probes_v5cls/disarmed": "pink", "probes_v5cls/armed": "tab:pink",
           "probes_v5n/disarmed": "wheat", "probes_v5n/armed": "goldenrod",
           "probes_v5cesx/disarmed": "lightskyblue", "probes_v5cesx/armed": "navy",
+          "probes_v5cesw/disarmed": "plum", "probes_v5cesw/armed": "purple",
           "plain_b/plain": "black"}  # the A/A control: a second plain process
 
 

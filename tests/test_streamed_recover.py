@@ -610,7 +610,11 @@ def test_nontemporal_fills_restore_the_same_bytes_and_catch_the_same_damage(shm_
     res.close()
 
 
-def test_nontemporal_is_a_bool_option() -> None:
-    assert RecoveryOptions(nontemporal=True).nontemporal
+def test_nontemporal_is_automatic_by_default_and_refuses_what_is_not_a_bool(shm_dir: Path) -> None:
+    assert RecoveryOptions().nontemporal is None and RecoveryOptions(nontemporal=True).nontemporal
     with pytest.raises(ConfigError, match="nontemporal"):
         RecoveryOptions(nontemporal="yes")  # type: ignore[arg-type]
+    # what a runtime's streamed restores use: streaming stores where the extension is built, unless told
+    for nt, want in ((None, streamed_mod.stream_copy_available()), (False, False), (True, True)):
+        with cft.Runtime(shm_dir / f"log-{nt}", fsync="never", recovery=RecoveryOptions(nontemporal=nt)) as rt:
+            assert rt._nontemporal() == want

@@ -64,9 +64,11 @@ class RecoveryOptions:
     # (serve/DESIGN.md, "Session 11").
     stream_loop: str = "python"
     # streamed restores: the copy threads write the ring's slots with streaming (non-temporal) stores instead of
-    # memcpy, so the host's memory is not read for the slot lines each fill overwrites and the source stays out of
-    # the way of the DMA's reads (both loops; needs the C extension)
-    nontemporal: bool = False
+    # memcpy, so the host's memory is not read for the slot lines each fill overwrites (glibc's memcpy streams only
+    # above ~150 MiB on the H200 host, and a fill copies at most a 16 MiB slot). None (the default): on where the
+    # C extension is built; True: required (ConfigError where it is not). On the H200 (session 13, 5 rounds) the
+    # copy phase reached 37.2 GB/s vs 34.7 with memcpy at Qwen3-8B dims, 35.9 vs 33.4 at 0.6B (serve/DESIGN.md)
+    nontemporal: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ring_slots, int) or self.ring_slots < 2:
@@ -81,8 +83,8 @@ class RecoveryOptions:
             raise ConfigError(f"RecoveryOptions.prefault={self.prefault!r}: use an int >= 0")
         if self.register_log not in (False, True, "first"):
             raise ConfigError(f"RecoveryOptions.register_log={self.register_log!r}: use False, True or 'first'")
-        if not isinstance(self.nontemporal, bool):
-            raise ConfigError(f"RecoveryOptions.nontemporal={self.nontemporal!r}: use True or False")
+        if self.nontemporal is not None and not isinstance(self.nontemporal, bool):
+            raise ConfigError(f"RecoveryOptions.nontemporal={self.nontemporal!r}: use None (automatic), True or False")
         if not isinstance(self.populate, int) or self.populate < 0:
             raise ConfigError(f"RecoveryOptions.populate={self.populate!r}: use an int >= 0")
         if self.defer_verify is not None:

@@ -486,6 +486,13 @@ class Runtime:
                 sinks[n] = sink
         return sinks
 
+    def _nontemporal(self) -> bool:
+        """RecoveryOptions.nontemporal resolved: None is on where the C extension is built."""
+        from .core.streamed import stream_copy_available
+
+        nt = self.recovery.nontemporal
+        return stream_copy_available() if nt is None else nt
+
     def _stream_restore(self, sinks: dict[str, Any], plans: dict[str, Any]) -> dict[str, Any]:
         """Stream each region's newest committed pages into its buffer; checksums deferred from the open
         (RecoveryOptions.defer_verify) are run on the way, and a failure raises before this returns."""
@@ -498,7 +505,7 @@ class Runtime:
             try:
                 stats = run_streamed(plan, sink, threads=self.recovery.threads, prefault=self.recovery.prefault,
                                      loop=self.recovery.stream_loop, register=self.recovery.register_log,
-                                     nontemporal=self.recovery.nontemporal)
+                                     nontemporal=self._nontemporal())
             finally:
                 close = getattr(sink, "close", None)
                 if close is not None:

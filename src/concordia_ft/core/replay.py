@@ -482,8 +482,8 @@ def _unmapper() -> queue.SimpleQueue[tuple[float, list[mmap.mmap]]]:
                 while True:
                     due, mappings = q.get()
                     with _unmap_cv:
-                        _unmap_cv.wait_for(lambda due=due: _unmap_now or time.monotonic() >= due,
-                                           timeout=max(0.0, due - time.monotonic()))
+                        while not _unmap_now and (left := due - time.monotonic()) > 0:
+                            _unmap_cv.wait(left)
                     _unmap(mappings)
                     with _unmap_cv:
                         _unmap_pending -= 1
