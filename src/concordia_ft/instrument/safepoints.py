@@ -158,7 +158,9 @@ class SafepointOptions:
     # whole (unrecorded, as a block that passed the vote does); if none did, the leader decides for the block
     # (``v5_decide``) as before. So in the normal path no warp waits for another (the inserted barrier made
     # every warp of silu*mul wait for the slowest one's loads: +2.7 us of 17.3, DESIGN.md §6e), and the block's
-    # outcome and its record are what the block vote gives.
+    # outcome and its record are what the block vote gives. Off: measured slower on the H200 (session 13: silu*mul
+    # armed 24.7 us vs 20.0 with the block vote; every warp reads the one header line, so its L2 slice queues the
+    # requests; DESIGN.md §6g).
     warp_vote: bool = False
 
     def __post_init__(self) -> None:
