@@ -71,12 +71,13 @@ def c_loop_available() -> bool:
 
 def loop_status() -> str:
     """One line for ``concordia doctor``, build scripts and benchmark stamps: the C loop's availability (the
-    default loop is RecoveryOptions.stream_loop's, "python")."""
+    default loop is RecoveryOptions.stream_loop's, "python") and how the fills write the ring."""
     if _streamloop is None:
         return f"python only ({_LOOP_WHY})"
     if not c_loop_available():
-        return "python only (CONCORDIA_STREAM_LOOP=python)"
-    return f"python by default; c built (stream_loop='c', crc32c: {_streamloop.crc_impl()})"
+        return f"python only (CONCORDIA_STREAM_LOOP=python); fills with {_streamloop.copy_impl()}"
+    return (f"python by default; c built (stream_loop='c', crc32c: {_streamloop.crc_impl()}); fills with "
+            f"{_streamloop.copy_impl()}")
 
 
 @dataclass(frozen=True)
