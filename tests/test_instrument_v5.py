@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -223,6 +224,40 @@ def _leader_snippet(where: str = "vote") -> list[str]:
     return code
 
 
+def _alu(op: str, ops: list[str], val: Callable[[str], int], regs: dict[str, int]) -> None:
+    """One register instruction of the emitted probe code (what both interpreters below share)."""
+    d = ops[0]
+    m = _M64 if any(x in op for x in (".u64", ".b64", ".s64")) else _M32
+    if op in ("mov.u32", "mov.u64"):
+        regs[d] = val(ops[1]) & m
+    elif op == "cvt.u32.u64":
+        regs[d] = val(ops[1]) & _M32
+    elif op.startswith("and.b"):
+        regs[d] = val(ops[1]) & val(ops[2]) & m
+    elif op.startswith("or.b"):
+        regs[d] = (val(ops[1]) | val(ops[2])) & m
+    elif op.startswith("shl.b"):
+        regs[d] = (val(ops[1]) << val(ops[2])) & m
+    elif op == "shr.u32":
+        regs[d] = (val(ops[1]) >> val(ops[2])) & _M32
+    elif op.startswith("add."):
+        regs[d] = (val(ops[1]) + val(ops[2])) & m
+    elif op == "mad.lo.u32":
+        regs[d] = (val(ops[1]) * val(ops[2]) + val(ops[3])) & _M32
+    elif op == "mul.wide.u32":
+        regs[d] = (val(ops[1]) * val(ops[2])) & _M64
+    elif op.startswith("setp."):
+        a, b = val(ops[1]), val(ops[2])
+        r = {"eq": a == b, "ne": a != b, "le": a <= b, "lt": a < b}[op.split(".")[1]]
+        if op.startswith(("setp.eq.and", "setp.ne.and")):
+            r = r and bool(regs[ops[3]])
+        regs[d] = int(r)
+    elif op in ("selp.b32", "selp.u32"):
+        regs[d] = val(ops[1]) if regs[ops[3]] else val(ops[2])
+    else:
+        raise AssertionError(f"the interpreter does not know {op!r}: extend it with the rewriter")
+
+
 def _run_leader(code: list[str], ctl: int, mem: dict[int, int], tid: tuple[int, int, int],
                 ctaid: tuple[int, int, int], nctaid: tuple[int, int, int]) -> tuple[int, list[tuple[int, int]]]:
     """Execute the snippet for one thread: returns (%cft_r14, the stores made as (address, u32))."""
@@ -281,36 +316,7 @@ def _run_leader(code: list[str], ctl: int, mem: dict[int, int], tid: tuple[int, 
         if op.startswith("st.volatile.global.u32"):
             stores.append((addr(ops[0]), val(ops[1]) & _M32))
             continue
-        d = ops[0]
-        wide = ".u64" in op or ".b64" in op or ".s64" in op
-        m = _M64 if wide else _M32
-        if op in ("mov.u32", "mov.u64"):
-            regs[d] = val(ops[1]) & m
-        elif op == "cvt.u32.u64":
-            regs[d] = val(ops[1]) & _M32
-        elif op.startswith("and.b"):
-            regs[d] = val(ops[1]) & val(ops[2]) & m
-        elif op.startswith("or.b"):
-            regs[d] = (val(ops[1]) | val(ops[2])) & m
-        elif op == "shl.b64":
-            regs[d] = (val(ops[1]) << val(ops[2])) & _M64
-        elif op.startswith("add."):
-            regs[d] = (val(ops[1]) + val(ops[2])) & m
-        elif op == "mad.lo.u32":
-            regs[d] = (val(ops[1]) * val(ops[2]) + val(ops[3])) & _M32
-        elif op == "mul.wide.u32":
-            regs[d] = (val(ops[1]) * val(ops[2])) & _M64
-        elif op.startswith("setp."):
-            cmp = op.split(".")[1]
-            a, b = val(ops[1]), val(ops[2])
-            r = {"eq": a == b, "ne": a != b, "le": a <= b}[cmp]
-            if op.startswith(("setp.eq.and", "setp.ne.and")):
-                r = r and bool(regs[ops[3]])
-            regs[d] = int(r)
-        elif op == "selp.b32":
-            regs[d] = val(ops[1]) if regs[ops[3]] else val(ops[2])
-        else:
-            raise AssertionError(f"the interpreter does not know {op!r}: extend it with the rewriter")
+        _alu(op, ops, val, regs)
     return regs["%cft_r14"], stores
 
 
@@ -612,36 +618,7 @@ def _run_block(code: list[str], ctl: int, mem: dict[int, int], header: int, view
             assert a in shared, f"thread {t} read shared {a:#x} before any warp wrote it"
             regs[t][ops[0]] = shared[a]
         else:
-            d = ops[0]
-            m = _M64 if any(x in op for x in (".u64", ".b64", ".s64")) else _M32
-            if op in ("mov.u32", "mov.u64"):
-                regs[t][d] = val(t, ops[1]) & m
-            elif op == "cvt.u32.u64":
-                regs[t][d] = val(t, ops[1]) & _M32
-            elif op.startswith("and.b"):
-                regs[t][d] = val(t, ops[1]) & val(t, ops[2]) & m
-            elif op.startswith("or.b"):
-                regs[t][d] = (val(t, ops[1]) | val(t, ops[2])) & m
-            elif op.startswith("shl.b"):
-                regs[t][d] = (val(t, ops[1]) << val(t, ops[2])) & m
-            elif op == "shr.u32":
-                regs[t][d] = (val(t, ops[1]) >> val(t, ops[2])) & _M32
-            elif op.startswith("add."):
-                regs[t][d] = (val(t, ops[1]) + val(t, ops[2])) & m
-            elif op == "mad.lo.u32":
-                regs[t][d] = (val(t, ops[1]) * val(t, ops[2]) + val(t, ops[3])) & _M32
-            elif op == "mul.wide.u32":
-                regs[t][d] = (val(t, ops[1]) * val(t, ops[2])) & _M64
-            elif op.startswith("setp."):
-                a_, b_ = val(t, ops[1]), val(t, ops[2])
-                r = {"eq": a_ == b_, "ne": a_ != b_, "le": a_ <= b_, "lt": a_ < b_}[op.split(".")[1]]
-                if op.startswith(("setp.eq.and", "setp.ne.and")):
-                    r = r and bool(regs[t][ops[3]])
-                regs[t][d] = int(r)
-            elif op in ("selp.b32", "selp.u32"):
-                regs[t][d] = val(t, ops[1]) if regs[t][ops[3]] else val(t, ops[2])
-            else:
-                raise AssertionError(f"the interpreter does not know {op!r}: extend it with the rewriter")
+            _alu(op, ops, lambda tok, t=t: val(t, tok), regs[t])
     assert not waiting and arrived == 0  # nobody left inside the barrier or a vote
     return [o for o in out if o is not None], stores
 

@@ -64,8 +64,14 @@ static void stream_copy_sse2(uint8_t *d, const uint8_t *s, size_t n) {
         _mm_stream_si128((__m128i *)(d + i + 48), e);
     }
 }
-static int have_avx2 = -1;
+static int have_avx2; /* set once by PyInit (cpu_probe), before any copy thread runs */
 #endif
+
+static void cpu_probe(void) {
+#if defined(__x86_64__)
+    have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
+#endif
+}
 
 /* memcpy(d, s, n) with streaming stores for the 128-byte-aligned body of the destination (a plain memcpy for the
  * unaligned head and tail, and for short copies); fenced, so the bytes are in memory when it returns */
@@ -78,7 +84,6 @@ static void stream_copy(uint8_t *d, const uint8_t *s, size_t n) {
     size_t head = (128 - ((uintptr_t)d & 127)) & 127;
     memcpy(d, s, head);
     size_t body = (n - head) & ~(size_t)127;
-    if (have_avx2 < 0) have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
     if (have_avx2) stream_copy_avx2(d + head, s + head, body);
     else stream_copy_sse2(d + head, s + head, body);
     _mm_sfence();
@@ -90,7 +95,6 @@ static void stream_copy(uint8_t *d, const uint8_t *s, size_t n) {
 
 static const char *stream_copy_impl(void) {
 #if defined(__x86_64__)
-    if (have_avx2 < 0) have_avx2 = __builtin_cpu_supports("avx2") ? 1 : 0;
     return have_avx2 ? "avx2 streaming stores" : "sse2 streaming stores";
 #else
     return "memcpy (no streaming stores on this architecture)";
@@ -543,8 +547,7 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
 
 static PyObject *py_copy(PyObject *self, PyObject *args) {
     Py_buffer d, s;
-    int stream = 1;
-    if (!PyArg_ParseTuple(args, "w*y*|p", &d, &s, &stream)) return NULL;
+    if (!PyArg_ParseTuple(args, "w*y*", &d, &s)) return NULL;
     if (d.len != s.len) {
         PyErr_Format(PyExc_ValueError, "copy: destination of %zd bytes, source of %zd", d.len, s.len);
         PyBuffer_Release(&d);
@@ -552,8 +555,7 @@ static PyObject *py_copy(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    if (stream) stream_copy((uint8_t *)d.buf, (const uint8_t *)s.buf, (size_t)s.len);
-    else memcpy(d.buf, s.buf, (size_t)s.len);
+    stream_copy((uint8_t *)d.buf, (const uint8_t *)s.buf, (size_t)s.len);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&d);
     PyBuffer_Release(&s);
@@ -573,7 +575,7 @@ static PyMethodDef methods[] = {
      "run(srcs, copies, chunks, pages, ring, slot_bytes, slots, threads, page_bytes, crc_out=None, host_dst=None, "
      "cuda=None, stream_stores=False) -> stats: stream a flattened plan through the ring (GIL released)"},
     {"copy", py_copy, METH_VARARGS,
-     "copy(dst, src, stream=True): dst[:] = src with the GIL released; stream: non-temporal stores for the body"},
+     "copy(dst, src): dst[:] = src with the GIL released, streaming (non-temporal) stores for the body"},
     {"copy_impl", py_copy_impl, METH_NOARGS, "which copy the streaming fills use"},
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, crc=0): the C loop's CRC32C (tests)"},
     {"crc_impl", py_crc_impl, METH_NOARGS, "which CRC32C the fills use"},
@@ -584,6 +586,6 @@ static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_streamloop", NULL, 
 
 PyMODINIT_FUNC PyInit__streamloop(void) {
     crc_init();
-    (void)stream_copy_impl(); /* probes the CPU once, before any copy thread runs */
+    cpu_probe();
     return PyModule_Create(&moddef);
 }

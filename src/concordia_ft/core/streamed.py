@@ -279,23 +279,24 @@ def stream_copy_available() -> bool:
     return _streamloop is not None
 
 
+def _copy_into(dst: npt.NDArray[np.uint8], src: memoryview, nontemporal: bool) -> None:
+    if nontemporal:
+        _streamloop.copy(dst, src)  # GIL released; streaming stores for the body
+    else:
+        dst[:] = np.frombuffer(src, dtype=np.uint8)  # numpy releases the GIL for the copy
+
+
 def _fill(slot: npt.NDArray[np.uint8], chunk: Chunk, crcs: list[int] | None, nontemporal: bool = False) -> None:
     for src, off, pid in chunk.copies:
         n = src.nbytes
         if pid < 0 or crcs is None:
-            if nontemporal:
-                _streamloop.copy(slot[off:off + n], src)  # GIL released; streaming stores for the body
-            else:
-                slot[off:off + n] = np.frombuffer(src, dtype=np.uint8)  # numpy releases the GIL for the copy
+            _copy_into(slot[off:off + n], src, nontemporal)
             continue
         crc = 0
         for a in range(0, n, VERIFY_STEP):
             part = src[a:a + VERIFY_STEP]
             crc = crc32c(part, crc, release_gil=True)
-            if nontemporal:
-                _streamloop.copy(slot[off + a:off + a + part.nbytes], part)
-            else:
-                slot[off + a:off + a + part.nbytes] = np.frombuffer(part, dtype=np.uint8)
+            _copy_into(slot[off + a:off + a + part.nbytes], part, nontemporal)
         crcs[pid] = crc
 
 

@@ -691,13 +691,14 @@ def _deferred_vote(st: Statement | None) -> list[str]:
     ]
 
 
-def _v5_header_load() -> list[str]:
-    """The leader's one read of the normal path: the call's header (pause, mode) as one 64-bit load."""
+def _v5_header_load(guard: str = "") -> list[str]:
+    """The leader's one read of the normal path: the call's header (pause, mode) as one 64-bit load (``guard``:
+    a predicate the load itself is issued under, e.g. ``@%cft_p3 ``)."""
     return [
         "\tcvt.u32.u64 \t%cft_r3, %cft_rd0;", "\tand.b32 \t%cft_r3, %cft_r3, 63;",  # A: arena alignment
         "\tmov.u64 \t%cft_rd2, -1;", "\tshl.b64 \t%cft_rd2, %cft_rd2, %cft_r3;",
         "\tand.b64 \t%cft_rd2, %cft_rd2, %cft_rd0;",  # the call's header: global & ~(2**A - 1)
-        f"\tld.volatile.global.v2.u32 \t{{%cft_r12, %cft_r13}}, [%cft_rd2+{HDR_PAUSE}];",  # pause, mode
+        f"\t{guard}ld.volatile.global.v2.u32 \t{{%cft_r12, %cft_r13}}, [%cft_rd2+{HDR_PAUSE}];",  # pause, mode
     ]
 
 
@@ -796,9 +797,7 @@ def _v5_warp_header() -> list[str]:
     """Per-warp vote: every thread of an armed launch reads the header (one request per warp: the same address),
     issued after the kernel's last load before the site; a disarmed launch keeps the zeros set at entry."""
     return ["\t// concordia-ft (protocol 5): every thread's header read, for the per-warp vote",
-            "\tsetp.ne.u64 \t%cft_p3, %cft_rd0, 0;",
-            *[("\t@%cft_p3 " + ln.lstrip("\t")) if ln.lstrip("\t").startswith("ld.") else ln
-              for ln in _v5_header_load()]]
+            "\tsetp.ne.u64 \t%cft_p3, %cft_rd0, 0;", *_v5_header_load("@%cft_p3 ")]
 
 
 def _v5_warp_vote(lab: str, smem: str, nthreads: int) -> list[str]:
@@ -927,6 +926,13 @@ def _check_fresh(ptx: str) -> None:
             raise PtxParseError("<module>", 1, f"already instrumented (found {marker!r}); rewrite the original PTX")
 
 
+def _last_global_load(k: Kernel, p: _Plan) -> int:
+    """The line of the kernel's last global load between entry and the vote site (straight-line code), or -1."""
+    loads = [st.index for st in k.statements if p.entry_line <= st.index < p.vote_line
+             and st.op_parts[0] == "ld" and _space_of(st) in (".global", "")]
+    return max(loads) if loads else -1
+
+
 def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None = None, *,
                 launch_refusals: dict[str, tuple[str, str]] | None = None) -> RewriteResult:
     """Add safe points to every kernel of ``ptx`` that can take them; refused kernels stay unchanged.
@@ -964,12 +970,8 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
                 smem = WARP_SMEM_PREFIX + k.name
                 before[k.header_start].extend([f".shared .align 4 .b32 {smem}[33];", ""])
                 before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, True, space))
-                loads = [st.index for st in k.statements if p.entry_line <= st.index < p.vote_line
-                         and st.op_parts[0] == "ld" and _space_of(st) in (".global", "")]
-                if loads:
-                    after.setdefault(max(loads), []).extend(_v5_warp_header())
-                else:
-                    before[p.entry_line].extend(_v5_warp_header())
+                at = _last_global_load(k, p)
+                (after.setdefault(at, []) if at >= 0 else before[p.entry_line]).extend(_v5_warp_header())
                 before.setdefault(p.vote_line, []).extend(_v5_warp_vote(lab, smem, p.warp_threads))
                 continue
             if p.vote_line < 0:
@@ -987,9 +989,7 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
             if early and opts.entry_header:  # at entry, right after the pointer's load
                 before[p.entry_line].extend(_v5_early_header(lab))
             elif early:  # after the kernel's last global load before the vote (straight-line code: no join)
-                loads = [st.index for st in k.statements if p.entry_line <= st.index < p.vote_line
-                         and st.op_parts[0] == "ld" and _space_of(st) in (".global", "")]
-                at = max(loads) if loads else -1
+                at = _last_global_load(k, p)
                 if at >= 0:
                     after.setdefault(at, []).extend(_v5_early_header(lab))
                 else:
