@@ -100,6 +100,10 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # the default with the per-warp vote for pointwise kernels (no vote barrier: SafepointOptions.warp_vote)
     "probes_v5cesw": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": True,
                       "warp_vote": True},
+    # the default with the header's address in the kernel's profile-scratch parameter (SafepointOptions.header_arg:
+    # a disarmed launch reads no memory; Triton's launcher instead of Inductor's static one)
+    "probes_v5cesh": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": True,
+                      "header_arg": True},
 }
 
 from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import

@@ -5,7 +5,11 @@
 - crc: CRC32C of a fresh mapping on T threads (the host verify);
 - register: cuMemHostRegister of a fresh mapping (what a DMA straight from the segment needs), whole and in
   256 MiB pieces on T threads, cuMemHostUnregister, and H2D from the registered range;
-- h2d: pinned -> device, one 1 GiB copy.
+- h2d: pinned -> device, one 1 GiB copy;
+- pread vs the fill's streaming-store copy (``_streamloop.copy``, the restore's default) from a fresh mapping: the
+  file read into the slots with ``pread`` (no page faults on the source: the kernel copies from the page cache
+  through its own map), each alone and while a DMA stream (1 GiB pinned -> device, repeated) runs beside it, as
+  in a restore; the DMA's own rate is reported beside (``--dma``).
 
 Writes a results JSON (``--out``) beside printing.
 
@@ -45,6 +49,61 @@ def copy_all(ex: ThreadPoolExecutor, view: memoryview, ring: np.ndarray, n: int)
         ring[i % depth] = np.frombuffer(view[i * SLOT:(i + 1) * SLOT], dtype=np.uint8)
 
     list(ex.map(fill, range(n // SLOT)))
+
+
+def nt_copy_all(ex: ThreadPoolExecutor, view: memoryview, ring: np.ndarray, n: int) -> None:
+    from concordia_ft.core import _streamloop  # type: ignore[attr-defined]
+
+    depth = len(ring)
+
+    def fill(i: int) -> None:
+        _streamloop.copy(ring[i % depth], view[i * SLOT:(i + 1) * SLOT])
+
+    list(ex.map(fill, range(n // SLOT)))
+
+
+def pread_all(ex: ThreadPoolExecutor, fd: int, ring: np.ndarray, n: int) -> None:
+    depth = len(ring)
+
+    def fill(i: int) -> None:
+        dst = memoryview(ring[i % depth])
+        got = os.preadv(fd, [dst], i * SLOT)
+        if got != SLOT:
+            raise OSError(f"short read: {got} of {SLOT} bytes at {i * SLOT}")
+
+    list(ex.map(fill, range(n // SLOT)))
+
+
+class DmaBeside:
+    """Repeated 1 GiB pinned -> device copies on a stream of their own while the host side is timed."""
+
+    def __init__(self, torch: Any, dev: Any) -> None:
+        import threading
+
+        self.torch, self.dev = torch, dev
+        self.src = torch.empty(1 << 30, dtype=torch.uint8, pin_memory=True)
+        self.stream = torch.cuda.Stream()
+        self.stop = threading.Event()
+        self.copies = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        torch = self.torch
+        with torch.cuda.stream(self.stream):
+            while not self.stop.is_set():
+                self.dev[: 1 << 30].copy_(self.src, non_blocking=True)
+                self.stream.synchronize()
+                self.copies += 1
+
+    def __enter__(self) -> DmaBeside:
+        self.t0 = time.perf_counter()
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.gbps = round(self.copies * (1 << 30) / (time.perf_counter() - self.t0) / 1e9, 2)
 
 
 def populate(ex: ThreadPoolExecutor, libc: Any, base: int, n: int) -> None:
@@ -132,6 +191,8 @@ def main() -> int:
     ap.add_argument("--gb", type=float, default=2.0)
     ap.add_argument("--threads", default="8,16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--dma", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time pread and the streaming copy while a DMA stream runs beside them")
     a = ap.parse_args()
     import torch
 
@@ -171,6 +232,27 @@ def main() -> int:
                     out[f"populate_read_error_t{t}"] = str(e)
                 del v
                 m.close()
+                try:
+                    m, v = fresh()
+                    timed(f"ntcopy_first_touch_gbps_t{t}", nt_copy_all, ex, v, ring, n)
+                    del v
+                    m.close()
+                except ImportError as e:
+                    out[f"ntcopy_error_t{t}"] = repr(e)
+                timed(f"pread_gbps_t{t}", pread_all, ex, fd, ring, n)
+                if a.dma:
+                    dev = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+                    with DmaBeside(torch, dev) as dma:
+                        timed(f"pread_with_dma_gbps_t{t}", pread_all, ex, fd, ring, n)
+                    out[f"pread_dma_beside_gbps_t{t}"] = dma.gbps
+                    if f"ntcopy_error_t{t}" not in out:
+                        m, v = fresh()
+                        with DmaBeside(torch, dev) as dma:
+                            timed(f"ntcopy_first_touch_with_dma_gbps_t{t}", nt_copy_all, ex, v, ring, n)
+                        out[f"ntcopy_first_touch_dma_beside_gbps_t{t}"] = dma.gbps
+                        del v
+                        m.close()
+                    del dev
                 m, v = fresh()
                 per = n // t // 4096 * 4096
                 pieces = [v[i: i + per] for i in range(0, n, per)]

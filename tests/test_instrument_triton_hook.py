@@ -61,3 +61,44 @@ def test_suspended_compiles_the_plain_baseline_then_instruments_again(tmp_path: 
         assert "cft_ctl_" in compile_for_sm90("softmax", num_warps=2).asm["ptx"]
     finally:
         triton_hook.uninstall()
+
+
+def test_header_arg_marks_the_kernel_for_the_profile_allocator_and_reads_its_last_parameter(tmp_path: Path) -> None:
+    """SafepointOptions(header_arg=True): the compiled metadata asks Triton's launcher for profile scratch with our
+    marker alignment, the probes read the kernel's last parameter (Triton's profile-scratch pointer), and the
+    allocator installed beside the hook answers that request; uninstall puts Triton's own allocator back."""
+    from triton.runtime import _allocation
+
+    from concordia_ft.instrument import header_arg
+    from concordia_ft.instrument.ptxas import assemble
+
+    before = _allocation._profile_allocator.get()
+    triton_hook.install(SafepointOptions(header_arg=True), cache_dir=tmp_path / "h")
+    try:
+        assert header_arg.installed()
+        k = compile_for_sm90("poi_silu_mul")
+        md = k.metadata
+        assert (md.profile_scratch_size, md.profile_scratch_align) == (header_arg.HARG_SIZE, header_arg.HARG_ALIGN)
+        ptx = k.asm["ptx"]
+        params = [ln.split()[-1].rstrip(",") for ln in ptx.splitlines() if ln.strip().startswith(".param")]
+        assert f"ld.param.u64 \t%cft_rd0, [{params[-1]}];" in ptx
+        assert "cft_harg_poi_silu_mul_kernel" in ptx and "ld.const.u64 \t%cft_rd1, [cft_ctl_poi_silu_mul_kernel]" in ptx
+        assert assemble(ptx).spill_bytes == {"poi_silu_mul_kernel": 0}
+        refused = compile_for_sm90("grid_barrier")  # a refused kernel asks for nothing
+        assert refused.metadata.profile_scratch_size == 0 and "cft_" not in refused.asm["ptx"]
+        alloc = _allocation._profile_allocator.get()
+        assert alloc(64, header_arg.HARG_ALIGN, None) is None  # nothing armed: a null header, probes read nothing
+    finally:
+        triton_hook.uninstall()
+    assert _allocation._profile_allocator.get() is before
+    assert not header_arg.installed()
+
+
+def test_without_header_arg_no_kernel_asks_for_profile_scratch(tmp_path: Path) -> None:
+    triton_hook.install(SafepointOptions(), cache_dir=tmp_path / "d")
+    try:
+        k = compile_for_sm90("poi_silu_mul")
+        assert k.metadata.profile_scratch_size == 0 and "cft_harg_" not in k.asm["ptx"]
+        assert "ld.const.u64 \t%cft_rd0, [cft_ctl_poi_silu_mul_kernel]" in k.asm["ptx"]
+    finally:
+        triton_hook.uninstall()

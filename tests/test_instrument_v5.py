@@ -199,7 +199,10 @@ _M32, _M64 = (1 << 32) - 1, (1 << 64) - 1
 
 _SNIPPET_OPTIONS = {"vote": SafepointOptions(**V5_BASE), "early": SafepointOptions(early_header=True, **V5_BASE),
                     "entry": SafepointOptions(entry_header=True, const_ctl=True),
-                    "cold": SafepointOptions(cold_path=True), "cold_vote": SafepointOptions(cold_path=True, **V5_BASE)}
+                    "cold": SafepointOptions(cold_path=True), "cold_vote": SafepointOptions(cold_path=True, **V5_BASE),
+                    "harg": SafepointOptions(header_arg=True), "harg_cold": SafepointOptions(header_arg=True, cold_path=True),
+                    "harg_vote": SafepointOptions(header_arg=True, **V5_BASE)}
+_HARG = ("harg", "harg_cold", "harg_vote")
 
 
 def _leader_snippet(where: str = "vote") -> list[str]:
@@ -259,9 +262,13 @@ def _alu(op: str, ops: list[str], val: Callable[[str], int], regs: dict[str, int
 
 
 def _run_leader(code: list[str], ctl: int, mem: dict[int, int], tid: tuple[int, int, int],
-                ctaid: tuple[int, int, int], nctaid: tuple[int, int, int]) -> tuple[int, list[tuple[int, int]]]:
-    """Execute the snippet for one thread: returns (%cft_r14, the stores made as (address, u32))."""
+                ctaid: tuple[int, int, int], nctaid: tuple[int, int, int],
+                symbols: dict[str, int] | None = None) -> tuple[int, list[tuple[int, int]]]:
+    """Execute the snippet for one thread: returns (%cft_r14, the stores made as (address, u32)). ``ctl`` is what
+    the entry loaded into ``%cft_rd0`` (the control pointer; header_arg: the header parameter); ``symbols``: the
+    u64 module globals a load by name reads (header_arg's rare path loads ``cft_ctl_``)."""
     regs: dict[str, int] = {"%cft_rd0": ctl}
+    syms = symbols or {}
     special = {"%tid.x": tid[0], "%tid.y": tid[1], "%tid.z": tid[2], "%ctaid.x": ctaid[0], "%ctaid.y": ctaid[1],
                "%ctaid.z": ctaid[2], "%nctaid.x": nctaid[0], "%nctaid.y": nctaid[1]}
     labels = {ln[:-1]: i for i, ln in enumerate(code) if ln.endswith(":")}
@@ -302,6 +309,9 @@ def _run_leader(code: list[str], ctl: int, mem: dict[int, int], tid: tuple[int, 
         if op.startswith("bra"):
             pc = labels[ops[0]]
             continue
+        if op in ("ld.const.u64", "ld.global.u64"):
+            regs[ops[0]] = syms[ops[1].strip()[1:-1]]  # a module global, by name
+            continue
         if op.startswith("ld.volatile.global.v2.u32"):
             a = addr(ops[1])
             d = ops[0].strip("{}").split(",")
@@ -321,7 +331,8 @@ def _run_leader(code: list[str], ctl: int, mem: dict[int, int], tid: tuple[int, 
 
 
 @given(st.integers(MODE_RUN, MODE_RESUME), st.integers(0, 1), st.integers(0, 5), st.integers(0, 6),
-       st.integers(6, 20), st.integers(0, 3), st.integers(0, 2), st.sampled_from(sorted(_SNIPPET_OPTIONS)),
+       st.integers(6, 20), st.integers(0, 3), st.integers(0, 2),
+       st.sampled_from(sorted(set(_SNIPPET_OPTIONS) - set(_HARG))),
        st.data())
 @settings(max_examples=200, deadline=None)
 def test_the_emitted_leader_code_computes_v5_decide(mode: int, pause: int, s: int, rem: int, align: int,
@@ -348,6 +359,58 @@ def test_the_emitted_leader_code_computes_v5_decide(mode: int, pause: int, s: in
     # a thread other than the leader decides nothing and writes nothing
     other, st2 = _run_leader(code, ctl, mem, (1, 0, 0), (bx, by, bz), grid)
     assert other == 0 and st2 == []
+
+
+@given(st.integers(MODE_RUN, MODE_RESUME), st.integers(0, 1), st.integers(0, 5), st.integers(0, 6),
+       st.integers(6, 20), st.integers(0, 3), st.integers(0, 2), st.sampled_from(_HARG),
+       st.sampled_from(["own", "disarmed", "other_call"]), st.data())
+@settings(max_examples=200, deadline=None)
+def test_header_arg_leader_code_computes_v5_decide_and_runs_a_kernel_of_another_call(
+        mode: int, pause: int, s: int, rem: int, align: int, kreg: int, bx: int, where: str, ctl_of: str,
+        data: st.DataObject) -> None:
+    """header_arg: %cft_rd0 is the header parameter itself. With its kernel's cft_ctl_ naming that header's arena
+    the decision is v5_decide's; with cft_ctl_ zero (the kernel disarmed) or naming another arena (the launch
+    read the header of a call this kernel is not armed in) the block runs and writes nothing, whatever the
+    header says."""
+    code = _leader_snippet(where)
+    sym = next(ln.split("[")[1].rstrip("];") for ln in code if ln.startswith(("ld.const.u64", "ld.global.u64")))
+    grid = (3, 2, 2)
+    by, bz = data.draw(st.integers(0, 1)), data.draw(st.integers(0, 1))
+    b = (bz * grid[1] + by) * grid[0] + bx
+    align = max(align, v5_align_log2(HDR_BYTES + 64 * kreg + REC_BYTES * 12))
+    base = (0x7F1234567000 >> align) << align
+    region = base + HDR_BYTES + 64 * kreg
+    rec = region + REC_BYTES * b
+    mem = {base: pause, base + 4: mode, rec: s, rec + 4: rem}
+    other = base + (1 << (align + 1))  # another call's arena, with the same layout
+    ctl = {"own": v5_ctl_value(region, align), "disarmed": 0,
+           "other_call": v5_ctl_value(other + HDR_BYTES + 64 * kreg, align)}[ctl_of]
+    leave, stores = _run_leader(code, base, mem, (0, 0, 0), (bx, by, bz), grid, {sym: ctl})
+    if ctl_of != "own":
+        assert (leave, stores) == (0, [])
+        return
+    runs, s2, rem2 = v5_decide(mode, pause, s, rem)
+    assert leave == int(not runs)
+    after = dict(mem)
+    after.update(stores)
+    assert (after[rec], after[rec + 4]) == (s2, rem2)
+    assert all(a in (rec, rec + 4) for a, _ in stores)
+    if mode == MODE_RUN and pause == 0:
+        assert stores == []
+    assert _run_leader(code, base, mem, (1, 0, 0), (bx, by, bz), grid, {sym: ctl}) == (0, [])
+
+
+def test_header_arg_reads_no_memory_before_a_disarmed_launchs_branch() -> None:
+    """A disarmed header_arg launch (a null parameter) reaches the kernel's own code having loaded nothing but
+    the parameter: the entry issues no global or constant load."""
+    for name in ("poi_silu_mul", "softmax", "layernorm"):
+        lines = _lines(rewrite_ptx(ptx_of(name), SafepointOptions(header_arg=True)).ptx)
+        probe = [ln for ln in lines if "%cft_" in ln and ln.startswith("ld.")]
+        assert probe[0].startswith("ld.param.u64 \t%cft_rd0")
+        loads = [ln for ln in probe[1:] if not ln.startswith("ld.volatile.global.v2.u32 \t{%cft_r12")]
+        # the only other loads: the rare path's records pointer and its record
+        assert [ln.split()[0] for ln in loads] == ["ld.const.u64", "ld.volatile.global.v2.u32"], (name, loads)
+        assemble(rewrite_ptx(ptx_of(name), SafepointOptions(header_arg=True)).ptx)
 
 
 # ---- exactly once across repeated pause / resume -----------------------------------------------------------

@@ -245,3 +245,89 @@ def test_a_stack_reusing_one_kernel_pauses_twice_and_resumes_bit_equal(compiled_
         assert armed.end_resume() == 0
         assert all(torch.equal(bufs[i + 1], want[i]) for i in range(nl))
     armed.disarm()
+
+
+@pytest.fixture
+def compiled_harg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import torch._dynamo
+    import torch._inductor.config as icfg
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(icfg, "compile_threads", 1)
+    monkeypatch.setattr(icfg, "fx_graph_cache", False)
+    torch._dynamo.reset()
+    triton_hook.install(SafepointOptions(header_arg=True), cache_dir=tmp_path / "triton")
+    try:
+        yield torch.compile(_silu_mul_add, dynamic=False)
+    finally:
+        triton_hook.uninstall()
+        torch._dynamo.reset()
+
+
+def test_header_arg_graphs_disarmed_run_plain_and_armed_graphs_pause_and_resume_bit_equal(compiled_harg) -> None:
+    """SafepointOptions(header_arg=True): the header's address reaches the kernel through Triton's launcher.
+    A CUDA graph captured disarmed got a null header and runs plain even while the call is armed later; a graph
+    captured armed froze this call's header (its arena is pinned), so a pause set before a replay skips every
+    block, and the resume replay runs exactly those: bit-equal to the uninterrupted call."""
+    from concordia_ft.instrument import header_arg
+    from concordia_ft.instrument.inductor import ArmedLaunches, capture_launches
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(4096, 4096, device="cuda", generator=g)
+    w = torch.randn(4096, device="cuda", generator=g)
+    out = torch.full_like(x, float("nan"))
+    with torch.no_grad():
+        compiled_harg(x, w, out)
+        compiled_harg(x, w, out)
+        want = out.clone()
+        torch.testing.assert_close(want, x * torch.sigmoid(x) * w + 1.0)
+        launches = capture_launches(compiled_harg, (x, w, out))
+        assert len(launches) == 1 and not launches[0].static  # Triton's launcher fills the parameter
+        armed = ArmedLaunches(launches)
+        assert armed.protocol == 5 and armed.header_arg and armed.with_probes == [launches[0].name]
+        n = launches[0].nblocks
+
+        def graph() -> torch.cuda.CUDAGraph:
+            torch.cuda.synchronize()
+            gr = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(gr):
+                compiled_harg(x, w, out)
+            torch.cuda.synchronize()
+            return gr
+
+        plain_graph = graph()  # disarmed: a null header frozen in
+        pinned = header_arg.pinned()
+        armed.arm()
+        armed_graph = graph()
+        assert header_arg.pinned() == pinned + 1  # the captured header's arena outlives the graph
+        # eager, armed and paused: every block skipped
+        armed.set_pause(True)
+        out.fill_(float("nan"))
+        compiled_harg(x, w, out)
+        assert len(armed.pending()[0]) == n and torch.isnan(out).all()
+        armed.begin_resume()
+        compiled_harg(x, w, out)
+        torch.cuda.synchronize()
+        assert armed.end_resume() == 0 and torch.equal(out, want)
+        # the disarmed graph ignores the armed call's pause
+        armed.set_pause(True)
+        out.fill_(float("nan"))
+        plain_graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want) and armed.pending() == [[]]
+        # the armed graph sees it, and resumes
+        out.fill_(float("nan"))
+        armed_graph.replay()
+        torch.cuda.synchronize()
+        assert len(armed.pending()[0]) == n and torch.isnan(out).all()
+        armed.begin_resume()
+        armed_graph.replay()
+        torch.cuda.synchronize()
+        assert armed.end_resume() == 0 and torch.equal(out, want)
+        # disarmed: eager launches get no header again; the armed graph still replays correctly (header zero)
+        armed.disarm()
+        assert header_arg.current() is None
+        out.fill_(float("nan"))
+        armed_graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)

@@ -41,6 +41,7 @@ from ..errors import InstrumentError
 from .safepoints import (
     CTL_BITMAP,
     CTL_PAUSE,
+    HARG_PREFIX,
     HDR_BYTES,
     HDR_MODE,
     HDR_PAUSE,
@@ -208,6 +209,7 @@ class ArmedLaunches:
         for k in launches:
             count[k.function] = count.get(k.function, 0) + 1
         self.protocol = 4
+        self.header_arg = False  # some kernel takes its header from a parameter (SafepointOptions.header_arg)
         self._k5: dict[int, _Kernel5] = {}
         protos: dict[int, int] = {}
         for k in launches:
@@ -224,6 +226,13 @@ class ArmedLaunches:
             if k.function not in protos:
                 protos[k.function] = 5 if int(drv.cuModuleGetGlobal(mod, (PROTO_PREFIX + k.name).encode())[0]) == 0 \
                     else 4
+            if protos[k.function] == 5 and int(drv.cuModuleGetGlobal(mod, (HARG_PREFIX + k.name).encode())[0]) == 0:
+                if k.static:
+                    raise InstrumentError(f"{k.name} takes its header from a kernel parameter, and Inductor's "
+                                          "static launcher passes none: set torch._inductor.config."
+                                          "use_static_triton_launcher = False before compiling (triton_hook."
+                                          "install does, when torch is imported before it)")
+                self.header_arg = True
             if protos[k.function] == 5:
                 k5 = self._k5.setdefault(k.function, _Kernel5(k.name, ptr, [], []))
                 k5.launches.append(len(self.launches))
@@ -391,10 +400,18 @@ class ArmedLaunches:
         drv = _drv()
         self._armed = on
         if self.protocol == 5:  # one write per kernel, whatever its launch count
+            if self.header_arg and not on:
+                from . import header_arg
+
+                header_arg.deactivate(self)
             for k5 in self._k5.values():
                 ptr = v5_ctl_value(self.arena.data_ptr() + k5.offset, self._align) if on else 0
                 value = np.array([ptr], dtype=np.uint64)
                 _check(drv.cuMemcpyHtoD(k5.glob, value.ctypes.data, 8), f"write {SYMBOL_PREFIX}{k5.name}")
+            if self.header_arg and on:  # launches from now on get this call's header as their parameter
+                from . import header_arg
+
+                header_arg.activate(self.arena.data_ptr(), self, self._backing)
             return
         for i, g in enumerate(self._globals):
             value = np.array([self.ctl(i).data_ptr() if on else 0], dtype=np.uint64)

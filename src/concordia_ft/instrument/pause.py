@@ -37,6 +37,7 @@ from ..errors import InstrumentError, UnsafeKernelError
 from .safepoints import (
     CTL_BITMAP,
     CTL_PAUSE,
+    HARG_PREFIX,
     HDR_BYTES,
     HDR_MODE,
     HDR_PAUSE,
@@ -120,6 +121,7 @@ class PausableLaunch:
                                     "first compile) or the rewriter refused it")
         self.nblocks = self.grid[0] * self.grid[1] * self.grid[2]
         self.protocol = 5 if f"{PROTO_PREFIX}{self.name}" in ptx else 4
+        self.header_arg = f"{HARG_PREFIX}{self.name}" in ptx  # its header comes in a kernel parameter
         dev = next((a.device for a in self.args if isinstance(a, torch.Tensor)), torch.device("cuda"))
         self._backing: Any = None
         if self.protocol == 5:
@@ -168,7 +170,13 @@ class PausableLaunch:
     def _launch(self) -> None:
         import torch
 
-        self.fn[self.grid](*self.args, **self.kwargs)
+        if self.header_arg:  # the launcher asks header_arg's allocator for the parameter: this launch's header
+            from . import header_arg
+
+            with header_arg.using(self.ctl.data_ptr(), self._backing):
+                self.fn[self.grid](*self.args, **self.kwargs)
+        else:
+            self.fn[self.grid](*self.args, **self.kwargs)
         self._done = torch.cuda.Event()
         self._done.record()
 

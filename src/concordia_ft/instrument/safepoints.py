@@ -52,6 +52,9 @@ CTL_BITMAP = 16  # u32 words after a 16-byte header: bit b of word w = block 32*
 SYMBOL_PREFIX = "cft_ctl_"
 PROTOCOL_VERSION = 5  # bump when the probes' code or the control block changes (it salts compile caches)
 PROTO_PREFIX = "cft_proto_"  # v5 kernels: a u32 module global holding the protocol (absent: version 4)
+# v5 kernels built with ``header_arg``: a u32 module global whose presence says the header's address comes in the
+# kernel's trailing pointer parameter (Triton's profile-scratch pointer), filled per launch (instrument/header_arg.py)
+HARG_PREFIX = "cft_harg_"
 
 # ---- protocol 5, "record on pause" (DESIGN.md §1): one arena per armed call -------------------------------
 # The arena starts with a 64-byte header shared by every kernel of the call: u32 pause word, u32 mode word
@@ -79,6 +82,8 @@ REFUSALS: dict[str, str] = {
     "cooperative": "launched as a cooperative grid (all blocks must be co-resident)",
     "indirect_control": "indirect branches (brx.idx): control flow cannot be followed",
     "unsafe_call": "calls a .func that uses clusters, PDL or spin loops",
+    "no_header_param": "SafepointOptions(header_arg=True) needs a trailing 64-bit pointer parameter (Triton 3.6's "
+                       "profile-scratch pointer) to carry the header's address, and this kernel has none",
 }
 
 _CLUSTER_RE = re.compile(r"%cluster|%is_explicit_cluster|barrier\.cluster|\bmapa\b|shared::cluster|"
@@ -162,6 +167,16 @@ class SafepointOptions:
     # armed 24.7 us vs 20.0 with the block vote; every warp reads the one header line, so its L2 slice queues the
     # requests; DESIGN.md §6g).
     warp_vote: bool = False
+    # Protocol 5: the header's address (0: disarmed) comes in the kernel's last parameter, the pointer Triton 3.6
+    # passes every kernel for profile scratch memory and fills per launch from its profile allocator, instead of
+    # through the constant-bank control pointer. Every thread's read of it is a parameter-bank hit (the launch
+    # brings that bank), so a disarmed launch reads no memory at all, and an armed block's one dependent load is
+    # the leader's header read, issued at entry. The kernel's records stay behind ``cft_ctl_<kernel>``, which
+    # only the rare path (a pause, a resume) loads, checking that it names the same header (else the block
+    # runs: the kernel is not part of the armed call). A CUDA graph freezes the parameter at capture:
+    # instrument/header_arg.py keeps an arena captured that way for the process's life. Set by
+    # ``triton_hook`` per kernel (only where Triton passes that parameter and no profiler uses it).
+    header_arg: bool = False
 
     def __post_init__(self) -> None:
         if self.protocol not in (4, 5):
@@ -170,6 +185,10 @@ class SafepointOptions:
             raise InstrumentError("barrier probes exist in protocol 4 only (a block leaving at a barrier would "
                                   "have to record itself after passing the vote): SafepointOptions(protocol=4, "
                                   "barrier_probes=True)")
+        if self.header_arg and (self.protocol != 5 or self.warp_vote):
+            raise InstrumentError("header_arg is protocol 5's block vote (SafepointOptions(protocol=5, "
+                                  "warp_vote=False)): protocol 4 writes its pointers from the stream per launch, "
+                                  "and the per-warp vote was not built with it")
 
 
 @dataclass(frozen=True)
@@ -471,6 +490,26 @@ class _Plan:
     vote_line: int = -1  # the barrier that carries the entry decision (-1: voted at entry)
     vote_inserted: bool = False  # the vote is a barrier inserted before vote_line (the first global write)
     warp_threads: int = 0  # > 0: the inserted vote is decided per warp; the block's (.reqntid) thread count
+    header_param: str = ""  # header_arg: the parameter that carries the header's address
+
+
+_PARAM_RE = re.compile(r"\.param\b([^,)]*)")
+
+
+def trailing_pointer_param(module: PtxModule, kernel: Kernel) -> str | None:
+    """The name of the kernel's last parameter if it is a 64-bit scalar (Triton 3.6 passes the profile-scratch
+    pointer there), else None."""
+    decls = _PARAM_RE.findall(strip_comment_lines(header_text(module, kernel)))
+    if not decls:
+        return None
+    toks = decls[-1].split()
+    if not toks or toks[0] not in (".u64", ".b64", ".s64") or any(t.startswith("[") or "[" in t for t in toks):
+        return None
+    return str(toks[-1])
+
+
+def strip_comment_lines(text: str) -> str:
+    return "\n".join(strip_comment(ln) for ln in text.splitlines())
 
 
 def _first_vote_site(kernel: Kernel, entry_line: int, before_write: bool,
@@ -508,6 +547,11 @@ def _plan(module: PtxModule, kernel: Kernel, opts: SafepointOptions,
     blocks = build_cfg(kernel)
     barriers = [st for st in kernel.statements if _is_cta_barrier(st)]
     refusal = launch_refusal or _refusal(module, kernel, blocks)
+    hparam = ""
+    if refusal is None and opts.header_arg:
+        hparam = trailing_pointer_param(module, kernel) or ""
+        if not hparam:
+            refusal = ("no_header_param", "its last parameter is not a 64-bit pointer")
     if refusal is not None:
         return _Plan(KernelReport(kernel.name, refused=refusal[0], detail=refusal[1], barriers=len(barriers)))
     assert blocks is not None
@@ -544,7 +588,7 @@ def _plan(module: PtxModule, kernel: Kernel, opts: SafepointOptions,
         warp_threads = _warp_vote_threads(module, kernel)
         if warp_threads:
             rep = dataclasses.replace(rep, warp_vote=True, detail=rep.detail + " (decided per warp)")
-    return _Plan(rep, safe, exits, first, vote, inserted, warp_threads)
+    return _Plan(rep, safe, exits, first, vote, inserted, warp_threads, hparam)
 
 
 _REQNTID_RE = re.compile(r"\.reqntid\s+(\d+)\s*(?:,\s*(\d+)\s*)?(?:,\s*(\d+)\s*)?")
@@ -691,9 +735,12 @@ def _deferred_vote(st: Statement | None) -> list[str]:
     ]
 
 
-def _v5_header_load(guard: str = "") -> list[str]:
+def _v5_header_load(guard: str = "", harg: bool = False) -> list[str]:
     """The leader's one read of the normal path: the call's header (pause, mode) as one 64-bit load (``guard``:
-    a predicate the load itself is issued under, e.g. ``@%cft_p3 ``)."""
+    a predicate the load itself is issued under, e.g. ``@%cft_p3 ``). ``harg``: ``%cft_rd0`` is the header's
+    address itself (the kernel parameter), else the control pointer the header is found from by masking."""
+    if harg:
+        return [f"\t{guard}ld.volatile.global.v2.u32 \t{{%cft_r12, %cft_r13}}, [%cft_rd0+{HDR_PAUSE}];"]
     return [
         "\tcvt.u32.u64 \t%cft_r3, %cft_rd0;", "\tand.b32 \t%cft_r3, %cft_r3, 63;",  # A: arena alignment
         "\tmov.u64 \t%cft_rd2, -1;", "\tshl.b64 \t%cft_rd2, %cft_rd2, %cft_r3;",
@@ -702,46 +749,62 @@ def _v5_header_load(guard: str = "") -> list[str]:
     ]
 
 
-def _v5_early_header(lab: str) -> list[str]:
+def _v5_early_header(lab: str, harg: bool = False) -> list[str]:
     """``early_header``: the leader of an armed launch issues the header load here (after the kernel's last
     global load before the vote); everyone else, and a disarmed launch, carries zeros to the vote."""
     return ["\t// concordia-ft (protocol 5): the leader's header read, issued early", *_leader(),
             f"\t@!%cft_p0 bra \t{lab}_early;", "\tsetp.eq.u64 \t%cft_p3, %cft_rd0, 0;",
-            f"\t@%cft_p3 bra \t{lab}_early;", *_v5_header_load(), f"{lab}_early:"]
+            f"\t@%cft_p3 bra \t{lab}_early;", *_v5_header_load(harg=harg), f"{lab}_early:"]
 
 
-def _v5_leader(lab: str, early: bool = False, cold: list[str] | None = None) -> list[str]:
+def _v5_leader(lab: str, early: bool = False, cold: list[str] | None = None,
+               records: tuple[str, str] | None = None) -> list[str]:
     """Protocol 5, the leader's decision (``v5_decide``) into ``%cft_r14`` (1: leave), everyone else 0.
 
     Normal path: one 64-bit load of the header word pair (pause, mode); both zero -> run, nothing else read
     or written. Otherwise (a pause or a resume: rare) the leader reads and rewrites its block's record. With
     ``early`` the header was loaded before (``_v5_early_header``). With ``cold`` (a list), the rare path is
     appended to it instead (``cold_path``: placed after the kernel's last instruction by the caller) and
-    reached by a branch that returns to ``{lab}_lread``."""
+    reached by a branch that returns to ``{lab}_lread``. ``records`` (header_arg: ``(symbol, state space)``):
+    ``%cft_rd0`` is the header's address and the rare path loads the records' pointer from that global."""
     head = [
         "\tmov.u32 \t%cft_r14, 0;", *_leader(),
         f"\t@!%cft_p0 bra \t{lab}_lread;",
-        *([] if early else _v5_header_load()),
+        *([] if early else _v5_header_load(harg=records is not None)),
         "\tor.b32 \t%cft_r11, %cft_r12, %cft_r13;",
         "\tsetp.eq.u32 \t%cft_p3, %cft_r11, 0;",
     ]
-    rare = _v5_rare(lab)
+    rare = _v5_rare(lab, records)
     if cold is None:
         return [*head, f"\t@%cft_p3 bra \t{lab}_lread;", *rare, f"{lab}_lread:"]  # run mode, not paused: run
     cold.extend([f"{lab}_rare:", *rare, f"\tbra.uni \t{lab}_lread;"])
     return [*head, f"\t@!%cft_p3 bra \t{lab}_rare;", f"{lab}_lread:"]
 
 
-def _v5_rare(lab: str) -> list[str]:
+def _v5_rare(lab: str, records: tuple[str, str] | None = None) -> list[str]:
     """The leader's rare path (paused, or resuming): its block's record read and rewritten, ``%cft_r14`` set;
     its end falls through (inline) or the caller branches back (``cold_path``) to where the normal path rejoins;
-    the pause case branches to ``{lab}_lread`` itself."""
+    the pause case branches to ``{lab}_lread`` itself. ``records`` (header_arg): the records' pointer is loaded
+    from that ``(symbol, space)`` global first, and unless it names the header in ``%cft_rd0`` (its arena's
+    start) the block runs (``%cft_r14`` stays 0): the kernel is not part of the call whose header it read."""
+    find = ["\tand.b64 \t%cft_rd1, %cft_rd0, -64;"]  # this kernel's records
+    if records is not None:
+        sym, space = records
+        find = [
+            f"\tld{space}.u64 \t%cft_rd1, [{sym}];",
+            "\tcvt.u32.u64 \t%cft_r3, %cft_rd1;", "\tand.b32 \t%cft_r3, %cft_r3, 63;",
+            "\tmov.u64 \t%cft_rd2, -1;", "\tshl.b64 \t%cft_rd2, %cft_rd2, %cft_r3;",
+            "\tand.b64 \t%cft_rd2, %cft_rd2, %cft_rd1;",  # its arena's header
+            "\tsetp.ne.u64 \t%cft_p4, %cft_rd2, %cft_rd0;",
+            f"\t@%cft_p4 bra \t{lab}_lread;",  # not this call's kernel (or disarmed: 0): run
+            "\tand.b64 \t%cft_rd1, %cft_rd1, -64;",
+        ]
     return [
+        *find,
         "\tmov.u32 \t%cft_r3, %ctaid.x;", "\tmov.u32 \t%cft_r4, %ctaid.y;", "\tmov.u32 \t%cft_r5, %ctaid.z;",
         "\tmov.u32 \t%cft_r6, %nctaid.x;", "\tmov.u32 \t%cft_r7, %nctaid.y;",
         "\tmad.lo.u32 \t%cft_r8, %cft_r5, %cft_r7, %cft_r4;",
         "\tmad.lo.u32 \t%cft_r8, %cft_r8, %cft_r6, %cft_r3;",  # r8: block index
-        "\tand.b64 \t%cft_rd1, %cft_rd0, -64;",  # this kernel's records
         f"\tmul.wide.u32 \t%cft_rd2, %cft_r8, {REC_BYTES};", "\tadd.s64 \t%cft_rd1, %cft_rd1, %cft_rd2;",
         "\tld.volatile.global.v2.u32 \t{%cft_r9, %cft_r10}, [%cft_rd1];",  # s, rem
         "\tmov.u32 \t%cft_r14, 1;",
@@ -766,28 +829,31 @@ def _v5_decision_vote(st: Statement | None) -> list[str]:
     return ["\tsetp.ne.u32 \t%cft_p2, %cft_r14, 0;", f"\t{red} \t%cft_p2, 0, %cft_p2;", "\t@%cft_p2 ret;"]
 
 
-def _v5_entry_probe(sym: str, early: bool = False, space: str = ".global") -> list[str]:
+def _v5_entry_probe(sym: str, early: bool = False, space: str = ".global", param: str = "") -> list[str]:
+    """``param`` (header_arg): the header's address is read from that kernel parameter instead."""
+    load = f"\tld.param.u64 \t%cft_rd0, [{param}];" if param else f"\tld{space}.u64 \t%cft_rd0, [{sym}];"
     return ["\t// concordia-ft safe point (protocol 5): the control pointer's load issued, used at the vote",
-            *(["\tmov.u32 \t%cft_r12, 0;", "\tmov.u32 \t%cft_r13, 0;"] if early else []),
-            f"\tld{space}.u64 \t%cft_rd0, [{sym}];"]
+            *(["\tmov.u32 \t%cft_r12, 0;", "\tmov.u32 \t%cft_r13, 0;"] if early else []), load]
 
 
 def _v5_vote(lab: str, st: Statement | None, original: str, early: bool = False,
-             cold: list[str] | None = None) -> list[str]:
+             cold: list[str] | None = None, records: tuple[str, str] | None = None) -> list[str]:
     """Protocol 5's vote at its site: a disarmed launch branches past (block-uniform: every thread read the
     same pointer), keeping the kernel's own barrier (``original``) where the vote sits at one."""
     head = "\t// concordia-ft: the entry decision (protocol 5), nothing global written yet"
     if st is None:
         return [head, "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@!%cft_p1 bra \t{lab}_novote;",
-                *_v5_leader(lab, early, cold), *_v5_decision_vote(None), f"{lab}_novote:"]
+                *_v5_leader(lab, early, cold, records), *_v5_decision_vote(None), f"{lab}_novote:"]
     return [head, "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@%cft_p1 bra \t{lab}_avote;", original,
-            f"\tbra.uni \t{lab}_vdone;", f"{lab}_avote:", *_v5_leader(lab, early, cold), *_v5_decision_vote(st),
+            f"\tbra.uni \t{lab}_vdone;", f"{lab}_avote:", *_v5_leader(lab, early, cold, records), *_v5_decision_vote(st),
             f"{lab}_vdone:"]
 
 
-def _v5_entry_vote(sym: str, lab: str, space: str = ".global", cold: list[str] | None = None) -> list[str]:
+def _v5_entry_vote(sym: str, lab: str, space: str = ".global", cold: list[str] | None = None,
+                   param: str = "") -> list[str]:
     """Protocol 5 where no later vote site exists: load, decide and vote at entry."""
-    return [*_v5_entry_probe(sym, space=space), *_v5_vote(lab, None, "", cold=cold)]
+    records = (sym, space) if param else None
+    return [*_v5_entry_probe(sym, space=space, param=param), *_v5_vote(lab, None, "", cold=cold, records=records)]
 
 
 WARP_SMEM_PREFIX = "cft_warps_"  # per-warp vote: one u32 per warp ("ran"), then the leader's decision
@@ -959,11 +1025,16 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
         before.setdefault(k.header_start, []).extend(
             [f"// concordia-ft control block pointer of {k.name} (0: disarmed)",
              f".visible {space} .align 8 .u64 {sym};", ""])
+        hp = p.header_param  # header_arg: the parameter carrying the header's address
+        records = (sym, space) if hp else None
         after.setdefault(k.body_open, []).extend(
             (_DECLS5W if p.warp_threads else _DECLS5) if opts.protocol == 5 else _DECLS)
         by_index = {st.index: st for st in k.statements}
         if opts.protocol == 5:
             before[k.header_start].extend([f".visible .global .align 4 .u32 {PROTO_PREFIX}{k.name} = 5;", ""])
+            if hp:
+                before[k.header_start].extend([f"// concordia-ft: the header's address comes in {hp}",
+                                               f".visible .global .align 4 .u32 {HARG_PREFIX}{k.name} = 1;", ""])
             early = (opts.early_header or opts.entry_header) and p.vote_line >= 0
             cold: list[str] | None = [] if opts.cold_path else None  # the rare path, after the last instruction
             if p.warp_threads:  # per-warp vote: every thread's header read after the kernel's last load
@@ -975,25 +1046,25 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
                 before.setdefault(p.vote_line, []).extend(_v5_warp_vote(lab, smem, p.warp_threads))
                 continue
             if p.vote_line < 0:
-                before.setdefault(p.entry_line, []).extend(_v5_entry_vote(sym, lab, space, cold))
+                before.setdefault(p.entry_line, []).extend(_v5_entry_vote(sym, lab, space, cold, hp))
             elif p.vote_inserted:
-                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early, space))
-                before.setdefault(p.vote_line, []).extend(_v5_vote(lab, None, "", early, cold))
+                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early, space, hp))
+                before.setdefault(p.vote_line, []).extend(_v5_vote(lab, None, "", early, cold, records))
             else:
-                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early, space))
+                before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early, space, hp))
                 replace[p.vote_line] = _v5_vote(lab, by_index[p.vote_line], module.lines[p.vote_line].rstrip("\n"),
-                                                early, cold)
+                                                early, cold, records)
             if cold:
                 before.setdefault(k.body_close, []).extend(
                     ["\t// concordia-ft (protocol 5): the leader's rare path (pause, resume), out of line", *cold])
             if early and opts.entry_header:  # at entry, right after the pointer's load
-                before[p.entry_line].extend(_v5_early_header(lab))
+                before[p.entry_line].extend(_v5_early_header(lab, bool(hp)))
             elif early:  # after the kernel's last global load before the vote (straight-line code: no join)
                 at = _last_global_load(k, p)
                 if at >= 0:
-                    after.setdefault(at, []).extend(_v5_early_header(lab))
+                    after.setdefault(at, []).extend(_v5_early_header(lab, bool(hp)))
                 else:
-                    before[p.entry_line].extend(_v5_early_header(lab))
+                    before[p.entry_line].extend(_v5_early_header(lab, bool(hp)))
             continue  # no exit probes, no barrier probes: a block that passed the vote runs unrecorded
         if p.vote_line >= 0 and opts.late_reads:
             before.setdefault(p.entry_line, []).extend(_late_entry_probe(sym))

@@ -11,8 +11,10 @@ the cache directory, so compile in-process while instrumenting.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from . import header_arg
 from .safepoints import PROTOCOL_VERSION, SYMBOL_PREFIX, KernelReport, SafepointOptions, rewrite_ptx
 
 _lock = threading.Lock()
@@ -70,7 +73,14 @@ def install(options: SafepointOptions | None = None, *, cache_dir: str | os.Path
             def ptx_stage(src: Any, metadata: dict[str, Any]) -> str:
                 ptx = make_ptx(src, metadata)
                 name = metadata.get("name", "")
-                res = rewrite_ptx(ptx, opts, launch_refusals=launch_refusals(topts, name))
+                o = opts
+                if o.header_arg and metadata.get("profile_scratch_size") != 0:
+                    # no profile-scratch parameter here (another Triton), or a profiler (Proton) uses it
+                    o = dataclasses.replace(o, header_arg=False)
+                res = rewrite_ptx(ptx, o, launch_refusals=launch_refusals(topts, name))
+                if o.header_arg and res.changed:  # the launcher now asks our allocator for the parameter
+                    metadata["profile_scratch_size"] = header_arg.HARG_SIZE
+                    metadata["profile_scratch_align"] = header_arg.HARG_ALIGN
                 with _lock:
                     _reports.update({k.name: k for k in res.kernels})
                 return res.ptx
@@ -81,8 +91,31 @@ def install(options: SafepointOptions | None = None, *, cache_dir: str | os.Path
         knobs.runtime.add_stages_inspection_hook = hook
         knobs.cache.dir = str(d)
         os.environ["TRITON_CACHE_DIR"] = str(d)  # for compile workers started after this
-        _installed.update(cache_dir=str(d), prev_hook=prev_hook, prev_dir=prev_dir, options=opts)
+        static: dict[str, bool] = {}
+        if opts.header_arg:
+            header_arg.install()
+            static = _static_launcher_off()
+        _installed.update(cache_dir=str(d), prev_hook=prev_hook, prev_dir=prev_dir, options=opts, static=static)
         return d
+
+
+_STATIC_KNOBS = ("use_static_triton_launcher", "use_static_cuda_launcher")  # torch 2.13, earlier names
+
+
+def _static_launcher_off() -> dict[str, bool]:
+    """header_arg kernels need Triton's launcher (it fills the header parameter per launch); Inductor's static
+    launcher refuses kernels with profile scratch in torch 2.13 and falls back, and turning it off here makes
+    that so whatever the torch version. Returns the settings replaced, for ``uninstall()``."""
+    if "torch" not in sys.modules:
+        return {}
+    import torch._inductor.config as icfg  # noqa: TID251 - torch is loaded already (checked above)
+
+    saved = {}
+    for k in _STATIC_KNOBS:
+        if hasattr(icfg, k):
+            saved[k] = bool(getattr(icfg, k))
+            setattr(icfg, k, False)
+    return saved
 
 
 @contextmanager
@@ -105,6 +138,13 @@ def uninstall() -> None:
         if not _installed:
             return
         knobs.runtime.add_stages_inspection_hook = _installed["prev_hook"]
+        if _installed["options"].header_arg:
+            header_arg.uninstall()
+            if _installed.get("static"):
+                import torch._inductor.config as icfg  # noqa: TID251 - set by install() with torch loaded
+
+                for k, v in _installed["static"].items():
+                    setattr(icfg, k, v)
         prev = _installed["prev_dir"]
         del knobs.cache.dir  # back to the environment's value
         if prev is None:
