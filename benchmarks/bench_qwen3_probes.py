@@ -383,9 +383,10 @@ def _prepare(state: dict[str, Any], req: dict[str, Any]) -> None:
     """Module globals for the mode: armed -> this target's control blocks, else 0 (the globals are read when
     each kernel runs, also inside a replayed graph)."""
     st = state["shapes"][req["shape"]]
-    for key in ("armed", "stack_armed"):
-        if key in st:
-            st[key].disarm()
+    for other in state["shapes"]:  # every shape's calls (header_arg arms one call per process at a time)
+        for key in ("armed", "stack_armed"):
+            if key in other:
+                other[key].disarm()
     if req["mode"] == "armed":
         st["armed" if req["target"] == "layer" else "stack_armed"].arm()
 

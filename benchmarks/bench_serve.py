@@ -316,6 +316,10 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed_nt": {"streamed": True, "stream_loop": "python", "nontemporal": True},
     "streamed_c_nt": {"streamed": True, "stream_loop": "c", "nontemporal": True},
     "streamed_c_cold": {"streamed": True, "stream_loop": "c", "warm_graphs": False},
+    # the first step's graph captured beside the restore after one eager warm-up forward, or none (the model ran
+    # in this process before: what a server that warms its model up at load would do), instead of two
+    "streamed_w1": {"streamed": True, "engine": {"capture_warmups": 1}},
+    "streamed_w0": {"streamed": True, "engine": {"capture_warmups": 0}},
     "image": {"streamed": False, "defer_verify": ()},
 }
 

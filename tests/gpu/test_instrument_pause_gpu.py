@@ -32,7 +32,9 @@ THREADS = int(os.environ.get("CFT_TEST_TRIGGER_THREADS", "1024"))
 @pytest.fixture(autouse=True)
 def _hook(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     barriers = bool(getattr(request, "param", False))
-    v4 = {k: v for k, v in EXTRA.items() if k not in ("const_ctl", "entry_header", "early_header")}
+    # protocol 5's options do not apply to protocol 4's barrier probes
+    v4 = {k: v for k, v in EXTRA.items() if k not in ("const_ctl", "entry_header", "early_header", "header_arg",
+                                                      "stmatrix_sync", "cold_path", "warp_vote")}
     opts = {**v4, "barrier_probes": True, "protocol": 4} if barriers else EXTRA  # barrier probes: v4 only
     triton_hook.install(SafepointOptions(**opts), cache_dir=tmp_path_factory.mktemp("tcache"))
     yield

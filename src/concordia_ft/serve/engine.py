@@ -85,6 +85,11 @@ class EngineOptions:
     # stretched the open by 0.1-0.2 s (the pinning and the open's mappings share the process's memory map lock),
     # more than the 0.09-0.12 s it hid (8B: 1.24 vs 1.03 s to the first token; serve/DESIGN.md, session 12)
     prefetch_ring: bool = False
+    # eager forwards on a side stream before each decode graph's capture (lazy initialisation: cuBLAS handles and
+    # workspaces, SDPA backend choice). Each is a Python forward on the host; a recovering engine captures the
+    # first step's graph beside the restore's copy threads (serve/DESIGN.md, "The restore's critical path").
+    # Not logged.
+    capture_warmups: int = 2
 
     @classmethod
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
@@ -269,6 +274,8 @@ class Engine:
             raise ConfigError(f"step_epochs={opts.step_epochs!r}; use runtime, c or auto")
         if opts.async_depth < 1:
             raise ConfigError(f"async_depth={opts.async_depth}; it must be at least 1")
+        if opts.capture_warmups < 0:
+            raise ConfigError(f"capture_warmups={opts.capture_warmups}; it must be 0 or more")
         if opts.checkpoint:
             from . import stepepochs
 

@@ -201,7 +201,7 @@ class DecodeGraphs:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    for _ in range(2):
+                    for _ in range(self.eng.opts.capture_warmups):
                         self._compute(st)
                 torch.cuda.current_stream().wait_stream(side)
                 g = torch.cuda.CUDAGraph()
