@@ -29,6 +29,7 @@ COLORS = {"probes_v3/disarmed": "lightsteelblue", "probes_v3/armed": "tab:blue",
           "probes_v5n/disarmed": "wheat", "probes_v5n/armed": "goldenrod",
           "probes_v5cesx/disarmed": "lightskyblue", "probes_v5cesx/armed": "navy",
           "probes_v5cesw/disarmed": "plum", "probes_v5cesw/armed": "purple",
+          "probes_v5cesh/disarmed": "moccasin", "probes_v5cesh/armed": "darkorange",
           "plain_b/plain": "black"}  # the A/A control: a second plain process
 
 

@@ -1,6 +1,7 @@
-"""CPU CI: the profile allocator behind SafepointOptions(header_arg=True): it answers only requests that carry its
-marker alignment (anything else goes to the allocator it replaced, e.g. Proton's), gives the armed call's header
-(null when nothing is armed), lets one call be armed at a time, and restores what was there on uninstall."""
+"""CPU CI: the profile allocator behind SafepointOptions(header_arg=True): it answers only requests whose alignment
+carries its tag (anything else goes to the allocator it replaced, e.g. Proton's), gives each kernel the header
+of the call that armed that kernel (null when none did), lets calls that share no kernel be armed together and
+refuses a kernel armed twice, and restores what was there on uninstall."""
 
 from __future__ import annotations
 
@@ -32,32 +33,37 @@ def profiler_allocator():
         _allocation._profile_allocator.set(saved)
 
 
-def test_marked_requests_get_the_armed_header_and_others_go_to_the_profiler(profiler_allocator) -> None:
+def test_each_kernel_gets_the_header_of_the_call_that_armed_it(profiler_allocator) -> None:
     from triton.runtime import _allocation
 
+    a, b, c = (header_arg.route_of(h) for h in ("hash-a", "hash-b", "hash-c"))
+    assert len({a, b, c}) == 3 and all(header_arg.is_route(r) for r in (a, b, c))
+    assert not header_arg.is_route(128) and not header_arg.is_route(1 << 40)
     header_arg.install()
     header_arg.install()  # idempotent: it does not chain to itself
     alloc = _allocation._profile_allocator.get()
-    assert alloc(4096, header_arg.HARG_ALIGN, None) is None
-    owner, keep = object(), object()
-    header_arg.activate(0xABC000, owner, keep)
+    assert alloc(4096, a, None) is None  # nothing armed: a null header, the probes read nothing
+    x, y = object(), object()
+    header_arg.activate(0xA000, x, object(), {a: "ka", b: "kb"})
+    header_arg.activate(0xB000, y, object(), {c: "kc"})  # a call sharing no kernel: armed beside it
     try:
-        assert alloc(4096, header_arg.HARG_ALIGN, None) == 0xABC000
+        assert (alloc(1, a, None), alloc(1, b, None), alloc(1, c, None)) == (0xA000, 0xA000, 0xB000)
         assert alloc(512, 128, None) == 0x7000_0000 + 512  # the profiler's own kernel
         assert profiler_allocator == [(512, 128)]
-        with pytest.raises(InstrumentError, match="another call is armed"):
-            header_arg.activate(0xDEF000, object(), object())
-        with header_arg.using(0x123000, object()):  # one launch of a PausableLaunch
-            assert alloc(1, header_arg.HARG_ALIGN, None) == 0x123000
-        assert alloc(1, header_arg.HARG_ALIGN, None) == 0xABC000
-        header_arg.deactivate(object())  # not the owner: nothing changes
-        assert header_arg.current() == 0xABC000
+        with pytest.raises(InstrumentError, match="kb is armed by another call"):
+            header_arg.activate(0xC000, object(), object(), {b: "kb"})
+        assert alloc(1, b, None) == 0xA000  # the refused arming changed nothing
+        with header_arg.using(0x123000, object(), b):  # one launch of a PausableLaunch
+            assert alloc(1, b, None) == 0x123000 and alloc(1, a, None) == 0xA000
+        assert alloc(1, b, None) == 0xA000
+        header_arg.deactivate(object())  # not an owner: nothing changes
+        assert header_arg.header_for(a) == 0xA000
     finally:
-        header_arg.deactivate(owner)
-    assert alloc(1, header_arg.HARG_ALIGN, None) is None
-    header_arg.activate(0xDEF000, object(), object())  # free again
+        header_arg.deactivate(x)
+    assert (alloc(1, a, None), alloc(1, b, None), alloc(1, c, None)) == (None, None, 0xB000)
+    header_arg.activate(0xD000, object(), object(), {b: "kb"})  # free again
     header_arg.uninstall()
-    assert header_arg.current() is None  # uninstall forgets what was armed
+    assert header_arg.header_for(b) is None and header_arg.header_for(c) is None  # uninstall forgets them
     assert _allocation._profile_allocator.get() is not alloc
     assert _allocation._profile_allocator.get()(8, 16, None) == 0x7000_0000 + 8  # the profiler's is back
 

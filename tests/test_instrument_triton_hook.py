@@ -78,7 +78,7 @@ def test_header_arg_marks_the_kernel_for_the_profile_allocator_and_reads_its_las
         assert header_arg.installed()
         k = compile_for_sm90("poi_silu_mul")
         md = k.metadata
-        assert (md.profile_scratch_size, md.profile_scratch_align) == (header_arg.HARG_SIZE, header_arg.HARG_ALIGN)
+        assert (md.profile_scratch_size, md.profile_scratch_align) == (header_arg.HARG_SIZE, header_arg.route_of(k.hash))
         ptx = k.asm["ptx"]
         params = [ln.split()[-1].rstrip(",") for ln in ptx.splitlines() if ln.strip().startswith(".param")]
         assert f"ld.param.u64 \t%cft_rd0, [{params[-1]}];" in ptx
@@ -87,7 +87,10 @@ def test_header_arg_marks_the_kernel_for_the_profile_allocator_and_reads_its_las
         refused = compile_for_sm90("grid_barrier")  # a refused kernel asks for nothing
         assert refused.metadata.profile_scratch_size == 0 and "cft_" not in refused.asm["ptx"]
         alloc = _allocation._profile_allocator.get()
-        assert alloc(64, header_arg.HARG_ALIGN, None) is None  # nothing armed: a null header, probes read nothing
+        assert alloc(64, md.profile_scratch_align, None) is None  # nothing armed: a null header, nothing read
+        other = compile_for_sm90("softmax")  # another kernel, another route
+        assert header_arg.is_route(other.metadata.profile_scratch_align)
+        assert other.metadata.profile_scratch_align != md.profile_scratch_align
     finally:
         triton_hook.uninstall()
     assert _allocation._profile_allocator.get() is before

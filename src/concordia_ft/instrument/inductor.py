@@ -92,6 +92,18 @@ def _launch_target(launcher: Any, runner: Any) -> tuple[int, str, bool]:
     return int(fn), str(name), False
 
 
+def _route(k: KernelLaunch) -> int:
+    """A header_arg kernel's route: the alignment its Triton launcher passes to the profile allocator."""
+    from . import header_arg
+
+    binary = k.launcher.__globals__.get("bin") if k.launcher is not None else None
+    route = int(getattr(getattr(binary, "metadata", None), "profile_scratch_align", 0) or 0)
+    if not header_arg.is_route(route):
+        raise InstrumentError(f"{k.name} has a header_arg marker but its launcher's metadata names no route "
+                              f"(profile_scratch_align={route:#x}): compiled by another hook version? recompile")
+    return route
+
+
 def capture_launches(f: Callable[..., Any], inputs: Sequence[Any]) -> list[KernelLaunch]:
     """Run ``f(*inputs)`` once (no grad) and record every Inductor kernel launch, in order. ``f`` must have
     run before under no_grad, so that its kernels are compiled and autotuned (else ``InstrumentError``)."""
@@ -210,6 +222,7 @@ class ArmedLaunches:
             count[k.function] = count.get(k.function, 0) + 1
         self.protocol = 4
         self.header_arg = False  # some kernel takes its header from a parameter (SafepointOptions.header_arg)
+        self._routes: dict[int, str] = {}  # header_arg: each such kernel's route (header_arg.route_of) -> name
         self._k5: dict[int, _Kernel5] = {}
         protos: dict[int, int] = {}
         for k in launches:
@@ -233,6 +246,7 @@ class ArmedLaunches:
                                           "use_static_triton_launcher = False before compiling (triton_hook."
                                           "install does, when torch is imported before it)")
                 self.header_arg = True
+                self._routes[_route(k)] = k.name
             if protos[k.function] == 5:
                 k5 = self._k5.setdefault(k.function, _Kernel5(k.name, ptr, [], []))
                 k5.launches.append(len(self.launches))
@@ -411,7 +425,7 @@ class ArmedLaunches:
             if self.header_arg and on:  # launches from now on get this call's header as their parameter
                 from . import header_arg
 
-                header_arg.activate(self.arena.data_ptr(), self, self._backing)
+                header_arg.activate(self.arena.data_ptr(), self, self._backing, self._routes)
             return
         for i, g in enumerate(self._globals):
             value = np.array([self.ctl(i).data_ptr() if on else 0], dtype=np.uint64)

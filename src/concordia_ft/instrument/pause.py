@@ -173,7 +173,8 @@ class PausableLaunch:
         if self.header_arg:  # the launcher asks header_arg's allocator for the parameter: this launch's header
             from . import header_arg
 
-            with header_arg.using(self.ctl.data_ptr(), self._backing):
+            route = int(self.kernel.metadata.profile_scratch_align)
+            with header_arg.using(self.ctl.data_ptr(), self._backing, route):
                 self.fn[self.grid](*self.args, **self.kwargs)
         else:
             self.fn[self.grid](*self.args, **self.kwargs)

@@ -168,14 +168,18 @@ class SafepointOptions:
     # requests; DESIGN.md §6g).
     warp_vote: bool = False
     # Protocol 5: the header's address (0: disarmed) comes in the kernel's last parameter, the pointer Triton 3.6
-    # passes every kernel for profile scratch memory and fills per launch from its profile allocator, instead of
-    # through the constant-bank control pointer. Every thread's read of it is a parameter-bank hit (the launch
-    # brings that bank), so a disarmed launch reads no memory at all, and an armed block's one dependent load is
-    # the leader's header read, issued at entry. The kernel's records stay behind ``cft_ctl_<kernel>``, which
-    # only the rare path (a pause, a resume) loads, checking that it names the same header (else the block
-    # runs: the kernel is not part of the armed call). A CUDA graph freezes the parameter at capture:
-    # instrument/header_arg.py keeps an arena captured that way for the process's life. Set by
-    # ``triton_hook`` per kernel (only where Triton passes that parameter and no profiler uses it).
+    # passes every kernel for profile scratch memory and fills per launch from its profile allocator
+    # (instrument/header_arg.py routes each kernel to the call that armed it), instead of through the
+    # constant-bank control pointer. Every thread's read of it is a parameter-bank hit, so a disarmed launch
+    # reads no memory at all, and an armed block's one dependent load is the leader's header read, issued at
+    # entry. The kernel's records stay behind ``cft_ctl_<kernel>``, which only the rare path (a pause, a resume)
+    # loads, checking that it names the same header (else the block runs: the kernel is not part of the call
+    # whose header it got). A CUDA graph freezes the parameter at capture: an arena captured that way is kept for
+    # the process's life. ``triton_hook`` applies it where Triton passes that parameter and no profiler uses it,
+    # and turns Inductor's static launcher off (it passes no such parameter). Off by default: measured on the
+    # H200 (DESIGN.md §6h) it cuts the disarmed cost in CUDA-graph replays to +0.4-1.1% (from +0.9-3.4%) and the
+    # armed cost by up to one point, but each eager launch then goes through Triton's Python launcher and our
+    # allocator, which host-bound decode pays for (+30-50% there).
     header_arg: bool = False
 
     def __post_init__(self) -> None:

@@ -80,7 +80,7 @@ def install(options: SafepointOptions | None = None, *, cache_dir: str | os.Path
                 res = rewrite_ptx(ptx, o, launch_refusals=launch_refusals(topts, name))
                 if o.header_arg and res.changed:  # the launcher now asks our allocator for the parameter
                     metadata["profile_scratch_size"] = header_arg.HARG_SIZE
-                    metadata["profile_scratch_align"] = header_arg.HARG_ALIGN
+                    metadata["profile_scratch_align"] = header_arg.route_of(str(metadata.get("hash", "")))
                 with _lock:
                     _reports.update({k.name: k for k in res.kernels})
                 return res.ptx
