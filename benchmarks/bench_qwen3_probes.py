@@ -104,6 +104,12 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # a disarmed launch reads no memory; Triton's launcher instead of Inductor's static one)
     "probes_v5cesh": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": True,
                       "header_arg": True},
+    # the header read at GPU scope (ld.relaxed.gpu: STRONG.GPU) instead of volatile (STRONG.SYS): with
+    # header_arg, and on the default
+    "probes_v5ceshg": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": True,
+                       "header_arg": True, "header_gpu_scope": True},
+    "probes_v5cesg": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": True,
+                      "header_gpu_scope": True},
 }
 
 from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import

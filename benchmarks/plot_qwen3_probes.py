@@ -30,6 +30,8 @@ COLORS = {"probes_v3/disarmed": "lightsteelblue", "probes_v3/armed": "tab:blue",
           "probes_v5cesx/disarmed": "lightskyblue", "probes_v5cesx/armed": "navy",
           "probes_v5cesw/disarmed": "plum", "probes_v5cesw/armed": "purple",
           "probes_v5cesh/disarmed": "moccasin", "probes_v5cesh/armed": "darkorange",
+          "probes_v5ceshg/disarmed": "lightpink", "probes_v5ceshg/armed": "crimson",
+          "probes_v5cesg/disarmed": "powderblue", "probes_v5cesg/armed": "teal",
           "plain_b/plain": "black"}  # the A/A control: a second plain process
 
 

@@ -201,8 +201,10 @@ _SNIPPET_OPTIONS = {"vote": SafepointOptions(**V5_BASE), "early": SafepointOptio
                     "entry": SafepointOptions(entry_header=True, const_ctl=True),
                     "cold": SafepointOptions(cold_path=True), "cold_vote": SafepointOptions(cold_path=True, **V5_BASE),
                     "harg": SafepointOptions(header_arg=True), "harg_cold": SafepointOptions(header_arg=True, cold_path=True),
-                    "harg_vote": SafepointOptions(header_arg=True, **V5_BASE)}
-_HARG = ("harg", "harg_cold", "harg_vote")
+                    "harg_vote": SafepointOptions(header_arg=True, **V5_BASE),
+                    "harg_gpu": SafepointOptions(header_arg=True, header_gpu_scope=True),
+                    "gpu_scope": SafepointOptions(header_gpu_scope=True)}
+_HARG = ("harg", "harg_cold", "harg_vote", "harg_gpu")
 
 
 def _leader_snippet(where: str = "vote") -> list[str]:
@@ -312,7 +314,7 @@ def _run_leader(code: list[str], ctl: int, mem: dict[int, int], tid: tuple[int, 
         if op in ("ld.const.u64", "ld.global.u64"):
             regs[ops[0]] = syms[ops[1].strip()[1:-1]]  # a module global, by name
             continue
-        if op.startswith("ld.volatile.global.v2.u32"):
+        if op.startswith(("ld.volatile.global.v2.u32", "ld.relaxed.gpu.global.v2.u32")):
             a = addr(ops[1])
             d = ops[0].strip("{}").split(",")
             regs[d[0].strip()] = mem.get(a, 0)

@@ -181,6 +181,11 @@ class SafepointOptions:
     # armed cost by up to one point, but each eager launch then goes through Triton's Python launcher and our
     # allocator, which host-bound decode pays for (+30-50% there).
     header_arg: bool = False
+    # Protocol 5: the header read (pause, mode) as a relaxed load at GPU scope (``ld.relaxed.gpu``, SASS
+    # ``LDG.E.64.STRONG.GPU``) instead of a volatile one (system scope, ``STRONG.SYS``). Every pause and resume
+    # writer is on the GPU (a kernel, a stream memory operation, a copy into device memory), so GPU scope sees
+    # them. Off: under measurement.
+    header_gpu_scope: bool = False
 
     def __post_init__(self) -> None:
         if self.protocol not in (4, 5):
@@ -1094,6 +1099,9 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
             replace[ln] = _barrier_probe(by_index[ln], lab, sym)
         if p.barrier_lines:
             before.setdefault(k.body_close, []).extend(_pause_tail(lab))
+    if opts.header_gpu_scope and opts.protocol == 5:
+        for lines in (*before.values(), *replace.values(), *after.values()):
+            lines[:] = [ln.replace(_HEADER_LD, _HEADER_LD_GPU) for ln in lines]
     out: list[str] = []
     for i, line in enumerate(module.lines):
         out.extend(s + "\n" for s in before.get(i, []))
@@ -1103,3 +1111,7 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
             out.append(line)
         out.extend(s + "\n" for s in after.get(i, []))
     return RewriteResult("".join(out), tuple(p.report for p in plans))
+
+
+_HEADER_LD = "ld.volatile.global.v2.u32 \t{%cft_r12, %cft_r13}"  # the header read (its registers are its own)
+_HEADER_LD_GPU = "ld.relaxed.gpu.global.v2.u32 \t{%cft_r12, %cft_r13}"
