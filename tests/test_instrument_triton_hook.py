@@ -105,3 +105,44 @@ def test_without_header_arg_no_kernel_asks_for_profile_scratch(tmp_path: Path) -
         assert "ld.const.u64 \t%cft_rd0, [cft_ctl_poi_silu_mul_kernel]" in k.asm["ptx"]
     finally:
         triton_hook.uninstall()
+
+
+def test_header_arg_leaves_a_kernel_whose_profile_scratch_a_profiler_uses_on_the_constant_bank_pointer(
+        tmp_path: Path) -> None:
+    """A stages hook installed before ours (as Proton's instrumentation is) gives the kernel profile scratch of its
+    own: that kernel keeps the constant-bank pointer and the profiler's size and alignment; the next kernel,
+    compiled without it, takes its header from the parameter."""
+    from triton import knobs
+
+    prev = knobs.runtime.add_stages_inspection_hook
+
+    def profiler_like(backend, stages, options, language, capability):  # noqa: ANN001, ANN202
+        if prev is not None:
+            prev(backend, stages, options, language, capability)
+        make_llir = stages["llir"]
+
+        def llir(src, metadata):  # noqa: ANN001, ANN202
+            out = make_llir(src, metadata)
+            metadata["profile_scratch_size"], metadata["profile_scratch_align"] = 256, 128
+            return out
+
+        stages["llir"] = llir
+
+    knobs.runtime.add_stages_inspection_hook = profiler_like
+    try:
+        triton_hook.install(SafepointOptions(header_arg=True), cache_dir=tmp_path / "p")
+        try:
+            k = compile_for_sm90("poi_silu_mul")
+            assert (k.metadata.profile_scratch_size, k.metadata.profile_scratch_align) == (256, 128)
+            ptx = k.asm["ptx"]
+            assert "cft_harg_" not in ptx and "ld.const.u64 \t%cft_rd0, [cft_ctl_poi_silu_mul_kernel]" in ptx
+        finally:
+            triton_hook.uninstall()
+    finally:
+        knobs.runtime.add_stages_inspection_hook = prev
+    triton_hook.install(SafepointOptions(header_arg=True), cache_dir=tmp_path / "q")
+    try:
+        k = compile_for_sm90("poi_silu_mul")
+        assert "cft_harg_poi_silu_mul_kernel" in k.asm["ptx"] and k.metadata.profile_scratch_size == 1
+    finally:
+        triton_hook.uninstall()
