@@ -412,21 +412,21 @@ class ArmedLaunches:
         from .pause import _check, _drv
 
         drv = _drv()
-        self._armed = on
         if self.protocol == 5:  # one write per kernel, whatever its launch count
-            if self.header_arg and not on:
+            if self.header_arg:
                 from . import header_arg
 
-                header_arg.deactivate(self)
+                if on:  # first, so that a kernel another armed call holds is refused before any global changes
+                    header_arg.activate(self.arena.data_ptr(), self, self._backing, self._routes)
+                else:
+                    header_arg.deactivate(self)
+            self._armed = on
             for k5 in self._k5.values():
                 ptr = v5_ctl_value(self.arena.data_ptr() + k5.offset, self._align) if on else 0
                 value = np.array([ptr], dtype=np.uint64)
                 _check(drv.cuMemcpyHtoD(k5.glob, value.ctypes.data, 8), f"write {SYMBOL_PREFIX}{k5.name}")
-            if self.header_arg and on:  # launches from now on get this call's header as their parameter
-                from . import header_arg
-
-                header_arg.activate(self.arena.data_ptr(), self, self._backing, self._routes)
             return
+        self._armed = on
         for i, g in enumerate(self._globals):
             value = np.array([self.ctl(i).data_ptr() if on else 0], dtype=np.uint64)
             _check(drv.cuMemcpyHtoD(g, value.ctypes.data, 8), f"write {SYMBOL_PREFIX}{self.launches[i].name}")
