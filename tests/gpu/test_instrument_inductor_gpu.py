@@ -27,21 +27,26 @@ def _silu_mul_add(x, w, out):
     out.copy_(x * torch.sigmoid(x) * w + 1.0)  # Inductor writes the mutated input from its one kernel
 
 
-@pytest.fixture
-def compiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def _compiling(fn, options: SafepointOptions, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``fn`` compiled by Inductor in-process (the stages hook sees the compile) with the hook installed."""
     import torch._dynamo
     import torch._inductor.config as icfg
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(icfg, "compile_threads", 1)  # in-process: the stages hook sees the compile
+    monkeypatch.setattr(icfg, "compile_threads", 1)
     monkeypatch.setattr(icfg, "fx_graph_cache", False)
     torch._dynamo.reset()
-    triton_hook.install(SafepointOptions(**EXTRA), cache_dir=tmp_path / "triton")
+    triton_hook.install(options, cache_dir=tmp_path / "triton")
     try:
-        yield torch.compile(_silu_mul_add, dynamic=False)
+        yield torch.compile(fn, dynamic=False)
     finally:
         triton_hook.uninstall()
         torch._dynamo.reset()
+
+
+@pytest.fixture
+def compiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    yield from _compiling(_silu_mul_add, SafepointOptions(**EXTRA), tmp_path, monkeypatch)
 
 
 def test_an_inductor_function_pauses_mid_grid_and_resumes_bit_equal(compiled) -> None:
@@ -130,19 +135,7 @@ def _layer(x, w, out):
 
 @pytest.fixture
 def compiled_layer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    import torch._dynamo
-    import torch._inductor.config as icfg
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(icfg, "compile_threads", 1)
-    monkeypatch.setattr(icfg, "fx_graph_cache", False)
-    torch._dynamo.reset()
-    triton_hook.install(SafepointOptions(**EXTRA), cache_dir=tmp_path / "triton")
-    try:
-        yield torch.compile(_layer, dynamic=False)
-    finally:
-        triton_hook.uninstall()
-        torch._dynamo.reset()
+    yield from _compiling(_layer, SafepointOptions(**EXTRA), tmp_path, monkeypatch)
 
 
 def test_a_stack_reusing_one_kernel_pauses_twice_and_resumes_bit_equal(compiled_layer) -> None:
@@ -249,19 +242,7 @@ def test_a_stack_reusing_one_kernel_pauses_twice_and_resumes_bit_equal(compiled_
 
 @pytest.fixture
 def compiled_harg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    import torch._dynamo
-    import torch._inductor.config as icfg
-
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setattr(icfg, "compile_threads", 1)
-    monkeypatch.setattr(icfg, "fx_graph_cache", False)
-    torch._dynamo.reset()
-    triton_hook.install(SafepointOptions(header_arg=True), cache_dir=tmp_path / "triton")
-    try:
-        yield torch.compile(_silu_mul_add, dynamic=False)
-    finally:
-        triton_hook.uninstall()
-        torch._dynamo.reset()
+    yield from _compiling(_silu_mul_add, SafepointOptions(header_arg=True), tmp_path, monkeypatch)
 
 
 def test_header_arg_graphs_disarmed_run_plain_and_armed_graphs_pause_and_resume_bit_equal(compiled_harg) -> None:

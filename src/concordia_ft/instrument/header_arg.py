@@ -73,7 +73,7 @@ def _alloc(size: int, alignment: int, stream: Any) -> Any:
             capturing = False
         if capturing:
             with _lock:
-                if not any(p is r.keep for p in _pinned):
+                if not _pinned_already(r.keep):
                     _pinned.append(r.keep)
                 r.captured = True
     return r.header

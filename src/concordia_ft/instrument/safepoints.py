@@ -416,15 +416,14 @@ def _guard_reg(st: Statement) -> str:
 
 
 def _refusal(module: PtxModule, kernel: Kernel, blocks: list[BasicBlock] | None) -> tuple[str, str] | None:
-    body = "".join(module.lines[kernel.header_start:kernel.body_close + 1])
-    code = "\n".join(strip_comment(ln) for ln in body.splitlines())
+    code = _strip_comments("".join(module.lines[kernel.header_start:kernel.body_close + 1]))
     m = _CLUSTER_RE.search(code)
     if m:
         return "cluster", f"found {m.group(0)!r}"
     if "griddepcontrol" in code:
         return "pdl", "found 'griddepcontrol'"
     if any(st.opcode.startswith("call") for st in kernel.statements) and module.func_ranges:
-        funcs = "\n".join(strip_comment(ln) for ln in module.func_text().splitlines())
+        funcs = _strip_comments(module.func_text())
         if _CLUSTER_RE.search(funcs) or "griddepcontrol" in funcs or \
                 (re.search(r"\batom\.|ld\.(volatile|acquire)", funcs) and re.search(r"\bbra", funcs)):
             return "unsafe_call", "a called .func has clusters, PDL or a possible spin loop"
@@ -508,16 +507,16 @@ _PARAM_RE = re.compile(r"\.param\b([^,)]*)")
 def trailing_pointer_param(module: PtxModule, kernel: Kernel) -> str | None:
     """The name of the kernel's last parameter if it is a 64-bit scalar (Triton 3.6 passes the profile-scratch
     pointer there), else None."""
-    decls = _PARAM_RE.findall(strip_comment_lines(header_text(module, kernel)))
+    decls = _PARAM_RE.findall(_strip_comments(header_text(module, kernel)))
     if not decls:
         return None
     toks = decls[-1].split()
-    if not toks or toks[0] not in (".u64", ".b64", ".s64") or any(t.startswith("[") or "[" in t for t in toks):
+    if not toks or toks[0] not in (".u64", ".b64", ".s64") or any("[" in t for t in toks):
         return None
     return str(toks[-1])
 
 
-def strip_comment_lines(text: str) -> str:
+def _strip_comments(text: str) -> str:
     return "\n".join(strip_comment(ln) for ln in text.splitlines())
 
 
@@ -744,46 +743,61 @@ def _deferred_vote(st: Statement | None) -> list[str]:
     ]
 
 
-def _v5_header_load(guard: str = "", harg: bool = False) -> list[str]:
+@dataclass(frozen=True)
+class _HeaderRead:
+    """How a protocol-5 probe reaches its call's header. ``records`` None: ``%cft_rd0`` is the control pointer
+    (``region | A``) and the header is found by masking it; ``(symbol, state space)`` (header_arg): ``%cft_rd0``
+    is the header's address itself (the kernel parameter), and the rare path loads the records' pointer from that
+    global. ``op``: the load instruction of the header read."""
+
+    records: tuple[str, str] | None = None
+    op: str = "ld.volatile.global.v2.u32"
+
+
+_HDR = _HeaderRead()
+
+
+def _arena_header(dst: str, ctl: str) -> list[str]:
+    """``dst`` := the header of the arena a control pointer ``ctl`` (``region | A``) points into: ctl & ~(2**A - 1)."""
+    return ["\tcvt.u32.u64 \t%cft_r3, " + ctl + ";", "\tand.b32 \t%cft_r3, %cft_r3, 63;",  # A: arena alignment
+            "\tmov.u64 \t" + dst + ", -1;", "\tshl.b64 \t" + dst + ", " + dst + ", %cft_r3;",
+            "\tand.b64 \t" + dst + ", " + dst + ", " + ctl + ";"]
+
+
+def _v5_header_load(guard: str = "", hdr: _HeaderRead = _HDR) -> list[str]:
     """The leader's one read of the normal path: the call's header (pause, mode) as one 64-bit load (``guard``:
-    a predicate the load itself is issued under, e.g. ``@%cft_p3 ``). ``harg``: ``%cft_rd0`` is the header's
-    address itself (the kernel parameter), else the control pointer the header is found from by masking."""
-    if harg:
-        return [f"\t{guard}ld.volatile.global.v2.u32 \t{{%cft_r12, %cft_r13}}, [%cft_rd0+{HDR_PAUSE}];"]
-    return [
-        "\tcvt.u32.u64 \t%cft_r3, %cft_rd0;", "\tand.b32 \t%cft_r3, %cft_r3, 63;",  # A: arena alignment
-        "\tmov.u64 \t%cft_rd2, -1;", "\tshl.b64 \t%cft_rd2, %cft_rd2, %cft_r3;",
-        "\tand.b64 \t%cft_rd2, %cft_rd2, %cft_rd0;",  # the call's header: global & ~(2**A - 1)
-        f"\t{guard}ld.volatile.global.v2.u32 \t{{%cft_r12, %cft_r13}}, [%cft_rd2+{HDR_PAUSE}];",  # pause, mode
-    ]
+    a predicate the load itself is issued under, e.g. ``@%cft_p3 ``)."""
+    if hdr.records is not None:
+        return [f"\t{guard}{hdr.op} \t{{%cft_r12, %cft_r13}}, [%cft_rd0+{HDR_PAUSE}];"]
+    return [*_arena_header("%cft_rd2", "%cft_rd0"),
+            f"\t{guard}{hdr.op} \t{{%cft_r12, %cft_r13}}, [%cft_rd2+{HDR_PAUSE}];"]  # pause, mode
 
 
-def _v5_early_header(lab: str, harg: bool = False) -> list[str]:
+def _v5_early_header(lab: str, hdr: _HeaderRead = _HDR) -> list[str]:
     """``early_header``: the leader of an armed launch issues the header load here (after the kernel's last
     global load before the vote); everyone else, and a disarmed launch, carries zeros to the vote."""
     return ["\t// concordia-ft (protocol 5): the leader's header read, issued early", *_leader(),
             f"\t@!%cft_p0 bra \t{lab}_early;", "\tsetp.eq.u64 \t%cft_p3, %cft_rd0, 0;",
-            f"\t@%cft_p3 bra \t{lab}_early;", *_v5_header_load(harg=harg), f"{lab}_early:"]
+            f"\t@%cft_p3 bra \t{lab}_early;", *_v5_header_load(hdr=hdr), f"{lab}_early:"]
 
 
 def _v5_leader(lab: str, early: bool = False, cold: list[str] | None = None,
-               records: tuple[str, str] | None = None) -> list[str]:
+               hdr: _HeaderRead = _HDR) -> list[str]:
     """Protocol 5, the leader's decision (``v5_decide``) into ``%cft_r14`` (1: leave), everyone else 0.
 
     Normal path: one 64-bit load of the header word pair (pause, mode); both zero -> run, nothing else read
     or written. Otherwise (a pause or a resume: rare) the leader reads and rewrites its block's record. With
     ``early`` the header was loaded before (``_v5_early_header``). With ``cold`` (a list), the rare path is
     appended to it instead (``cold_path``: placed after the kernel's last instruction by the caller) and
-    reached by a branch that returns to ``{lab}_lread``. ``records`` (header_arg: ``(symbol, state space)``):
-    ``%cft_rd0`` is the header's address and the rare path loads the records' pointer from that global."""
+    reached by a branch that returns to ``{lab}_lread``. ``hdr``: how the header is reached (``_HeaderRead``)."""
     head = [
         "\tmov.u32 \t%cft_r14, 0;", *_leader(),
         f"\t@!%cft_p0 bra \t{lab}_lread;",
-        *([] if early else _v5_header_load(harg=records is not None)),
+        *([] if early else _v5_header_load(hdr=hdr)),
         "\tor.b32 \t%cft_r11, %cft_r12, %cft_r13;",
         "\tsetp.eq.u32 \t%cft_p3, %cft_r11, 0;",
     ]
-    rare = _v5_rare(lab, records)
+    rare = _v5_rare(lab, hdr.records)
     if cold is None:
         return [*head, f"\t@%cft_p3 bra \t{lab}_lread;", *rare, f"{lab}_lread:"]  # run mode, not paused: run
     cold.extend([f"{lab}_rare:", *rare, f"\tbra.uni \t{lab}_lread;"])
@@ -801,9 +815,7 @@ def _v5_rare(lab: str, records: tuple[str, str] | None = None) -> list[str]:
         sym, space = records
         find = [
             f"\tld{space}.u64 \t%cft_rd1, [{sym}];",
-            "\tcvt.u32.u64 \t%cft_r3, %cft_rd1;", "\tand.b32 \t%cft_r3, %cft_r3, 63;",
-            "\tmov.u64 \t%cft_rd2, -1;", "\tshl.b64 \t%cft_rd2, %cft_rd2, %cft_r3;",
-            "\tand.b64 \t%cft_rd2, %cft_rd2, %cft_rd1;",  # its arena's header
+            *_arena_header("%cft_rd2", "%cft_rd1"),  # its arena's header
             "\tsetp.ne.u64 \t%cft_p4, %cft_rd2, %cft_rd0;",
             f"\t@%cft_p4 bra \t{lab}_lread;",  # not this call's kernel (or disarmed: 0): run
             "\tand.b64 \t%cft_rd1, %cft_rd1, -64;",
@@ -846,33 +858,32 @@ def _v5_entry_probe(sym: str, early: bool = False, space: str = ".global", param
 
 
 def _v5_vote(lab: str, st: Statement | None, original: str, early: bool = False,
-             cold: list[str] | None = None, records: tuple[str, str] | None = None) -> list[str]:
+             cold: list[str] | None = None, hdr: _HeaderRead = _HDR) -> list[str]:
     """Protocol 5's vote at its site: a disarmed launch branches past (block-uniform: every thread read the
     same pointer), keeping the kernel's own barrier (``original``) where the vote sits at one."""
     head = "\t// concordia-ft: the entry decision (protocol 5), nothing global written yet"
     if st is None:
         return [head, "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@!%cft_p1 bra \t{lab}_novote;",
-                *_v5_leader(lab, early, cold, records), *_v5_decision_vote(None), f"{lab}_novote:"]
+                *_v5_leader(lab, early, cold, hdr), *_v5_decision_vote(None), f"{lab}_novote:"]
     return [head, "\tsetp.ne.u64 \t%cft_p1, %cft_rd0, 0;", f"\t@%cft_p1 bra \t{lab}_avote;", original,
-            f"\tbra.uni \t{lab}_vdone;", f"{lab}_avote:", *_v5_leader(lab, early, cold, records), *_v5_decision_vote(st),
+            f"\tbra.uni \t{lab}_vdone;", f"{lab}_avote:", *_v5_leader(lab, early, cold, hdr), *_v5_decision_vote(st),
             f"{lab}_vdone:"]
 
 
 def _v5_entry_vote(sym: str, lab: str, space: str = ".global", cold: list[str] | None = None,
-                   param: str = "") -> list[str]:
+                   param: str = "", hdr: _HeaderRead = _HDR) -> list[str]:
     """Protocol 5 where no later vote site exists: load, decide and vote at entry."""
-    records = (sym, space) if param else None
-    return [*_v5_entry_probe(sym, space=space, param=param), *_v5_vote(lab, None, "", cold=cold, records=records)]
+    return [*_v5_entry_probe(sym, space=space, param=param), *_v5_vote(lab, None, "", cold=cold, hdr=hdr)]
 
 
 WARP_SMEM_PREFIX = "cft_warps_"  # per-warp vote: one u32 per warp ("ran"), then the leader's decision
 
 
-def _v5_warp_header() -> list[str]:
+def _v5_warp_header(hdr: _HeaderRead = _HDR) -> list[str]:
     """Per-warp vote: every thread of an armed launch reads the header (one request per warp: the same address),
     issued after the kernel's last load before the site; a disarmed launch keeps the zeros set at entry."""
     return ["\t// concordia-ft (protocol 5): every thread's header read, for the per-warp vote",
-            "\tsetp.ne.u64 \t%cft_p3, %cft_rd0, 0;", *_v5_header_load("@%cft_p3 ")]
+            "\tsetp.ne.u64 \t%cft_p3, %cft_rd0, 0;", *_v5_header_load("@%cft_p3 ", hdr)]
 
 
 def _v5_warp_vote(lab: str, smem: str, nthreads: int) -> list[str]:
@@ -1035,7 +1046,8 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
             [f"// concordia-ft control block pointer of {k.name} (0: disarmed)",
              f".visible {space} .align 8 .u64 {sym};", ""])
         hp = p.header_param  # header_arg: the parameter carrying the header's address
-        records = (sym, space) if hp else None
+        hdr = _HeaderRead((sym, space) if hp else None,
+                          "ld.relaxed.gpu.global.v2.u32" if opts.header_gpu_scope else _HDR.op)
         after.setdefault(k.body_open, []).extend(
             (_DECLS5W if p.warp_threads else _DECLS5) if opts.protocol == 5 else _DECLS)
         by_index = {st.index: st for st in k.statements}
@@ -1051,29 +1063,29 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
                 before[k.header_start].extend([f".shared .align 4 .b32 {smem}[33];", ""])
                 before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, True, space))
                 at = _last_global_load(k, p)
-                (after.setdefault(at, []) if at >= 0 else before[p.entry_line]).extend(_v5_warp_header())
+                (after.setdefault(at, []) if at >= 0 else before[p.entry_line]).extend(_v5_warp_header(hdr))
                 before.setdefault(p.vote_line, []).extend(_v5_warp_vote(lab, smem, p.warp_threads))
                 continue
             if p.vote_line < 0:
-                before.setdefault(p.entry_line, []).extend(_v5_entry_vote(sym, lab, space, cold, hp))
+                before.setdefault(p.entry_line, []).extend(_v5_entry_vote(sym, lab, space, cold, hp, hdr))
             elif p.vote_inserted:
                 before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early, space, hp))
-                before.setdefault(p.vote_line, []).extend(_v5_vote(lab, None, "", early, cold, records))
+                before.setdefault(p.vote_line, []).extend(_v5_vote(lab, None, "", early, cold, hdr))
             else:
                 before.setdefault(p.entry_line, []).extend(_v5_entry_probe(sym, early, space, hp))
                 replace[p.vote_line] = _v5_vote(lab, by_index[p.vote_line], module.lines[p.vote_line].rstrip("\n"),
-                                                early, cold, records)
+                                                early, cold, hdr)
             if cold:
                 before.setdefault(k.body_close, []).extend(
                     ["\t// concordia-ft (protocol 5): the leader's rare path (pause, resume), out of line", *cold])
             if early and opts.entry_header:  # at entry, right after the pointer's load
-                before[p.entry_line].extend(_v5_early_header(lab, bool(hp)))
+                before[p.entry_line].extend(_v5_early_header(lab, hdr))
             elif early:  # after the kernel's last global load before the vote (straight-line code: no join)
                 at = _last_global_load(k, p)
                 if at >= 0:
-                    after.setdefault(at, []).extend(_v5_early_header(lab, bool(hp)))
+                    after.setdefault(at, []).extend(_v5_early_header(lab, hdr))
                 else:
-                    before[p.entry_line].extend(_v5_early_header(lab, bool(hp)))
+                    before[p.entry_line].extend(_v5_early_header(lab, hdr))
             continue  # no exit probes, no barrier probes: a block that passed the vote runs unrecorded
         if p.vote_line >= 0 and opts.late_reads:
             before.setdefault(p.entry_line, []).extend(_late_entry_probe(sym))
@@ -1099,9 +1111,6 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
             replace[ln] = _barrier_probe(by_index[ln], lab, sym)
         if p.barrier_lines:
             before.setdefault(k.body_close, []).extend(_pause_tail(lab))
-    if opts.header_gpu_scope and opts.protocol == 5:
-        for lines in (*before.values(), *replace.values(), *after.values()):
-            lines[:] = [ln.replace(_HEADER_LD, _HEADER_LD_GPU) for ln in lines]
     out: list[str] = []
     for i, line in enumerate(module.lines):
         out.extend(s + "\n" for s in before.get(i, []))
@@ -1111,7 +1120,3 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
             out.append(line)
         out.extend(s + "\n" for s in after.get(i, []))
     return RewriteResult("".join(out), tuple(p.report for p in plans))
-
-
-_HEADER_LD = "ld.volatile.global.v2.u32 \t{%cft_r12, %cft_r13}"  # the header read (its registers are its own)
-_HEADER_LD_GPU = "ld.relaxed.gpu.global.v2.u32 \t{%cft_r12, %cft_r13}"
