@@ -320,6 +320,9 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     # in this process before: what a server that warms its model up at load would do), instead of two
     "streamed_w1": {"streamed": True, "engine": {"capture_warmups": 1}},
     "streamed_w0": {"streamed": True, "engine": {"capture_warmups": 0}},
+    # the pool DMA'd from the pinned log mirror (cuda/mirror.py) the writing engine kept (EngineOptions.mirror),
+    # attached from its keeper on a helper thread started with the recovery (beside the log's open, timed)
+    "streamed_mirror": {"streamed": True, "mirror": "attach"},
     "image": {"streamed": False, "defer_verify": ()},
 }
 
@@ -341,7 +344,7 @@ def fork_log(src: Path, dst: Path) -> Path:
 
 
 def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any, n: int,
-                 recovery: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
+                 recovery: dict[str, Any], mirror_of: Path | None = None) -> tuple[dict[str, Any], dict[str, int]]:
     """Engine.recover (model loaded) + one step: every request's next token. Returns timings and the tokens.
     The recovered engine does not compact its log (a background compaction of the whole pool would run into the
     next measurement; it starts after the first step's epoch committed, so it never delays the first token)."""
@@ -355,6 +358,11 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
     # lock the open's mappings and page faults wait for: session 13 measured opens of 0.08 s vs 0.3 s)
     flush_unmaps()
     t0 = time.perf_counter()
+    if recovery.get("mirror") == "attach":  # the writer's mirror (its keeper follows the log it wrote)
+        from concordia_ft.cuda.mirror import MirrorAttach
+
+        assert mirror_of is not None
+        recovery["mirror"] = MirrorAttach(mirror_of, torch.device(device).index or 0)
     rec = Engine.recover(log, model, engine_opts, recovery=recovery,
                          runtime_options={"compact_after_bytes": None}, warm_graphs=warm)
     sync(device)
@@ -394,6 +402,10 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
                     "stream_registered_chunks": int(st.extra.get("registered_chunks", 0.0)),
                     "stream_registered_gb": st.extra.get("registered_bytes", 0.0) / 1e9,
                     "stream_register_s": st.extra.get("register_s", 0.0),
+                    "stream_mirror_chunks": int(st.extra.get("mirror_chunks", 0.0)),
+                    "stream_mirror_gb": st.extra.get("mirror_bytes", 0.0) / 1e9,
+                    "stream_mirror_attach_s": st.extra.get("mirror_attach_s", 0.0),
+                    "stream_mirror_fallback": bool(st.extra.get("mirror_fallback", 0.0)),
                     # the copy phase: the ring's loop (fills, DMAs, device checksums), without the plan
                     "copy_s": st.seconds - st.plan_s, "copy_gbps": st.bytes / max(1e-9, st.seconds - st.plan_s) / 1e9,
                     # end to end: the bytes moved over Engine.recover (open + engine + restore)
@@ -453,7 +465,8 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     # every 256 MiB appended: the writer's cost, not the recovery's)
     rt = Runtime(str(d / "log"), fsync="never", backend=backend, on_compaction_error="warn",
                  **({} if compact else {"compact_after_bytes": None}))
-    eng = Engine(model, d / "log", opts, _runtime=rt)
+    mirrored = any(m.partition(":")[0] == "streamed_mirror" for m in modes)
+    eng = Engine(model, d / "log", {**opts, "mirror": mirrored}, _runtime=rt)
     ps = prompts(n, prompt, vocab)
     for p in ps:
         eng.submit(p, SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True))
@@ -470,7 +483,18 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
     so_far = {r.id: list(r.ids) for r in eng.running.values()}
     assert len(so_far) == n, f"{n - len(so_far)} requests finished before the log was cut"
     ref_pool = eng.pool.arena  # the pool as the last committed epoch left it (kept for the byte comparison)
-    eng.close()
+    mirror, eng.mirror = eng.mirror, None
+    eng.close()  # every epoch committed
+    if mirror is not None:  # as a server's follower would have by the time it died
+        tm = time.perf_counter()
+        caught = mirror.wait_caught_up(timeout_s=300.0)
+        print(f"  recovery {dims}: pinned mirror {'caught up' if caught else 'NOT caught up'} "
+              f"({mirror.mirrored_bytes / 1e9:.1f} GB, waited {time.perf_counter() - tm:.1f} s)", flush=True)
+        row_mirror = {"mirror_caught_up": caught, "mirror_gb": mirror.mirrored_bytes / 1e9,
+                      "mirror_wait_after_close_s": time.perf_counter() - tm}
+        mirror.close()
+    else:
+        row_mirror = {}
     del eng
     facts = _log_facts(d / "log")
     print(f"  recovery {dims}: log {facts} (+{time.perf_counter() - t_start:.1f} s)", flush=True)
@@ -482,7 +506,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
                 "pool_gb": pool_bytes / 1e9, "log_gb": facts["log_bytes"] / 1e9, **facts,
                 "writer_compacts": compact, "last_compaction_epoch": getattr(compactions, "epoch", None),
                 "max_batch_tokens": opts["max_batch_tokens"], "write_steps": steps,
-                "prefill_with_epochs_s": write_s, "h2d_pinned_gbps": h2d})
+                "prefill_with_epochs_s": write_s, "h2d_pinned_gbps": h2d, **row_mirror})
     base = Engine(model, None, {**opts, "checkpoint": False})
     ids = {}
     for rid, seq in so_far.items():
@@ -520,7 +544,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
             fork = fork_log(d / "log", d / f"fork-{forks}")
             forks += 1
             _fresh_kernels()
-            got, tokens = recover_once(fork, model, device, backend, ref_pool, n, recovery)
+            got, tokens = recover_once(fork, model, device, backend, ref_pool, n, recovery, mirror_of=d / "log")
             shutil.rmtree(fork, ignore_errors=True)
             if mode in firsts and tokens != firsts[mode]:
                 raise AssertionError(f"recovery {dims} [{mode}]: round {rnd + 1} gave other next tokens than round 1")
@@ -544,12 +568,18 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
                      "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal",
                      "copy_gbps": "copyGB/s", "e2e_gbps": "e2eGB/s", "warm_capture_s": "wcap",
                      "capture_wait_s": "capw", "stream_verify_on_device": "dev",
-                     "stream_c_loop": "C", "stream_c_loop_failed": "Cfail", "stream_put_s": "put"}
+                     "stream_c_loop": "C", "stream_c_loop_failed": "Cfail", "stream_put_s": "put",
+                     "stream_mirror_chunks": "mirch", "stream_mirror_gb": "mirGB", "stream_mirror_attach_s": "mirat",
+                     "stream_mirror_fallback": "mirfb"}
             brief = {short[k]: round(v, 3) if isinstance(v, float) else v for k, v in got.items() if k in short}
             print(f"  recovery {dims} [{mode}] round {rnd + 1}: {brief} (+{time.perf_counter() - t_start:.1f} s)",
                   flush=True)
             torch.cuda.empty_cache() if device.startswith("cuda") else None
     del ref_pool
+    if mirrored:
+        from concordia_ft.core.keeper import stop_keeper
+
+        stop_keeper(d / "log")  # the mirror's pinned memory is freed with its keeper
     shutil.rmtree(d, ignore_errors=True)
     torch.cuda.empty_cache() if device.startswith("cuda") else None
     for mode, first in firsts.items():

@@ -618,3 +618,55 @@ def test_nontemporal_is_automatic_by_default_and_refuses_what_is_not_a_bool(shm_
     for nt, want in ((None, streamed_mod.stream_copy_available()), (False, False), (True, True)):
         with cft.Runtime(shm_dir / f"log-{nt}", fsync="never", recovery=RecoveryOptions(nontemporal=nt)) as rt:
             assert rt._nontemporal() == want
+
+
+@pytest.mark.parametrize("case", ["whole", "half", "damaged"])
+def test_mirrored_chunks_come_from_the_mirror_and_are_still_checked(shm_dir: Path, case: str) -> None:
+    """``run_streamed(mirror=...)``: a copy of each segment in other memory (what cuda/mirror.py keeps pinned)
+    serves the one-run chunks it holds below its mark; the rest go through the ring. A copy that disagrees with
+    the log fails the checksum of the record it served (the log file's), so it is never taken for the log."""
+    from concordia_ft.core.streamed import range_translator
+
+    log = shm_dir / "log"
+    final = _big_paged_log(log)
+    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",), threads=2, parallel_min_bytes=0))
+    assert res.pending is not None
+    segs = res.pending.mapped_segments()
+    assert segs and all(n.endswith(".cft") for n, _, _ in segs)
+    copies = {n: np.fromfile(log / n, dtype=np.uint8) for n, _, _ in segs}
+    if case == "damaged":  # a byte of the prefill's rows in the copy only: the log file itself is intact
+        seg = max(copies, key=lambda n: copies[n].nbytes)
+        at = copies[seg].tobytes().find(final[:64].tobytes())
+        assert at >= 0
+        copies[seg][at + 4096 * 100] ^= 0x01
+    marks = {n: c.nbytes // (2 if case == "half" else 1) for n, c in copies.items()}
+    translate = range_translator([(a, a + ln, int(copies[n].ctypes.data), marks[n]) for n, a, ln in segs])
+    plan = res.pending.streamed_plan("kv", 64 << 10)
+    out = np.zeros(plan.spec.n_pages * 4096, dtype=np.uint8)
+    sink = HostSink(out, 4096, slots=2, slot_bytes=64 << 10, verify=True)
+    try:
+        if case == "damaged":
+            with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
+                run_streamed(plan, sink, threads=2, loop="python", mirror=translate)
+            return
+        st = run_streamed(plan, sink, threads=2, loop="python", mirror=translate)
+    finally:
+        res.close()
+    assert np.array_equal(out[: final.nbytes], final)
+    one_run = sum(c.run_start >= 0 for c in plan.chunks)
+    assert 0 < st.extra["mirror_chunks"] <= one_run
+    if case == "whole":
+        assert st.extra["mirror_chunks"] == one_run  # every one-run chunk, none through the ring
+    else:
+        assert st.extra["mirror_chunks"] < one_run  # the part past the marks came through the ring
+    assert st.extra["mirror_bytes"] > 0
+
+
+def test_the_translator_refuses_ranges_outside_or_past_the_mark() -> None:
+    from concordia_ft.core.streamed import range_translator
+
+    t = range_translator([(1000, 2000, 50_000, 600), (5000, 5100, 90_000, 100)])
+    assert t(1000, 600) == 50_000 and t(1100, 10) == 50_100
+    assert t(1100, 600) is None  # past the mark
+    assert t(999, 2) is None and t(2000, 1) is None and t(4000, 1) is None  # outside every row
+    assert t(5050, 50) == 90_050 and t(5050, 51) is None

@@ -69,6 +69,12 @@ class RecoveryOptions:
     # C extension is built; True: required (ConfigError where it is not). On the H200 (session 13, 5 rounds) the
     # copy phase reached 37.2 GB/s vs 34.7 with memcpy at Qwen3-8B dims, 35.9 vs 33.4 at 0.6B (serve/DESIGN.md)
     nontemporal: bool | None = None
+    # streamed restores to a GPU: a pinned mirror of the log (cuda/mirror.py), held by the log's keeper process,
+    # that the chunks of one run are DMA'd from instead of through the ring (no host copy). None/False: none;
+    # True: attach the keeper's mirror of the log being recovered, if one runs; a ``cuda.mirror.MirrorAttach``
+    # started earlier (beside the model's load): use it. Every byte taken from it is checksummed on the device
+    # against the log file's record, and a mismatch restores again from the log alone.
+    mirror: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ring_slots, int) or self.ring_slots < 2:
@@ -87,6 +93,8 @@ class RecoveryOptions:
             raise ConfigError(f"RecoveryOptions.nontemporal={self.nontemporal!r}: use None (automatic), True or False")
         if not isinstance(self.populate, int) or self.populate < 0:
             raise ConfigError(f"RecoveryOptions.populate={self.populate!r}: use an int >= 0")
+        if not (self.mirror is None or isinstance(self.mirror, bool) or hasattr(self.mirror, "result")):
+            raise ConfigError(f"RecoveryOptions.mirror={self.mirror!r}: use None, True/False or a MirrorAttach")
         if self.defer_verify is not None:
             if isinstance(self.defer_verify, list):
                 object.__setattr__(self, "defer_verify", tuple(self.defer_verify))

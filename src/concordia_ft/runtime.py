@@ -41,7 +41,14 @@ from .core.oscalls import OsCalls
 from .core.regions import DiffMode, RegionKind, RegionSpec, RegionTable, check_page_bytes
 from .core.replay import RegionImage, replay
 from .core.tracking import RegionDelta, StagedBatch, StagedDelta, Tracker
-from .errors import CheckpointError, CompactionError, CompactionWarning, ConfigError, RegionError
+from .errors import (
+    CheckpointError,
+    CompactionError,
+    CompactionWarning,
+    ConfigError,
+    LogCorruptError,
+    RegionError,
+)
 from .recovery import (
     Recovered,
     RecoveryOptions,
@@ -442,7 +449,7 @@ class Runtime:
                     res.pending.check_deferred()  # the other regions' deferred checks, before their images
                     res.regions = res.pending.materialize(allocs, res.timings, skip=set(sinks))
                     populated = res.pending.populate_stats()  # how far the open's populate threads got
-                    streamed = self._stream_restore(sinks, plans)
+                    streamed = self._stream_restore(sinks, plans, res.pending)
                     for stats in streamed.values():
                         stats.extra.update({f"open_{k}": v for k, v in populated.items()})
                 else:
@@ -493,32 +500,76 @@ class Runtime:
         nt = self.recovery.nontemporal
         return stream_copy_available() if nt is None else nt
 
-    def _stream_restore(self, sinks: dict[str, Any], plans: dict[str, Any]) -> dict[str, Any]:
+    def _mirror(self, pending: Any) -> tuple[Any, Any, str]:
+        """RecoveryOptions.mirror resolved for this restore: (translate, view, why not)."""
+        m = self.recovery.mirror
+        if not m:
+            return None, None, ""
+        from .cuda.mirror import MirrorAttach
+
+        att = MirrorAttach(self.log_dir) if m is True else m
+        view = att.result()
+        if view is None:
+            return None, None, att.why or "no segment of this log is mirrored"
+        return view.translator(pending.mapped_segments()), view, ""
+
+    def _stream_restore(self, sinks: dict[str, Any], plans: dict[str, Any], pending: Any) -> dict[str, Any]:
         """Stream each region's newest committed pages into its buffer; checksums deferred from the open
-        (RecoveryOptions.defer_verify) are run on the way, and a failure raises before this returns."""
+        (RecoveryOptions.defer_verify) are run on the way, and a failure raises before this returns. With a
+        pinned mirror (RecoveryOptions.mirror) the chunks it holds are DMA'd from it; if a checksum then fails,
+        the region is streamed again from the log alone (the mirror is a copy, the log is the record)."""
         from .core.streamed import run_streamed
 
         out = {}
-        for name, sink in sinks.items():
-            plan = plans[name]
-            plan_s = float(getattr(sink, "plan_s", 0.0))
-            try:
-                stats = run_streamed(plan, sink, threads=self.recovery.threads, prefault=self.recovery.prefault,
-                                     loop=self.recovery.stream_loop, register=self.recovery.register_log,
-                                     nontemporal=self._nontemporal())
-            finally:
-                close = getattr(sink, "close", None)
-                if close is not None:
-                    close()
-            stats.plan_s = plan_s
-            stats.seconds += plan_s
-            stats.extra["sink_setup_s"] = float(getattr(sink, "setup_s", 0.0))
-            stats.extra["ring_prefetched"] = float(bool(getattr(sink, "prefetched_ring", False)))
-            out[name] = stats
-            tracker = self._trackers[name]
-            tracker.initialised = True  # type: ignore[attr-defined]  # the whole region holds committed bytes
-            self._needs_full.discard(name)
-            self._pending_defs.pop(name, None)
+        translate, view, why = self._mirror(pending) if sinks else (None, None, "")
+        try:
+            for name, sink in sinks.items():
+                plan = plans[name]
+                plan_s = float(getattr(sink, "plan_s", 0.0))
+                fallback = ""
+                try:
+                    stats = run_streamed(plan, sink, threads=self.recovery.threads, prefault=self.recovery.prefault,
+                                         loop=self.recovery.stream_loop, register=self.recovery.register_log,
+                                         nontemporal=self._nontemporal(), mirror=translate)
+                except LogCorruptError as e:
+                    if translate is None:
+                        raise
+                    fallback = str(e)
+                    log.warning("restore of %r: a payload taken from the pinned log mirror failed its checksum "
+                                 "(%s); streaming it again from the log alone", name, e)
+                finally:
+                    close = getattr(sink, "close", None)
+                    if close is not None:
+                        close()
+                if fallback:
+                    tracker = self._trackers[name]
+                    sink = self._backends[name].stream_sink(tracker, slots=self.recovery.ring_slots,
+                                                            slot_bytes=self.recovery.slot_bytes,
+                                                            verify=self.recovery.stream_verify)
+                    try:
+                        stats = run_streamed(plan, sink, threads=self.recovery.threads, prefault=self.recovery.prefault,
+                                             loop=self.recovery.stream_loop, register=self.recovery.register_log,
+                                             nontemporal=self._nontemporal())
+                    finally:
+                        sink.close()
+                    stats.extra["mirror_fallback"] = 1.0
+                stats.plan_s = plan_s
+                stats.seconds += plan_s
+                stats.extra["sink_setup_s"] = float(getattr(sink, "setup_s", 0.0))
+                stats.extra["ring_prefetched"] = float(bool(getattr(sink, "prefetched_ring", False)))
+                if view is not None:
+                    stats.extra.update(mirror_attach_s=view.attach_s, mirror_segments=float(len(view.segments)),
+                                       mirror_held_bytes=float(view.bytes))
+                elif why:
+                    stats.extra["mirror_unused"] = why  # type: ignore[assignment]
+                out[name] = stats
+                tracker = self._trackers[name]
+                tracker.initialised = True  # type: ignore[attr-defined]  # the whole region holds committed bytes
+                self._needs_full.discard(name)
+                self._pending_defs.pop(name, None)
+        finally:
+            if view is not None:
+                view.close()  # every DMA from it ran: each sink synchronized in its close
         return out
 
     def _image_alloc(self, name: str, direct: bool) -> Any:

@@ -275,9 +275,10 @@ class PendingImages:
     """Pass 1's verified writes, their payloads still in the mapped segments (kept open until ``close``)."""
 
     def __init__(self, state: _State, mappings: list[mmap.mmap], options: ReplayOptions,
-                 populator: Populator | None = None) -> None:
+                 populator: Populator | None = None, names: list[str] | None = None) -> None:
         self._state = state
         self._mappings: list[mmap.mmap] | None = mappings
+        self._names = list(names) if names is not None else []  # the segment each mapping is of
         self._options = options
         self._populator = populator
         self._before_unmap: list[Callable[[], None]] = []
@@ -286,6 +287,13 @@ class PendingImages:
         """Run ``fn`` after ``close`` and before the mappings are unmapped (on the unmapper thread for large
         ones): e.g. wait until a driver registration of the log's pages is released."""
         self._before_unmap.append(fn)
+
+    def mapped_segments(self) -> list[tuple[str, int, int]]:
+        """(segment name, host address, length) of each mapping the pending payloads point into."""
+        if self._mappings is None or len(self._names) != len(self._mappings):
+            return []
+        return [(n, int(np.frombuffer(m, dtype=np.uint8).ctypes.data), len(m))
+                for n, m in zip(self._names, self._mappings, strict=True) if not m.closed]
 
     def populate_stats(self) -> dict[str, float]:
         """What the populate threads (``ReplayOptions.populate``) did so far: bytes mapped in, pieces left."""
@@ -615,6 +623,7 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
     names, fds, manifest = _open_segments(log_dir, manifest, list(segments) if segments is not None else None)
     st = _State()
     mappings: list[mmap.mmap] = []
+    mapped_names: list[str] = []
     pool: ThreadPoolExecutor | None = None
     result = ReplayResult(Outcome.OK, None, {}, None, manifest)
     result.timings.threads = opts.workers
@@ -631,6 +640,7 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
             mapping, buf = map_segment(fd, populate=not parallel and populator is None)
             if mapping is not None:
                 mappings.append(mapping)
+                mapped_names.append(name)
                 if populator is not None:
                     result.timings.populate_bytes += populator.add(mapping)
             seg = _Segment(name, str(log_dir / name), buf, last, i == 0)
@@ -644,7 +654,7 @@ def replay(log_dir: str | Path, *, verify_payloads: bool = True, segments: Seque
         if st.epoch is None and result.outcome is Outcome.OK:
             result.outcome = Outcome.EMPTY
         if st.epoch is not None:
-            result.pending = PendingImages(st, mappings, opts, populator)
+            result.pending = PendingImages(st, mappings, opts, populator, mapped_names)
             mappings, populator = [], None  # the pending pass owns them now
             if materialize:
                 pending, result.pending = result.pending, None

@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -409,7 +409,8 @@ def _run_c(plan: StreamedPlan, sink: Any, workers: int, crcs: list[int], fill_cr
 
 def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = None,
                  pool: Executor | None = None, prefault: int = 0, loop: str = "python",
-                 register: bool | str = False, nontemporal: bool = False) -> StreamedStats:
+                 register: bool | str = False, nontemporal: bool = False,
+                 mirror: Callable[[int, int], int | None] | None = None) -> StreamedStats:
     """Stream ``plan`` through ``sink``'s ring; returns when every byte has arrived (``sink.finish()``) and every
     deferred checksum the plan carries passed (``LogCorruptError`` for the earliest record that failed).
 
@@ -431,12 +432,20 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
 
     ``nontemporal``: the fills write the slots with streaming stores (``_streamloop.copy``; both loops), so the
     host's memory is not read for the slot lines the fill overwrites; ConfigError where the C extension is not
-    built."""
+    built.
+
+    ``mirror`` (Python loop, a sink with ``put_direct`` that checksums on the device, or a plan without
+    checks): ``translate(address, nbytes)`` gives a device-readable copy of source bytes (a pinned log mirror,
+    cuda/mirror.py) or None; a chunk of one run whose sources all translate is sent from there (``put_direct``
+    with the translation), the others through the ring. Replaces ``register``."""
     t0 = time.perf_counter()
     if nontemporal and not stream_copy_available():
         raise ConfigError(f"nontemporal=True needs the C extension _streamloop ({_LOOP_WHY}): build it with "
                           "scripts/build_ext.sh, or leave RecoveryOptions.nontemporal off")
-    use_c = _use_c_loop(loop, sink, prefault)
+    direct_ok = getattr(sink, "put_direct", None) is not None
+    if mirror is not None and not direct_ok:
+        mirror = None
+    use_c = _use_c_loop(loop, sink, prefault) if mirror is None else False
     workers = max(1, min(threads or streamed_threads(), sink.slots))
     stats = StreamedStats(bytes=plan.copy_bytes, chunks=len(plan.chunks), threads=workers)
     crcs = [0] * len(plan.pieces)
@@ -445,7 +454,7 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
     ex: Executor | None = ThreadPoolExecutor(workers, thread_name_prefix="concordia-restore") if own else pool
     faulters: list[threading.Thread] = []
     stop = threading.Event()
-    registrar: _Registrar | _Done | None = None
+    registrar: _Registrar | _Done | _Mirrored | None = None
     try:
         sink.begin(plan)
         on_sink = bool(plan.checks) and bool(getattr(sink, "verifies", False))
@@ -482,7 +491,9 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
         k = 0
         progress = [0]  # the next chunk the loop hands out (the registrar stops short of it)
         # direct sends skip the fills, so they need the sink to checksum what lands (or nothing to check)
-        if register and chunks and getattr(sink, "can_register", False) and (on_sink or not plan.checks):
+        if mirror is not None and chunks and (on_sink or not plan.checks):
+            registrar = _Mirrored(chunks, mirror)
+        elif register and chunks and getattr(sink, "can_register", False) and (on_sink or not plan.checks):
             registrar = _Registrar(chunks, sink, progress, stop)
             if register == "first":
                 registrar.run()  # on this thread, before the first chunk; join() below is then a no-op
@@ -491,7 +502,10 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
                 registrar.start()
         while k < len(chunks) or filling:
             while registrar is not None and k < len(chunks) and registrar.ready[k]:
-                sink.put_direct(chunks[k])  # type: ignore[attr-defined]  # straight from the registered log
+                if mirror is not None and isinstance(registrar, _Mirrored):
+                    sink.put_direct(chunks[k], mirror)  # type: ignore[attr-defined]  # from the pinned mirror
+                else:
+                    sink.put_direct(chunks[k])  # type: ignore[attr-defined]  # straight from the registered log
                 stats.direct_chunks += 1
                 registrar.sent += 1
                 k += 1
@@ -553,8 +567,12 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
             th.join()
         if registrar is not None:
             registrar.join()  # no registration may start after the sink's close releases them
-            stats.extra.update(registered_chunks=float(registrar.sent), registered_bytes=float(registrar.nbytes),
-                               register_s=registrar.busy_s, register_failed=float(registrar.failed))
+            if isinstance(registrar, _Mirrored):
+                stats.extra.update(mirror_chunks=float(registrar.sent), mirror_bytes=float(registrar.nbytes),
+                                   mirror_plan_s=registrar.busy_s)
+            else:
+                stats.extra.update(registered_chunks=float(registrar.sent), registered_bytes=float(registrar.nbytes),
+                                   register_s=registrar.busy_s, register_failed=float(registrar.failed))
         if own and ex is not None:
             ex.shutdown(wait=True)
     stats.seconds = time.perf_counter() - t0
@@ -605,6 +623,55 @@ class _Registrar(threading.Thread):
             self.failed = True
         finally:
             self.busy_s = time.perf_counter() - t0
+
+
+def range_translator(rows: Sequence[tuple[int, int, int, int]]) -> Callable[[int, int], int | None]:
+    """``translate(address, nbytes)`` over ``rows`` of (start, end, target, valid): bytes [address, address +
+    nbytes) inside one row's [start, end) and below its first ``valid`` bytes are at ``target + (address -
+    start)``; anything else is None (not there)."""
+    table = sorted(rows)
+    starts = [r[0] for r in table]
+
+    def translate(address: int, nbytes: int) -> int | None:
+        i = bisect.bisect_right(starts, address) - 1
+        if i < 0:
+            return None
+        lo, hi, target, valid = table[i]
+        off = address - lo
+        if address + nbytes > hi or off + nbytes > valid:
+            return None
+        return target + off
+
+    return translate
+
+
+class _Mirrored:
+    """``run_streamed(mirror=...)``: the one-run chunks whose every source range the mirror holds (decided before
+    the stream starts: the mirror is attached already), in the registrar's shape for the loop."""
+
+    def __init__(self, chunks: list[Chunk], translate: Callable[[int, int], int | None]) -> None:
+        t0 = time.perf_counter()
+        self.ready = [False] * len(chunks)
+        self.sent = 0
+        self.nbytes = 0
+        self.failed = False
+        for k, c in enumerate(chunks):
+            if c.run_start < 0:
+                continue
+            ok = True
+            n = 0
+            for src, _, _ in c.copies:
+                if src.nbytes and translate(int(np.frombuffer(src, dtype=np.uint8).ctypes.data), src.nbytes) is None:
+                    ok = False
+                    break
+                n += src.nbytes
+            if ok:
+                self.ready[k] = True
+                self.nbytes += n
+        self.busy_s = time.perf_counter() - t0
+
+    def join(self) -> None:
+        return None
 
 
 class _Done:
@@ -752,13 +819,19 @@ class HostSink:
         self.registered.append((address, nbytes))
         return True
 
-    def put_direct(self, chunk: Chunk) -> None:
-        """A one-run chunk copied from its sources (the log's mapping) straight into place, no slot."""
+    def put_direct(self, chunk: Chunk, translate: Callable[[int, int], int | None] | None = None) -> None:
+        """A one-run chunk copied from its sources (the log's mapping, or where ``translate`` says a copy of
+        those bytes is: a mirror) straight into place, no slot."""
         pb = self.page_bytes
         base = chunk.run_start * pb
         for data, off, pid in chunk.copies:
             dst = self.padded[base + off:base + off + data.nbytes]
-            dst[:] = np.frombuffer(data, dtype=np.uint8)
+            if translate is not None and data.nbytes:
+                at = translate(int(np.frombuffer(data, dtype=np.uint8).ctypes.data), data.nbytes)
+                assert at is not None  # run_streamed sends only chunks whose every range translates
+                dst[:] = np.ctypeslib.as_array((ctypes.c_uint8 * data.nbytes).from_address(at))
+            else:
+                dst[:] = np.frombuffer(data, dtype=np.uint8)
             if self.verifies and pid >= 0:
                 self._crcs[pid] = crc32c(dst.data)
 

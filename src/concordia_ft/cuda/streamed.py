@@ -350,14 +350,21 @@ class CudaSink:
             self._registered.append(reg)
         return True
 
-    def put_direct(self, chunk: Chunk) -> None:
+    def put_direct(self, chunk: Chunk, translate: Any = None) -> None:
         """A one-run chunk DMA'd from its registered sources straight into place (no slot), then its pieces
-        checksummed where they landed, as ``put`` does."""
+        checksummed where they landed, as ``put`` does. ``translate(address, nbytes)``: where the device reads
+        those source bytes instead (a pinned log mirror, cuda/mirror.py; mapped for the device only, so the
+        copy is the driver's unified one)."""
         dst = self.flat_ptr + chunk.run_start * self.page_bytes
+        drv = driver.bindings() if translate is not None else None
         for src, off, _ in chunk.copies:
             if src.nbytes:
-                driver.memcpy_htod_async(dst + off, int(np.frombuffer(src, dtype=np.uint8).ctypes.data),
-                                         src.nbytes, self.ds)
+                a = int(np.frombuffer(src, dtype=np.uint8).ctypes.data)
+                if drv is not None:
+                    driver.check(drv.cuMemcpyAsync(dst + off, translate(a, src.nbytes), src.nbytes, self.ds.handle),
+                                 "cuMemcpyAsync (pinned log mirror -> pool)")
+                else:
+                    driver.memcpy_htod_async(dst + off, a, src.nbytes, self.ds)
         if self.verifies:
             j = self._lane
             self._lane = (j + 1) % DIRECT_LANES

@@ -90,6 +90,11 @@ class EngineOptions:
     # first step's graph beside the restore's copy threads (serve/DESIGN.md, "The restore's critical path").
     # Not logged.
     capture_warmups: int = 2
+    # a pinned mirror of the log (cuda/mirror.py): a follower thread copies each committed epoch into host memory
+    # the GPU reads directly, held by a keeper process (core/keeper.py) that outlives this one; Engine.recover then
+    # DMAs the pool from it (attached beside the log's open) instead of through a pinned ring filled from tmpfs.
+    # Costs a second copy of the log in pinned host memory. CUDA models only.
+    mirror: bool = False
 
     @classmethod
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
@@ -269,6 +274,7 @@ class Engine:
         self._meta_static: bytes | None = None
         self.runtime = None
         self.fast: Any = None  # StepEpochs (step_epochs="c")
+        self.mirror: Any = None  # cuda.mirror.LogMirror (EngineOptions.mirror)
         self._fast_rows: Any = None  # this step's feeds when it may take the step-epoch path
         if opts.step_epochs not in ("runtime", "c", "auto"):
             raise ConfigError(f"step_epochs={opts.step_epochs!r}; use runtime, c or auto")
@@ -300,6 +306,19 @@ class Engine:
                     if self.fast is not None:
                         self.fast.prepare_bulk(opts.max_batch_tokens)
                     self.runtime.log.wait_spare(timeout_s=60.0)
+                self._start_mirror()
+
+    def _start_mirror(self) -> None:
+        """EngineOptions.mirror: the follower of this engine's log (a recovered engine starts it once its pool
+        is restored: the mirror it was restored from stays as it was until then)."""
+        if not self.opts.mirror or self.runtime is None:
+            return
+        if self.device.type != "cuda":
+            raise ConfigError("EngineOptions.mirror keeps a copy of the log for the GPU to restore from; this model "
+                              f"is on {self.device}: leave mirror off")
+        from ..cuda.mirror import LogMirror
+
+        self.mirror = LogMirror(self.runtime.log_dir, self.device.index)
 
     def _log_options(self) -> dict[str, Any] | None:
         """A GPU engine's mapped log segments hold its largest step's epoch (a full prefill of
@@ -719,6 +738,13 @@ class Engine:
         opts = EngineOptions.coerce(options)
         rec_opts = RecoveryOptions.coerce(recovery)
         cuda = next(model.parameters()).device.type == "cuda"
+        if cuda and opts.mirror and rec_opts.mirror is None and rec_opts.streamed:
+            # the keeper's mirror, attached on a helper thread while the log opens
+            from ..cuda.mirror import MirrorAttach
+
+            dev0 = next(model.parameters()).device
+            rec_opts = dataclasses.replace(rec_opts, mirror=MirrorAttach(
+                log_dir, dev0.index if dev0.index is not None else torch.cuda.current_device()))
         if rec_opts.defer_verify is None:
             # a GPU pool is streamed to the device with its checksums run on the bytes as they arrive (read
             # once); a CPU pool is replayed into its own buffer after every checksum passed at the open
@@ -776,6 +802,7 @@ class Engine:
                               "capture_wait_s": time.perf_counter() - t3}
         if capture is not None:
             eng.recover_phases.update(capture)
+        eng._start_mirror()
         return eng
 
     def _start_warm_capture(self, m: dict[str, Any]) -> _WarmCapture | None:
@@ -830,13 +857,19 @@ class Engine:
         return r
 
     def close(self) -> None:
-        """Close the log (an epoch still being written is committed first)."""
+        """Close the log (an epoch still being written is committed first). A pinned mirror's follower stops;
+        its keeper keeps the memory (``concordia_ft.core.keeper.stop_keeper(log_dir)`` frees it)."""
         if self.runtime is not None:
             try:
                 if self.fast is not None:
                     self.fast.close()  # commits what the C writer was given, ends its lease
             finally:
-                self.runtime.close()
+                try:
+                    self.runtime.close()
+                finally:
+                    if self.mirror is not None:
+                        self.mirror.close()
+                        self.mirror = None
 
     def __enter__(self) -> Engine:
         return self
