@@ -34,7 +34,8 @@ MODEL = textwrap.dedent("""
     def prompts():
         g = torch.Generator().manual_seed(2)
         return [torch.randint(0, 8192, (int(n),), generator=g).tolist() for n in (70, 33, 120, 64, 90, 17)]
-    OPTS = {"num_blocks": 48, "block_size": 16, "max_running": 8, "max_model_len": 256, "max_batch_tokens": 320}
+    OPTS = {"num_blocks": 48, "block_size": 16, "max_running": 8, "max_model_len": 256, "max_batch_tokens": 320,
+            "backend": "dram"}
 """)
 
 SERVER = MODEL + textwrap.dedent("""
@@ -92,14 +93,13 @@ def test_a_sigkilled_server_is_restored_from_its_pinned_mirror_byte_for_byte(shm
     ns = _model_ns()
     model = ns["bf16_model"]()
     # a tiny ring so that plenty of chunks exist; the one-run ones come from the mirror
-    rec = Engine.recover(log, model, {"mirror": True}, recovery={"ring_slots": 3, "slot_bytes": 64 << 10})
+    rec = Engine.recover(log, model, {"mirror": True, "backend": "dram"}, recovery={"ring_slots": 3, "slot_bytes": 64 << 10})
     st = rec.recovered.streamed["kv"]
     assert st.extra["mirror_chunks"] > 0 and st.extra["mirror_bytes"] > 0, st.extra
     assert st.extra.get("mirror_fallback", 0.0) == 0.0
     assert st.extra["verify_on_device"] == 1.0 and st.extra["device_verified_pieces"] > 0
     assert torch.equal(rec.pool.arena, pool)
-    old = Engine.recover(plain, model, recovery={"streamed": False})
-    assert "mirror_chunks" not in old.recovered.streamed.get("kv", type("S", (), {"extra": {}})()).extra
+    old = Engine.recover(plain, model, {"backend": "dram"}, recovery={"streamed": False})
     assert torch.equal(old.pool.arena, pool)
     for _ in range(3):
         a, b = rec.step(), old.step()

@@ -220,10 +220,10 @@ class LogMirror:
                 if seg is None:
                     continue
                 progressed = True
-            epochs, _ = _walk(seg.view, seg.walked)
+            epochs, stop = _walk(seg.view, seg.walked)
             if epochs:
                 seg.walked = epochs[-1].offset + epochs[-1].total_bytes
-            del epochs  # views into the mapping
+            del epochs, stop  # views into the mapping (the stop's exception holds the walk's frame)
             end = min(seg.walked, seg.mem.nbytes)  # a file segment may grow past what was mapped at first
             if end <= seg.mark:
                 continue
@@ -274,9 +274,20 @@ class LogMirror:
 
     @staticmethod
     def _close_seg(seg: _Seg) -> None:
-        seg.view.release()
-        seg.mapping.close()
         seg.mem.close()
+        try:
+            seg.view.release()
+            seg.mapping.close()
+        except BufferError:
+            # a view of the mapping still referenced (an epoch walk's exception holds its frame in a cycle)
+            import gc
+
+            gc.collect()
+            try:
+                seg.view.release()
+                seg.mapping.close()
+            except BufferError:
+                pass  # unmapped when the last view goes
 
     def wait_caught_up(self, timeout_s: float = 60.0) -> bool:
         """Until a pass of the follower that began after this call found nothing left to copy (True: every

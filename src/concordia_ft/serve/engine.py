@@ -282,6 +282,11 @@ class Engine:
             raise ConfigError(f"async_depth={opts.async_depth}; it must be at least 1")
         if opts.capture_warmups < 0:
             raise ConfigError(f"capture_warmups={opts.capture_warmups}; it must be 0 or more")
+        if opts.mirror and (self.device.type != "cuda" or not opts.checkpoint or
+                            (_runtime is None and opts.backend != "dram")):
+            raise ConfigError("EngineOptions.mirror keeps a copy of a DRAM log for the GPU to restore from: it needs a "
+                              f"CUDA model, a log and backend='dram' (this engine: {self.device}, backend "
+                              f"{opts.backend!r}, checkpoint={opts.checkpoint})")
         if opts.checkpoint:
             from . import stepepochs
 
@@ -313,9 +318,10 @@ class Engine:
         is restored: the mirror it was restored from stays as it was until then)."""
         if not self.opts.mirror or self.runtime is None:
             return
-        if self.device.type != "cuda":
-            raise ConfigError("EngineOptions.mirror keeps a copy of the log for the GPU to restore from; this model "
-                              f"is on {self.device}: leave mirror off")
+        lo = getattr(self.runtime.log, "options", None)
+        if lo is None or not lo.uses_mapped:
+            raise ConfigError("EngineOptions.mirror follows a DRAM log of preallocated segments: use backend='dram' "
+                              f"(a tmpfs directory); this log's backend is {getattr(lo, 'backend', '?')!r}")
         from ..cuda.mirror import LogMirror
 
         self.mirror = LogMirror(self.runtime.log_dir, self.device.index)
@@ -738,6 +744,10 @@ class Engine:
         opts = EngineOptions.coerce(options)
         rec_opts = RecoveryOptions.coerce(recovery)
         cuda = next(model.parameters()).device.type == "cuda"
+        if opts.mirror and (not cuda or opts.backend != "dram"):
+            raise ConfigError("EngineOptions.mirror keeps a copy of a DRAM log for the GPU to restore from: it needs a "
+                              f"CUDA model and backend='dram' (this engine: {next(model.parameters()).device}, "
+                              f"backend {opts.backend!r})")
         if cuda and opts.mirror and rec_opts.mirror is None and rec_opts.streamed:
             # the keeper's mirror, attached on a helper thread while the log opens
             from ..cuda.mirror import MirrorAttach
