@@ -162,3 +162,22 @@ def test_a_damaged_kv_record_is_refused_before_any_block_is_served(shm_dir: Path
 
     with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
         Engine.recover(log, tiny_model("llama"))
+
+
+def test_a_pinned_mirror_is_refused_up_front_where_it_cannot_work(shm_dir: Path) -> None:
+    """EngineOptions.mirror needs a CUDA model and a DRAM log: a CPU engine is refused before any log exists,
+    and a recovery asking for one is refused before the log is touched (its bytes stay as they were)."""
+    from concordia_ft.errors import ConfigError
+
+    model = tiny_model("llama")
+    with pytest.raises(ConfigError, match="mirror.*CUDA model"):
+        Engine(model, shm_dir / "m", {**OPTIONS, "mirror": True, "backend": "dram"})
+    assert not (shm_dir / "m").exists() or not any((shm_dir / "m").iterdir())
+    eng = Engine(model, shm_dir / "log", OPTIONS)
+    eng.submit([1, 2, 3, 4], SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True))
+    eng.step()
+    eng.close()
+    before = {p.name: p.read_bytes() for p in (shm_dir / "log").iterdir() if p.is_file()}
+    with pytest.raises(ConfigError, match="mirror.*CUDA model"):
+        Engine.recover(shm_dir / "log", model, {"mirror": True})
+    assert {p.name: p.read_bytes() for p in (shm_dir / "log").iterdir() if p.is_file()} == before

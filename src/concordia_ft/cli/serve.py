@@ -50,6 +50,13 @@ def add_arguments(sub: Any) -> None:
                         "at once (default 24; the engine waits when more are)")
     p.add_argument("--graphs", default="auto", choices=("auto", "on", "padded", "off"),
                    help="decode steps as CUDA graphs per batch bucket (auto: on a CUDA device)")
+    p.add_argument("--backend", default="file", choices=("file", "dram"),
+                   help="file (default): segments written with pwrite; dram: preallocated segments mapped from a "
+                        "tmpfs directory (--log under /dev/shm), the KV rows DMA'd into the log's own pages")
+    p.add_argument("--mirror", action="store_true",
+                   help="keep a pinned copy of the log that the GPU restores from after a crash (CUDA, "
+                        "--backend dram; a keeper process holds it, a second copy of the log in host memory); "
+                        "a restart attaches it while the model loads")
 
 
 def _ready(**kw: Any) -> None:
@@ -68,18 +75,24 @@ def _run(args: argparse.Namespace) -> int:
     from ..serve.engine import Engine, EngineOptions
     from ..serve.server import Server, ServerOptions
 
+    log = Path(args.log)
+    recovering = log.is_dir() and any(log.iterdir()) and not args.no_checkpoint
+    attach = None
+    if args.mirror and recovering and args.device.startswith("cuda"):
+        # the keeper's pinned mirror, imported and mapped for the device while the model loads
+        from ..cuda.mirror import MirrorAttach
+
+        attach = MirrorAttach(log, int(args.device.partition(":")[2] or 0))
     lm = load_causal_lm(args.model, device=args.device)
     name = args.served_model_name or (Path(args.model).name if args.model else "SmolLM2-135M-Instruct")
-    log = Path(args.log)
     eopts = EngineOptions(num_blocks=args.num_blocks, block_size=args.block_size, max_running=args.max_running,
                           max_waiting=args.max_waiting, max_model_len=args.max_model_len,
                           max_batch_tokens=args.max_batch_tokens, fsync=args.fsync,
                           checkpoint=not args.no_checkpoint, async_epochs=args.async_epochs,
                           graphs=args.graphs, step_epochs=args.step_epochs,
-                          async_depth=args.async_depth)
-    recovering = log.is_dir() and any(log.iterdir()) and not args.no_checkpoint
+                          async_depth=args.async_depth, backend=args.backend, mirror=args.mirror)
     if recovering:
-        engine = Engine.recover(log, lm.model, eopts)
+        engine = Engine.recover(log, lm.model, eopts, recovery={"mirror": attach} if attach is not None else None)
     else:
         engine = Engine(lm.model, None if args.no_checkpoint else log, eopts)
     server = Server(engine, lm.tokenizer, ServerOptions(served_model_name=name, batch_wait_ms=args.batch_wait_ms,
