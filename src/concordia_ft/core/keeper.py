@@ -128,9 +128,13 @@ def ensure_keeper(log_dir: str | os.PathLike[str], timeout_s: float = 10.0) -> K
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    subprocess.Popen([sys.executable, "-m", "concordia_ft.core.keeper", os.fspath(log_dir)],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                     start_new_session=True, close_fds=True, env=env)
+    # started through a short-lived launcher, so the keeper is nobody's child here (reparented when the launcher
+    # exits): no zombie is left in this process when it exits, and no process group of ours includes it
+    launcher = ("import subprocess, sys; subprocess.Popen(sys.argv[1:], stdin=subprocess.DEVNULL, "
+                "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True)")
+    subprocess.run([sys.executable, "-c", launcher, sys.executable, "-m", "concordia_ft.core.keeper",
+                    os.fspath(log_dir)], env=env, check=False, timeout=timeout_s,
+                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if client.ping() is not None:
