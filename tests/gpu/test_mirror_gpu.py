@@ -130,7 +130,7 @@ def test_a_mirror_that_disagrees_with_the_log_is_never_served(shm: Path) -> None
     mark = mirror._segs[seg].mark
     view[4096:mark:4096] ^= 0x5A
     mirror.close()
-    rec = Engine.recover(log, model, recovery={"mirror": True, "ring_slots": 3, "slot_bytes": 64 << 10})
+    rec = Engine.recover(log, model, {"backend": "dram"}, recovery={"mirror": True, "ring_slots": 3, "slot_bytes": 64 << 10})
     st = rec.recovered.streamed["kv"]
     assert st.extra["mirror_fallback"] == 1.0, st.extra
     assert torch.equal(rec.pool.arena, pool)
@@ -149,7 +149,7 @@ def test_no_keeper_means_the_plain_restore(shm: Path) -> None:
     torch.cuda.synchronize()
     pool = eng.pool.arena.clone()
     eng.close()
-    rec = Engine.recover(log, model, recovery={"mirror": True})
+    rec = Engine.recover(log, model, {"backend": "dram"}, recovery={"mirror": True})
     st = rec.recovered.streamed["kv"]
     assert "no mirror keeper" in str(st.extra.get("mirror_unused")), st.extra
     assert "mirror_chunks" not in st.extra
