@@ -109,3 +109,23 @@ def test_the_keeper_refuses_bad_requests_and_exits_when_its_log_is_gone(log_dir:
     while time.monotonic() < deadline and client.ping() is not None:
         time.sleep(0.1)
     assert client.ping() is None  # it exited: nothing listens on its address any more
+
+
+def test_a_list_larger_than_one_socket_read_arrives_whole(log_dir: Path) -> None:
+    """A log of many segments: the keeper's answer spans many reads of the socket (the bench's 8B log broke an
+    unframed first version at 33 kB)."""
+    client = ensure_keeper(log_dir)
+    n = 120
+    for i in range(n):
+        fd = os.memfd_create(f"s{i}")
+        os.pwrite(fd, bytes([i]), 0)
+        client.put(f"incr.{i:06d}.cft", os.urandom(4096), 1 << 21, fd, mark=i)  # 8 kB of hex each
+        os.close(fd)
+    entries = client.list_entries()
+    try:
+        assert [e.name for e in entries] == [f"incr.{i:06d}.cft" for i in range(n)]
+        assert [e.mark for e in entries] == list(range(n))
+        assert all(os.pread(e.fd, 1, 0) == bytes([i]) for i, e in enumerate(entries))
+    finally:
+        for e in entries:
+            os.close(e.fd)

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-MAX_MSG = 1 << 20
+MAX_MSG = 16 << 20  # a list of MAX_FDS entries with 4 KiB headers is ~2 MB of JSON
 MAX_FDS = 250  # below the kernel's SCM_MAX_FD (253) per message
 
 
@@ -56,14 +57,50 @@ class KeeperError(ConfigError):
     """The keeper refused a request or could not be reached."""
 
 
+def _send(s: socket.socket, msg: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """One message: its length (4 bytes, big-endian) and JSON body; the descriptors ride on the first bytes."""
+    body = json.dumps(msg).encode()
+    if len(body) > MAX_MSG:
+        raise KeeperError(f"mirror keeper: a message of {len(body)} bytes is over {MAX_MSG}")
+    data = struct.pack(">I", len(body)) + body
+    sent = socket.send_fds(s, [data], list(fds))
+    if sent < len(data):
+        s.sendall(data[sent:])
+
+
+def _recv(s: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message (None: the peer closed first) and the descriptors that came with it."""
+    data, fds, _, _ = socket.recv_fds(s, 1 << 16, MAX_FDS)
+    if not data:
+        return None, fds
+    while len(data) < 4:
+        more = s.recv(4 - len(data))
+        if not more:
+            return None, fds
+        data += more
+    (n,) = struct.unpack(">I", data[:4])
+    if n > MAX_MSG:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError(f"a keeper message of {n} bytes")
+    body = bytearray(data[4:])
+    while len(body) < n:
+        more = s.recv(min(1 << 20, n - len(body)))
+        if not more:
+            return None, fds
+        body += more
+    return json.loads(bytes(body)), fds
+
+
 def _request(addr: str, msg: dict[str, Any], fds: Sequence[int] = (), timeout: float = 10.0
              ) -> tuple[dict[str, Any], list[int]]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(addr)
-        socket.send_fds(s, [json.dumps(msg).encode()], list(fds))
-        data, got, _, _ = socket.recv_fds(s, MAX_MSG, MAX_FDS)
-    reply = json.loads(data) if data else {"ok": False, "error": "the keeper closed the connection"}
+        _send(s, msg, fds)
+        reply, got = _recv(s)
+    if reply is None:
+        reply = {"ok": False, "error": "the keeper closed the connection"}
     if not reply.get("ok"):
         for fd in got:
             os.close(fd)
@@ -87,7 +124,8 @@ class KeeperClient:
         return int(reply["pid"])
 
     def put(self, name: str, header: bytes, capacity: int, fd: int, mark: int = 0) -> None:
-        """Hand the keeper a descriptor for segment ``name`` (it keeps a duplicate: close yours when done)."""
+        """Hand the keeper a descriptor for segment ``name`` (it keeps a duplicate: close yours when done).
+        ``header``: what identifies the segment's file (cuda/mirror.py sends a digest of its header bytes)."""
         _request(self.address, {"op": "put", "name": name, "header": header.hex(), "capacity": int(capacity),
                                 "mark": int(mark)}, [fd])
 
@@ -172,10 +210,10 @@ def serve(log_dir: str) -> int:
             with conn:
                 conn.settimeout(10.0)
                 try:
-                    data, fds, _, _ = socket.recv_fds(conn, MAX_MSG, MAX_FDS)
-                    reply, out_fds, done = _handle(entries, json.loads(data) if data else {}, fds)
-                    socket.send_fds(conn, [json.dumps(reply).encode()], out_fds)
-                except (OSError, ValueError):
+                    msg, fds = _recv(conn)
+                    reply, out_fds, done = _handle(entries, msg or {}, fds)
+                    _send(conn, reply, out_fds)
+                except (OSError, ValueError, KeeperError):
                     continue  # a client that went away mid-request: the entries are as they were
                 if done:
                     return 0

@@ -256,7 +256,7 @@ class LogMirror:
         finally:
             os.close(fd)
         view = memoryview(mapping)
-        header = bytes(view[:SEGMENT_HEADER_BYTES])
+        header = _digest(bytes(view[:SEGMENT_HEADER_BYTES]))
         nbytes = -(-size // self._gran) * self._gran
         drv = driver.bindings()
         handle = driver.check(drv.cuMemCreate(nbytes, _prop(self._numa), 0), "cuMemCreate (pinned log mirror)")
@@ -318,11 +318,19 @@ class LogMirror:
 
 
 def _file_header(path: Path) -> bytes | None:
+    """What identifies a segment file to the keeper: a digest of its header bytes (log id, generation,
+    creation time)."""
     try:
         with open(path, "rb") as f:
-            return f.read(SEGMENT_HEADER_BYTES)
+            return _digest(f.read(SEGMENT_HEADER_BYTES))
     except OSError:
         return None
+
+
+def _digest(header: bytes) -> bytes:
+    import hashlib
+
+    return hashlib.sha256(header).digest()
 
 
 class MirrorView:
@@ -373,7 +381,7 @@ class MirrorAttach:
                 return
             entries = client.list_entries()
             self._view = _attach(self.log_dir, entries, driver.ensure_context(self.device), t0)
-        except (KeeperError, DeviceError, OSError) as e:
+        except Exception as e:  # noqa: BLE001 - best effort: without a mirror the restore reads the log
             self.why = f"the mirror could not be attached: {e}"
             _log.warning("pinned log mirror: %s; restoring from the log alone", self.why)
 
