@@ -317,3 +317,8 @@ def test_cli_errors_are_messages_not_tracebacks(model_dir: Path, tmp_path: Path)
     r = serve("--model", str(model_dir), "--log", str(log))
     assert r.returncode == 1 and "Traceback" not in r.stderr  # a damaged log: the operation failed
     assert r.stderr.strip().splitlines()[-1].startswith("concordia serve: error: manifest has no checksum line")
+    # a pinned mirror where it cannot work: refused before the model loads or the log directory is made
+    r = serve("--model", str(model_dir), "--log", str(tmp_path / "mlog"), "--mirror")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("concordia serve: error: --mirror")
+    assert "--device cuda --backend dram" in r.stderr and not (tmp_path / "mlog").exists()

@@ -76,6 +76,11 @@ def _run(args: argparse.Namespace) -> int:
     from ..serve.server import Server, ServerOptions
 
     log = Path(args.log)
+    if args.mirror and (not args.device.startswith("cuda") or args.backend != "dram" or args.no_checkpoint):
+        from ..errors import ConfigError
+
+        raise ConfigError("--mirror keeps a pinned copy of a DRAM log for the GPU to restore from: use it with "
+                          "--device cuda --backend dram (and a --log directory on tmpfs, e.g. under /dev/shm)")
     recovering = log.is_dir() and any(log.iterdir()) and not args.no_checkpoint
     attach = None
     if args.mirror and recovering and args.device.startswith("cuda"):
