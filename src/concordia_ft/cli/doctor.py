@@ -57,6 +57,14 @@ def collect() -> dict[str, Any]:
         rep["cuda_devices"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if rep["cuda_devices"]:
             rep["gpu"] = torch.cuda.get_device_name(0)
+            # `concordia serve --mirror`: host memory the GPU reads, exportable to a keeper process
+            try:
+                from ..cuda.mirror import mirror_supported
+
+                why = mirror_supported(0)
+                rep["log_mirror"] = "supported" if not why else f"not supported: {why}"
+            except Exception as e:  # noqa: BLE001 - a report line, never a failure of the doctor
+                rep["log_mirror"] = f"not supported: {e}"
     except ImportError:
         rep["hints"].append("no torch: `pip install 'concordia-ft[llm]'` for tensors, sessions and the demo")
     if not rep["crc32c_hardware"]:
