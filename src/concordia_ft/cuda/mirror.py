@@ -133,10 +133,43 @@ def mirror_supported(device: int | None = None) -> str:
     return ""
 
 
+class PinnedHostMemory:
+    """The mirror's memory on a GPU host: ``cuMemCreate`` on the host NUMA node the device is attached to,
+    exportable as a POSIX file descriptor, mapped here for the host (the follower's copies)."""
+
+    def __init__(self, device: int | None = None) -> None:
+        why = mirror_supported(device)
+        if why:
+            raise DeviceError(801, "CUDA_ERROR_NOT_SUPPORTED", False, f"pinned log mirror: {why}",
+                              "run without the mirror (EngineOptions.mirror=False)")
+        self.device = driver.ensure_context(device)
+        self._numa = host_numa(self.device)
+        self._gran = _granularity(self._numa)
+
+    def attach(self) -> None:
+        driver.ensure_context(self.device)
+
+    def size(self, nbytes: int) -> int:
+        return -(-nbytes // self._gran) * self._gran
+
+    def create(self, nbytes: int) -> tuple[_Mapped, int]:
+        drv = driver.bindings()
+        handle = driver.check(drv.cuMemCreate(nbytes, _prop(self._numa), 0), "cuMemCreate (pinned log mirror)")
+        mem = _Mapped(handle, nbytes, self.device, host=True, dev=False)
+        try:
+            fd = int(driver.check(drv.cuMemExportToShareableHandle(
+                handle, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                "cuMemExportToShareableHandle"))
+        except BaseException:
+            mem.close()
+            raise
+        return mem, fd
+
+
 @dataclass
 class _Seg:
     name: str
-    mem: _Mapped
+    mem: Any  # _Mapped, or another provider's memory: nbytes, host_view() and close()
     mapping: mmap.mmap
     view: memoryview
     mark: int  # bytes copied (and published to the keeper)
@@ -148,15 +181,13 @@ class LogMirror:
     memory the keeper holds. Start it after the log exists; ``close`` stops the thread and unmaps this
     process's views (the keeper keeps the memory: that is the point); ``stop_keeper(log_dir)`` frees it."""
 
-    def __init__(self, log_dir: str | os.PathLike[str], device: int | None = None, *, poll_s: float = 0.02) -> None:
-        why = mirror_supported(device)
-        if why:
-            raise DeviceError(801, "CUDA_ERROR_NOT_SUPPORTED", False, f"pinned log mirror: {why}",
-                              "run without the mirror (EngineOptions.mirror=False)")
+    def __init__(self, log_dir: str | os.PathLike[str], device: int | None = None, *, poll_s: float = 0.02,
+                 memory: Any = None) -> None:
         self.log_dir = Path(log_dir)
-        self.device = driver.ensure_context(device)
-        self._numa = host_numa(self.device)
-        self._gran = _granularity(self._numa)
+        # where the copies live: pinned host memory of the driver (the default), or any provider with
+        # ``create(nbytes) -> (memory with nbytes, host_view() and close(), descriptor)``, ``size(nbytes)`` and
+        # ``attach()`` (called on the follower's thread first)
+        self.memory = memory if memory is not None else PinnedHostMemory(device)
         self.keeper = ensure_keeper(self.log_dir)
         self.poll_s = poll_s
         self._segs: dict[str, _Seg] = {}
@@ -187,7 +218,7 @@ class LogMirror:
 
     def _run(self) -> None:
         try:
-            driver.ensure_context(self.device)
+            self.memory.attach()  # the follower thread's own CUDA context
             while not self._stop.is_set():
                 with self._cond:
                     self._began += 1
@@ -257,13 +288,8 @@ class LogMirror:
             os.close(fd)
         view = memoryview(mapping)
         header = _digest(bytes(view[:SEGMENT_HEADER_BYTES]))
-        nbytes = -(-size // self._gran) * self._gran
-        drv = driver.bindings()
-        handle = driver.check(drv.cuMemCreate(nbytes, _prop(self._numa), 0), "cuMemCreate (pinned log mirror)")
-        mem = _Mapped(handle, nbytes, self.device, host=True, dev=False)
-        efd = int(driver.check(drv.cuMemExportToShareableHandle(
-            handle, drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-            "cuMemExportToShareableHandle"))
+        nbytes = self.memory.size(size)
+        mem, efd = self.memory.create(nbytes)
         try:
             self.keeper.put(name, header, nbytes, efd, mark=0)
         finally:
