@@ -521,37 +521,32 @@ class Runtime:
         from .core.streamed import run_streamed
 
         out = {}
+        opts = self.recovery
+
+        def stream(plan: Any, sink: Any, translate: Any) -> Any:
+            try:
+                return run_streamed(plan, sink, threads=opts.threads, prefault=opts.prefault, loop=opts.stream_loop,
+                                    register=opts.register_log, nontemporal=self._nontemporal(), mirror=translate)
+            finally:
+                close = getattr(sink, "close", None)
+                if close is not None:
+                    close()
+
         translate, view, why = self._mirror(pending) if sinks else (None, None, "")
         try:
             for name, sink in sinks.items():
                 plan = plans[name]
                 plan_s = float(getattr(sink, "plan_s", 0.0))
-                fallback = ""
                 try:
-                    stats = run_streamed(plan, sink, threads=self.recovery.threads, prefault=self.recovery.prefault,
-                                         loop=self.recovery.stream_loop, register=self.recovery.register_log,
-                                         nontemporal=self._nontemporal(), mirror=translate)
+                    stats = stream(plan, sink, translate)
                 except LogCorruptError as e:
                     if translate is None:
                         raise
-                    fallback = str(e)
                     log.warning("restore of %r: a payload taken from the pinned log mirror failed its checksum "
-                                 "(%s); streaming it again from the log alone", name, e)
-                finally:
-                    close = getattr(sink, "close", None)
-                    if close is not None:
-                        close()
-                if fallback:
-                    tracker = self._trackers[name]
-                    sink = self._backends[name].stream_sink(tracker, slots=self.recovery.ring_slots,
-                                                            slot_bytes=self.recovery.slot_bytes,
-                                                            verify=self.recovery.stream_verify)
-                    try:
-                        stats = run_streamed(plan, sink, threads=self.recovery.threads, prefault=self.recovery.prefault,
-                                             loop=self.recovery.stream_loop, register=self.recovery.register_log,
-                                             nontemporal=self._nontemporal())
-                    finally:
-                        sink.close()
+                                "(%s); streaming it again from the log alone", name, e)
+                    sink = self._backends[name].stream_sink(self._trackers[name], slots=opts.ring_slots,
+                                                            slot_bytes=opts.slot_bytes, verify=opts.stream_verify)
+                    stats = stream(plan, sink, None)
                     stats.extra["mirror_fallback"] = 1.0
                 stats.plan_s = plan_s
                 stats.seconds += plan_s

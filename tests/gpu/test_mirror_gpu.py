@@ -70,6 +70,18 @@ def _model_ns() -> dict:  # type: ignore[type-arg]
     return ns
 
 
+def _serve_steps(model: torch.nn.Module, log: Path, steps: int, *, mirror: bool) -> tuple[Engine, torch.Tensor]:
+    """An engine on ``log`` that ran ``steps`` steps of the server's workload in this process, and its pool."""
+    ns = _model_ns()
+    eng = Engine(model, log, {**ns["OPTS"], "mirror": mirror})
+    for i, p in enumerate(ns["prompts"]()):
+        eng.submit(p, SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True), request_id=f"r{i}")
+    for _ in range(steps):
+        eng.step()
+    torch.cuda.synchronize()
+    return eng, eng.pool.arena.clone()
+
+
 def _copy(log: Path, dst: Path) -> Path:
     shutil.copytree(log, dst)
     (dst / "LOCK").unlink(missing_ok=True)
@@ -111,16 +123,9 @@ def test_a_sigkilled_server_is_restored_from_its_pinned_mirror_byte_for_byte(shm
 
 
 def test_a_mirror_that_disagrees_with_the_log_is_never_served(shm: Path) -> None:
-    ns = _model_ns()
-    model = ns["bf16_model"]()
+    model = _model_ns()["bf16_model"]()
     log = shm / "log"
-    eng = Engine(model, log, {**ns["OPTS"], "mirror": True})
-    for i, p in enumerate(ns["prompts"]()):
-        eng.submit(p, SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True), request_id=f"r{i}")
-    for _ in range(10):
-        eng.step()
-    torch.cuda.synchronize()
-    pool = eng.pool.arena.clone()
+    eng, pool = _serve_steps(model, log, 10, mirror=True)
     mirror, eng.mirror = eng.mirror, None
     eng.close()
     assert mirror.wait_caught_up(60.0)
@@ -138,16 +143,9 @@ def test_a_mirror_that_disagrees_with_the_log_is_never_served(shm: Path) -> None
 
 
 def test_no_keeper_means_the_plain_restore(shm: Path) -> None:
-    ns = _model_ns()
-    model = ns["bf16_model"]()
+    model = _model_ns()["bf16_model"]()
     log = shm / "log"
-    eng = Engine(model, log, ns["OPTS"])
-    for i, p in enumerate(ns["prompts"]()):
-        eng.submit(p, SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True), request_id=f"r{i}")
-    for _ in range(6):
-        eng.step()
-    torch.cuda.synchronize()
-    pool = eng.pool.arena.clone()
+    eng, pool = _serve_steps(model, log, 6, mirror=False)
     eng.close()
     rec = Engine.recover(log, model, {"backend": "dram"}, recovery={"mirror": True})
     st = rec.recovered.streamed["kv"]

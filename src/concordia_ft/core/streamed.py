@@ -502,7 +502,7 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
                 registrar.start()
         while k < len(chunks) or filling:
             while registrar is not None and k < len(chunks) and registrar.ready[k]:
-                if mirror is not None and isinstance(registrar, _Mirrored):
+                if isinstance(registrar, _Mirrored):
                     sink.put_direct(chunks[k], mirror)  # type: ignore[attr-defined]  # from the pinned mirror
                 else:
                     sink.put_direct(chunks[k])  # type: ignore[attr-defined]  # straight from the registered log

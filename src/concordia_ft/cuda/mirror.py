@@ -192,8 +192,6 @@ class LogMirror:
         self.poll_s = poll_s
         self._segs: dict[str, _Seg] = {}
         self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self.copied_bytes = 0
         self.error: BaseException | None = None
         self._began = 0  # follower passes over the log begun
         self._idle_began = 0  # the number of the last pass that found nothing new to copy
@@ -266,7 +264,6 @@ class LogMirror:
                 pos += k
                 self.keeper.mark(name, pos)
                 seg.mark = pos
-                self.copied_bytes += k
             progressed = True
         for name in [n for n in self._segs if n not in names]:  # compacted away
             self.keeper.drop(name)

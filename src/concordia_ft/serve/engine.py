@@ -108,6 +108,16 @@ class EngineOptions:
             raise ConfigError(f"unknown engine option: {e}") from None
 
 
+def _check_mirror(opts: EngineOptions, device: Any, *, runtime_given: bool = False) -> None:
+    """EngineOptions.mirror refused up front where it cannot work: a model off the GPU, no log, or a log
+    backend other than 'dram' (a Runtime handed in is checked by the engine once its log is open)."""
+    if opts.mirror and (device.type != "cuda" or not opts.checkpoint or
+                        (not runtime_given and opts.backend != "dram")):
+        raise ConfigError("EngineOptions.mirror keeps a copy of a DRAM log for the GPU to restore from: it needs a "
+                          f"CUDA model, a log and backend='dram' (this engine: {device}, backend "
+                          f"{opts.backend!r}, checkpoint={opts.checkpoint})")
+
+
 @dataclass
 class Request:
     id: str
@@ -282,11 +292,7 @@ class Engine:
             raise ConfigError(f"async_depth={opts.async_depth}; it must be at least 1")
         if opts.capture_warmups < 0:
             raise ConfigError(f"capture_warmups={opts.capture_warmups}; it must be 0 or more")
-        if opts.mirror and (self.device.type != "cuda" or not opts.checkpoint or
-                            (_runtime is None and opts.backend != "dram")):
-            raise ConfigError("EngineOptions.mirror keeps a copy of a DRAM log for the GPU to restore from: it needs a "
-                              f"CUDA model, a log and backend='dram' (this engine: {self.device}, backend "
-                              f"{opts.backend!r}, checkpoint={opts.checkpoint})")
+        _check_mirror(opts, self.device, runtime_given=_runtime is not None)
         if opts.checkpoint:
             from . import stepepochs
 
@@ -743,24 +749,20 @@ class Engine:
 
         opts = EngineOptions.coerce(options)
         rec_opts = RecoveryOptions.coerce(recovery)
-        cuda = next(model.parameters()).device.type == "cuda"
-        if opts.mirror and (not cuda or opts.backend != "dram"):
-            raise ConfigError("EngineOptions.mirror keeps a copy of a DRAM log for the GPU to restore from: it needs a "
-                              f"CUDA model and backend='dram' (this engine: {next(model.parameters()).device}, "
-                              f"backend {opts.backend!r})")
-        if cuda and opts.mirror and rec_opts.mirror is None and rec_opts.streamed:
+        dev = next(model.parameters()).device
+        cuda = dev.type == "cuda"
+        _check_mirror(opts, dev)
+        if opts.mirror and rec_opts.mirror is None and rec_opts.streamed:
             # the keeper's mirror, attached on a helper thread while the log opens
             from ..cuda.mirror import MirrorAttach
 
-            dev0 = next(model.parameters()).device
             rec_opts = dataclasses.replace(rec_opts, mirror=MirrorAttach(
-                log_dir, dev0.index if dev0.index is not None else torch.cuda.current_device()))
+                log_dir, dev.index if dev.index is not None else torch.cuda.current_device()))
         if rec_opts.defer_verify is None:
             # a GPU pool is streamed to the device with its checksums run on the bytes as they arrive (read
             # once); a CPU pool is replayed into its own buffer after every checksum passed at the open
             rec_opts = dataclasses.replace(rec_opts, defer_verify=("kv",) if cuda and rec_opts.streamed else ())
         t0 = time.perf_counter()
-        dev = next(model.parameters()).device
         prefetch = cuda and rec_opts.streamed and opts.prefetch_ring
         if prefetch:  # the streamed restore's pinned ring, page-locked on a helper thread while the log opens
             from ..cuda.streamed import discard_prefetched, prefetch_ring
