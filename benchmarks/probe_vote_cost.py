@@ -12,9 +12,14 @@ probe times, per kernel and shape, in the same process and interleaved round by 
 - ``armed_noload``: armed, the header load replaced by zeros (the barrier and the branches stay);
 - ``armed_novote``: armed, the header loaded, the decision's reducing barrier taken out (a kernel's own barrier
   is put back as the plain ``bar.sync``; only the leader's warp waits for the load);
-- ``armed_neither``: both taken out.
+- ``armed_neither``: both taken out;
+- ``plain+const``, ``plain+global``, ``plain+globals``: Triton's code unchanged, with the module globals that
+  the rewriter declares (the constant-bank control pointer, the marker globals, both) and nothing using them;
+- ``armed_weak``, ``armed_cg``, ``armed_gpu``, ``armed_nc``: armed, the header read by a weak load, an L2-only
+  weak load, a GPU-scope relaxed load, a non-coherent load instead of the volatile (system-scope) one.
 
-The last three are measurements only (they do not pause correctly). Every variant's output is checked against
+The armed_* variants other than ``armed`` are measurements only: they do not pause correctly, or are not shown
+to. Every variant's output is checked against
 plain's, bit for bit, and against a float64 reference on fresh random data. Each timed graph holds ``--launches``
 launches, each kernel's input written by the launch before it (ping-pong), optionally with a small cuBLAS GEMM
 before each launch as in a decode layer (``--with-gemm``).
@@ -86,11 +91,33 @@ _HDR_LOAD = re.compile(r"^\s*(?:@%\S+\s+)?ld\.[a-z.]*v2\.u32\s+\{%cft_r12, %cft_
 _VOTE = re.compile(r"^\s*(bar|barrier)\.red\.or\.pred\s+%cft_p2, 0, %cft_p2;\s*$", re.M)
 
 
+_DECL = re.compile(r"^\.visible \.(?:const|global) .*\bcft_\w+.*;$", re.M)
+_LOADS = {"armed_weak": "ld.global.v2.u32", "armed_cg": "ld.global.cg.v2.u32",
+          "armed_gpu": "ld.relaxed.gpu.global.v2.u32", "armed_nc": "ld.global.nc.v2.u32"}
+
+
+def _entry_line(ptx: str) -> int:
+    return ptx.index(".visible .entry")
+
+
 def variant_ptx(ptx: str, variant: str) -> str:
+    """The PTX of one variant (see the module's docstring and ``VARIANTS``)."""
     if variant == "plain":
         return ptx
     out = rewrite_ptx(ptx, SafepointOptions(header_arg=True)).ptx
+    if variant.startswith("plain+"):  # plain code, with the module globals the rewriter declares
+        decls = _DECL.findall(out)
+        keep = {"plain+globals": decls,
+                "plain+const": [d for d in decls if ".const" in d],
+                "plain+global": [d for d in decls if ".global" in d]}[variant]
+        i = _entry_line(ptx)
+        return ptx[:i] + "\n".join(keep) + "\n\n" + ptx[i:]
     if variant in ("disarmed", "armed"):
+        return out
+    if variant in _LOADS:
+        out, n = _HDR_LOAD.subn(lambda m: m.group(0).replace("ld.volatile.global.v2.u32", _LOADS[variant]), out)
+        if n != 1 or _LOADS[variant] not in out:
+            raise SystemExit(f"{variant}: expected one header load, found {n}")
         return out
     if variant in ("armed_noload", "armed_neither"):
         out, n = _HDR_LOAD.subn("\tmov.u32 \t%cft_r12, 0;\n\tmov.u32 \t%cft_r13, 0;", out)
@@ -104,7 +131,12 @@ def variant_ptx(ptx: str, variant: str) -> str:
     return out
 
 
-VARIANTS = ("plain", "disarmed", "armed", "armed_noload", "armed_novote", "armed_neither")
+# plain+*: Triton's code with the rewriter's module globals declared (not used by the code);
+# armed_<load>: the armed path with the header read by another load instruction (weak, L2-only, GPU scope,
+# non-coherent: measurement only, see the docstring)
+VARIANTS = ("plain", "plain+const", "plain+global", "plain+globals", "disarmed", "armed", "armed_noload",
+            "armed_novote", "armed_neither", "armed_weak", "armed_cg", "armed_gpu", "armed_nc")
+ARMED = {v for v in VARIANTS if v.startswith("armed")}
 
 
 def run_case(case: str, ns: argparse.Namespace, gen: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -149,7 +181,7 @@ def run_case(case: str, ns: argparse.Namespace, gen: Any) -> tuple[list[dict[str
     keep: list[Any] = []
 
     def one(v: str, src: Any, dst: Any) -> None:  # on torch's current stream (the capture's, in a capture)
-        a = args(src, dst, 0 if v in ("plain", "disarmed") else arena.data_ptr())
+        a = args(src, dst, arena.data_ptr() if v in ARMED else 0)
         keep.append(a)
         cd.launch(funcs[v], grid, 32 * warps, a, cd.Stream.from_torch(), shared_bytes=shared, what=v)
 
@@ -179,6 +211,7 @@ def run_case(case: str, ns: argparse.Namespace, gen: Any) -> tuple[list[dict[str
     graphs: dict[str, Any] = {}
     for v in VARIANTS:
         g = torch.cuda.CUDAGraph()
+        torch.mm(gemm_a, gemm_b, out=gemm_c)  # cuBLAS's handle and workspace exist before the capture
         for _ in range(2):  # warm
             for i in range(4):
                 one(v, x[i % 2], x[(i + 1) % 2] if kern is not rmsnorm_kernel else y)
@@ -249,8 +282,8 @@ def main() -> int:
     path = write_results("vote_cost", rows, baseline=[r for r in rows if r["variant"] == "plain"],
                          notes="per-launch GPU time of one kernel in a CUDA graph of --launches launches "
                                "(median of replays, median of rounds), variants interleaved per round; "
-                               "armed_noload/armed_novote/armed_neither are measurement-only mutations of the "
-                               "header_arg PTX; checks: every variant bit-equal to plain and its error against "
+                               "the armed_* variants but armed are measurement-only mutations of the header_arg PTX; "
+                               "plain+* are plain code with the rewriter's module globals; checks: every variant bit-equal to plain and its error against "
                                f"float64; {vars(ns)}; checks={checks}", tag=tag)
     print(f"wrote {path}")
     return 1 if bad else 0
