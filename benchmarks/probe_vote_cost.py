@@ -106,13 +106,20 @@ def variant_ptx(ptx: str, variant: str) -> str:
         return ptx
     out = rewrite_ptx(ptx, SafepointOptions(header_arg=True)).ptx
     if variant.startswith("plain+"):  # plain code, with the module globals the rewriter declares
-        decls = _DECL.findall(out)
+        # the default's constant-bank pointer, header_arg's marker globals (its own pointer is a .global now)
+        default = _DECL.findall(rewrite_ptx(ptx, SafepointOptions()).ptx)
+        decls = [d for d in default if ".const" in d] + [d for d in _DECL.findall(out) if "cft_ctl_" not in d]
         keep = {"plain+globals": decls,
                 "plain+const": [d for d in decls if ".const" in d],
                 "plain+global": [d for d in decls if ".global" in d]}[variant]
         i = _entry_line(ptx)
         return ptx[:i] + "\n".join(keep) + "\n\n" + ptx[i:]
-    if variant in ("disarmed", "armed"):
+    if variant in ("disarmed", "armed", "armed_hdr_w"):
+        return out
+    if variant == "armed_unguarded":  # the leader's header load no longer waits for the null test
+        out, n = re.subn(r"^\s*@%cft_p3 bra \t\$__cft\d+_early;\n", "", out, flags=re.M)
+        if n != 1:
+            raise SystemExit(f"{variant}: expected one null test before the header load, found {n}")
         return out
     if variant in _LOADS:
         out, n = _HDR_LOAD.subn(lambda m: m.group(0).replace("ld.volatile.global.v2.u32", _LOADS[variant]), out)
@@ -135,7 +142,8 @@ def variant_ptx(ptx: str, variant: str) -> str:
 # armed_<load>: the armed path with the header read by another load instruction (weak, L2-only, GPU scope,
 # non-coherent: measurement only, see the docstring)
 VARIANTS = ("plain", "plain+const", "plain+global", "plain+globals", "disarmed", "armed", "armed_noload",
-            "armed_novote", "armed_neither", "armed_weak", "armed_cg", "armed_gpu", "armed_nc")
+            "armed_novote", "armed_neither", "armed_weak", "armed_cg", "armed_gpu", "armed_nc", "armed_unguarded",
+            "armed_hdr_w")
 ARMED = {v for v in VARIANTS if v.startswith("armed")}
 
 
@@ -169,7 +177,12 @@ def run_case(case: str, ns: argparse.Namespace, gen: Any) -> tuple[list[dict[str
         funcs[v] = cd.check(drv.cuModuleGetFunction(mod, name.encode()), "cuModuleGetFunction")
         regs[v] = res.registers.get(name, -1)
     x = [(torch.randn(n0, generator=gen) * 2).to(torch.bfloat16).to(dev) for _ in range(2)]
-    w = (torch.rand(n1, generator=gen) + 0.5).to(torch.bfloat16).to(dev)
+    # w with a zeroed 64-byte-aligned tail: armed_hdr_w reads its header there (the page and lines every launch
+    # reads anyway)
+    w_tail = torch.zeros(n1 + 64, dtype=torch.bfloat16, device=dev)
+    w_tail[:n1] = (torch.rand(n1, generator=gen) + 0.5).to(torch.bfloat16)
+    w = w_tail[:n1]
+    hdr_w = (w_tail.data_ptr() + 2 * n1 + 63) // 64 * 64
     y = torch.empty(n0, dtype=torch.bfloat16, device=dev)
     arena = torch.zeros(64, dtype=torch.int32, device=dev)  # the header of an armed call: pause 0, mode 0
 
@@ -181,7 +194,7 @@ def run_case(case: str, ns: argparse.Namespace, gen: Any) -> tuple[list[dict[str
     keep: list[Any] = []
 
     def one(v: str, src: Any, dst: Any) -> None:  # on torch's current stream (the capture's, in a capture)
-        a = args(src, dst, arena.data_ptr() if v in ARMED else 0)
+        a = args(src, dst, (hdr_w if v == "armed_hdr_w" else arena.data_ptr()) if v in ARMED else 0)
         keep.append(a)
         cd.launch(funcs[v], grid, 32 * warps, a, cd.Stream.from_torch(), shared_bytes=shared, what=v)
 

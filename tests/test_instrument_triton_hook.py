@@ -82,7 +82,7 @@ def test_header_arg_marks_the_kernel_for_the_profile_allocator_and_reads_its_las
         ptx = k.asm["ptx"]
         params = [ln.split()[-1].rstrip(",") for ln in ptx.splitlines() if ln.strip().startswith(".param")]
         assert f"ld.param.u64 \t%cft_rd0, [{params[-1]}];" in ptx
-        assert "cft_harg_poi_silu_mul_kernel" in ptx and "ld.const.u64 \t%cft_rd1, [cft_ctl_poi_silu_mul_kernel]" in ptx
+        assert "cft_harg_poi_silu_mul_kernel" in ptx and "ld.global.u64 \t%cft_rd1, [cft_ctl_poi_silu_mul_kernel]" in ptx
         assert assemble(ptx).spill_bytes == {"poi_silu_mul_kernel": 0}
         refused = compile_for_sm90("grid_barrier")  # a refused kernel asks for nothing
         assert refused.metadata.profile_scratch_size == 0 and "cft_" not in refused.asm["ptx"]

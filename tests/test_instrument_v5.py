@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import random
 import re
+import subprocess
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -411,8 +414,32 @@ def test_header_arg_reads_no_memory_before_a_disarmed_launchs_branch() -> None:
         assert probe[0].startswith("ld.param.u64 \t%cft_rd0")
         loads = [ln for ln in probe[1:] if not ln.startswith("ld.volatile.global.v2.u32 \t{%cft_r12")]
         # the only other loads: the rare path's records pointer and its record
-        assert [ln.split()[0] for ln in loads] == ["ld.const.u64", "ld.volatile.global.v2.u32"], (name, loads)
+        assert [ln.split()[0] for ln in loads] == ["ld.global.u64", "ld.volatile.global.v2.u32"], (name, loads)
         assemble(rewrite_ptx(ptx_of(name), SafepointOptions(header_arg=True)).ptx)
+
+
+@needs_ptxas
+def test_header_arg_declares_nothing_in_the_constant_bank() -> None:
+    """With header_arg the records' pointer is read on the rare path only, so it lives in global memory: a module
+    with a .const variable pays at every launch of its kernels (a constant bank bound, +0.10 us per launch on the
+    H200, DESIGN.md §6i) even where no instruction reads it. The cubin has no module constant bank (bank 3);
+    const_ctl without header_arg keeps the pointer there (its every thread reads it at entry)."""
+    cuobjdump = Path(find_ptxas() or "ptxas").with_name("cuobjdump")
+    for name in ("poi_silu_mul", "softmax", "layernorm"):
+        banks = {}
+        for label, opts in (("harg", SafepointOptions(header_arg=True)), ("default", SafepointOptions())):
+            ptx = rewrite_ptx(ptx_of(name), opts).ptx
+            cubin = assemble(ptx).cubin
+            consts = [ln for ln in ptx.splitlines() if ln.startswith(".visible .const")]
+            banks[label] = consts
+            if cuobjdump.exists():
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(cubin)
+                    f.flush()
+                    elf = subprocess.run([str(cuobjdump), "-elf", f.name], capture_output=True, text=True,
+                                         check=True).stdout
+                assert (".nv.constant3" in elf) == (label == "default"), (name, label)
+        assert banks["harg"] == [] and len(banks["default"]) == 1, (name, banks)
 
 
 # ---- exactly once across repeated pause / resume -----------------------------------------------------------

@@ -1041,11 +1041,15 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
             continue
         lab = f"$__cft{ki}"
         sym = SYMBOL_PREFIX + k.name
-        space = ".const" if opts.const_ctl and opts.protocol == 5 else ".global"  # v4 writes it from the stream
+        hp = p.header_param  # header_arg: the parameter carrying the header's address
+        # Protocol 4 writes the pointer from the stream (global memory only). With header_arg the pointer is read
+        # on the rare path alone, and a module with a .const variable pays at every launch of its kernels even
+        # where no instruction reads it (+0.10 us per launch on the H200, probe_vote_cost.py, DESIGN.md §6i):
+        # only const_ctl's entry read is worth that.
+        space = ".const" if opts.const_ctl and opts.protocol == 5 and not hp else ".global"
         before.setdefault(k.header_start, []).extend(
             [f"// concordia-ft control block pointer of {k.name} (0: disarmed)",
              f".visible {space} .align 8 .u64 {sym};", ""])
-        hp = p.header_param  # header_arg: the parameter carrying the header's address
         hdr = _HeaderRead((sym, space) if hp else None,
                           "ld.relaxed.gpu.global.v2.u32" if opts.header_gpu_scope else _HDR.op)
         after.setdefault(k.body_open, []).extend(
