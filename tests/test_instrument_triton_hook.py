@@ -97,6 +97,24 @@ def test_header_arg_marks_the_kernel_for_the_profile_allocator_and_reads_its_las
     assert not header_arg.installed()
 
 
+def test_install_without_options_routes_the_header_through_the_kernel_parameter(tmp_path: Path) -> None:
+    """install() with no options is header_arg (DESIGN.md §6i): the kernel reads its header from its last
+    parameter, the module declares nothing in the constant bank, and the profile allocator is ours until
+    uninstall."""
+    from concordia_ft.instrument import header_arg
+
+    triton_hook.install(cache_dir=tmp_path / "n")
+    try:
+        assert header_arg.installed()
+        k = compile_for_sm90("poi_silu_mul")
+        ptx = k.asm["ptx"]
+        assert k.metadata.profile_scratch_size == header_arg.HARG_SIZE
+        assert "cft_harg_poi_silu_mul_kernel" in ptx and ".visible .const" not in ptx
+    finally:
+        triton_hook.uninstall()
+    assert not header_arg.installed()
+
+
 def test_without_header_arg_no_kernel_asks_for_profile_scratch(tmp_path: Path) -> None:
     triton_hook.install(SafepointOptions(), cache_dir=tmp_path / "d")
     try:
