@@ -21,6 +21,7 @@ compiled without probes. Writes pause_drain-<tag>.json.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -159,6 +160,9 @@ def bench_case(name, make, size, trials: int, barrier_probes: bool = True, defer
     }
 
 
+# a value a block's out word is taken not to hold (each trial's bit_equal checks the outputs against plain's)
+SENTINEL = 0x7FC00000
+
 STAMP_SOURCE = r"""
 extern "C" __global__ void cft_stamp(unsigned long long *out) {
   unsigned long long t;
@@ -168,8 +172,11 @@ extern "C" __global__ void cft_stamp(unsigned long long *out) {
 """
 
 
-def drain_case(block_us: float, waves_n: float, fractions: list[float], repeats: int) -> dict:
-    """One long-block kernel paused by the GPU at each fraction of finished blocks (see the module docstring)."""
+def drain_case(block_us: float, waves_n: float, fractions: list[float], repeats: int,
+               options: SafepointOptions | None = None) -> dict:
+    """One long-block kernel paused by the GPU at each fraction of finished blocks (see the module docstring).
+    ``options``: the probes' (None: ``triton_hook.install()``'s default). Protocol 5 has no done bits: the trigger
+    watches ``out``, one word per block written at the block's end, filled with the sentinel before each trial."""
     import ctypes
 
     from concordia_ft.cuda import driver as cd
@@ -213,7 +220,7 @@ def drain_case(block_us: float, waves_n: float, fractions: list[float], repeats:
     pt = times.view(rows, 2).cpu()
     plain_block = (pt[:, 1] - pt[:, 0]).double() / 1e3
     plain_kernel_us = float((pt[:, 1].max() - pt[:, 0].min()) / 1e3)
-    triton_hook.install(SafepointOptions())
+    triton_hook.install(options)
     inst = triton.JITFunction(fn.fn)
     out.zero_()
     times.zero_()
@@ -235,13 +242,15 @@ def drain_case(block_us: float, waves_n: float, fractions: list[float], repeats:
     for frac in fractions:
         for _ in range(repeats):
             after = max(1, int(frac * rows))
-            out.zero_()
+            v5 = launch.protocol == 5
+            out.fill_(SENTINEL if v5 else 0)
             times.zero_()
             launch.ctl.zero_()
             zeroed = torch.cuda.Event()
             zeroed.record()
             side.wait_event(zeroed)
-            trigger.arm(launch, after, cd.Stream.borrow(side.cuda_stream), timeout_s=2.0)
+            trigger.arm(launch, after, cd.Stream.borrow(side.cuda_stream), timeout_s=2.0,
+                        **(dict(watch=out, words_per_block=1, sentinel=SENTINEL) if v5 else {}))
             launch._launch()
             cd.launch(stamp_fn, 1, 1, stamp_args, cd.Stream.borrow(torch.cuda.current_stream().cuda_stream),
                       what="cft_stamp")
@@ -279,6 +288,8 @@ def drain_case(block_us: float, waves_n: float, fractions: list[float], repeats:
         "plain_block_us_median": float(plain_block.median()), "plain_block_us_max": float(plain_block.max()),
         "armed_block_us_median": float(armed_block.median()), "armed_block_us_max": float(armed_block.max()),
         "armed_uninterrupted_equal": uninterrupted_equal, "trials": trials,
+        "protocol": launch.protocol, "header_arg": bool(launch.header_arg),
+        "options": "triton_hook.install() default" if options is None else repr(options),
         "mid_grid_pauses": len(mid), "drain_us_median": median([t["drain_us"] for t in mid]) if mid else None,
         "drain_over_longest_running_block_max": max((t["drain_over_longest_running_block"] or 0) for t in mid)
         if mid else None,
@@ -301,12 +312,15 @@ def main() -> int:
     ap.add_argument("--drain", action="store_true", help="only the long-block drain measurement")
     ap.add_argument("--block-us", default="100", help="comma-separated block run times for --drain")
     ap.add_argument("--drain-waves", type=float, default=4.0)
+    ap.add_argument("--drain-options", default="default",
+                    help="--drain: the probes' SafepointOptions as JSON, or 'default' (triton_hook.install()'s)")
     ns = ap.parse_args()
     torch.manual_seed(0)
     if ns.drain:
         drows = []
         for bu in (float(v) for v in ns.block_us.split(",")):
-            r = drain_case(bu, ns.drain_waves, [0.3, 0.5, 0.7], 3)
+            dopts = None if ns.drain_options == "default" else SafepointOptions(**json.loads(ns.drain_options))
+            r = drain_case(bu, ns.drain_waves, [0.3, 0.5, 0.7], 3, dopts)
             drows.append(r)
             print({k: v for k, v in r.items() if k != "trials"}, flush=True)
         path = write_results("pause_drain", drows, baseline=[{"block_us": r["target_block_us"],
