@@ -100,8 +100,8 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
     # the default with the per-warp vote for pointwise kernels (no vote barrier: SafepointOptions.warp_vote)
     "probes_v5cesw": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": True,
                       "warp_vote": True},
-    # the default with the header's address in the kernel's profile-scratch parameter (SafepointOptions.header_arg:
-    # a disarmed launch reads no memory; Triton's launcher instead of Inductor's static one)
+    # the header's address in the kernel's profile-scratch parameter (SafepointOptions.header_arg; triton_hook.install()'s
+    # default since session 16: a disarmed launch reads no memory; Triton's launcher instead of Inductor's static one)
     "probes_v5cesh": {"protocol": 5, "const_ctl": True, "entry_header": True, "stmatrix_sync": True,
                       "header_arg": True},
     # the header read at GPU scope (ld.relaxed.gpu: STRONG.GPU) instead of volatile (STRONG.SYS): with

@@ -176,10 +176,13 @@ class SafepointOptions:
     # loads, checking that it names the same header (else the block runs: the kernel is not part of the call
     # whose header it got). A CUDA graph freezes the parameter at capture: an arena captured that way is kept for
     # the process's life. ``triton_hook`` applies it where Triton passes that parameter and no profiler uses it,
-    # and turns Inductor's static launcher off (it passes no such parameter). Off by default: measured on the
-    # H200 (DESIGN.md §6h) it cuts the disarmed cost in CUDA-graph replays to +0.4-1.1% (from +0.9-3.4%) and the
-    # armed cost by up to one point, but each eager launch then goes through Triton's Python launcher and our
-    # allocator, which host-bound decode pays for (+30-50% there).
+    # and turns Inductor's static launcher off (it passes no such parameter). The records' pointer is then a
+    # ``.global``: a module ``.const`` costs every launch +0.10 us on the H200 even unread (DESIGN.md §6i). Off
+    # here (the rewriter knows nothing of the launcher); ``triton_hook.install()`` turns it on by default since
+    # session 16: CUDA-graph replays of the compiled Qwen3 layer armed +0.2-1.8% at every shape, against
+    # +1.7-4.3% with the constant-bank pointer. Each eager launch goes through Triton's Python launcher and our
+    # allocator (host-bound: slower than the constant-bank pointer in 8 of 10 comparisons, by 2-15 points), and a
+    # CUDA graph captured disarmed stays plain (§6h).
     header_arg: bool = False
     # Protocol 5: the header read (pause, mode) as a relaxed load at GPU scope (``ld.relaxed.gpu``, SASS
     # ``LDG.E.64.STRONG.GPU``) instead of a volatile one (system scope, ``STRONG.SYS``). Every pause and resume
