@@ -318,8 +318,8 @@ def main() -> int:
     torch.manual_seed(0)
     if ns.drain:
         drows = []
+        dopts = None if ns.drain_options == "default" else SafepointOptions(**json.loads(ns.drain_options))
         for bu in (float(v) for v in ns.block_us.split(",")):
-            dopts = None if ns.drain_options == "default" else SafepointOptions(**json.loads(ns.drain_options))
             r = drain_case(bu, ns.drain_waves, [0.3, 0.5, 0.7], 3, dopts)
             drows.append(r)
             print({k: v for k, v in r.items() if k != "trials"}, flush=True)

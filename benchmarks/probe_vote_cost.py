@@ -41,7 +41,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' Triton kernels (instrument_kernels)
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -49,15 +51,7 @@ import triton.language as tl  # noqa: E402
 from concordia_ft.benchreport import print_table, write_results  # noqa: E402
 from concordia_ft.instrument.ptxas import assemble  # noqa: E402
 from concordia_ft.instrument.safepoints import SafepointOptions, rewrite_ptx  # noqa: E402
-
-
-@triton.jit
-def silu_mul_kernel(in_ptr0, in_ptr1, out_ptr0, xnumel, XBLOCK: tl.constexpr):
-    xindex = tl.program_id(0) * XBLOCK + tl.arange(0, XBLOCK)[:]
-    xmask = xindex < xnumel
-    a = tl.load(in_ptr0 + xindex, xmask).to(tl.float32)
-    b = tl.load(in_ptr1 + xindex, xmask).to(tl.float32)
-    tl.store(out_ptr0 + xindex, (a * tl.sigmoid(a) * b).to(tl.bfloat16), xmask)
+from instrument_kernels import poi_silu_mul_kernel as silu_mul_kernel  # noqa: E402
 
 
 @triton.jit
