@@ -271,10 +271,10 @@ def test_a_first_open_killed_before_its_manifest_leaves_an_empty_log(shm: Path, 
 def test_placed_crc_in_c_and_on_the_pool_write_the_same_epochs(shm: Path, impl: str) -> None:
     """The placed append's CRC32Cs (core/_slotlog.c's crc32c_buffers, or the crc32c package on a pool) are what
     replay's own check recomputes: several payloads of odd sizes, pieces crossing every boundary."""
-    from concordia_ft.core import slotlog
+    from concordia_ft.core import checksums
 
-    if impl == "c" and not slotlog.native_crc_available():
-        pytest.skip(f"the C extension is {slotlog.status()}")
+    if impl == "c" and not checksums.native_available():
+        pytest.skip(f"the C extension is {checksums.native_status()}")
     rng = np.random.default_rng(11)
     specs = [RegionSpec(name=f"d{i}", kind=RegionKind.DENSE, nbytes=n, page_bytes=PAGE)
              for i, n in enumerate((3 * PAGE + 5, 5 << 20, (17 << 20) + 123))]
@@ -298,18 +298,18 @@ def test_placed_crc_in_c_and_on_the_pool_write_the_same_epochs(shm: Path, impl: 
 def test_c_crc_of_buffers_equals_the_package() -> None:
     import crc32c
 
-    from concordia_ft.core import slotlog
+    from concordia_ft.core import checksums
 
-    if not slotlog.native_crc_available():
-        pytest.skip(f"the C extension is {slotlog.status()}")
+    if not checksums.native_available():
+        pytest.skip(f"the C extension is {checksums.native_status()}")
     rng = np.random.default_rng(3)
     bufs = [rng.integers(0, 256, n, dtype=np.uint8).tobytes()
             for n in (0, 1, 7, 4096, 65535, 65536, 65537, (1 << 20) + 3, 3 << 20)]
     for threads in (1, 3, 8):
         for piece in (4096, 5000, 1 << 20):
-            assert slotlog.crc32c_buffers(bufs, threads=threads, piece=piece) == [crc32c.crc32c(b) for b in bufs]
+            assert checksums.crc32c_buffers(bufs, threads=threads, piece=piece) == [crc32c.crc32c(b) for b in bufs]
     with pytest.raises(ValueError):
-        slotlog.crc32c_buffers(bufs, piece=100)
+        checksums.crc32c_buffers(bufs, piece=100)
 
 
 @pytest.mark.parametrize("ahead", [False, True])
@@ -417,10 +417,10 @@ class GatedPayload(HostPayload):
 
 
 def test_gated_payloads_are_checksummed_as_their_copy_lands(shm: Path) -> None:
-    from concordia_ft.core import slotlog
+    from concordia_ft.core import checksums
 
-    if not slotlog.native_crc_available():
-        pytest.skip(f"the C extension is {slotlog.status()}")
+    if not checksums.native_available():
+        pytest.skip(f"the C extension is {checksums.native_status()}")
     rng = np.random.default_rng(4)
     specs = [RegionSpec(name=f"g{i}", kind=RegionKind.DENSE, nbytes=n, page_bytes=PAGE)
              for i, n in enumerate(((5 << 20) + 3 * PAGE, 3 << 20))]
@@ -439,20 +439,20 @@ def test_gated_payloads_are_checksummed_as_their_copy_lands(shm: Path) -> None:
 
 
 def test_a_gate_that_never_opens_gives_up_instead_of_hanging() -> None:
-    from concordia_ft.core import slotlog
+    from concordia_ft.core import checksums
 
-    if not slotlog.native_crc_available():
-        pytest.skip(f"the C extension is {slotlog.status()}")
+    if not checksums.native_available():
+        pytest.skip(f"the C extension is {checksums.native_status()}")
     buf = np.ones(3 << 20, dtype=np.uint8)
     flags = np.zeros(4, dtype=np.uint32)
     flags[0] = 7
     gates = [(0, 1 << 20, 0, 7), (0, 3 << 20, 1, 9)]  # the first chunk landed, the second never does
-    assert slotlog.crc32c_buffers([buf], threads=2, flags_address=int(flags.ctypes.data), gates=gates,
+    assert checksums.crc32c_buffers([buf], threads=2, flags_address=int(flags.ctypes.data), gates=gates,
                                   timeout_s=0.2) is None
     flags[1] = 9
     import crc32c
 
-    assert slotlog.crc32c_buffers([buf], threads=2, flags_address=int(flags.ctypes.data),
+    assert checksums.crc32c_buffers([buf], threads=2, flags_address=int(flags.ctypes.data),
                                   gates=gates) == [crc32c.crc32c(buf.tobytes())]
 
 

@@ -40,15 +40,15 @@ def _template(with_time: bool = False) -> tuple[list[bytes], list[int]]:
 
 @pytest.mark.parametrize("impl", ["sse4.2", "table"])
 def test_crc32c_matches_the_package(impl: str) -> None:
-    code = ("import sys, numpy as np, crc32c; from concordia_ft.core import slotlog\n"
-            f"assert slotlog._slotlog.crc_impl() == {impl!r}, slotlog._slotlog.crc_impl()\n"
+    code = ("import sys, numpy as np, crc32c; from concordia_ft.core import checksums\n"
+            f"assert checksums.native_status() == 'c (crc32c: {impl})', checksums.native_status()\n"
             "rng = np.random.default_rng(3)\n"
             "buf = rng.integers(0, 256, 70000, dtype=np.uint8).tobytes()\n"
             "for n in (0, 1, 7, 8, 9, 31, 32, 33, 4096, 65537):\n"
             "    for off in (0, 1, 3, 8):\n"
             "        b = buf[off:off + n]\n"
-            "        assert slotlog.crc32c(b) == crc32c.crc32c(b), (n, off)\n"
-            "        assert slotlog.crc32c(b, 0x1234567) == crc32c.crc32c(b, 0x1234567), (n, off)\n"
+            "        assert checksums.crc32c_native(b) == crc32c.crc32c(b), (n, off)\n"
+            "        assert checksums.crc32c_native(b, 0x1234567) == crc32c.crc32c(b, 0x1234567), (n, off)\n"
             "print('ok')\n")
     env = subprocess_env()
     if impl == "table":

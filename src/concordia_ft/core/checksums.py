@@ -16,8 +16,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from typing import Any
 
 import crc32c as _crc32c
+
+from ..errors import ConfigError
+
+try:  # the C extension of core/ (core/_slotlog.c); its CRC32C is core/_crc32c.h
+    from . import _slotlog as _native  # type: ignore[attr-defined]
+    _NATIVE_WHY = ""
+except ImportError as _e:  # no compiler at install time: the crc32c package does all the work
+    _native = None
+    _NATIVE_WHY = f"not built: {_e}"
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), bit-reflected
 _TOP = 1 << 31  # x^0 in the reflected representation
@@ -81,6 +91,39 @@ def crc32c(data: bytes | bytearray | memoryview, value: int = 0, *, release_gil:
     (worker threads), False = never (small buffers on the thread that holds the GIL anyway)."""
     mode = -1 if release_gil is None else int(release_gil)
     return int(_crc32c.crc32c(data, value, gil_release_mode=mode))
+
+
+def native_available() -> bool:
+    """True when the C extension (and with it ``crc32c_buffers``) is built."""
+    return _native is not None
+
+
+def native_status() -> str:
+    """One line: which CRC32C the C extension uses (the SSE4.2 instruction or a table), or why it is absent."""
+    return f"c (crc32c: {_native.crc_impl()})" if _native is not None else f"python ({_NATIVE_WHY})"
+
+
+def crc32c_buffers(buffers: Any, *, threads: int = 8, piece: int = 1 << 20, flags_address: int = 0,
+                   gates: Any = (), timeout_s: float = 2.0) -> list[int] | None:
+    """CRC32C of each buffer, in one C call with the GIL released: the buffers are cut into ``piece``-byte
+    pieces that ``threads`` threads (the caller's included) checksum, and each buffer's pieces are combined.
+
+    ``gates`` (buffer index, end offset, flag index, tag): bytes of that buffer below ``end`` are only read once
+    the 32-bit host word ``flags_address[flag]`` equals ``tag`` (a DMA still landing: the GPU's stream writes the
+    word after each chunk), so the checksum runs while the copy is in flight. None when a gate did not open
+    within ``timeout_s`` (then wait for the copies and call again without gates)."""
+    if _native is None:
+        raise ConfigError(f"the C extension is {_NATIVE_WHY}; build it with scripts/build_ext.sh")
+    out = _native.crc32c_buffers(list(buffers), int(threads), int(piece), int(flags_address),
+                                 [tuple(int(x) for x in g) for g in gates], int(timeout_s * 1e9))
+    return None if out is None else [int(c) for c in out]
+
+
+def crc32c_native(data: Any, value: int = 0) -> int:
+    """The C extension's CRC32C of ``data`` (the one its writer stores; tests compare it with ``crc32c``)."""
+    if _native is None:
+        raise ConfigError(f"the C extension is {_NATIVE_WHY}; build it with scripts/build_ext.sh")
+    return int(_native.crc32c(data, value))
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import CheckpointError, ConfigError, LogCorruptError, LogError, LogLockedError
+from .checksums import crc32c_buffers, crc32c_parallel, native_available, native_status
 from .epochs import RecordCache, assemble_epoch, layout_epoch, plan_epoch
 from .format import SEGMENT_BASE, SEGMENT_HEADER_BYTES, SEGMENT_INCR, SegmentHeader
 from .manifest import SEGMENT_RE, DirSyncError, Manifest, fsync_dir, store_manifest
@@ -48,6 +49,8 @@ log = logging.getLogger("concordia_ft.log")
 
 FSYNC_POLICIES = ("always", "interval", "never")
 LEASE_FSYNC = {"never": 0, "always": 1, "interval": 2}  # TailLease.fsync: the C writer's FSYNC_* (core/_slotlog.c)
+# the failure kinds a lessee reports to ``end_lease`` (the C writer's ERR_*)
+LEASE_ERR_SLOT, LEASE_ERR_WRITE, LEASE_ERR_SYNC = 1, 2, 3
 LOCK_NAME = "LOCK"
 
 
@@ -744,27 +747,21 @@ class RecoveryLog:
             gates.extend((b, end, word, tag) for end, word, tag in g)
         if not gates:
             return None
-        from . import slotlog
-
-        if not slotlog.native_crc_available():
+        if not native_available():
             return None
-        return slotlog.crc32c_buffers(views, threads=min(8, os.cpu_count() or 1), flags_address=addr, gates=gates)
+        return crc32c_buffers(views, threads=min(8, os.cpu_count() or 1), flags_address=addr, gates=gates)
 
     def _placed_crcs(self, payloads: list[Any]) -> list[int]:
         """CRC32C of each placed payload: in C with the GIL released once (``placed_crc``), else the pool."""
         impl = self.options.placed_crc
         if impl != "python":
-            from . import slotlog
-
-            if slotlog.native_crc_available():
-                out = slotlog.crc32c_buffers(payloads, threads=min(8, os.cpu_count() or 1))
+            if native_available():
+                out = crc32c_buffers(payloads, threads=min(8, os.cpu_count() or 1))
                 assert out is not None  # no gates: it never gives up
                 return out
             if impl == "c":
-                raise ConfigError(f"placed_crc='c', but the C extension is {slotlog.status()}; build it "
+                raise ConfigError(f"placed_crc='c', but the C extension is {native_status()}; build it "
                                   "(scripts/build_ext.sh) or use placed_crc='auto'")
-        from .checksums import crc32c_parallel
-
         pool = self._crc_workers()
         return [crc32c_parallel(p, pool) for p in payloads]
 
@@ -923,11 +920,9 @@ class RecoveryLog:
         self._lease_done.notify_all()
 
     def _lessee_failure(self, kind: int, errnum: int, text: str, start: int, number: int) -> CheckpointError:
-        from . import slotlog
-
         cause = f"{text} failed: {_describe(OSError(errnum, os.strerror(errnum)))}" if errnum else text
         seg = self._segment
-        if kind == slotlog.ERR_WRITE and not isinstance(seg, MappedSegment):  # as _write_epoch: cut the epoch's
+        if kind == LEASE_ERR_WRITE and not isinstance(seg, MappedSegment):  # as _write_epoch: cut the epoch's
             try:  # bytes back; its number stays free (into a mapping the C writer fails only before it stores)
                 seg.cut(start)
             except OSError as e2:
@@ -937,7 +932,7 @@ class RecoveryLog:
             self._synced_end = start
             self._durable_epoch = self.last_epoch
             return self._error(number, f"{cause}; its bytes were cut back to offset {start}")
-        if kind == slotlog.ERR_SYNC:  # a failed sync of returned epochs: what the disk holds is unknown
+        if kind == LEASE_ERR_SYNC:  # a failed sync of returned epochs: what the disk holds is unknown
             first = (self._durable_epoch or 0) + 1
             return self._error(number, self._mark_failed(first, (
                 f"{cause}; epochs {first} to {self.last_epoch} were written but may not be on disk")))

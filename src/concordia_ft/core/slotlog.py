@@ -43,8 +43,6 @@ except ImportError as _e:  # no compiler at install time: the Python writer runs
 
 # hole kinds of the metadata template (the C writer's HOLE_*)
 HOLE_N_TOKENS, HOLE_N_NEW, HOLE_DONE, HOLE_LENGTH, HOLE_TIME = range(5)
-# error kinds (the C writer's ERR_*)
-ERR_SLOT, ERR_WRITE, ERR_SYNC = 1, 2, 3
 RUN_STOPPED, RUN_ROLL, RUN_FAILED = 0, 1, 2
 # sentinels: 19-digit numbers no session metadata holds (checked: each must occur exactly as often as expected)
 SENTINELS = {k: 7_391_046_582_000_000_000 + k for k in range(5)}
@@ -63,34 +61,6 @@ def status() -> str:
     if not available():
         return "python (CONCORDIA_SLOTLOG_IMPL=python)"
     return f"c (crc32c: {_slotlog.crc_impl()})"
-
-
-def native_crc_available() -> bool:
-    """True when the C extension (and with it ``crc32c_buffers``) is built."""
-    return _slotlog is not None
-
-
-def crc32c_buffers(buffers: Any, *, threads: int = 8, piece: int = 1 << 20, flags_address: int = 0,
-                   gates: Any = (), timeout_s: float = 2.0) -> list[int] | None:
-    """CRC32C of each buffer, in one C call with the GIL released: the buffers are cut into ``piece``-byte
-    pieces that ``threads`` threads (the caller's included) checksum, and each buffer's pieces are combined.
-
-    ``gates`` (buffer index, end offset, flag index, tag): bytes of that buffer below ``end`` are only read once
-    the 32-bit host word ``flags_address[flag]`` equals ``tag`` (a DMA still landing: the GPU's stream writes the
-    word after each chunk), so the checksum runs while the copy is in flight. None when a gate did not open
-    within ``timeout_s`` (then wait for the copies and call again without gates)."""
-    if _slotlog is None:
-        raise ConfigError(f"the C extension is {status()}")
-    out = _slotlog.crc32c_buffers(list(buffers), int(threads), int(piece), int(flags_address),
-                                  [tuple(int(x) for x in g) for g in gates], int(timeout_s * 1e9))
-    return None if out is None else [int(c) for c in out]
-
-
-def crc32c(data: Any, value: int = 0) -> int:
-    """The C writer's CRC32C (tests compare it with the crc32c package)."""
-    if _slotlog is None:
-        raise ConfigError(f"the C token-epoch writer is {_WHY}; build it with scripts/build_ext.sh")
-    return int(_slotlog.crc32c(data, value))
 
 
 def meta_template(doc: Any, counts: Mapping[int, int]) -> tuple[list[bytes], list[int]] | None:
@@ -352,5 +322,5 @@ class StepLogWriter(SlotLogWriter):
         return True
 
 
-__all__ = ["SENTINELS", "SlotLogWriter", "StepLogWriter", "available", "crc32c", "crc32c_buffers", "meta_record",
-           "meta_template", "native_crc_available", "pages_record", "rows_record", "status", "step_blob"]
+__all__ = ["SENTINELS", "SlotLogWriter", "StepLogWriter", "available", "meta_record",
+           "meta_template", "pages_record", "rows_record", "status", "step_blob"]
