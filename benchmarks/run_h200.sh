@@ -2,7 +2,7 @@
 # The GPU half of the project on one lent H200: GPU tests and the benchmarks, results stamped and written to
 # ${OUT:-benchmarks/results}. The machine's image has torch/triton/cuda-bindings/transformers/peft but not
 # crc32c: a crc32c wheel in .whl/ (ignored by git) is installed first when present.
-#   bash benchmarks/run_h200.sh tests executor sm_share delta llm[:decode,recovery,lora] serve[:throughput,recovery] lora_probe dist dist_bench instrument interposer graph_epochs
+#   bash benchmarks/run_h200.sh tests executor sm_share delta llm[:decode,recovery,lora] serve[:throughput,recovery] dist dist_bench instrument interposer graph_epochs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
@@ -32,7 +32,6 @@ for part in "$@"; do
     instrument) python3 -m pytest tests/gpu/test_instrument_pause_gpu.py tests/gpu/test_instrument_interposer_gpu.py -q -p no:cacheprovider 2>&1 | tail -30
        [ -n "${SKIP_PAUSE_BENCH:-}" ] || python3 benchmarks/bench_pause.py --out-dir "$out" 2>&1 | tail -40 ;;
     interposer) python3 benchmarks/bench_interposer.py --out-dir "$out" ${INTERPOSER_ARGS:-} 2>&1 | tail -40 ;;
-    lora_probe) python3 benchmarks/probe_lora_async_profile.py 2>&1 | grep -v -i warn | tail -80 ;;
     *) echo "unknown part $part"; rc=2 ;;
   esac
   [ "${PIPESTATUS[0]}" -ne 0 ] && rc=1

@@ -1,6 +1,6 @@
 """CPU CI: the block gate (a Compute Sanitizer tool) builds with a C compiler and the nvidia-cuda-sanitizer-api
 wheel, its patch module with nvcc, both entry paths start it, and the control block Python writes has the
-layout the device callback reads. What the patches do on a GPU: benchmarks/bench_blockgate.py and
+layout the device callback reads. What the patches do on a GPU: experiments/bench_blockgate.py and
 instrument/DESIGN.md section 8."""
 
 from __future__ import annotations

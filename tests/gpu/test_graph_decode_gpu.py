@@ -42,7 +42,7 @@ def test_graph_decode_is_token_exact_and_logs_the_arena(shm: Path, size: str) ->
     """graph == the eager Session loop, token for token, and the two logs are byte-equal; each log holds exactly
     the live arena's bytes. cuDNN SDPA stays ENABLED in torch here: the Session's default ``sdpa="reproducible"``
     keeps its steps off cuDNN attention (torch's pick for the Qwen3-0.6B shape on the H200, which is not
-    run-to-run reproducible: two eager runs disagreed from token ~15, benchmarks/probe_graph_exact.py)."""
+    run-to-run reproducible: two eager runs disagreed from token ~15, experiments/probe_graph_exact.py)."""
     assert torch.backends.cuda.cudnn_sdp_enabled()
     _exact(shm, size)
 
