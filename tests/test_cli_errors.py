@@ -119,6 +119,8 @@ def test_bench_plot_skips_a_results_file_it_cannot_read(tmp_path: Path) -> None:
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     (tmp_path / "pyproject.toml").write_text("")
     (tmp_path / "benchmarks" / "results" / "broken.json").write_text("{not json")
+    plot = Path(__file__).resolve().parents[1] / "benchmarks" / "plot.py"
+    (tmp_path / "benchmarks" / "plot.py").write_bytes(plot.read_bytes())
     r = concordia("bench", "--plot", "--root", str(tmp_path))
     assert r.returncode == 1
     line = one_line(r)
