@@ -48,26 +48,25 @@ class RecoveryOptions:
     prefault: int = 0
     # threads mapping the log's segments into the process while the log is opened (ReplayOptions.populate), so a
     # streamed restore's copy threads take no first-touch page faults; 0: none. Off by default: on the H200 host
-    # 8 of them took 0.25 s for 15-19 GB and stretched the open from ~0.1 to 0.28 s (serve/DESIGN.md, session 12)
+    # 8 of them took 0.25 s for 15-19 GB and stretched the open from ~0.1 to 0.28 s (serve/DESIGN.md, Recovery)
     populate: int = 0
     # streamed restores: a registrar thread makes the log's own pages DMA-able (cuMemHostRegister, read-only) from
     # the end of the plan backwards, and the chunks it reaches first go to the device straight from the log, their
     # bytes crossing host memory once instead of three times (core/streamed.py run_streamed(register=True));
     # "first": every such chunk registered before the stream starts (the direct path alone). Off: on the H200
     # (driver 580) the driver serialises each registration against the stream's DMA submissions, and the 8B
-    # restore took 2.2 s instead of 1.2 (serve/DESIGN.md, session 12)
+    # restore took 2.2 s instead of 1.2 (serve/DESIGN.md, Recovery)
     register_log: bool | str = False
     # the streamed restore's chunk loop: "python" (the default: the Python-driven loop, 16 copy threads), "c" (the
     # chunk loop in C with the GIL released, core/_streamloop.c; refused where it is not built), "auto" (C where
-    # built, else Python). Python is the default by measurement: on the H200 (session 11, two runs, 64 x 2k
-    # tokens at Qwen3-8B dims) its first token came at 0.84 / 1.12 s vs the C loop's 0.92 / 1.67 s
-    # (serve/DESIGN.md, "Session 11").
+    # built, else Python). Python is the default by measurement: on the H200 (64 x 2k tokens at Qwen3-8B dims)
+    # its first token came at 0.84 / 1.12 s vs the C loop's 0.92 / 1.67 s in two runs (serve/DESIGN.md, Recovery)
     stream_loop: str = "python"
     # streamed restores: the copy threads write the ring's slots with streaming (non-temporal) stores instead of
     # memcpy, so the host's memory is not read for the slot lines each fill overwrites (glibc's memcpy streams only
     # above ~150 MiB on the H200 host, and a fill copies at most a 16 MiB slot). None (the default): on where the
-    # C extension is built; True: required (ConfigError where it is not). On the H200 (session 13, 5 rounds) the
-    # copy phase reached 37.2 GB/s vs 34.7 with memcpy at Qwen3-8B dims, 35.9 vs 33.4 at 0.6B (serve/DESIGN.md)
+    # C extension is built; True: required (ConfigError where it is not). On the H200 (5 rounds) the copy phase
+    # reached 37.2 GB/s vs 34.7 with memcpy at Qwen3-8B dims, 35.9 vs 33.4 at 0.6B (serve/DESIGN.md, Recovery)
     nontemporal: bool | None = None
     # streamed restores to a GPU: a pinned mirror of the log (cuda/mirror.py), held by the log's keeper process,
     # that the chunks of one run are DMA'd from instead of through the ring (no host copy). None/False: none;

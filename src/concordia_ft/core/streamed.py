@@ -15,8 +15,8 @@ every byte into it, then a DMA of the whole image. A streamed restore never buil
    when the chunk's pages are one run) and tells when the slot may be refilled. Fills, DMA and scatter overlap.
    With the C extension (``_streamloop.c``) built and a sink that offers ``c_target``, the whole chunk loop
    can run in C with the GIL released (copy pthreads, the hand-over on the calling thread: ``loop="c"``, or
-   ``"auto"`` where built); the Python loop below is the default (``loop="python"``: it was as fast or faster
-   on the H200, serve/DESIGN.md "Session 11"), the fallback and the reference.
+   ``"auto"`` where built); the Python loop below is the default (``loop="python"``: as fast or faster on the
+   H200, serve/DESIGN.md "Recovery"), the fallback and the reference.
 
 Verification: either the caller streams from a replay whose pass 1 verified every payload's checksum (at the
 Runtime's open), or the plan carries the region's deferred checks (``ReplayOptions.defer``): each record's

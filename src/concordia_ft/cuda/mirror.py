@@ -6,7 +6,7 @@ mapped segment, written into a pinned ring, read again by the DMA): 34-38 GB/s o
 GB/s of pinned host-to-device (serve/DESIGN.md). Registering the tmpfs pages for DMA in the new process runs at
 8-16 GB/s. Memory from the driver's virtual memory API on the host (``cuMemCreate`` with a host NUMA location)
 is pinned from birth, can be exported as a POSIX file descriptor, and lives as long as any descriptor does
-(benchmarks/probe_host_vmm.py, results/host_vmm-h200*.json: the writer SIGKILLed, a fresh process imports 8 GiB
+(experiments/probe_host_vmm.py, experiments/results/host_vmm-h200.json: the writer SIGKILLed, a fresh process imports 8 GiB
 in 0.3 ms, maps it for the device in 0.07 s, and DMAs from it at 55.3 GB/s, the pinned rate).
 
 The pieces:

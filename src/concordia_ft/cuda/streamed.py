@@ -29,7 +29,7 @@ The ring is ``cuMemHostAlloc`` memory (~0.1 s to page-lock 256 MiB on the H200 h
 is built, and freed on a helper thread after the last transfer (``close``). ``prefetch_ring`` page-locks it on
 a helper thread while the log is opened instead (``EngineOptions.prefetch_ring``): off by default, because on
 the H200 host that stretched the open by more than it hid, with the driver's allocation (GIL released) as with
-torch's pinned allocator in session 6 (serve/DESIGN.md, session 12).
+torch's pinned allocator (serve/DESIGN.md, "Recovery").
 """
 
 from __future__ import annotations

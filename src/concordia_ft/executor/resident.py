@@ -167,8 +167,8 @@ class ExecutorOptions:
     threads: int = RESIDENT_THREADS  # the resident block; the wide kernels always run DEFAULT_THREADS
     # exit after this long without a task (the next submit relaunches it). Short on purpose: while resident the
     # block holds one SM, and cuBLAS's persistent GEMMs (grid = 132 CTAs in 2-CTA clusters) lose 0-24 % to that
-    # (benchmarks/results/resident_cost-h200.json); exiting 1 ms after a burst of tasks keeps GEMM phases whole
-    # (sm_share-h200.json, duty-cycle rows) at the price of one relaunch for the first task after a quiet spell.
+    # (experiments/results/resident_cost-h200.json); exiting 1 ms after a burst of tasks keeps GEMM phases whole
+    # (benchmarks/results/sm_share-h200.json, duty-cycle rows) at the price of one relaunch for the first task after a quiet spell.
     idle_timeout_ms: float = 1.0
     lease_ms: float = 1000.0  # exit at a task boundary after this long resident, busy or not
     poll_sleep_ns: int = 0  # __nanosleep between polls (0: spin)

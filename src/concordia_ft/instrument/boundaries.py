@@ -6,8 +6,8 @@ functional/compiled code) and, optionally, named extern ops (``aten::mm`` etc.).
 ``ignore_compile_internals() == True``: Dynamo compiles frames while it is active (a mode without that makes
 Dynamo skip the frame, and the frame then stays eager even after the mode exits), and at run time the mode
 sees only the dispatcher calls the compiled artifact makes: collectives and extern kernels, exactly the
-boundaries, not the fused kernels between them (../../../shared research, section 4; measured per op in
-benchmarks/bench_boundaries.py).
+boundaries, not the fused kernels between them (tests/test_instrument_boundaries.py checks both; the cost per
+op: benchmarks/results/boundaries-cpu.json).
 """
 
 from __future__ import annotations

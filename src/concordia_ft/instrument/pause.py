@@ -430,10 +430,10 @@ class GpuPauseTrigger:
 
     The launch's stream is gated on the trigger: ``arm`` enqueues a stream wait there (``cuStreamWaitValue32``)
     that the trigger releases once it runs, so the watched kernel cannot fill the GPU first and leave the
-    trigger's block waiting for an SM until most of its grid was dispatched (session 8: a pause meant for 3/4
-    of a 262,144-block softmax landed after the grid drained). The trigger block has one thread per sample (1024
-    by default), so a scan is one memory round trip: with 128 threads (8 samples each) the pause meant for the
-    middle of a 35 us layer landed after it (session 11)."""
+    trigger's block waiting for an SM until most of its grid was dispatched (ungated, a pause meant for 3/4 of a
+    262,144-block softmax landed after the grid drained). The trigger block has one thread per sample (1024 by
+    default), so a scan is one memory round trip: with 128 threads (8 samples each) the pause meant for the
+    middle of a 35 us layer landed after it (instrument/DESIGN.md, "Pausing from the GPU")."""
 
     def __init__(self, device: int | None = None) -> None:
         from ..cuda import nvrtc
@@ -480,7 +480,7 @@ class GpuPauseTrigger:
         if getattr(launch, "protocol", 4) == 5 or watch is not None:
             # no done bits (protocol 5): watch the first word each block writes, every step-th block (at most
             # max_samples words, one per thread of the trigger: a scan costs about one memory round trip, so the
-            # pause lands close to the count; batch 1 of session 8 sampled 32768 and landed too late)
+            # pause lands close to the count; sampling 32768 words, it landed too late)
             if watch is None or words_per_block < 1:
                 raise InstrumentError("a protocol-5 launch has no done bits to count: pass watch= (the output "
                                       "tensor, filled with `sentinel` before the launch) and words_per_block= "

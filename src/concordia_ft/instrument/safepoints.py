@@ -118,14 +118,14 @@ class SafepointOptions:
     # With a deferred vote: only the block's leader waits at entry for the control pointer (to issue its two
     # reads); every other thread issues the pointer's load and first uses it at the vote, so no warp but the
     # leader's waits at entry, and a disarmed launch skips an inserted vote barrier (DESIGN.md §1).
-    lazy_entry: bool = False  # measured (§6c): no better than the plain deferred entry; kept as an option
+    lazy_entry: bool = False  # measured (DESIGN.md §6): no better than the plain deferred entry
     # With a deferred vote: entry only issues the control pointer's load; the leader's two reads and the vote
     # happen at the vote site, skipped as a whole (a block-uniform branch on the pointer) by a disarmed launch.
-    # Nothing waits for the probe at entry; an armed block waits one L2 round trip at the vote instead. The
-    # default since session 7: cheapest disarmed on the H200 (decode kernels: ~0.1 us left of ~0.3 us), armed
-    # ~2 points dearer than without it on the 8x512 layer (DESIGN.md §6c); takes precedence over lazy_entry.
+    # Nothing waits for the probe at entry; an armed block waits one L2 round trip at the vote instead. On by
+    # default: cheapest disarmed on the H200 (decode kernels: ~0.1 us left of ~0.3 us), armed ~2 points dearer
+    # than without it on the 8x512 layer (DESIGN.md §6); takes precedence over lazy_entry.
     late_reads: bool = True
-    # 5: "record on pause" (the default since session 8): no done bits, no exit probes, no per-call memset;
+    # 5: "record on pause" (the default): no done bits, no exit probes, no per-call memset;
     # the leader reads one 64-bit header word (pause, mode) at the vote and a paused block records itself.
     # 4: done bits set at every block's exit (kept for comparison). Barrier probes need protocol 4.
     protocol: int = 5
@@ -135,20 +135,20 @@ class SafepointOptions:
     early_header: bool = False
     # Protocol 5: treat stmatrix (a synchronous warp store to shared memory) as what it is when placing the vote,
     # so kernels that use it before their first barrier (Inductor's RMSNorm+rope kernels at 8x512) vote at that
-    # barrier instead of at entry. Protocol 4 always treats it as asynchronous (its code unchanged). Off by
-    # default since session 11 (with const_ctl and entry_header: armed +1.5% on the 8x512 layer, DESIGN.md §6e;
-    # +9 registers on the RMSNorm+rope kernels).
+    # barrier instead of at entry. Protocol 4 always treats it as asynchronous (its code unchanged). On by
+    # default (with const_ctl and entry_header: armed +1.5% on the 8x512 layer, DESIGN.md §6; it costs +9
+    # registers on the RMSNorm+rope kernels).
     stmatrix_sync: bool = True
     # Protocol 5: the control pointer lives in the module's constant bank (`.const`, written by the host with a
     # plain copy when arming, as cudaMemcpyToSymbol does) instead of global memory, so every thread's load of
     # it is a constant-cache hit that the kernel's own streaming loads cannot evict from L1 (DESIGN.md §1.0).
     # Protocol 4 writes its pointers from the stream per launch (cuStreamWriteValue64): global memory only, so
-    # protocol 4 ignores it (and entry_header, early_header, stmatrix_sync). Default since session 11.
+    # protocol 4 ignores it (and entry_header, early_header, stmatrix_sync). On by default.
     const_ctl: bool = True
     # Protocol 5: the leader issues its header load at block entry, right after the control pointer's load, so
     # the one L2 round trip of an armed block overlaps all of the kernel's work before the vote (with
     # ``const_ctl`` the pointer itself is a constant-cache hit, so only the leader's warp waits for it, briefly).
-    # Takes precedence over ``early_header``. Default since session 11.
+    # Takes precedence over ``early_header``. On by default.
     entry_header: bool = True
     # Protocol 5: the leader's rare path (a pause or a resume: reading and rewriting its block's record) is placed
     # after the kernel's last instruction and reached by a branch, so the normal path between the header test and
@@ -162,10 +162,10 @@ class SafepointOptions:
     # goes on; only a warp that saw one waits there for every warp's decision. If any warp ran, the block runs
     # whole (unrecorded, as a block that passed the vote does); if none did, the leader decides for the block
     # (``v5_decide``) as before. So in the normal path no warp waits for another (the inserted barrier made
-    # every warp of silu*mul wait for the slowest one's loads: +2.7 us of 17.3, DESIGN.md §6e), and the block's
-    # outcome and its record are what the block vote gives. Off: measured slower on the H200 (session 13: silu*mul
-    # armed 24.7 us vs 20.0 with the block vote; every warp reads the one header line, so its L2 slice queues the
-    # requests; DESIGN.md §6g).
+    # every warp of silu*mul wait for the slowest one's loads: +2.7 us of 17.3, DESIGN.md §6), and the block's
+    # outcome and its record are what the block vote gives. Off: measured slower on the H200 (silu*mul armed
+    # 24.7 us vs 20.0 with the block vote; every warp reads the one header line, so its L2 slice queues the
+    # requests; DESIGN.md §6).
     warp_vote: bool = False
     # Protocol 5: the header's address (0: disarmed) comes in the kernel's last parameter, the pointer Triton 3.6
     # passes every kernel for profile scratch memory and fills per launch from its profile allocator
@@ -177,12 +177,12 @@ class SafepointOptions:
     # whose header it got). A CUDA graph freezes the parameter at capture: an arena captured that way is kept for
     # the process's life. ``triton_hook`` applies it where Triton passes that parameter and no profiler uses it,
     # and turns Inductor's static launcher off (it passes no such parameter). The records' pointer is then a
-    # ``.global``: a module ``.const`` costs every launch +0.10 us on the H200 even unread (DESIGN.md §6i). Off
-    # here (the rewriter knows nothing of the launcher); ``triton_hook.install()`` turns it on by default since
-    # session 16: CUDA-graph replays of the compiled Qwen3 layer armed +0.2-1.8% at every shape, against
-    # +1.7-4.3% with the constant-bank pointer. Each eager launch goes through Triton's Python launcher and our
-    # allocator (host-bound: slower than the constant-bank pointer in 8 of 10 comparisons, by 2-15 points), and a
-    # CUDA graph captured disarmed stays plain (§6h).
+    # ``.global``: a module ``.const`` costs every launch +0.10 us on the H200 even unread (DESIGN.md §6). Off
+    # here (the rewriter knows nothing of the launcher); ``triton_hook.install()`` turns it on by default:
+    # CUDA-graph replays of the compiled Qwen3 layer armed +0.2-1.8% at every shape, against +1.7-4.3% with the
+    # constant-bank pointer. Each eager launch goes through Triton's Python launcher and our allocator
+    # (host-bound: slower than the constant-bank pointer in 8 of 10 comparisons, by 2-15 points), and a CUDA
+    # graph captured disarmed stays plain (DESIGN.md §6).
     header_arg: bool = False
     # Protocol 5: the header read (pause, mode) as a relaxed load at GPU scope (``ld.relaxed.gpu``, SASS
     # ``LDG.E.64.STRONG.GPU``) instead of a volatile one (system scope, ``STRONG.SYS``). Every pause and resume
@@ -1047,7 +1047,7 @@ def rewrite_ptx(ptx: str, options: SafepointOptions | dict[str, object] | None =
         hp = p.header_param  # header_arg: the parameter carrying the header's address
         # Protocol 4 writes the pointer from the stream (global memory only). With header_arg the pointer is read
         # on the rare path alone, and a module with a .const variable pays at every launch of its kernels even
-        # where no instruction reads it (+0.10 us per launch on the H200, probe_vote_cost.py, DESIGN.md §6i):
+        # where no instruction reads it (+0.10 us per launch on the H200, DESIGN.md §6):
         # only const_ctl's entry read is worth that.
         space = ".const" if opts.const_ctl and opts.protocol == 5 and not hp else ".global"
         before.setdefault(k.header_start, []).extend(

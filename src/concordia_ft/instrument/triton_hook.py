@@ -2,8 +2,8 @@
 
 ``install()`` wraps the ``ptx`` stage through ``triton.knobs.runtime.add_stages_inspection_hook`` so every
 kernel compiled afterwards in this process gets its safe points before ptxas sees it. Triton 3.6 does not fold
-the hook into its cache key (../../../shared research: ``get_cache_key`` has no hook term, and a disk-cache
-hit returns before the hook runs), so ``install()`` also points Triton at a cache directory of its own: an
+the hook into its cache key (its ``get_cache_key`` has no term for it, and a disk-cache hit returns before the
+hook runs), so ``install()`` also points Triton at a cache directory of its own: an
 instrumented cubin never lands under an uninstrumented key and the other way round. Inductor compiles in
 worker processes unless ``TORCHINDUCTOR_COMPILE_THREADS=1``; the environment this sets reaches them only for
 the cache directory, so compile in-process while instrumenting.
@@ -53,7 +53,7 @@ def install(options: SafepointOptions | None = None, *, cache_dir: str | os.Path
 
     ``options`` None: ``SafepointOptions(header_arg=True)``, the header's address in each kernel's profile-scratch
     parameter and nothing in the module's constant bank (a kernel whose metadata has no free profile-scratch
-    parameter, as under Proton, gets the constant-bank pointer instead). Measured on the H200 (DESIGN.md §6i),
+    parameter, as under Proton, gets the constant-bank pointer instead). Measured on the H200 (DESIGN.md §6),
     CUDA graphs of a compiled Qwen3 layer: armed +0.2 to +1.8% where the constant-bank pointer costs +2.1 to
     +4.3%. Pass ``SafepointOptions()`` for the constant-bank pointer everywhere.
 
