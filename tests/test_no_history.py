@@ -25,7 +25,6 @@ ALLOWED = {
     "core/DESIGN.md",
     "cuda/DESIGN.md",
     "executor/DESIGN.md",
-    "instrument/DESIGN.md",
 }
 
 
