@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from concordia_ft.cli.main import describe_error, guarded
+from concordia_ft.cli.output import describe_error, guarded
 from concordia_ft.core.segment import is_tmpfs
 from concordia_ft.errors import ConfigError, LogError
 from support import subprocess_env

@@ -68,10 +68,10 @@ def _kept(log: Path) -> dict[str, bytes]:
 def _committed(path: Path) -> bytes:
     """The segment file's bytes up to the end of its last committed epoch (the replay's own walk)."""
     from concordia_ft.core.format import SEGMENT_HEADER_BYTES
-    from concordia_ft.core.replay import _walk
+    from concordia_ft.core.replay import walk_segment
 
     data = path.read_bytes()
-    epochs, _ = _walk(memoryview(data), SEGMENT_HEADER_BYTES)
+    epochs, _ = walk_segment(memoryview(data), SEGMENT_HEADER_BYTES)
     end = epochs[-1].offset + epochs[-1].total_bytes if epochs else SEGMENT_HEADER_BYTES
     return data[:end]
 

@@ -1,6 +1,6 @@
 """Recovery: what a replayed log hands back (``Recovered``), ``recover()`` in any process, and the checks a
 restore makes before it copies anything (``plan_restore``). ``Runtime.recover_into`` restores registered
-buffers with these; ``open_to_recover`` opens a log for a component that restores itself (Session, LoRA).
+buffers with these.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -19,9 +19,6 @@ from .core.options import coerce_options
 from .core.regions import RegionSpec
 from .core.replay import Outcome, RegionImage, ReplayOptions, ReplayResult, ReplayTimings, TailInfo, replay
 from .errors import ConfigError, RecoveryError
-
-if TYPE_CHECKING:
-    from .runtime import Runtime
 
 
 @dataclass(frozen=True)
@@ -174,28 +171,6 @@ def recover(log_dir: str | Path, *, verify: bool = True,
                             "Runtime wrote (it holds MANIFEST and *.cft segments)")
     opts = RecoveryOptions.coerce(options)
     return recovered(replay(path, verify_payloads=verify, options=opts.replay_options()), t0)
-
-
-def open_to_recover(log_dir: str | Path, key: str, what: str, *, fsync: str = "never", backend: str = "file",
-                    runtime_options: dict[str, Any] | None = None) -> tuple[Runtime, Any]:
-    """Open an existing log for a component that restores itself from it (a Session, a LoRA trainer).
-
-    Returns the Runtime (which has replayed and verified the log once) and the ``key`` section of the last
-    committed epoch's metadata. The caller registers its buffers and calls ``recover_into()``; it must close
-    the Runtime if it gives up."""
-    from .runtime import Runtime
-
-    if not Path(log_dir).is_dir():
-        raise RecoveryError(f"no log at {log_dir}: the directory does not exist")
-    # a component goes on through a failed compaction (a CompactionWarning), as its constructor does
-    rt = Runtime(str(log_dir), fsync=fsync, backend=backend, **{"on_compaction_error": "warn", **(runtime_options or {})})
-    section = (rt.opened_meta or {}).get(key) if isinstance(rt.opened_meta, dict) else None
-    if section is None:
-        epoch = rt.epoch
-        rt.close()
-        raise RecoveryError(f"the last epoch ({epoch}) in {log_dir} holds no {what} metadata; was this log "
-                            f"written by {what}?" if epoch is not None else f"{log_dir} holds no committed epoch")
-    return rt, section
 
 
 def plan_restore(logged: Mapping[str, RegionSpec], registered: Mapping[str, RegionSpec],

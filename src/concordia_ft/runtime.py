@@ -47,13 +47,13 @@ from .errors import (
     CompactionWarning,
     ConfigError,
     LogCorruptError,
+    RecoveryError,
     RegionError,
 )
 from .recovery import (
     Recovered,
     RecoveryOptions,
     check_epoch,
-    open_to_recover,
     plan_restore,
     recover,
     recovered,
@@ -630,9 +630,10 @@ class Runtime:
                         or self._compaction_unreported is not None or self.log.lease_wanted
                         or self.log.failed is not None)
 
-    def _count_appended(self, nbytes: int, epochs: int) -> None:
-        """Epochs appended to this runtime's log by someone else (graph decode's token-epoch writer): their
-        bytes count toward ``compact_after_bytes`` like the runtime's own, and may start a compaction now."""
+    def count_appended(self, nbytes: int, epochs: int) -> None:
+        """Report ``epochs`` epochs of ``nbytes`` that another writer appended to this runtime's log (a leased
+        tail: graph decode's or the engine's token-epoch writer): they count toward ``compact_after_bytes``
+        like the runtime's own, and may start a compaction now."""
         if epochs > 0:
             self._appended_since_compact += int(nbytes)
             self._maybe_compact()
@@ -709,3 +710,23 @@ class Runtime:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def open_to_recover(log_dir: str | Path, key: str, what: str, *, fsync: str = "never", backend: str = "file",
+                    runtime_options: dict[str, Any] | None = None) -> tuple[Runtime, Any]:
+    """Open an existing log for a component that restores itself from it (a Session, a LoRA trainer).
+
+    Returns the Runtime (which has replayed and verified the log once) and the ``key`` section of the last
+    committed epoch's metadata. The caller registers its buffers and calls ``recover_into()``; it must close
+    the Runtime if it gives up."""
+    if not Path(log_dir).is_dir():
+        raise RecoveryError(f"no log at {log_dir}: the directory does not exist")
+    # a component goes on through a failed compaction (a CompactionWarning), as its constructor does
+    rt = Runtime(str(log_dir), fsync=fsync, backend=backend, **{"on_compaction_error": "warn", **(runtime_options or {})})
+    section = (rt.opened_meta or {}).get(key) if isinstance(rt.opened_meta, dict) else None
+    if section is None:
+        epoch = rt.epoch
+        rt.close()
+        raise RecoveryError(f"the last epoch ({epoch}) in {log_dir} holds no {what} metadata; was this log "
+                            f"written by {what}?" if epoch is not None else f"{log_dir} holds no committed epoch")
+    return rt, section

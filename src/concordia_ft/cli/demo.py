@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .output import guarded
+
 TURNS = (
     "You are a planning agent. List three steps to make a cup of tea, briefly.",
     "Good. Now explain in two sentences why the water must boil first.",
@@ -405,8 +407,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .main import guarded
-
     p = argparse.ArgumentParser(prog="concordia demo")
     add_arguments(p)
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)

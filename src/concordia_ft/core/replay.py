@@ -66,7 +66,7 @@ from .snapshot import RegionPages, region_pages
 from .streamed import DeferredCheck, StreamedPlan, first_bad_deferred, plan_streamed, populate_read
 
 __all__ = ["DeferredCheck", "EpochSummary", "Outcome", "PendingImages", "RegionImage", "ReplayOptions", "ReplayResult",
-           "ReplayTimings", "TailInfo", "replay"]
+           "ReplayTimings", "TailInfo", "replay", "walk_segment"]
 
 
 @dataclass(frozen=True)
@@ -704,7 +704,7 @@ def _replay_segment(st: _State, result: ReplayResult, seg: _Segment, manifest: M
     if header.kind == SEGMENT_BASE and not seg.first:
         raise LogCorruptError(path, 0, "a base segment appears after the first position in the manifest")
     result.end_segment, result.end_offset = seg.name, SEGMENT_HEADER_BYTES
-    epochs, stop = _walk(buf, SEGMENT_HEADER_BYTES)
+    epochs, stop = walk_segment(buf, SEGMENT_HEADER_BYTES)
     bad: tuple[int, str] | None = None  # (index in epochs, reason) of the first payload that fails its checksum
     deferred: dict[int, list[int]] = {}  # epoch index -> records whose checksum is deferred (opts.defer)
     if verify:
@@ -742,7 +742,8 @@ def _replay_segment(st: _State, result: ReplayResult, seg: _Segment, manifest: M
         _stop(st, result, seg, pos, exc)
 
 
-def _walk(buf: memoryview, pos: int) -> tuple[list[DecodedEpoch], tuple[int, EpochTail | NewerFormatError] | None]:
+def walk_segment(buf: memoryview, pos: int
+                 ) -> tuple[list[DecodedEpoch], tuple[int, EpochTail | NewerFormatError] | None]:
     """Every epoch whose structure checks (header, descriptors, commit marker; payloads NOT checksummed),
     from ``pos`` until the end of the segment or the first one that does not: (its offset, why)."""
     epochs: list[DecodedEpoch] = []

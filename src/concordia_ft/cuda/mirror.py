@@ -40,6 +40,7 @@ import numpy as np
 from ..core.format import SEGMENT_HEADER_BYTES
 from ..core.keeper import Entry, KeeperClient, KeeperError, ensure_keeper
 from ..core.manifest import load_manifest
+from ..core.replay import walk_segment
 from ..errors import DeviceError
 from . import driver
 
@@ -235,8 +236,6 @@ class LogMirror:
             _log.warning("pinned log mirror stopped: %s (the log is unaffected; a restart restores from it)", e)
 
     def _once(self) -> bool:
-        from ..core.replay import _walk
-
         man = load_manifest(self.log_dir)
         if man is None:
             return False
@@ -249,7 +248,7 @@ class LogMirror:
                 if seg is None:
                     continue
                 progressed = True
-            epochs, stop = _walk(seg.view, seg.walked)
+            epochs, stop = walk_segment(seg.view, seg.walked)
             if epochs:
                 seg.walked = epochs[-1].offset + epochs[-1].total_bytes
             del epochs, stop  # views into the mapping (the stop's exception holds the walk's frame)

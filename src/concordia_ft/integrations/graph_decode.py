@@ -523,7 +523,7 @@ class GraphDecoder:
             s.cache.mark_clean(lengths)  # every row up to here is in the log (the flags were never set)
             s._tokens_marked = s.n_tokens
             # the token epochs count toward the runtime's compaction threshold like its own appends
-            s.runtime._count_appended(sum(stats.epoch_bytes) - n_bytes0, stats.epochs - n_epochs0)
+            s.runtime.count_appended(sum(stats.epoch_bytes) - n_bytes0, stats.epochs - n_epochs0)
         if on_token is not None and unshown:
             for t in unshown:
                 on_token(t)

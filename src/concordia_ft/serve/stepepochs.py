@@ -539,7 +539,7 @@ class StepEpochs:
         st = w.state()
         rt = self.eng.runtime
         if rt is not None:
-            rt._count_appended(int(st["bytes_written"]) - self.bytes0, int(st["epochs"]) - self.epochs0)
+            rt.count_appended(int(st["bytes_written"]) - self.bytes0, int(st["epochs"]) - self.epochs0)
         self.bytes0, self.epochs0 = int(st["bytes_written"]), int(st["epochs"])
         if reset:
             self._bytes_seen = 0
