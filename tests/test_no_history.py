@@ -21,10 +21,6 @@ ALLOWED = {
     "serve/DESIGN.md",
     "distributed/DESIGN.md",
     "integrations/LLM.md",
-    # being rewritten as design + facts by this session's docs pass
-    "core/DESIGN.md",
-    "cuda/DESIGN.md",
-    "executor/DESIGN.md",
 }
 
 
