@@ -696,9 +696,9 @@ class LaunchExecutor:
 
 # Work a single resident block handles itself; above this a full-width launch wins. Measured on the H200
 # (benchmarks/results/executor-h200.json): the ring beats eager PyTorch up to N = 65,536 float32 (256 KiB per
-# operand) and loses at 262,144; one block scans ~55 GB/s, so a 1 MiB page diff takes 34 us on the ring vs
-# 17 us through a plain full-width launch. Full width: a plain launch beat the pre-armed launch on this box
-# (NOP trigger->done 15 us vs 36 us, 256 MiB scan 158 us vs 181 us: the armed path pays a stream-ordered
+# operand) and loses at 262,144; one block scans ~35-70 GB/s, so a 1 MiB page diff takes 30 us on the ring vs
+# 20 us through a plain full-width launch. Full width: a plain launch beat the pre-armed launch on the H200
+# (NOP trigger->done 20 us vs 36 us, 256 MiB scan 169 us vs 190 us: the armed path pays a stream-ordered
 # descriptor copy and the stream wait's wake-up), so the default for recurring full-width work is "launch";
 # ``prefer_armed=True`` keeps the GPU-initiated path (no host launch) selectable.
 RING_MAX_BYTES = 256 << 10
