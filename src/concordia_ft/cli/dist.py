@@ -3,6 +3,7 @@ with ranks killed on purpose, repaired in place from standbys; prints the result
 
     concordia dist run --world 4 --steps 60 --hot 1 --kill 1@20 --kill 3@40
     concordia dist run --workload tp_decode --world 2 --steps 16 --warm 1 --chaos 5
+    concordia dist run --workload mytrain:MyLoop --world 4 --steps 100     # your own loop (README)
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     p = sub.add_parser("dist", help="run a distributed job with rank failures repaired without a restart")
     s = p.add_subparsers(dest="dist_cmd", required=True)
     r = s.add_parser("run", help="run a job (a coordinator + ranks + standbys) and report its repairs")
-    r.add_argument("--workload", default="dp_lora", choices=("dp_lora", "tp_decode"))
+    r.add_argument("--workload", default="dp_lora", metavar="NAME",
+                   help="dp_lora, tp_decode, replica_serve, or MODULE:NAME of your own loop (README)")
     r.add_argument("--world", type=int, default=4)
     r.add_argument("--steps", type=int, default=40)
     r.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
@@ -49,17 +51,21 @@ def run(args: argparse.Namespace) -> int:
     failed: 1, torch missing: 2 with the extra to install)."""
     c = console()
     from ..distributed import DistOptions, run_job
-    from ..distributed.timeline import recovery_phases
+    from ..distributed.timeline import load_faults, recovery_phases
+    from ..distributed.workload import validate
 
     kills = _kills(args.kill)
     bad = [k["rank"] for k in kills if not 0 <= k["rank"] < args.world]
     if bad:
         raise ConfigError(f"--kill names rank {bad[0]}, but the world has ranks 0..{args.world - 1}")
+    if args.chaos < 0:
+        raise ConfigError(f"--chaos {args.chaos}: the number of random kills must be >= 0")
     opts = DistOptions(workload=args.workload, world=args.world, steps=args.steps, backend=args.backend,
                        device="cuda:0" if args.backend == "nccl" else "cpu", heartbeat_ms=args.heartbeat_ms,
                        on_failure="restart" if args.restart else "repair",
                        standby={"hot": args.hot, "warm": args.warm}, kills=tuple(kills),
                        chaos={"kills": args.chaos, "seed": 0} if args.chaos else {})
+    validate(opts)  # refused with its cause before a directory or a process exists
     job_dir = Path(args.job_dir) if args.job_dir else Path(tempfile.mkdtemp(prefix="concordia-dist-"))
     c.print(f"job in {job_dir}: {args.workload}, {args.world} ranks, {args.backend}")
     r = run_job(job_dir, opts)
@@ -67,10 +73,20 @@ def run(args: argparse.Namespace) -> int:
     shown = res.get("losses") or res.get("tokens")
     c.print(f"done in {r.wall_s:.1f} s, {len(r.repairs)} repair(s), {r.kills} kill(s); result digest "
             f"{res['digest'][:16]}; last values {shown[-4:] if shown else ''}")
-    for p in recovery_phases(r.repairs, r.timings, r.events):
-        c.print(f"  gen {p['gen']} ({p['standby']}): detection {_ms(p['detection_ms'])}, abort {_ms(p['abort_ms'])}, "
-                f"restore {_ms(p['restore_ms'])}, rebuild {_ms(p['rebuild_ms'])}, first step "
-                f"{_ms(p['first_step_ms'])}, total {_ms(p['total_ms'])}")
+    if r.coordinator_restarts:
+        c.print(f"the coordinator was started again {r.coordinator_restarts} time(s) after it died")
+    for p in recovery_phases(r.repairs, r.timings, r.events, load_faults(job_dir)):
+        line = (f"  gen {p['gen']} {p['failure']} ({p['standby']}, sent by {p['sent_by']}): detection "
+                f"{_ms(p['detection_ms'])}, decide {_ms(p['decide_ms'])}")
+        if p["note"]:
+            line += f"; {p['note']}"
+        else:
+            line += (f", abort {_ms(p['abort_ms'])}, start {_ms(p['start_ms'])}, restore {_ms(p['restore_ms'])}, "
+                     f"rebuild {_ms(p['rebuild_ms'])}, first step {_ms(p['first_step_ms'])}, total "
+                     f"{_ms(p['total_ms'] if p['total_ms'] is not None else None)}"
+                     + ("" if p["total_ms"] is not None else
+                        f" (detection to first step {_ms(p['detect_to_first_step_ms'])})"))
+        c.print(line)
     return 0
 
 

@@ -1,7 +1,8 @@
 """The coordinator: a process outside the ranks that holds the store, the commit log and the standbys.
 
-``python -m concordia_ft.distributed.coordinator --job-dir D [--resume]`` (``launch.run_job`` starts it).
-It owns (DESIGN.md §2):
+``python -m concordia_ft.distributed.coordinator --job-dir D`` (``launch.run_job`` starts it, and starts it
+again on the same directory whenever it dies; any supervisor can do the same: exit 0 is done, 2 is a job
+that failed, anything else (a signal, the OOM killer) means "start me again"). It owns (DESIGN.md §2):
 
 - the ``TCPStore`` server every rank and standby connects to (never in a rank: the store survives any rank);
 - the commit log (``epochs.CommitLog``): a cut is committed when every member's prepare is in the store;
@@ -35,9 +36,19 @@ import torch.distributed as dist
 
 from . import protocol as P
 from .epochs import CommitLog
-from .health import Beat, FailureKind, Timeouts, Verdict, classify_report, classify_silence, plan_timeouts
+from .health import (
+    Beat,
+    FailureKind,
+    Timeouts,
+    Verdict,
+    classify_report,
+    classify_silence,
+    classify_stopped,
+    classify_wedged,
+    plan_timeouts,
+)
 from .options import DistOptions
-from .workloads import FINAL_UNKNOWN, REPLICATED, total_steps
+from .workload import FINAL_UNKNOWN, job_final_cut, resolve
 
 WORKER = "concordia_ft.distributed.worker"
 
@@ -62,7 +73,7 @@ class JobFailed(Exception):
 
 
 class Coordinator:
-    def __init__(self, job_dir: Path, opts: DistOptions, *, resume: bool) -> None:
+    def __init__(self, job_dir: Path, opts: DistOptions) -> None:
         self.job_dir, self.opts = job_dir, opts
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=30))
@@ -70,11 +81,12 @@ class Coordinator:
         (job_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.events = open(job_dir / "events.jsonl", "a", buffering=1)
         self.commits = CommitLog(job_dir / "coord", fsync=opts.fsync)
-        self.final_cut = total_steps(opts.workload, opts.steps, dict(opts.workload_args))
+        self.final_cut = job_final_cut(opts)
         if self.commits.final:  # a replicated job's last cut is known once it is committed
             self.final_cut = self.commits.cut
         # survivors of a replicated job serve on through a repair (plan extra "partial", DESIGN.md §5b)
-        self.partial = opts.workload in REPLICATED and opts.partial_service and opts.on_failure == "repair"
+        self.partial = (bool(getattr(resolve(opts.workload), "replicated", False)) and opts.partial_service
+                        and opts.on_failure == "repair")
         self.sel = selectors.DefaultSelector()
         self.children: dict[str, Child] = {}
         self.hot: list[str] = []
@@ -83,6 +95,8 @@ class Coordinator:
         self.gen = self.commits.gen + 1
         self.incarnation = sum(1 for _ in (job_dir / "coord").glob("incarnation.*"))
         (job_dir / "coord" / f"incarnation.{self.incarnation}").touch()
+        (job_dir / "coord" / "pid").write_text(str(os.getpid()))
+        self.resume = self.incarnation > 0  # a coordinator started again on the job's directory resumes it
         self.n_spawned = 0
         self.errors_seen = 0
         self.pending: list[tuple[dict[str, str], int]] = []
@@ -93,13 +107,30 @@ class Coordinator:
         self.kills_done = 0
         self.dead_in_gen: list[int] = []
         self.gen_committed = False
+        self.stopped: dict[str, int] = {}  # wid -> when the kernel first showed it stopped
+        self.held_final = False  # every member prepared the final cut, its commit held for a kill still due
         rng_seed = int(opts.chaos.get("seed", 0)) + 7919 * self.incarnation
         self.rng = random.Random(rng_seed)
         self.next_chaos_ns = self._chaos_delay() if opts.chaos else None
-        self.kill_queue = list(opts.kills)
-        self.resume = resume
+        # kills an earlier incarnation already sent are not sent again (events.jsonl says which)
+        sent = self._earlier_kills()
+        self.kill_queue = list(opts.kills)[sent.count("scheduled"):]
+        self.chaos_done = sent.count("chaos")
 
     # --------------------------------------------------------------------------------------- helpers
+    def _earlier_kills(self) -> list[str]:
+        """The ``why`` of every kill an earlier incarnation of this job's coordinator sent."""
+        path = self.job_dir / "events.jsonl"
+        out = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                e = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by the kill of the coordinator that wrote it
+            if e.get("event") == "kill" and e.get("inc", 0) < self.incarnation:
+                out.append(str(e.get("why")))
+        return out
+
     def event(self, what: str, **kw: Any) -> None:
         self.events.write(json.dumps({"event": what, "t_ns": time.monotonic_ns(), "gen": self.gen,
                                       "inc": self.incarnation, **kw}) + "\n")
@@ -177,7 +208,7 @@ class Coordinator:
         cut = self.commits.cut
         if cut >= 0:
             self.store.set(P.commit_key(cut), "1")
-        self.event("start", cut=cut, resume=self.resume, final_cut=self.final_cut, port=self.port)
+        self.event("start", cut=cut, resume=self.resume, final_cut=self.final_cut, port=self.port, pid=os.getpid())
         if cut >= self.final_cut:
             self.event("already-done", cut=cut)
         for _ in range(self.opts.standby.hot):
@@ -276,16 +307,23 @@ class Coordinator:
         if line.strip() == b"ready":
             c.ready = True
 
+    def _prepared(self) -> bool:
+        """Every member of this generation has prepared the next cut."""
+        nxt = self.commits.cut + 1
+        return nxt <= self.final_cut and self.store.check([P.prep_key(self.gen, nxt, r)
+                                                          for r in range(self.opts.world)])
+
     def _check_commit(self) -> None:
         nxt = self.commits.cut + 1
-        if nxt > self.final_cut:
+        if not self._prepared():
             return
         keys = [P.prep_key(self.gen, nxt, r) for r in range(self.opts.world)]
-        if not self.store.check(keys):
-            return
         final = nxt == self.final_cut
         if self.final_cut == FINAL_UNKNOWN:  # replicated: the first cut where no rank has work left is the last
             final = all(self.store.get(k).split(b",")[1] == b"0" for k in keys)
+        if final and self._kills_due():
+            self.held_final = True  # the job does not end with a kill it was asked for unsent: sent first
+            return
         ms = self.commits.commit(nxt, self.gen, final=final)
         if final:
             self.final_cut = nxt
@@ -328,24 +366,47 @@ class Coordinator:
         return plan_timeouts(self.slowest_ms[-64:], self.opts)
 
     def _check_beats(self, now: int) -> None:
+        """Hangs, told from slow peers: a member the kernel shows stopped (certain, within ``stopped_ms``); a
+        member whose heartbeat stopped; a member that computes (not waiting on its peers) for longer than the
+        progress timeout; or every member waiting in a collective at once (the communicator: REBUILD)."""
+        t = self._timeouts()
         for rank, wid in enumerate(self.members):
-            key = P.hb_key(wid)
-            if not self.store.check([key]):
-                continue
-            raw = self.store.get(key)
-            old = self.beats.get(wid)
-            if old is None or old[0] != raw:
-                beat = Beat.decode(raw)
-                self.beats[wid] = (raw, now, beat)
-                if beat.slowest_step_ms > 0:
-                    self.slowest_ms.append(beat.slowest_step_ms)
-                continue
-            _, seen, beat = old
-            v = classify_silence(rank, beat, seen, now, self._timeouts())
+            v = self._stopped(rank, wid, now, t)
+            if v is None:
+                v = self._silent(rank, wid, now, t)
             if v is not None:
                 self.event("detect", rank=rank, wid=wid, kind=v.kind.value, detail=v.detail, t_detect_ns=now)
                 self._replace([rank], v, now, kill=True)
                 return
+        if self.beats and all(w in self.beats for w in self.members):
+            v = classify_wedged([self.beats[w][2] for w in self.members], now, t)
+            if v is not None:
+                self.event("detect", rank=-1, kind=v.kind.value, detail=v.detail, t_detect_ns=now)
+                self._rebuild(v, now)
+
+    def _stopped(self, rank: int, wid: str, now: int, t: Timeouts) -> Verdict | None:
+        c = self.children.get(wid)
+        state = _proc_state(c.popen.pid) if c is not None and c.popen.returncode is None else ""
+        if state != "T":
+            self.stopped.pop(wid, None)
+            return None
+        since = self.stopped.setdefault(wid, now)
+        return classify_stopped(rank, state, since, now, t)
+
+    def _silent(self, rank: int, wid: str, now: int, t: Timeouts) -> Verdict | None:
+        key = P.hb_key(wid)
+        if not self.store.check([key]):
+            return None  # not up yet (a cold standby imports torch): its pidfd reports a death meanwhile
+        raw = self.store.get(key)
+        old = self.beats.get(wid)
+        if old is None or old[0] != raw:
+            beat = Beat.decode(raw)
+            self.beats[wid] = (raw, now, beat)
+            if beat.slowest_step_ms > 0:
+                self.slowest_ms.append(beat.slowest_step_ms)
+            return None
+        _, seen, beat = old
+        return classify_silence(rank, beat, seen, now, t)
 
     # ---------------------------------------------------------------------------------------- acting
     def _take_standby(self) -> tuple[str, str]:
@@ -372,6 +433,7 @@ class Coordinator:
         self.gen += 1
         self.dead_in_gen = []
         self.gen_committed = False
+        self.held_final = False
         self.pending = []
 
     def _replace(self, ranks: list[int], v: Verdict, t_detect: int, *, kill: bool = False,
@@ -383,6 +445,7 @@ class Coordinator:
             self._restart_all(v, t_detect)
             return
         self._bump()
+        failed_wids = [self.members[r] for r in ranks]
         kinds = {}
         for r in ranks:
             wid, kind = self._take_standby()
@@ -400,32 +463,38 @@ class Coordinator:
             elif kind == "warm":
                 c = self.children[wid]
                 assert c.popen.stdin is not None
-                c.popen.stdin.write(plan.encode().encode() + b"\n")
-                c.popen.stdin.flush()
+                try:
+                    c.popen.stdin.write(plan.encode().encode() + b"\n")
+                    c.popen.stdin.flush()
+                except BrokenPipeError:
+                    pass  # it died since it said ready: its pidfd reports a member's death, replaced again
             else:
                 self.spawn("rank", wid, plan)
             if kind in ("hot", "warm") and self.opts.standby.refill:
                 self.spawn(kind)
         rec = {"gen": self.gen, "cut": plan.cut, "kind": v.kind.value, "action": v.action.value,
                "ranks": ranks, "standby": {str(r): k for r, (_, k) in kinds.items()},
-               "replacement": {str(r): w for r, (w, _) in kinds.items()}, "t_detect_ns": t_detect,
+               "replacement": {str(r): w for r, (w, _) in kinds.items()}, "failed_wids": failed_wids,
+               "t_detect_ns": t_detect,
                "t_plan_ns": t_plan, "members": list(self.members), "mode": "repair",
                "partial": self.partial}
         self.repairs.append(rec)
         self.event("plan", **rec)
 
     def _rebuild(self, v: Verdict, t_detect: int) -> None:
+        failed_wids = [self.members[v.rank]] if 0 <= v.rank < len(self.members) else []
         self._bump()
         plan = P.Plan(self.gen, self.commits.cut, tuple(self.members), v.kind.value, {"detail": v.detail})
         self.publish(plan)
         rec = {"gen": self.gen, "cut": plan.cut, "kind": v.kind.value, "action": v.action.value, "ranks": [],
                "t_detect_ns": t_detect, "t_plan_ns": time.monotonic_ns(), "members": list(self.members),
-               "mode": "rebuild"}
+               "failed_wids": failed_wids, "mode": "rebuild"}
         self.repairs.append(rec)
         self.event("plan", **rec)
 
     def _restart_all(self, v: Verdict, t_detect: int) -> None:
         """The baseline a user runs today: kill every rank, start new processes, restore, init the group."""
+        failed_wids = [self.members[v.rank]] if 0 <= v.rank < len(self.members) else []
         for wid in self.members:
             self._sigkill(wid)
         for wid in self.members:
@@ -443,7 +512,8 @@ class Coordinator:
         for wid in self.members:
             self.spawn("rank", wid, plan)
         rec = {"gen": self.gen, "cut": plan.cut, "kind": v.kind.value, "action": "restart-all",
-               "ranks": [v.rank], "standby": {}, "t_detect_ns": t_detect, "t_abort_end_ns": t_killed,
+               "ranks": [v.rank], "standby": {}, "failed_wids": failed_wids, "t_detect_ns": t_detect,
+               "t_abort_end_ns": t_killed,
                "t_plan_ns": t_plan, "members": list(self.members), "mode": "restart"}
         self.repairs.append(rec)
         self.event("plan", **rec)
@@ -455,19 +525,28 @@ class Coordinator:
 
     def _scheduled_kills(self, now: int) -> None:
         if self.next_chaos_ns is not None and now >= self.next_chaos_ns:
-            if self.kills_done < int(self.opts.chaos.get("kills", 0)) and self.commits.cut < self.final_cut:
+            if self.chaos_done < int(self.opts.chaos.get("kills", 0)) and self.commits.cut < self.final_cut:
                 rank = self.rng.randrange(self.opts.world)
+                self.chaos_done += 1
                 self._kill_member(rank, "chaos")
                 self.next_chaos_ns = self._chaos_delay()
             else:
                 self.next_chaos_ns = None
-        if self.kill_queue and self.commits.cut >= int(self.kill_queue[0]["after_cut"]) and self._settled():
+        # a replicated job's end is not known up front: a kill after a cut it ends before is sent at its end
+        due = self.kill_queue and (self.commits.cut >= int(self.kill_queue[0]["after_cut"]) or self.held_final)
+        if due and self._settled():
             k = self.kill_queue.pop(0)
             self._kill_member(int(k["rank"]), "scheduled")
 
+    def _kills_due(self) -> bool:
+        """A scheduled kill, or a chaos kill, that has not been sent yet."""
+        return bool(self.kill_queue) or (bool(self.opts.chaos)
+                                         and self.chaos_done < int(self.opts.chaos.get("kills", 0)))
+
     def _settled(self) -> bool:
-        """The last repair is over (a commit in this generation) and the preferred standby is ready."""
-        if not self.gen_committed:
+        """The last repair is over (a commit in this generation, or every member prepared the next cut) and
+        the preferred standby is ready."""
+        if not self.gen_committed and not self._prepared():
             return False
         first = self.opts.standby.order[0]
         if first == "hot" and self.opts.standby.hot:
@@ -508,17 +587,25 @@ class Coordinator:
 from .health import Action  # noqa: E402
 
 ACTION_REPLACE = Action.REPLACE
+
+
+def _proc_state(pid: int) -> str:
+    """The kernel's one-letter state of a process (R, S, D, T stopped, t traced, Z zombie; "" gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return ""
+    return stat[stat.rindex(b")") + 2:stat.rindex(b")") + 3].decode()
 ACTION_REBUILD = Action.REBUILD
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="concordia_ft.distributed.coordinator")
     ap.add_argument("--job-dir", required=True)
-    ap.add_argument("--resume", action="store_true")
     a = ap.parse_args(argv)
     job_dir = Path(a.job_dir)
     opts = DistOptions.from_json((job_dir / "options.json").read_text())
-    coord = Coordinator(job_dir, opts, resume=a.resume)
+    coord = Coordinator(job_dir, opts)
     signal.signal(signal.SIGTERM, lambda *_: (coord.shutdown(), os._exit(143)))
     try:
         return coord.run()

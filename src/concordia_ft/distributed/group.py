@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from . import protocol as P
 from .health import Beat
+from .timeline import stamp_fault
 
 _GRAVEYARD: list[Any] = []  # abandoned groups: never destroyed while one of their collectives may still run
 
@@ -62,6 +64,7 @@ class Watch:
         self.step = -1
         self.in_step = False
         self.step_started_ns = 0
+        self.waiting_ns = 0  # when the collective this process is blocked in was issued (0: not in one)
         self.recent_ms: list[float] = []
         self.lost: str | None = None  # the store went away (the coordinator died)
         self._stop = threading.Event()
@@ -73,7 +76,7 @@ class Watch:
     def beat(self) -> None:
         now = time.monotonic_ns()
         self.store.set(P.hb_key(self.wid), Beat(now, self.step, self.in_step, self.step_started_ns,
-                                                          max(self.recent_ms, default=0.0)).encode())
+                                                max(self.recent_ms, default=0.0), self.waiting_ns).encode())
         if self.store.check([P.GEN]):
             g = int(self.store.get(P.GEN))
             if g != self.gen:
@@ -113,16 +116,19 @@ class FaultInjector:
     before its epoch is appended), ``prepared`` (the epoch durable, its store record not yet published),
     ``uncommitted`` (published, the commit not yet seen), ``rebuild`` (inside the next group's construction),
     ``restore`` (a replacement opening the dead rank's log), ``step`` (local compute). Each fault fires once per
-    job: the store's ``fired/<i>`` counter decides, so a replacement does not repeat its predecessor's death.
+    job, also across replacements and coordinator restarts: the first process to create ``faults/fired.<i>`` in
+    the job directory fires it. Before it fires, the fault is stamped in ``faults.jsonl`` (``stamp_fault``), so
+    its repair's phases are measured from the moment it happened.
 
     ``action``: ``kill`` (SIGKILL, the default), ``stop`` (SIGSTOP: a hung process, heartbeats stop),
     ``error`` (point ``collective`` only: the collective's result is replaced by an error, as a broken link
     gives, while the peers' halves stay in flight), ``cuda`` (the step raises the error torch raises after an
     illegal address, CUDA error 700: sticky)."""
 
-    def __init__(self, faults: list[dict[str, Any]], store: Any) -> None:
+    def __init__(self, faults: list[dict[str, Any]], job_dir: Path, wid: str) -> None:
         self.faults = faults
-        self.store = store
+        self.job_dir = job_dir
+        self.wid = wid
         self.rank = -1
         self.gen = 0
 
@@ -135,16 +141,26 @@ class FaultInjector:
                 continue
             if "min_gen" in f and self.gen < int(f["min_gen"]):
                 continue
-            if self.store.add(P.fired_key(i), 1) != 1:
+            if not _claim(self.job_dir / "faults" / f"fired.{i}"):
                 continue
-            action = f.get("action", "kill")
+            action = str(f.get("action", "kill"))
+            stamp_fault(self.job_dir, self.wid, f"{action} at {point} of cut {cut}", by=f"rank {self.rank}")
             if action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif action == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
-                return str(action)
+                return action
         return None
+
+
+def _claim(path: Path) -> bool:
+    path.parent.mkdir(exist_ok=True)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        return True
+    except FileExistsError:
+        return False
 
 
 def build_group(backend: str, store: Any, gen: int, rank: int, world: int, timeout_ms: int,
@@ -250,9 +266,18 @@ class FaultTolerantGroup:
         return cut
 
     def _await(self, work: Any, what: str) -> None:
-        if self.backend == "nccl":
-            self._await_nccl(work, what)
-            return
+        """Wait for a collective, in slices; the heartbeat says this process is waiting on its peers (so a
+        peer's hang is never blamed on it: health.classify_silence)."""
+        self.watch.waiting_ns = time.monotonic_ns()
+        try:
+            if self.backend == "nccl":
+                self._await_nccl(work, what)
+            else:
+                self._await_gloo(work, what)
+        finally:
+            self.watch.waiting_ns = 0
+
+    def _await_gloo(self, work: Any, what: str) -> None:
         done = threading.Event()
         fut = work.get_future()
         fut.add_done_callback(lambda _f: done.set())

@@ -74,6 +74,7 @@ class Timeouts:
     heartbeat_timeout_ms: float
     progress_timeout_ms: float
     slowest_step_ms: float  # the measurement they came from (0: none yet)
+    stopped_ms: float = 100.0  # a process the kernel shows stopped this long is hung (no step time matters)
 
 
 def plan_timeouts(step_ms: Sequence[float], opts: DistOptions) -> Timeouts:
@@ -82,7 +83,8 @@ def plan_timeouts(step_ms: Sequence[float], opts: DistOptions) -> Timeouts:
     of the recent steps, never below ``min_progress_timeout_ms`` (before any step is measured, the floor)."""
     slowest = max(step_ms) if step_ms else 0.0
     return Timeouts(float(opts.heartbeat_ms * opts.heartbeat_misses),
-                    max(float(opts.min_progress_timeout_ms), opts.hang_factor * slowest), slowest)
+                    max(float(opts.min_progress_timeout_ms), opts.hang_factor * slowest), slowest,
+                    float(2 * opts.heartbeat_ms))
 
 
 @dataclass(frozen=True)
@@ -94,26 +96,29 @@ class Beat:
     in_step: bool
     step_started_ns: int
     slowest_step_ms: float = 0.0  # the slowest of the rank's recent steps (the timeouts' measurement)
+    waiting_ns: int = 0  # when the collective it is blocked in was issued (0: computing, not waiting on peers)
 
     def encode(self) -> bytes:
         return (f"{self.at_ns},{self.step},{int(self.in_step)},{self.step_started_ns},"
-                f"{self.slowest_step_ms:.3f}").encode()
+                f"{self.slowest_step_ms:.3f},{self.waiting_ns}").encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> Beat:
-        a, s, i, t, m = raw.decode().split(",")
-        return cls(int(a), int(s), i == "1", int(t), float(m))
+        a, s, i, t, m, w = raw.decode().split(",")
+        return cls(int(a), int(s), i == "1", int(t), float(m), int(w))
 
 
 def classify_silence(rank: int, beat: Beat | None, seen_ns: int, now_ns: int, t: Timeouts) -> Verdict | None:
     """A live pid that has gone quiet or stopped progressing, or None. ``seen_ns``: when the coordinator
-    last saw this beat change (so a clock offset between processes does not matter)."""
+    last saw this beat change (so a clock offset between processes does not matter). A rank blocked in a
+    collective is waiting on a peer, not hung itself: the progress timeout never blames it (the peer that is
+    stopped or stuck in its own compute is the one found; every rank waiting at once: ``classify_wedged``)."""
     quiet_ms = (now_ns - seen_ns) / 1e6
     if quiet_ms > t.heartbeat_timeout_ms:
         return Verdict(FailureKind.HANG, rank, Action.KILL_REPLACE,
                        f"rank {rank} sent no heartbeat for {quiet_ms:.0f} ms (timeout {t.heartbeat_timeout_ms:.0f}"
                        " ms): the process is stopped or wedged")
-    if beat is not None and beat.in_step:
+    if beat is not None and beat.in_step and not beat.waiting_ns:
         busy_ms = (beat.at_ns - beat.step_started_ns) / 1e6
         if busy_ms > t.progress_timeout_ms:
             return Verdict(FailureKind.HANG, rank, Action.KILL_REPLACE,
@@ -121,6 +126,33 @@ def classify_silence(rank: int, beat: Beat | None, seen_ns: int, now_ns: int, t:
                            f"{t.progress_timeout_ms:.0f} ms = max(floor, factor x slowest step "
                            f"{t.slowest_step_ms:.1f} ms))")
     return None
+
+
+def classify_stopped(rank: int, state: str, stopped_since_ns: int, now_ns: int, t: Timeouts) -> Verdict | None:
+    """A process the kernel reports stopped (``/proc/<pid>/stat`` state ``T``: SIGSTOP, SIGTSTP) for longer
+    than ``t.stopped_ms``: hung for certain, whatever its peers do (a slow process is never in that state)."""
+    if state != "T" or not stopped_since_ns:
+        return None
+    ms = (now_ns - stopped_since_ns) / 1e6
+    if ms < t.stopped_ms:
+        return None
+    return Verdict(FailureKind.HANG, rank, Action.KILL_REPLACE,
+                   f"rank {rank} is stopped (process state T for {ms:.0f} ms): SIGSTOP or a debugger")
+
+
+def classify_wedged(beats: Sequence[Beat | None], now_ns: int, t: Timeouts) -> Verdict | None:
+    """Every member alive, beating, and blocked in a collective for longer than the progress timeout: nobody
+    computes and nobody is stopped, so the communicator itself is stuck (a lost message, a wedged link):
+    REBUILD it with the same members."""
+    if not beats or any(b is None or not b.in_step or not b.waiting_ns for b in beats):
+        return None
+    oldest = min(b.waiting_ns for b in beats if b is not None)
+    waited_ms = (max(b.at_ns for b in beats if b is not None) - oldest) / 1e6
+    if waited_ms <= t.progress_timeout_ms:
+        return None
+    return Verdict(FailureKind.COLLECTIVE_ERROR, -1, Action.REBUILD,
+                   f"every rank has waited in a collective for {waited_ms:.0f} ms (timeout "
+                   f"{t.progress_timeout_ms:.0f} ms) with every process alive: the communicator is stuck")
 
 
 def classify_exception(e: BaseException) -> tuple[str, bool, str]:

@@ -1,9 +1,10 @@
-"""Start a distributed job and wait for it: the coordinator as a child process (restarted if it dies).
+"""Start a distributed job and wait for it: the coordinator as a child process, started again whenever it dies.
 
 ``run_job(job_dir, options)`` writes ``options.json``, starts the coordinator, and returns its
-``result.<incarnation>.json`` as a ``JobResult``. ``kill_coordinator_at_s`` (tests) SIGKILLs the
-coordinator that long after each start and starts it again with ``--resume``: its ranks die with it, the new
-one reads its commit log and starts fresh ranks from the committed cut.
+``result.<incarnation>.json`` documents as a ``JobResult``. A coordinator that dies of anything but its own
+verdict (exit 0: done, 2: failed) is started again on the same directory: it reads its commit log and the job
+resumes from the committed cut (DESIGN.md §2). A supervisor of the user's (systemd, Kubernetes) can run
+``python -m concordia_ft.distributed.coordinator --job-dir D`` the same way: restart it unless it exited 0 or 2.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ class JobResult:
     timings: dict[int, list[dict[str, Any]]]
     events: list[dict[str, Any]]
     kills: int
-    coordinator_kills: int
+    coordinator_restarts: int  # coordinators started again after they died (SIGKILL, OOM, a crash)
     job_dir: Path
     wall_s: float
     raw: list[dict[str, Any]] = field(default_factory=list)  # every incarnation's result document
@@ -60,73 +61,87 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _committed_in(events: Path, pos: int) -> tuple[int, int]:
-    """The newest cut committed in the events appended since ``pos``; and the new position."""
+def _committed(events: Path) -> int:
+    """The newest cut the job's coordinators have committed, from events.jsonl (-1: none)."""
     best = -1
     try:
-        with open(events, "rb") as f:
-            f.seek(pos)
-            data = f.read()
+        data = events.read_bytes()
     except OSError:
-        return best, pos
-    end = data.rfind(b"\n") + 1
-    for line in data[:end].splitlines():
-        e = json.loads(line)
-        if e["event"] == "commit":
+        return best
+    for line in data.splitlines():
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # torn by a coordinator killed while writing it
+        if e.get("event") == "commit":
             best = max(best, int(e["cut"]))
-    return best, pos + end
+    return best
+
+
+EXIT_DONE, EXIT_FAILED = 0, 2  # the coordinator's verdicts; any other exit (a signal, a crash) restarts it
+MAX_FRUITLESS_RESTARTS = 3  # coordinator deaths in a row with no cut committed in between: a crash loop
 
 
 def run_job(job_dir: str | Path, options: DistOptions | Mapping[str, Any], *,
-            kill_coordinator_at_s: Sequence[float] = (), kill_coordinator_after_cut: Sequence[int] = (),
             timeout_s: float | None = None) -> JobResult:
+    """Run the job in ``job_dir`` to its end and return its result. The coordinator is restarted on the same
+    directory whenever it dies of anything but its own verdict (SIGKILL from outside, the OOM killer, a
+    crash): the new one resumes the job from its commit log. An existing ``job_dir`` of the same job is
+    resumed the same way (calling ``run_job`` again after the launcher itself was killed). Bad input (an
+    unknown workload, a shape that does not fit the world, a kill that could never fire) raises
+    ``ConfigError`` before anything starts."""
+    from .workload import validate
+
     opts = DistOptions.coerce(options)
+    validate(opts)  # a job that cannot run is refused here, with the cause, before any process starts
     job_dir = Path(job_dir)
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "options.json").write_text(opts.to_json())
     t0 = time.monotonic()
     limit = timeout_s if timeout_s is not None else opts.job_timeout_s + 30
-    kills = list(kill_coordinator_at_s)
-    cut_kills = list(kill_coordinator_after_cut)
     events = job_dir / "events.jsonl"
-    pos = events.stat().st_size if events.exists() else 0
-    ck = 0
-    resume = False
+    restarts, fruitless = 0, 0
     while True:
+        before = _committed(events)
         cmd = [sys.executable, "-m", "concordia_ft.distributed.coordinator", "--job-dir", str(job_dir)]
-        if resume:
-            cmd.append("--resume")
         with open(job_dir / "coordinator.log", "ab") as log:
             p = subprocess.Popen(cmd, stdout=log, stderr=log, env=_env(), preexec_fn=_pdeathsig)
-        kill_at = time.monotonic() + kills.pop(0) if kills else None
-        kill_cut = cut_kills.pop(0) if cut_kills else None
-        while p.poll() is None:
-            if kill_cut is not None:
-                newest, pos = _committed_in(events, pos)
-                if newest >= kill_cut:
-                    kill_at = time.monotonic()
-            if kill_at is not None and time.monotonic() >= kill_at:
-                os.kill(p.pid, signal.SIGKILL)
-                p.wait()
-                ck += 1
-                break
-            if time.monotonic() - t0 > limit:
-                p.send_signal(signal.SIGTERM)
-                p.wait(30)
-                raise JobError(f"the job in {job_dir} did not finish in {limit:.0f} s; see coordinator.log, "
-                               "events.jsonl and logs/")
-            time.sleep(0.005)
-        if p.returncode == -signal.SIGKILL and kill_at is not None:
-            resume = True
-            continue
-        break
+        try:
+            rc = p.wait(max(0.0, limit - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGTERM)
+            p.wait(30)
+            raise JobError(f"the job in {job_dir} did not finish in {limit:.0f} s; see coordinator.log, "
+                           "events.jsonl and logs/") from None
+        if rc in (EXIT_DONE, EXIT_FAILED):
+            break
+        fruitless = fruitless + 1 if _committed(events) <= before else 0
+        if fruitless > MAX_FRUITLESS_RESTARTS:
+            raise JobError(f"the coordinator of {job_dir} died {fruitless} times in a row without committing a "
+                           f"cut (last exit {_exit_text(rc)}); see coordinator.log")
+        restarts += 1
     docs = [json.loads(f.read_text()) for f in sorted(job_dir.glob("result.*.json"))]
-    events = [json.loads(line) for line in (job_dir / "events.jsonl").read_text().splitlines() if line.strip()]
-    if not docs or p.returncode != 0:
-        reason = docs[-1]["reason"] if docs else f"the coordinator exited with {p.returncode}"
+    all_events = []
+    for line in events.read_text().splitlines():
+        try:
+            all_events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    mine = [d for d in docs if d.get("incarnation") is not None]
+    last = max(mine, key=lambda d: d["incarnation"]) if mine else None
+    if last is None or rc != EXIT_DONE:
+        reason = last["reason"] if last is not None and last.get("reason") else f"the coordinator exited with {rc}"
         raise JobError(f"the job in {job_dir} failed: {reason}; see coordinator.log, events.jsonl and logs/")
-    last = max(docs, key=lambda d: d["incarnation"])
     return JobResult(last["status"], {int(k): v for k, v in last["results"].items()},
                      [r for d in docs for r in d["repairs"]],
-                     {int(k): v for d in docs for k, v in d["timings"].items()}, events,
-                     sum(d["kills"] for d in docs), ck, job_dir, time.monotonic() - t0, docs)
+                     {int(k): v for d in docs for k, v in d["timings"].items()}, all_events,
+                     sum(d["kills"] for d in docs), restarts, job_dir, time.monotonic() - t0, docs)
+
+
+def _exit_text(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"signal {-rc}"
+    return f"code {rc}"

@@ -46,7 +46,8 @@ class StandbyOptions:
 class DistOptions:
     """One distributed job: its workload, its world, its detection and recovery knobs."""
 
-    workload: str = "dp_lora"  # dp_lora | tp_decode | replica_serve (workloads.py)
+    # a built-in (dp_lora | tp_decode | replica_serve), "module:Name", or the class / factory itself (workload.py)
+    workload: Any = "dp_lora"
     world: int = 4
     steps: int = 40  # training steps / tokens to decode
     seed: int = 1234
@@ -81,6 +82,9 @@ class DistOptions:
     chaos: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        from .workload import workload_path
+
+        object.__setattr__(self, "workload", workload_path(self.workload))
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
         if self.on_failure not in ON_FAILURE:
@@ -94,8 +98,15 @@ class DistOptions:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.backend == "nccl" and not self.device.startswith("cuda"):
             raise ConfigError("backend 'nccl' needs device='cuda:N'")
+        if self.max_rebuilds < 0 or self.job_timeout_s <= 0:
+            raise ConfigError(f"max_rebuilds must be >= 0 and job_timeout_s > 0, got {self.max_rebuilds}, "
+                              f"{self.job_timeout_s}")
         object.__setattr__(self, "faults", tuple(self.faults))
         object.__setattr__(self, "kills", tuple(self.kills))
+        for k in self.kills:
+            if not isinstance(k, Mapping) or set(k) != {"rank", "after_cut"}:
+                raise ConfigError(f"kill {k!r}: use {{'rank': R, 'after_cut': C}}")
+        _check_chaos(self.chaos)
         if isinstance(self.standby, Mapping):
             object.__setattr__(self, "standby", coerce_options(StandbyOptions, self.standby, "standby"))
 
@@ -111,3 +122,18 @@ class DistOptions:
         d = json.loads(text)
         d["standby"] = StandbyOptions(**{**d["standby"], "order": tuple(d["standby"]["order"])})
         return cls(**d)
+
+
+CHAOS_KEYS = {"kills": 0, "seed": 0, "min_delay_ms": 20.0, "max_delay_ms": 400.0}
+
+
+def _check_chaos(chaos: Mapping[str, Any]) -> None:
+    bad = set(chaos) - set(CHAOS_KEYS)
+    if bad:
+        raise ConfigError(f"chaos {sorted(bad)}: unknown; use {', '.join(CHAOS_KEYS)}")
+    kills = chaos.get("kills", 0)
+    if not isinstance(kills, int) or kills < 0:
+        raise ConfigError(f"chaos kills must be a count >= 0, got {kills!r}")
+    lo, hi = (float(chaos.get(k, CHAOS_KEYS[k])) for k in ("min_delay_ms", "max_delay_ms"))
+    if not 0 <= lo <= hi:
+        raise ConfigError(f"chaos delays: need 0 <= min_delay_ms <= max_delay_ms, got {lo} and {hi}")

@@ -40,7 +40,8 @@ from .epochs import RankEpochs  # noqa: E402
 from .group import FaultInjector, FaultTolerantGroup, Interrupted, Watch, build_group, connect_store  # noqa: E402
 from .health import classify_exception  # noqa: E402
 from .options import DistOptions  # noqa: E402
-from .workloads import Workload, make_workload, state_digest  # noqa: E402
+from .workload import Workload, build, job_final_cut  # noqa: E402
+from .workloads import state_digest  # noqa: E402
 
 EXIT_DONE, EXIT_ERROR, EXIT_COORDINATOR, EXIT_REPLACED = 0, 1, 3, 4
 
@@ -55,7 +56,8 @@ class Member:
         self.model_ms = model_ms
         self.store = connect_store(port)
         self.watch = Watch(port, wid, opts.heartbeat_ms)
-        self.faults = FaultInjector(list(opts.faults), self.store)
+        self.faults = FaultInjector(list(opts.faults), job_dir, wid)
+        self.steps = job_final_cut(opts)  # the job's last cut
         self.epochs: RankEpochs | None = None
         self.rank = -1
         self.group: FaultTolerantGroup | None = None
@@ -130,7 +132,7 @@ class Member:
         if self._replicated:
             return self._serve(plan)
         start = max(plan.cut, 0)
-        for step in range(start, self.wl.steps):
+        for step in range(start, self.steps):
             self.watch.set_step(step, True)
             if self.faults.hit("step", step) == "cuda":
                 raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
@@ -138,7 +140,7 @@ class Member:
             self.watch.set_step(step, False)
             if step == start:
                 self._publish_timing(plan.gen)
-        if start >= self.wl.steps:
+        if start >= self.steps:
             self._publish_timing(plan.gen)
         final = self.group.barrier_cut()
         self.group.wait_key(P.commit_key(final), f"the commit of the final cut {final}")
@@ -202,7 +204,7 @@ class Member:
             self.group.wait_key(P.commit_key(cut - 1), f"the commit of cut {cut - 1}")
         self.epochs.prepare(cut, before_append=lambda: self.faults.hit("prepare", cut))
         self.faults.hit("prepared", cut)
-        if cut == self.wl.steps:
+        if cut == self.steps:
             self.store.set(P.done_key(self.rank), json.dumps(self.wl.result()))
         record = f"{self.epochs.last_prepare_ms:.3f}"
         if self._replicated:
@@ -213,13 +215,20 @@ class Member:
     def _build(self, plan: P.Plan, *, serve: bool = False) -> Any:
         """The generation's group, built on a thread so that this one can leave if the generation moves
         (a member that died before joining would hold the rendezvous until the group's timeout). ``serve``
-        (a partial plan): this thread serves the rank's own requests until the rendezvous completes."""
+        (a partial plan): this thread serves the rank's own requests until the rendezvous completes.
+
+        The build talks to the store through a client of its own. A TCPStore client serves one request at a
+        time: while the rendezvous blocks in a ``get`` of a key the dead member never writes, every other call
+        on that client waits behind it (measured: a ``check`` on the same client returned only when the
+        blocked ``get`` timed out), so a shared client held the survivors' wait for the next plan for the
+        group's whole timeout (30 s). An abandoned build keeps its client; nobody else waits on it."""
         out: dict[str, Any] = {}
 
         def make() -> None:
             try:
                 self.faults.hit("rebuild", plan.cut)
-                out["pg"] = build_group(self.opts.backend, self.store, plan.gen, self.rank, plan.world,
+                store = connect_store(self.port)
+                out["pg"] = build_group(self.opts.backend, store, plan.gen, self.rank, plan.world,
                                         self.opts.collective_timeout_ms, self.opts.device)
             except Exception as e:  # noqa: BLE001 - reported as the generation's failure
                 out["error"] = e
@@ -294,8 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     if opts.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(opts.device))
     t0 = time.perf_counter()
-    wl = make_workload(opts.workload, seed=opts.seed, world=opts.world, steps=opts.steps, device=opts.device,
-                       args=dict(opts.workload_args))
+    wl = build(opts)
     model_ms = (time.perf_counter() - t0) * 1e3
     if a.role == "warm":
         print("ready", flush=True)

@@ -1,4 +1,5 @@
-"""The jobs the distributed runtime is tested and measured on: small real torch models, deterministic.
+"""The built-in workloads (small real torch models, deterministic), written against the same contract as
+your own loop (workload.py: ``Workload``); the distributed runtime is tested and measured on them.
 
 - ``dp_lora``: data-parallel LoRA-style training. A frozen 3-layer MLP (weights from the seed) with rank-r
   adapters A, B on each layer; every rank draws its own batch from (seed, rank, step); the adapter gradients
@@ -23,26 +24,13 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Protocol
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 from ..errors import ConfigError
-
-
-class Group(Protocol):
-    def allreduce(self, t: torch.Tensor) -> None: ...
-
-
-class Workload(Protocol):
-    collectives_per_step: int
-    steps: int
-
-    def bind(self, rank: int) -> None: ...
-    def state(self) -> dict[str, torch.Tensor]: ...
-    def initial_state(self) -> dict[str, torch.Tensor]: ...
-    def step(self, step: int, group: Group) -> None: ...
-    def result(self) -> dict[str, Any]: ...
+from .workload import Group, Workload
 
 
 def _gen(*key: int) -> torch.Generator:
@@ -59,7 +47,7 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-class DpLora:
+class DpLora(Workload):
     """Data-parallel LoRA-style training (see the module docstring)."""
 
     def __init__(self, *, seed: int, world: int, steps: int, device: str = "cpu", dim: int = 64,
@@ -136,13 +124,28 @@ class DpLora:
         return {"losses": [float(v) for v in self._state["losses"]], "digest": state_digest(self._state)}
 
 
-class TpDecode:
+class TpDecode(Workload):
     """Tensor-parallel greedy decode (see the module docstring). ``steps`` = new tokens."""
+
+    @classmethod
+    def final_cut(cls, steps: int, args: Mapping[str, Any]) -> int:
+        return int(args.get("prompt_len", 8)) - 1 + steps  # one step per position fed
+
+    @classmethod
+    def check(cls, world: int, steps: int, args: Mapping[str, Any]) -> None:
+        ffn, dim, heads = int(args.get("ffn", 256)), int(args.get("dim", 64)), int(args.get("heads", 4))
+        if ffn % world:
+            divisors = [w for w in range(1, ffn + 1) if ffn % w == 0 and w <= 64]
+            raise ConfigError(f"tp_decode: ffn={ffn} does not split over {world} ranks (the MLP is split by "
+                              f"columns); use a world in {divisors} or workload_args ffn divisible by {world}")
+        if heads < 1 or dim % heads:
+            raise ConfigError(f"tp_decode: dim={dim} does not split into heads={heads}")
+        if int(args.get("prompt_len", 8)) < 1:
+            raise ConfigError("tp_decode: prompt_len must be >= 1")
 
     def __init__(self, *, seed: int, world: int, steps: int, device: str = "cpu", vocab: int = 96,
                  dim: int = 64, heads: int = 4, layers: int = 2, ffn: int = 256, prompt_len: int = 8) -> None:
-        if ffn % world:
-            raise ConfigError(f"tp_decode: ffn={ffn} does not split over {world} ranks")
+        self.check(world, steps, {"ffn": ffn, "dim": dim, "heads": heads, "prompt_len": prompt_len})
         self.rank, self.world, self.device = -1, world, device
         self.new_tokens = steps
         self.prompt_len = prompt_len
@@ -218,16 +221,23 @@ class _OneRank:
         return None
 
 
-class ReplicaServe:
+class ReplicaServe(Workload):
     """Replicated serving (see the module docstring). ``steps`` = new tokens per request."""
 
     replicated = True
 
+    @classmethod
+    def check(cls, world: int, steps: int, args: Mapping[str, Any]) -> None:
+        requests, rt = int(args.get("requests", 3)), int(args.get("round_tokens", 4))
+        decode_ms = float(args.get("decode_ms", 0.0))
+        if requests < 1 or rt < 1 or decode_ms < 0:
+            raise ConfigError(f"replica_serve: requests={requests} and round_tokens={rt} must be >= 1, "
+                              f"decode_ms={decode_ms} >= 0")
+        TpDecode.check(1, steps, {**args, "prompt_len": args.get("prompt_len", 6)})
+
     def __init__(self, *, seed: int, world: int, steps: int, device: str = "cpu", requests: int = 3,
                  round_tokens: int = 4, decode_ms: float = 0.0, prompt_len: int = 6, **model: Any) -> None:
-        if requests < 1 or round_tokens < 1 or decode_ms < 0:
-            raise ConfigError(f"replica_serve: requests={requests} and round_tokens={round_tokens} must be >= 1, "
-                              f"decode_ms={decode_ms} >= 0")
+        self.check(world, steps, {"requests": requests, "round_tokens": round_tokens, "decode_ms": decode_ms})
         self.model = TpDecode(seed=seed, world=1, steps=steps, device=device, prompt_len=prompt_len, **model)
         self.model.bind(0)
         self.rank, self.world, self.seed = -1, world, seed
@@ -301,30 +311,3 @@ class ReplicaServe:
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + 1e-6)
-
-
-def total_steps(name: str, steps: int, args: dict[str, Any]) -> int:
-    """Steps of the job (= its final cut) without building the model (the coordinator's view)."""
-    if name == "tp_decode":
-        return int(args.get("prompt_len", 8)) - 1 + steps
-    if name in REPLICATED:
-        return FINAL_UNKNOWN
-    return steps
-
-
-FINAL_UNKNOWN = 1 << 62  # a replicated job's final cut: announced by the ranks when no work is left
-WORKLOADS = {"dp_lora": DpLora, "tp_decode": TpDecode, "replica_serve": ReplicaServe}
-REPLICATED = frozenset({"replica_serve"})  # ranks with independent states: survivors serve during a repair
-
-
-def make_workload(name: str, *, seed: int, world: int, steps: int, device: str,
-                  args: dict[str, Any]) -> Workload:
-    """Build the model (the standby's "model load"); ``bind(rank)`` later picks the rank's share."""
-    try:
-        cls = WORKLOADS[name]
-    except KeyError:
-        raise ConfigError(f"unknown workload {name!r}; use one of {', '.join(WORKLOADS)}") from None
-    try:
-        return cls(seed=seed, world=world, steps=steps, device=device, **args)  # type: ignore[no-any-return]
-    except TypeError as e:
-        raise ConfigError(f"workload {name}: bad argument ({e})") from None
