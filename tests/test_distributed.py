@@ -8,10 +8,15 @@ The pure parts (timeouts, classification, the two-slot prepare log, the commit l
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import signal
+import threading
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +31,8 @@ from concordia_ft.distributed.health import (
     classify_exception,
     classify_report,
     classify_silence,
+    classify_stopped,
+    classify_wedged,
     plan_timeouts,
 )
 from concordia_ft.distributed.timeline import load_stamps, recovery_phases, service_during_repairs
@@ -66,6 +73,25 @@ def test_silence_is_a_hang_after_its_timeout() -> None:
     v = classify_silence(1, busy, int(2.5e9), int(2.5e9), t)
     assert v is not None and "in step 3 for 2500 ms" in v.detail
     assert Beat.decode(busy.encode()) == busy
+    # the same time spent blocked in a collective is waiting on a peer: never this rank's hang
+    waiting = Beat(at_ns=int(2.5e9), step=3, in_step=True, step_started_ns=0, waiting_ns=int(1e8))
+    assert classify_silence(1, waiting, int(2.5e9), int(2.5e9), t) is None
+    assert Beat.decode(waiting.encode()) == waiting
+
+
+def test_a_stopped_peer_is_found_not_the_survivor_waiting_on_it() -> None:
+    t = plan_timeouts([10.0], DistOptions(heartbeat_ms=50))
+    assert t.stopped_ms == 100
+    assert classify_stopped(2, "S", 0, int(5e9), t) is None  # sleeping in a wait: alive
+    assert classify_stopped(2, "T", int(1e9), int(1e9 + 50e6), t) is None  # stopped 50 ms: not yet
+    v = classify_stopped(2, "T", int(1e9), int(1e9 + 150e6), t)
+    assert v is not None and v.kind is FailureKind.HANG and v.action is Action.KILL_REPLACE and "stopped" in v.detail
+    # every rank waiting in a collective past the progress timeout, all alive: the communicator, not a rank
+    w = [Beat(at_ns=int(3e9), step=4, in_step=True, step_started_ns=0, waiting_ns=int(5e8)) for _ in range(3)]
+    v = classify_wedged(w, int(3e9), t)
+    assert v is not None and v.kind is FailureKind.COLLECTIVE_ERROR and v.action is Action.REBUILD
+    computing = [*w[:2], Beat(at_ns=int(3e9), step=4, in_step=True, step_started_ns=0)]
+    assert classify_wedged(computing, int(3e9), t) is None  # one computes: its own progress timeout decides
 
 
 def test_collective_error_waits_for_a_death_to_explain_it() -> None:
@@ -191,12 +217,61 @@ def test_rank_killed_at_every_point_gives_the_uninterrupted_result(scratch: Path
     assert any(p["standby"] == "hot" for p in phases)
 
 
-def test_coordinator_killed_mid_job_resumes_from_its_commit_log(scratch: Path, dp_reference: dict) -> None:
-    opts = {**DP, "faults": [{"rank": 2, "cut": 3, "point": "uncommitted"}]}
-    r = run_job(scratch / "dp-coord", opts, kill_coordinator_after_cut=[6], timeout_s=300)
-    assert r.coordinator_kills == 1
+def _run_in_thread(job_dir: Path, opts: dict, **kw: object) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def go() -> None:
+        try:
+            out["result"] = run_job(job_dir, opts, **kw)  # type: ignore[arg-type]
+        except BaseException as e:  # noqa: BLE001 - re-raised by the test
+            out["error"] = e
+
+    th = threading.Thread(target=go, daemon=True)
+    th.start()
+    return th, out
+
+
+def _wait_for(pred: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _committed(job_dir: Path) -> int:
+    path = job_dir / "events.jsonl"
+    cuts = [-1]
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if e["event"] == "commit":
+            cuts.append(int(e["cut"]))
+    return max(cuts)
+
+
+def test_coordinator_killed_from_outside_is_started_again_and_resumes(scratch: Path, dp_reference: dict) -> None:
+    """The coordinator is SIGKILLed by pid from outside the job (as the OOM killer or an operator would), once
+    after cut 5 and once more while its successor is starting its ranks; ``run_job`` starts it again each
+    time on the same directory, and the job resumes from the committed cut: the uninterrupted result."""
+    job = scratch / "dp-coord"
+    th, out = _run_in_thread(job, {**DP, "faults": [{"rank": 2, "cut": 3, "point": "uncommitted"}]}, timeout_s=300)
+    pid_file = job / "coord" / "pid"
+    _wait_for(lambda: _committed(job) >= 5, "cut 5")
+    first = int(pid_file.read_text())
+    os.kill(first, signal.SIGKILL)
+    _wait_for(lambda: pid_file.read_text().strip() not in ("", str(first)), "a new coordinator")
+    second = int(pid_file.read_text())
+    _wait_for(lambda: (job / "logs").is_dir() and any(p.name.startswith("i1w") for p in (job / "logs").iterdir()),
+              "the new coordinator's first process")
+    os.kill(second, signal.SIGKILL)  # in the middle of its start-up
+    th.join(300)
+    assert "error" not in out, out.get("error")
+    r: JobResult = out["result"]
+    assert r.coordinator_restarts == 2
     starts = [e for e in r.events if e["event"] == "start"]
-    assert len(starts) == 2 and starts[1]["cut"] >= 6
+    assert len(starts) == 3 and starts[1]["cut"] >= 5 and starts[2]["cut"] >= starts[1]["cut"]
     assert r.same_on_every_rank() == dp_reference
     _check_consistent(r, 4)
 
@@ -219,20 +294,24 @@ STALL_BOUND_MS = 1000  # the longest a survivor may go without a new token while
 
 
 def test_replicas_serve_through_a_repair(scratch: Path) -> None:
-    """Partial service: a rank of a replicated serving job is SIGKILLed twice (by the coordinator after cut
-    6, then by itself inside the progress allreduce of cut 14); cold replacements (a new process: seconds)
-    are restored from the dead rank's log while the survivors keep decoding their own requests. Every
-    request's tokens equal the uninterrupted run's bitwise, no survivor ever produced a token twice (nothing
-    of its own was rolled back), no committed cut was lost, and no survivor stalled longer than the bound
-    while the replacement was being brought up."""
+    """Partial service: rank 1 of a replicated serving job is SIGKILLed twice: by the coordinator after cut 6
+    (replaced by the hot standby: ~0.1 s), then its replacement kills itself inside the progress allreduce of
+    cut 14 (no standby left: a cold process, seconds). The replacement restored the committed cut of ~6, so at
+    its cut 14 it always has most of its stream left (a survivor, which serves alone through the first repair,
+    may already have served its whole stream by its cut 14 on a loaded host: no replacement would then have
+    anything to serve). Survivors keep decoding their own requests meanwhile. Every request's tokens equal the
+    uninterrupted run's bitwise, no survivor ever produced a token twice (nothing of its own was rolled back),
+    no committed cut was lost, and no survivor stalled longer than the bound while a replacement came up."""
     ref = run_job(scratch / "serve-ref", {**SERVE, "standby": {"hot": 0}}, timeout_s=240)
     assert ref.repairs == []
-    opts = {**SERVE, "standby": {"hot": 0, "warm": 0, "order": ["cold"]}, "kills": [{"after_cut": 6, "rank": 1}],
-            "faults": [{"rank": 2, "cut": 14, "point": "collective"}]}
+    opts = {**SERVE, "standby": {"hot": 1, "warm": 0, "order": ["hot", "cold"], "refill": False},
+            "kills": [{"after_cut": 6, "rank": 1}], "faults": [{"rank": 1, "cut": 14, "point": "collective",
+                                                               "min_gen": 1}]}
     r = run_job(scratch / "serve-faults", opts, timeout_s=240)
     assert r.results == ref.results  # every rank's tokens (and state digest), the replaced ranks' included
     assert len({str(v["tokens"]) for v in ref.results.values()}) == 3  # each rank served its own requests
     assert len(r.repairs) == 2 and all(rep["partial"] for rep in r.repairs), r.repairs
+    assert [rep["standby"] for rep in r.repairs] == [{"1": "hot"}, {"1": "cold"}]
     _check_consistent(r, 3, replicated=True)
     stamps = load_stamps(r.job_dir)
     service = service_during_repairs(r.repairs, r.events, stamps)
@@ -257,15 +336,21 @@ def test_hundred_random_kills(scratch: Path) -> None:
     total, jobs = 0, 0
     while total < 100 and jobs < 12:
         chaos = {"kills": 25, "seed": jobs, "min_delay_ms": 30, "max_delay_ms": 900}
-        r = run_job(scratch / f"chaos-{jobs}", {**opts, "chaos": chaos},
-                    kill_coordinator_after_cut=[60 + 30 * (jobs % 5)], timeout_s=900)
+        job = scratch / f"chaos-{jobs}"
+        th, out = _run_in_thread(job, {**opts, "chaos": chaos}, timeout_s=900)
+        at = 60 + 30 * (jobs % 5)
+        _wait_for(lambda job=job, at=at: _committed(job) >= at, "the cut to kill the coordinator at", 600)
+        os.kill(int((job / "coord" / "pid").read_text()), signal.SIGKILL)
+        th.join(900)
+        assert "error" not in out, out.get("error")
+        r = out["result"]
         assert r.same_on_every_rank() == ref, f"job {jobs}: the result differs from the uninterrupted run"
         _check_consistent(r, 4)
         kills = len({e["wid"] for e in r.events if e["event"] == "kill"})  # distinct processes killed
         total += kills
         jobs += 1
         plans = sum(1 for e in r.events if e["event"] == "plan")
-        print(f"chaos job {jobs}: {kills} rank processes killed, {r.coordinator_kills} coordinator kill, "
+        print(f"chaos job {jobs}: {kills} rank processes killed, {r.coordinator_restarts} coordinator kill, "
               f"{plans} repairs, {r.wall_s:.0f} s", flush=True)
     print(f"chaos total: {total} rank kills in {jobs} jobs, each with a coordinator kill", flush=True)
     assert total >= 100
@@ -274,9 +359,31 @@ def test_hundred_random_kills(scratch: Path) -> None:
 def test_cli_bad_input_is_a_clear_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from concordia_ft.cli.main import main
 
-    assert main(["dist", "run", "--kill", "x", "--job-dir", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert "use RANK@CUT" in err and "Traceback" not in err
-    assert main(["dist", "run", "--world", "2", "--kill", "5@3", "--job-dir", str(tmp_path)]) == 2
-    assert "ranks 0..1" in capsys.readouterr().err
+    cases = [(["--kill", "x"], "use RANK@CUT"), (["--world", "2", "--kill", "5@3"], "ranks 0..1"),
+             (["--chaos=-2"], "--chaos -2"), (["--workload", "tp_decode", "--world", "3"], "ffn=256 does not split"),
+             (["--workload", "no_such_loop"], "unknown workload 'no_such_loop'"),
+             (["--steps", "10", "--kill", "1@10"], "could never fire")]
+    for extra, cause in cases:
+        assert main(["dist", "run", *extra, "--job-dir", str(tmp_path / "job")]) == 2, extra
+        err = capsys.readouterr().err
+        assert cause in err and "Traceback" not in err, (extra, err)
+        assert len(err.strip().splitlines()) <= 2, err  # the cause in one line (and what to do)
     assert not list(tmp_path.iterdir())  # nothing was started
+
+
+def test_bad_jobs_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    bad = [({"workload": "tp_decode", "world": 3}, "ffn=256 does not split over 3 ranks"),
+           ({"workload": "dp_lora", "world": 2, "kills": [{"rank": 7, "after_cut": 3}]}, "ranks 0..1"),
+           ({"steps": 10, "kills": [{"rank": 1, "after_cut": 10}]}, "could never fire"),
+           ({"kills": [{"rank": 1, "after_cut": -1}]}, "cuts start at 0"),
+           ({"workload": "nope"}, "unknown workload 'nope'"),
+           ({"workload": "no_such_module_xyz:Loop"}, "cannot import module"),
+           ({"workload": "tp_decode", "workload_args": {"layerz": 3}}, "bad argument"),
+           ({"chaos": {"kills": -2}}, "must be a count >= 0"),
+           ({"chaos": {"kills": 2, "min_delay_ms": 50, "max_delay_ms": 10}}, "min_delay_ms <= max_delay_ms"),
+           ({"standby": {"hot": -1}}, "must be >= 0"),
+           ({"workload": lambda **kw: None}, "top level of an importable module")]
+    for opts, cause in bad:
+        with pytest.raises(ConfigError, match=re.escape(cause)):
+            run_job(tmp_path / "job", opts)
+    assert not list(tmp_path.iterdir())

@@ -30,7 +30,9 @@ def add_arguments(sub: argparse._SubParsersAction) -> None:  # type: ignore[type
     r.add_argument("--restart", action="store_true", help="on a failure restart every rank (the baseline)")
     r.add_argument("--kill", action="append", default=[], metavar="RANK@CUT",
                    help="SIGKILL rank RANK once cut CUT is committed (repeatable)")
-    r.add_argument("--chaos", type=int, default=0, metavar="N", help="SIGKILL N random ranks at random times")
+    r.add_argument("--chaos", type=int, default=0, metavar="N",
+                   help="SIGKILL N random ranks at random times (0.1-1.5 s apart, start-up and repairs included)")
+    r.add_argument("--seed", type=int, default=0, help="the seed of --chaos's choices")
     r.add_argument("--heartbeat-ms", type=int, default=50)
     r.add_argument("--job-dir", default=None, help="where the logs go (default: a new temporary directory)")
 
@@ -64,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
                        device="cuda:0" if args.backend == "nccl" else "cpu", heartbeat_ms=args.heartbeat_ms,
                        on_failure="restart" if args.restart else "repair",
                        standby={"hot": args.hot, "warm": args.warm}, kills=tuple(kills),
-                       chaos={"kills": args.chaos, "seed": 0} if args.chaos else {})
+                       chaos={"kills": args.chaos, "seed": args.seed, "min_delay_ms": 100, "max_delay_ms": 1500}
+                       if args.chaos else {})
     validate(opts)  # refused with its cause before a directory or a process exists
     job_dir = Path(args.job_dir) if args.job_dir else Path(tempfile.mkdtemp(prefix="concordia-dist-"))
     c.print(f"job in {job_dir}: {args.workload}, {args.world} ranks, {args.backend}")
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             line += (f", abort {_ms(p['abort_ms'])}, start {_ms(p['start_ms'])}, restore {_ms(p['restore_ms'])}, "
                      f"rebuild {_ms(p['rebuild_ms'])}, first step {_ms(p['first_step_ms'])}, total "
-                     f"{_ms(p['total_ms'] if p['total_ms'] is not None else None)}"
+                     f"{_ms(p['total_ms'])}"
                      + ("" if p["total_ms"] is not None else
                         f" (detection to first step {_ms(p['detect_to_first_step_ms'])})"))
         c.print(line)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ConfigError
 
@@ -45,11 +45,10 @@ BUILTIN = {"dp_lora": "concordia_ft.distributed.workloads:DpLora",
 FINAL_UNKNOWN = 1 << 62  # a replicated job's final cut: announced by the ranks when no work is left
 
 
-class Group:
+class Group(Protocol):
     """What a workload's ``step`` is given (group.FaultTolerantGroup): collectives of the current generation."""
 
-    def allreduce(self, t: torch.Tensor) -> None:  # pragma: no cover - the interface
-        raise NotImplementedError
+    def allreduce(self, t: torch.Tensor) -> None: ...
 
 
 class Workload:
