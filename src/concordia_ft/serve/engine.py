@@ -37,7 +37,9 @@ from ..errors import ConfigError, ContextLengthError, QueueFullError, RecoveryEr
 from ..session import model_fingerprint
 from .blocks import BlockPool, blocks_for
 from .graphs import DecodeGraphs, scratch_blocks_for
-from .kv import KVPool, PoolGeometry, build_batch, install, plan_pool, sdpa_backends
+from . import attention
+from .kv import (KVPool, PoolGeometry, build_batch, build_kernel_batch, install, kernel_attention, plan_pool,
+                 sdpa_backends)
 from .sampling import RngRows, SamplingParams, new_generator, sample
 
 META_KEY = "concordia.serve"
@@ -252,6 +254,10 @@ class Engine:
             raise ConfigError(f"max_model_len={opts.max_model_len} is more than the pool's {self.geo.slots} slots; "
                               "raise num_blocks or lower max_model_len")
         install(model)
+        # the paged attention kernel on CUDA (batch-invariant, no gather), gather + SDPA elsewhere
+        self.kernel = kernel_attention(self.device)
+        cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        self.attn_bq = attention.block_q(int(cfg.num_attention_heads) // self.geo.kv_heads) if self.kernel else 0
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         mode = opts.graphs
@@ -601,9 +607,15 @@ class Engine:
                 return list(toks), True
         dev = self.device
         ids = [t for r, s, e in feeds for t in r.ids[s:e]]
-        batch, positions, last = build_batch(
-            self.pool, [r.table for r, _, _ in feeds], [s for _, s, _ in feeds],  # type: ignore[misc]
-            [e for _, _, e in feeds], dev)
+        batch: Any
+        if self.kernel:
+            batch, positions, last = build_kernel_batch(
+                self.pool, [self.blocks.tables[r.id] for r, _, _ in feeds], [r.slots for r, _, _ in feeds],
+                [s for _, s, _ in feeds], [e for _, _, e in feeds], self.attn_bq, dev)
+        else:
+            batch, positions, last = build_batch(
+                self.pool, [r.table for r, _, _ in feeds], [s for _, s, _ in feeds],  # type: ignore[misc]
+                [e for _, _, e in feeds], dev)
         with sdpa_backends(dev):
             h = self.decoder(input_ids=torch.as_tensor([ids], device=dev), position_ids=positions.unsqueeze(0),
                              use_cache=False, concordia_batch=batch).last_hidden_state

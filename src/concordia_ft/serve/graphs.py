@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .kv import PagedBatch, sdpa_backends
+from .kv import KernelBatch, PagedBatch, sdpa_backends
 
 log = logging.getLogger("concordia_ft.serve.graphs")
 
@@ -110,7 +110,8 @@ class DecodeGraphs:
                 keys.append(k)
             k *= 2
         keys.append(cap)
-        self.key_buckets = tuple(keys)
+        # the paged attention kernel reads each row's keys through its table up to its position: one key bucket
+        self.key_buckets = (cap,) if engine.kernel else tuple(keys)
         self.statics: dict[tuple[int, int], _Static] = {}
         self.mempool: Any = torch.cuda.graph_pool_handle() if mode == "on" else None
         self.replays = 0
@@ -182,10 +183,17 @@ class DecodeGraphs:
         eng = self.eng
         pool = eng.pool
         bs, nb, nk = self.bs, st.nb, st.nk
-        kv_slots = st.tables[:, st.keys // bs] * bs + st.keys % bs  # [nb, nk]
-        write = kv_slots.gather(1, st.pos.view(nb, 1)).view(nb)
-        mask = (st.keys.view(1, 1, nk) <= st.pos.view(nb, 1, 1)).unsqueeze(1)  # [nb, 1, 1, nk]
-        batch = PagedBatch(pool, write, st.q_index, st.q_valid, kv_slots, mask, dense=True)
+        batch: KernelBatch | PagedBatch
+        if eng.kernel:
+            write = st.tables.gather(1, (st.pos // bs).view(nb, 1)).view(nb) * bs + st.pos % bs
+            ar = st.q_index.view(nb)
+            tiles = torch.stack([ar, ar, torch.ones_like(ar), st.pos], 1).view(-1)
+            batch = KernelBatch(pool, write, st.tables, tiles, nb)
+        else:
+            kv_slots = st.tables[:, st.keys // bs] * bs + st.keys % bs  # [nb, nk]
+            write = kv_slots.gather(1, st.pos.view(nb, 1)).view(nb)
+            mask = (st.keys.view(1, 1, nk) <= st.pos.view(nb, 1, 1)).unsqueeze(1)  # [nb, 1, 1, nk]
+            batch = PagedBatch(pool, write, st.q_index, st.q_valid, kv_slots, mask, dense=True)
         h = eng.decoder(input_ids=st.ids.view(1, nb), position_ids=st.pos.view(1, nb), use_cache=False,
                         concordia_batch=batch).last_hidden_state
         pool.flags.index_fill_(0, write, 1)

@@ -20,10 +20,12 @@ import contextlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import ConfigError
 from ..integrations.transformers import FULL_TYPES, dtype_name, layer_types_and_windows, parse_dtype
+from . import attention
 
 ATTN_NAME = "concordia_paged"
 ROW_ALIGN = 512
@@ -115,6 +117,8 @@ class KVPool:
                   for i in range(geo.layers)]
         self.v = [typed[:, (2 * i + 1) * w: (2 * i + 2) * w].view(rows, geo.kv_heads, geo.head_dim)
                   for i in range(geo.layers)]
+        self.views = [attention.PoolView(typed, 2 * i * w, (2 * i + 1) * w, geo.kv_heads, geo.head_dim,
+                                         geo.block_size) for i in range(geo.layers)]
 
     @property
     def scratch_block(self) -> int:
@@ -140,6 +144,62 @@ class PagedBatch:
     kv_slots: torch.Tensor
     mask: torch.Tensor
     dense: bool = False
+
+
+@dataclass
+class KernelBatch:
+    """One step's packed batch for the paged attention kernel (serve/attention.py): ``write_slots[T]`` (the
+    pool slot each packed token's K/V goes to), ``tables[R, W]`` (each feed's block table, padded), ``tiles``
+    (``[n_tiles, 4]``: table row, first packed token, tokens, first position). No per-step copy of any key."""
+
+    pool: KVPool
+    write_slots: torch.Tensor
+    tables: torch.Tensor
+    tiles: torch.Tensor
+    n_tiles: int
+
+
+def kernel_attention(device: torch.device) -> bool:
+    """Whether an engine on ``device`` runs the paged attention kernel: on CUDA where Triton is installed, and on
+    the CPU when Triton's interpreter is switched on (``TRITON_INTERPRET=1``: the kernel's exact semantics,
+    slowly, for tests); else the gather + SDPA path."""
+    if device.type != "cuda" and not attention.interpreted():
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_kernel_batch(pool: KVPool, tables: list[list[int]], slots: list[list[int]], starts: list[int],
+                       ends: list[int], bq: int, device: torch.device) -> tuple[KernelBatch, torch.Tensor, torch.Tensor]:
+    """The kernel's batch of feeds ``i`` = positions ``[starts[i], ends[i])`` of a request whose block table is
+    ``tables[i]`` and whose pool slot of position ``p`` is ``slots[i][p]``, in tiles of ``bq`` tokens
+    (``attention.block_q``). Built on the host into one pinned
+    buffer, moved in one transfer. Returns it, the packed positions ``[T]`` and each feed's last packed token."""
+    counts = [e - s for s, e in zip(starts, ends, strict=True)]
+    t = sum(counts)
+    firsts = np.cumsum([0] + counts[:-1]).tolist()
+    tiles = attention.plan_tiles(list(range(len(tables))), firsts, counts, starts, bq)
+    w = max(len(tb) for tb in tables)
+    nt = len(tiles)
+    n = 2 * t + nt + len(tables) * w + len(tables)
+    cuda = device.type == "cuda"
+    host = torch.empty(n, dtype=torch.long, pin_memory=cuda)
+    h = host.numpy()
+    h[:t] = np.concatenate([np.arange(s, e) for s, e in zip(starts, ends, strict=True)])
+    h[t: 2 * t] = np.concatenate([np.asarray(sl[s:e]) for sl, s, e in zip(slots, starts, ends, strict=True)])
+    h[2 * t: 2 * t + nt] = tiles
+    tab = h[2 * t + nt: 2 * t + nt + len(tables) * w].reshape(len(tables), w)
+    tab[:] = 0
+    for i, tb in enumerate(tables):
+        tab[i, : len(tb)] = tb
+    h[n - len(tables):] = np.asarray(firsts) + np.asarray(counts) - 1
+    dev = host.to(device, non_blocking=True)
+    batch = KernelBatch(pool, dev[t: 2 * t], dev[2 * t + nt: n - len(tables)].view(len(tables), w),
+                        dev[2 * t: 2 * t + nt], nt // 4)
+    return batch, dev[:t], dev[n - len(tables):]
 
 
 def build_batch(pool: KVPool, tables: list[torch.Tensor], starts: list[int], ends: list[int],
@@ -174,12 +234,23 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
                     attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers attention interface: ``query [1, Hq, T, D]``, ``key/value [1, Hkv, T, D]`` (rotated)."""
-    batch: PagedBatch | None = kwargs.get("concordia_batch")
+    batch: PagedBatch | KernelBatch | None = kwargs.get("concordia_batch")
     if batch is None:
         raise ConfigError("the model is set to concordia's paged attention but was called without an engine "
                           "batch; run it through serve.Engine")
     layer = int(module.layer_idx)
     pool = batch.pool
+    if isinstance(batch, KernelBatch):
+        kl, vl = pool.k[layer], pool.v[layer]
+        kl.index_copy_(0, batch.write_slots, key[0].transpose(0, 1).to(kl.dtype))
+        vl.index_copy_(0, batch.write_slots, value[0].transpose(0, 1).to(vl.dtype))
+        q = query[0].transpose(0, 1)  # [T, Hq, D]
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
+        sc = scaling if scaling is not None else q.shape[-1] ** -0.5
+        attention.launch(q, out, pool.views[layer], batch.tables, batch.tiles, batch.n_tiles, sc)
+        return out.unsqueeze(0), None
     kl, vl = pool.k[layer], pool.v[layer]
     kl.index_copy_(0, batch.write_slots, key[0].transpose(0, 1).to(kl.dtype))
     vl.index_copy_(0, batch.write_slots, value[0].transpose(0, 1).to(vl.dtype))
