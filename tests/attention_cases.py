@@ -1,0 +1,76 @@
+"""Checks of the paged attention kernel (serve/attention.py) run through Triton's CPU interpreter, in a process
+of their own: Triton must see ``TRITON_INTERPRET=1`` before it is imported (its language builtins are decorated
+at import). ``python tests/attention_cases.py CASE`` exits 0 when the case holds (tests/test_attention.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from attention_pool import Pool  # noqa: E402
+
+from concordia_ft.serve import attention as A  # noqa: E402
+
+
+def reference(rep: int) -> None:
+    p = Pool([37, 5, 70], rep=rep)
+    got = p.run([(0, 0, 37), (1, 0, 5), (2, 0, 70)])
+    for i, n in enumerate(p.lens):
+        k, v = p.keys(i)
+        ref = A.reference_attention(p.q[i], k, v, list(range(n)), p.scale)
+        mine = torch.stack([got[(i, j)] for j in range(n)]).double()
+        assert (mine - ref).abs().max().item() < 1e-5
+
+
+def invariance() -> None:
+    p = Pool([37, 5, 70, 22])
+    together = p.run([(0, 0, 37), (1, 0, 5), (2, 0, 70), (3, 0, 22)])
+    alone = p.run([(2, 0, 70)])
+    moved = p.run([(3, 0, 22), (2, 0, 70), (0, 30, 37)])  # another position in the batch, other companions
+    chunked = {**p.run([(2, 0, 13), (0, 5, 6)]), **p.run([(1, 2, 3), (2, 13, 68)]), **p.run([(2, 68, 69)])}
+    chunked |= p.run([(3, 4, 5), (2, 69, 70)])  # the last position as a decode step
+    for j in range(70):
+        ref = together[(2, j)]
+        assert torch.equal(alone[(2, j)], ref), j
+        assert torch.equal(moved[(2, j)], ref), j
+        assert torch.equal(chunked[(2, j)], ref), j
+
+
+def engine() -> None:
+    """A tiny Qwen3 engine with the kernel (eager steps and the padded static decode step) gives
+    transformers' own greedy tokens, prompts chunked and joining late."""
+    from llm_helpers import tiny_model
+
+    from concordia_ft.serve import Engine, SamplingParams
+
+    model, ref = tiny_model("qwen3"), tiny_model("qwen3")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 19, 3, 12, 7)]
+    for graphs in ("off", "padded"):
+        eng = Engine(model, None, {"num_blocks": 40, "block_size": 4, "max_batch_tokens": 16, "max_model_len": 64,
+                                   "checkpoint": False, "graphs": graphs})
+        assert eng.kernel
+        reqs = [eng.submit(p, SamplingParams(max_new_tokens=10, temperature=0.0)) for p in prompts[:3]]
+        eng.step()
+        reqs += [eng.submit(p, SamplingParams(max_new_tokens=10, temperature=0.0)) for p in prompts[3:]]
+        while eng.has_work:
+            eng.step()
+        if graphs == "padded":
+            assert eng.graphs is not None and eng.graphs.replays > 0
+        for p, r in zip(prompts, reqs, strict=True):
+            want = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(p):].tolist()
+            assert r.generated == want, (graphs, r.id)
+
+
+CASES = {"reference1": lambda: reference(1), "reference2": lambda: reference(2), "reference3": lambda: reference(3),
+         "invariance": invariance, "engine": engine}
+
+if __name__ == "__main__":
+    CASES[sys.argv[1]]()
+    print("ok", sys.argv[1])

@@ -1,0 +1,29 @@
+"""The paged attention kernel (serve/attention.py) on the CPU through Triton's interpreter: it matches a float64
+reference, a request's rows are bit-identical alone, among other requests, at another position in the batch,
+chunked at any size and as a decode step, and an engine running it gives transformers' own tokens. Each case
+runs in a process of its own (tests/attention_cases.py). The GPU twin (tests/gpu/test_attention_gpu.py) runs
+the compiled kernel in bf16."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from concordia_ft.serve import attention as A
+from support import PYTHON, REPO, subprocess_env
+
+pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("case", ["reference1", "reference2", "reference3", "invariance", "engine"])
+def test_kernel_case(case: str) -> None:
+    r = subprocess.run([PYTHON, str(REPO / "tests" / "attention_cases.py"), case], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert f"ok {case}" in r.stdout
+
+
+def test_more_query_heads_per_kv_head_than_rows_are_refused() -> None:
+    with pytest.raises(ValueError, match="query heads per K/V head"):
+        A.block_q(A.M_ROWS + 1)
