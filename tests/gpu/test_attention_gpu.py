@@ -1,5 +1,5 @@
 """The compiled paged attention kernel on the GPU in bf16: within bf16 rounding of a float64 reference (no
-further from it than torch's own SDPA on the same inputs), and a request's rows bit-identical alone, among 1-63
+further from it than torch's own SDPA on the same inputs), and a request's rows bit-identical alone, among 1-56
 random companions at random places in the batch, chunked at several sizes and as decode steps; the same bits
 in every run."""
 
@@ -49,7 +49,7 @@ def test_rows_are_bit_identical_whatever_the_batch(dims: tuple[int, int, int, in
     p = Pool(lens, hkv=hkv, rep=rep, d=d, page=page, seed=11, device="cuda", dtype=torch.bfloat16)
     alone = {i: p.run([(i, 0, lens[i])]) for i in range(8)}
     for trial in range(6):
-        size = rnd.randint(2, 64)
+        size = rnd.randint(2, 57)  # 1-56 companions
         others = rnd.sample(range(8, 64), size - 1)
         me = rnd.randrange(8)
         feeds = [(o, 0, lens[o]) for o in others]
