@@ -119,7 +119,7 @@ class Wave:
     def summary(self, t0: float, t1: float) -> dict[str, Any]:
         n = sum(len(v) for v in self.arrivals.values())
         ttft = [v[0] - self.t_submit[r] for r, v in self.arrivals.items() if v]
-        itl = [b - a for v in self.arrivals.values() for a, b in zip(v, v[1:]) if b > a]
+        itl = [b - a for v in self.arrivals.values() for a, b in zip(v, v[1:], strict=False) if b > a]
         return {"tokens": n, "whole_tok_s": n / (t1 - t0), "ttft_p50_ms": 1e3 * percentile(ttft, 50),
                 "ttft_p99_ms": 1e3 * percentile(ttft, 99), "itl_p50_ms": 1e3 * percentile(itl, 50),
                 "itl_p99_ms": 1e3 * percentile(itl, 99)}

@@ -13,7 +13,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from attention_pool import Pool  # noqa: E402
-
 from concordia_ft.serve import attention as A  # noqa: E402
 
 
@@ -44,9 +43,8 @@ def invariance() -> None:
 def engine() -> None:
     """A tiny Qwen3 engine with the kernel (eager steps and the padded static decode step) gives
     transformers' own greedy tokens, prompts chunked and joining late."""
-    from llm_helpers import tiny_model
-
     from concordia_ft.serve import Engine, SamplingParams
+    from llm_helpers import tiny_model
 
     model, ref = tiny_model("qwen3"), tiny_model("qwen3")
     g = torch.Generator().manual_seed(3)

@@ -35,11 +35,19 @@ import torch
 from ..core.format import encode_json
 from ..errors import ConfigError, ContextLengthError, QueueFullError, RecoveryError
 from ..session import model_fingerprint
+from . import attention
 from .blocks import BlockPool, blocks_for
 from .graphs import DecodeGraphs, scratch_blocks_for
-from . import attention
-from .kv import (KVPool, PoolGeometry, build_batch, build_kernel_batch, install, kernel_attention, plan_pool,
-                 sdpa_backends)
+from .kv import (
+    KVPool,
+    PoolGeometry,
+    build_batch,
+    build_kernel_batch,
+    install,
+    kernel_attention,
+    plan_pool,
+    sdpa_backends,
+)
 from .sampling import RngRows, SamplingParams, new_generator, sample
 
 META_KEY = "concordia.serve"
