@@ -1,16 +1,13 @@
-"""The one thing pyproject.toml cannot say in a stable form: the C extension.
+"""The one thing pyproject.toml cannot say in a stable form: the C extensions.
 
-``executor/_ringfast.c`` holds the executor ring's host fast paths, ``core/_slotlog.c`` graph decode's token-epoch
-writer. Both are optional: without a C compiler and the
-Python headers the install still succeeds, and the pure-Python twins run (``concordia
-doctor`` says which is in use).
+``core/_slotlog.c`` holds the token-epoch writer (and the multi-buffer CRC32C), ``core/_streamloop.c`` the
+streamed restore's chunk loop. Both are optional: without a C compiler and the Python headers the install still
+succeeds, and the pure-Python twins run (``concordia doctor`` says which is in use).
 """
 
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("concordia_ft.executor._ringfast", ["src/concordia_ft/executor/_ringfast.c"], optional=True,
-              extra_compile_args=["-O2"]),
     # the token-epoch writer of graph decode (ring slots -> committed epochs, GIL released); optional too:
     # core/slotlog.py falls back to the Python writer in integrations/graph_decode.py
     Extension("concordia_ft.core._slotlog", ["src/concordia_ft/core/_slotlog.c"], optional=True,

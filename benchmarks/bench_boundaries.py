@@ -1,4 +1,4 @@
-"""Cost per op of the dispatch-level boundary trigger (concordia_ft.instrument.boundaries).
+"""Cost per op of the dispatch-level boundary trigger (concordia_lab.instrument.boundaries).
 
 Eager torch.add on a small tensor (the op is not a boundary: the trigger's fixed cost per op), and a gloo
 all_reduce (world size 1) that is one (the boundary callback included), each without the trigger (the
@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))  # concordia_lab
 
 from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
-from concordia_ft.instrument.boundaries import BoundaryTrigger  # noqa: E402
+from concordia_lab.instrument.boundaries import BoundaryTrigger  # noqa: E402
 
 
 def per_op_us(fn, n: int, mode) -> float:

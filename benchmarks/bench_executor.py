@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from concordia_ft import benchreport
-from concordia_ft.executor import guard
-from concordia_ft.executor import ring as R
-from concordia_ft.executor.resident import (
+from concordia_lab.executor import guard
+from concordia_lab.executor import ring as R
+from concordia_lab.executor.resident import (
     ArmedChannel,
     ExecutorImage,
     ExecutorOptions,

@@ -21,9 +21,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "experiments"))  # concordia_lab: the instrumentation and the executor
 
 from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
-from concordia_ft.instrument import interposer as ip  # noqa: E402
+from concordia_lab.instrument import interposer as ip  # noqa: E402
 
 
 def run(workload: str, mode: str) -> dict:

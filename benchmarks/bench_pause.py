@@ -34,12 +34,13 @@ import triton.testing
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "experiments"))  # concordia_lab: the instrumentation and the executor
 
 import instrument_kernels as ik  # noqa: E402
 from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
-from concordia_ft.instrument import triton_hook  # noqa: E402
-from concordia_ft.instrument.pause import PausableLaunch  # noqa: E402
-from concordia_ft.instrument.safepoints import SafepointOptions  # noqa: E402
+from concordia_lab.instrument import triton_hook  # noqa: E402
+from concordia_lab.instrument.pause import PausableLaunch  # noqa: E402
+from concordia_lab.instrument.safepoints import SafepointOptions  # noqa: E402
 
 
 def matmul_case(n: int):
@@ -181,7 +182,7 @@ def drain_case(block_us: float, waves_n: float, fractions: list[float], repeats:
 
     from concordia_ft.cuda import driver as cd
     from concordia_ft.cuda import nvrtc
-    from concordia_ft.instrument.pause import GpuPauseTrigger
+    from concordia_lab.instrument.pause import GpuPauseTrigger
 
     fn = ik.spin_rows_timed_kernel
     blk = 128

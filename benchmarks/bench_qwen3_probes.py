@@ -73,6 +73,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "experiments"))  # concordia_lab: the instrumentation and the executor
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "plain": None,
@@ -112,7 +113,7 @@ VARIANTS: dict[str, dict[str, Any] | None] = {
                       "header_gpu_scope": True},
 }
 
-from concordia_ft.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import
+from concordia_lab.instrument.triton_hook import scan_cache  # noqa: E402 - no triton, no torch at import
 
 
 def worker_env(root: Path, variant: str) -> dict[str, str]:
@@ -175,8 +176,8 @@ def _worker_setup(ns: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     hooked = opts is not None
     if hooked:  # before torch/Inductor compile anything
-        from concordia_ft.instrument import triton_hook
-        from concordia_ft.instrument.safepoints import SafepointOptions
+        from concordia_lab.instrument import triton_hook
+        from concordia_lab.instrument.safepoints import SafepointOptions
 
         triton_hook.install(SafepointOptions(**opts), cache_dir=os.environ["TRITON_CACHE_DIR"])
     import types
@@ -204,7 +205,7 @@ def _worker_setup(ns: argparse.Namespace) -> dict[str, Any]:
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-    from concordia_ft.instrument.inductor import ArmedLaunches, capture_launches
+    from concordia_lab.instrument.inductor import ArmedLaunches, capture_launches
 
     icfg.triton.autotune_pointwise = False  # one config per kernel, the same in every variant
     if ns.pin_configs:  # no benchmark decides among configs: the first, in every variant (the same list)
@@ -308,7 +309,7 @@ def _worker_setup(ns: argparse.Namespace) -> dict[str, Any]:
         info["shapes"].append(sh)
     info["cache"] = scan_cache(os.environ["TRITON_CACHE_DIR"])
     if hooked:
-        from concordia_ft.instrument import triton_hook
+        from concordia_lab.instrument import triton_hook
 
         reps = triton_hook.reports()
         info["rewriter"] = {k: {"instrumented": r.instrumented, "refused": r.refused, "vote_site": r.vote_site,

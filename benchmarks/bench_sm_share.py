@@ -28,8 +28,8 @@ import torch
 from bench_executor import ev_ms  # the benchmarks directory is on sys.path when a script runs
 
 from concordia_ft import benchreport
-from concordia_ft.executor import ring as R
-from concordia_ft.executor.resident import ExecutorOptions, LaunchExecutor, ResidentExecutor
+from concordia_lab.executor import ring as R
+from concordia_lab.executor.resident import ExecutorOptions, LaunchExecutor, ResidentExecutor
 
 SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 1024), (2048, 4864, 896), (8192, 2048, 8192)]
 

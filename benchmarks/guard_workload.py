@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "experiments"))  # concordia_lab: the instrumentation and the executor
 
 STEPS = ("eager", "cublas", "triton", "compile", "empty_cache", "synchronize", "qwen3")
 
@@ -40,9 +41,9 @@ def main() -> int:
 
     import torch
 
-    from concordia_ft.executor import guard
-    from concordia_ft.executor import ring as R
-    from concordia_ft.executor.resident import ExecutorOptions, ResidentExecutor
+    from concordia_lab.executor import guard
+    from concordia_lab.executor import ring as R
+    from concordia_lab.executor.resident import ExecutorOptions, ResidentExecutor
 
     torch.cuda.init()
     torch.cuda.set_device(0)

@@ -3,7 +3,7 @@
   python3 benchmarks/interposer_workload.py --workload qwen3|launch|load --mode none|interposer|profiler|both
 
 The process itself is unmodified PyTorch + Triton + cuBLAS code; "interposer" means the parent started it
-with CUDA_INJECTION64_PATH set (concordia_ft.instrument.interposer.child_env). Prints one JSON line last.
+with CUDA_INJECTION64_PATH set (concordia_lab.instrument.interposer.child_env). Prints one JSON line last.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "experiments"))  # concordia_lab: the instrumentation and the executor
 
 
 def qwen3_workload() -> dict:
@@ -63,7 +64,7 @@ def load_workload(n: int = 300) -> dict:
     from cuda.bindings import driver as drv
 
     from concordia_ft.cuda.driver import ensure_context
-    from concordia_ft.instrument.ptxas import assemble
+    from concordia_lab.instrument.ptxas import assemble
 
     ptx = (".version 8.7\n.target sm_90a\n.address_size 64\n.visible .entry cft_probe_load(.param .u64 p)\n"
            "{\n\t.reg .b64 %rd<2>;\n\tld.param.u64 %rd1, [p];\n\tret;\n}\n")
@@ -110,7 +111,7 @@ def main() -> int:
         res["result"] = work()
     res["wall_s"] = time.perf_counter() - t0
     if ns.mode in ("interposer", "both"):
-        from concordia_ft.instrument import interposer as ip
+        from concordia_lab.instrument import interposer as ip
 
         inv = ip.inventory()
         res["interposer"] = {"summary": inv.summary(), "shared_subscriber": inv.shared_subscriber,

@@ -10,7 +10,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
-export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src:$PWD/experiments:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 PYTHON=python3 bash scripts/build_ext.sh || exit 1  # the ring's C fast path (the tree is used in place)
 export CONCORDIA_RING_IMPL=c  # and it must be the one measured
 rc=0
@@ -29,7 +29,7 @@ for part in "$@"; do
          --out-dir "$out" 2>&1 | tail -30 ;;
     serve|serve:*) only="${part#serve}"; only="${only#:}"
        python3 benchmarks/bench_serve.py --out "$out" ${only:+--only "$only"} 2>&1 | grep -v -i warn | tail -40 ;;
-    instrument) python3 -m pytest tests/gpu/test_instrument_pause_gpu.py tests/gpu/test_instrument_interposer_gpu.py -q -p no:cacheprovider 2>&1 | tail -30
+    instrument) python3 -m pytest experiments/tests/gpu/test_instrument_pause_gpu.py experiments/tests/gpu/test_instrument_interposer_gpu.py -q -p no:cacheprovider 2>&1 | tail -30
        [ -n "${SKIP_PAUSE_BENCH:-}" ] || python3 benchmarks/bench_pause.py --out-dir "$out" 2>&1 | tail -40 ;;
     interposer) python3 benchmarks/bench_interposer.py --out-dir "$out" ${INTERPOSER_ARGS:-} 2>&1 | tail -40 ;;
     *) echo "unknown part $part"; rc=2 ;;

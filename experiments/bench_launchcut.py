@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from concordia_ft.benchreport import median, write_results  # noqa: E402
-from concordia_ft.instrument import interposer as ip  # noqa: E402
+from concordia_lab.instrument import interposer as ip  # noqa: E402
 
 
 def emit(**row: Any) -> None:
@@ -39,7 +39,7 @@ def worker(case: str, cuts: int, n: int) -> None:
     import torch
 
     import concordia_ft as cft
-    from concordia_ft.instrument.launchcut import SassBoundary
+    from concordia_lab.instrument.launchcut import SassBoundary
 
     torch.backends.cuda.matmul.allow_tf32 = False
     lib = ip.load()
@@ -143,7 +143,7 @@ def worker(case: str, cuts: int, n: int) -> None:
 def _info(lib: Any) -> str:
     import ctypes
 
-    from concordia_ft.instrument.launchcut import bind
+    from concordia_lab.instrument.launchcut import bind
 
     bind(lib)
     buf = ctypes.create_string_buffer(512)

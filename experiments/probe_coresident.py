@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_executor import ev_ms  # noqa: E402 (benchmarks/, put on sys.path above)
 
 from concordia_ft import benchreport
-from concordia_ft.executor import guard
-from concordia_ft.executor import ring as R
-from concordia_ft.executor.resident import ExecutorImage, ExecutorOptions, ResidentExecutor, compile_executor
+from concordia_lab.executor import guard
+from concordia_lab.executor import ring as R
+from concordia_lab.executor.resident import ExecutorImage, ExecutorOptions, ResidentExecutor, compile_executor
 
 SHAPES = ((8192, 8192, 8192), (4096, 4096, 4096), (8192, 2048, 8192), (2048, 4864, 896))
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "src"))
 def child() -> None:
     import torch
 
-    from concordia_ft.instrument import interposer as ip
+    from concordia_lab.instrument import interposer as ip
 
     torch.ones(4, device="cuda").mul_(2)
     torch.cuda.synchronize()
@@ -38,7 +38,7 @@ def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child()
         return 0
-    from concordia_ft.instrument import interposer as ip
+    from concordia_lab.instrument import interposer as ip
 
     env = ip.child_env()
     env["CONCORDIA_GUARD_TRACE"] = "1"

@@ -49,8 +49,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from concordia_ft.benchreport import print_table, write_results  # noqa: E402
-from concordia_ft.instrument.ptxas import assemble  # noqa: E402
-from concordia_ft.instrument.safepoints import SafepointOptions, rewrite_ptx  # noqa: E402
+from concordia_lab.instrument.ptxas import assemble  # noqa: E402
+from concordia_lab.instrument.safepoints import SafepointOptions, rewrite_ptx  # noqa: E402
 from instrument_kernels import poi_silu_mul_kernel as silu_mul_kernel  # noqa: E402
 
 

@@ -7,9 +7,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 inc=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
 suffix=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
-"${CC:-cc}" -O2 -Wall -shared -fPIC -I"$inc" src/concordia_ft/executor/_ringfast.c -o "src/concordia_ft/executor/_ringfast$suffix"
 "${CC:-cc}" -O2 -Wall -shared -fPIC -pthread -I"$inc" src/concordia_ft/core/_slotlog.c -o "src/concordia_ft/core/_slotlog$suffix"
 "${CC:-cc}" -O2 -Wall -shared -fPIC -pthread -I"$inc" src/concordia_ft/core/_streamloop.c -o "src/concordia_ft/core/_streamloop$suffix" -ldl
-"$PY" -c 'import sys; sys.path.insert(0, "src"); from concordia_ft.executor import ring; print("ring fast path:", ring.fast_path_status())'
 "$PY" -c 'import sys; sys.path.insert(0, "src"); from concordia_ft.core import slotlog; print("token-epoch writer:", slotlog.status())'
 "$PY" -c 'import sys; sys.path.insert(0, "src"); from concordia_ft.core import streamed; print("streamed restore loop:", streamed.loop_status())'

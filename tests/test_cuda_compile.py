@@ -253,8 +253,7 @@ def test_reference_hash_sees_every_single_byte_change() -> None:
 # comparing two cached objects with each other (b" " == bytes([32]) holds even when both are corrupted).
 _INTEGRITY_CHILD = r'''
 import hashlib, sys
-from concordia_ft.cuda import handlers, nvrtc
-from concordia_ft.executor import resident as executor
+from concordia_ft.cuda import crc, handlers, nvrtc
 from concordia_ft.core.regions import RegionKind, RegionSpec
 
 def one_byte_objects_intact():
@@ -275,7 +274,7 @@ for src, name in ((clean, "clean"), (warns, "warns")):
     assert not m.cache_hit
     outs.append((m, hashlib.sha256(m.cubin).hexdigest()))
 for m in (handlers.compile_handlers(RegionSpec("r", RegionKind.OPAQUE, 12345, page_bytes=512)),
-          executor.compile_executor()):
+          crc.compile_crc()):
     outs.append((m, hashlib.sha256(m.cubin).hexdigest()))
 # every output is stable: the bytes handed back never change, and equal a fresh compile and the cache file
 for m, digest in outs:

@@ -20,13 +20,11 @@ pipeline), ``recovery`` (``recover()``, ``Recovered``, restore planning). This m
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -670,18 +668,6 @@ class Runtime:
             self._compactor = None
 
     # ------------------------------------------------------------------------------------------ misc
-    @contextlib.contextmanager
-    def quiesced(self) -> Iterator[None]:
-        """Suspend every resident GPU executor around work that would block behind it (module loads,
-        first launches, device-wide sync, cudaFree): ``with rt.quiesced(): model = torch.compile(...)``.
-        Without an executor (or without CUDA) this is a no-op."""
-        guard = sys.modules.get("concordia_ft.executor.guard")  # never imported: no executor can be resident
-        if guard is None:
-            yield
-            return
-        with guard.quiesced():
-            yield
-
     def close(self) -> None:
         """Finish the in-flight asynchronous epoch, close trackers and log; then raise a background failure
         that no call has raised yet."""

@@ -30,7 +30,6 @@ def collect() -> dict[str, Any]:
 
     from ..core import slotlog, streamed
     from ..core.segment import is_tmpfs
-    from ..executor import ring
 
     shm = Path("/dev/shm")
     rep: dict[str, Any] = {
@@ -46,7 +45,6 @@ def collect() -> dict[str, Any]:
         "cuda_bindings": _version("cuda-bindings"),
         "nvrtc": _version("nvidia-cuda-nvrtc"),
         "cuda_devices": 0,
-        "ring_fast_path": ring.fast_path_status(),
         "epoch_writer": slotlog.status(),
         "restore_loop": streamed.loop_status(),
         "hints": [],
@@ -71,9 +69,6 @@ def collect() -> dict[str, Any]:
         rep["hints"].append("crc32c runs in software here: checksums will cap log throughput")
     if not rep["nvrtc"]:
         rep["hints"].append("no NVRTC: `pip install 'concordia-ft[cuda]'` for GPU handlers")
-    if not rep["ring_fast_path"].startswith("c"):
-        rep["hints"].append("the executor ring's C fast path is not in use (submit ~10x slower): reinstall "
-                            "concordia-ft where a C compiler and the Python headers are present")
     if not rep["epoch_writer"].startswith("c"):
         rep["hints"].append("graph decode's C token-epoch writer is not in use (its Python writer shares the GIL "
                             "with the decode thread): reinstall where a C compiler and the Python headers are present")
