@@ -520,3 +520,37 @@ def test_truncation_sweep_check_and_fix(which: int, corpus_model: Model, tmp_pat
         rc, text = run_cli(capsys, "log", "check", str(d))
         assert rc == 0, (off, text)
         shutil.rmtree(d)
+
+
+def test_inspect_lists_every_region_of_a_real_log_in_text_and_json(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The regions table holds each region the last committed epoch knows, with kind, size, page geometry,
+    dtype and shape (both outputs), and a region dropped before that epoch is not in it."""
+    rng = np.random.default_rng(31)
+    d = tmp_path / "log"
+    w = rng.standard_normal((48, 1000)).astype(np.float32)
+    ids = rng.integers(0, 50000, 7777, dtype=np.int64)
+    gone = rng.integers(0, 256, 3 * PAGE, dtype=np.uint8)
+    with cft.Runtime(d, fsync="never", page_bytes=PAGE) as rt:
+        rt.register("weights", w, kind="dense")
+        rt.register("ids", ids)
+        rt.register("scratch", gone)
+        rt.checkpoint()
+        rt.unregister("scratch")
+        w[3, :17] = rng.standard_normal(17)
+        rt.checkpoint()
+    want = {"weights": ("dense", w.nbytes, "float32", [48, 1000]), "ids": ("opaque", ids.nbytes, "int64", [7777])}
+    rc, text = run_cli(capsys, "log", "inspect", str(d), "--json")
+    assert rc == 0, text
+    regions = {r["name"]: r for r in json.loads(text)["regions"]}
+    assert set(regions) == set(want), regions
+    for name, (kind, nbytes, dtype, shape) in want.items():
+        r = regions[name]
+        assert (r["kind"], r["nbytes"], r["page_bytes"], r["dtype"], list(r["shape"])) == (
+            kind, nbytes, PAGE, dtype, shape), r
+    rc, text = run_cli(capsys, "log", "inspect", str(d))
+    assert rc == 0, text
+    table = text.split("regions", 1)[1].split("epochs (last", 1)[0]
+    rows = [ln for ln in table.splitlines() if ln.startswith("│")]
+    assert sorted(ln.split("│")[1].strip() for ln in rows) == ["ids", "weights"], table
+    assert "float32" in table and "(48, 1000)" in table and "int64" in table and "scratch" not in table, table
