@@ -4,7 +4,8 @@ For each batch B (all prompts of one length, greedy, ``--new`` tokens each, EOS 
 - ``hf_static``: transformers' own ``model.generate(..., cache_implementation="static")`` of the batch (it
   compiles its forward: the first call is a warm-up, not timed); whole-wave tokens/s, and its decode rate from
   a 1-token run subtracted;
-- ``nolog`` / ``epochs``: ``serve.Engine`` without a log and with an epoch every step (DRAM log), ``--waves``
+- ``nolog`` / ``epochs``: ``serve.Engine`` without a log and with an epoch every step (DRAM log); ``invariant`` /
+  ``invariant_epochs``: the same with ``EngineOptions.invariant`` (batch-invariant linears and norms); ``--waves``
   successive waves of B requests on ONE engine, as a running server sees them. Per wave: whole-wave output
   tokens/s (prefill included), decode-step tokens/s (B / median decode step), TTFT p50 and inter-token p50/p99
   (from each request's token arrival times);
@@ -154,7 +155,7 @@ def roofline(model: Any, batch: int, ctx: float, geo: Any) -> float:
     return batch / (step_bytes / HBM_BPS)
 
 
-def throughput(model: Any, hf: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+def throughput(model: Any, inv_model: Any, hf: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     max_len = args.prompt + args.new
     for b in args.batches:
@@ -165,11 +166,14 @@ def throughput(model: Any, hf: Any, args: argparse.Namespace, vocab: int) -> lis
             print(f"B={b} hf_static {base['whole_tok_s']:.0f} tok/s whole, {base['decode_tok_s']:.0f} decode",
                   flush=True)
         per_mode: dict[str, list[dict[str, Any]]] = {}
-        for mode in (m for m in args.modes if m in ("nolog", "epochs")):
+        for mode in (m for m in args.modes if m in ("nolog", "epochs", "invariant", "invariant_epochs")):
             d = tempfile.mkdtemp(prefix="bench-engine-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-            opts = dict(engine_options(b, max_len), checkpoint=mode == "epochs", async_epochs=args.async_epochs)
+            logged = mode.endswith("epochs")
+            opts = dict(engine_options(b, max_len), checkpoint=logged, async_epochs=args.async_epochs,
+                        invariant=mode.startswith("invariant"))
             t0 = time.perf_counter()
-            eng = Engine(model, None if mode == "nolog" else os.path.join(d, "log"), opts)
+            eng = Engine(model if not opts["invariant"] else inv_model, os.path.join(d, "log") if logged else None,
+                         opts)
             ctor = time.perf_counter() - t0
             out = []
             for wave in range(1, args.waves + 1):
@@ -190,9 +194,14 @@ def throughput(model: Any, hf: Any, args: argparse.Namespace, vocab: int) -> lis
             gc.collect()
             shutil.rmtree(d, ignore_errors=True)
             per_mode[mode] = out
-        if "nolog" in per_mode and "epochs" in per_mode:
-            for a, e in zip(per_mode["nolog"], per_mode["epochs"], strict=True):
-                e["epochs_vs_nolog"] = e["whole_tok_s"] / a["whole_tok_s"]
+        for mode, base_mode, key in (("epochs", "nolog", "epochs_vs_nolog"),
+                                     ("invariant", "nolog", "invariant_vs_nolog"),
+                                     ("invariant_epochs", "invariant", "epochs_vs_nolog")):
+            if mode in per_mode and base_mode in per_mode:
+                for a, e in zip(per_mode[base_mode], per_mode[mode], strict=True):
+                    e[key] = e["whole_tok_s"] / a["whole_tok_s"]
+                    if a.get("decode_tok_s") and e.get("decode_tok_s"):
+                        e[key.replace("_vs_", "_decode_vs_")] = e["decode_tok_s"] / a["decode_tok_s"]
         for out in per_mode.values():
             rows += out
     return rows
@@ -270,7 +279,9 @@ def main() -> None:
     model = build(args.dims, args.device, dtype)
     hf = build(args.dims, args.device, dtype) if "hf_static" in args.modes else None  # its own attention
     vocab = model.config.vocab_size
-    rows = throughput(model, hf, args, vocab)
+    # the invariant modes switch their model's linear layers and norms: a model of their own
+    inv_model = build(args.dims, args.device, dtype) if any(m.startswith("invariant") for m in args.modes) else None
+    rows = throughput(model, inv_model, hf, args, vocab)
     if args.poisson:
         del hf
         gc.collect()
@@ -280,7 +291,7 @@ def main() -> None:
                                f"async_epochs {args.async_epochs}")
     print_table("engine vs transformers", [
         {k: r.get(k) for k in ("batch", "wave", "mode", "whole_tok_s", "decode_tok_s", "vs_transformers_static",
-                               "epochs_vs_nolog", "decode_vs_roofline")} for r in rows])
+                               "epochs_vs_nolog", "invariant_vs_nolog", "decode_vs_roofline")} for r in rows])
     print(f"wrote {path}")
 
 

@@ -53,6 +53,9 @@ from .sampling import RngRows, SamplingParams, new_generator, sample
 META_KEY = "concordia.serve"
 META_VERSION = 1
 TOKEN_BLOCK = 128  # int32 ids per 512-byte block of the tokens region
+# the options that shape a step's batch or its arithmetic: logged, and taken from the log by Engine.recover
+LOGGED_OPTIONS = ("max_running", "max_waiting", "max_model_len", "max_batch_tokens", "keep_finished", "graphs",
+                  "invariant")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,10 @@ class EngineOptions:
     # decode steps: "auto" (CUDA graphs on a CUDA model, else eager), "on" (graphs; CUDA only), "padded" (the
     # graphs' static padded step run uncaptured: same kernels and shapes, the exactness reference), "off"
     graphs: str = "auto"
+    # True: batch-invariant linear layers and RMSNorm (serve/invariant.py; the attention kernel is batch-invariant
+    # always): a request's tokens do not depend on what else is in the batch, so a request resumed after a crash
+    # equals the one run alone whatever arrives after the recovery. CUDA models. Logged.
+    invariant: bool = False
     # True: the epoch of step N is written by the runtime's background writer while step N+1 computes
     # (Runtime.checkpoint_async); step() then returns step N's output once its epoch is committed, one step late
     async_epochs: bool = False
@@ -262,6 +269,12 @@ class Engine:
             raise ConfigError(f"max_model_len={opts.max_model_len} is more than the pool's {self.geo.slots} slots; "
                               "raise num_blocks or lower max_model_len")
         install(model)
+        if opts.invariant:
+            if self.device.type != "cuda":
+                raise ConfigError(f"invariant=True runs Triton kernels on the GPU; the model is on {self.device}")
+            from . import invariant
+
+            invariant.install(model)
         # the paged attention kernel on CUDA (batch-invariant, no gather), gather + SDPA elsewhere
         self.kernel = kernel_attention(self.device)
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -690,8 +703,7 @@ class Engine:
         if self._meta_static is None:
             self._meta_static = encode_json({
                 "version": META_VERSION, "geometry": self.geo.describe(), "fingerprint": self.fingerprint,
-                "options": {k: getattr(self.opts, k) for k in ("max_running", "max_waiting", "max_model_len",
-                                                               "max_batch_tokens", "keep_finished", "graphs")}})[1:-1]
+                "options": {k: getattr(self.opts, k) for k in LOGGED_OPTIONS}})[1:-1]
         parts = [b'{"%s":{' % META_KEY.encode(), self._meta_static,
                  b',"step":%d,"next_seq":%d,"time":%s,"running":[' % (self.step_no, self._peek_seq(),
                                                                      repr(time.time()).encode())]
@@ -735,8 +747,7 @@ class Engine:
         return {
             "version": META_VERSION, "step": self.step_no, "next_seq": self._peek_seq(),
             "geometry": self.geo.describe(), "fingerprint": self.fingerprint,
-            "options": {k: getattr(self.opts, k) for k in ("max_running", "max_waiting", "max_model_len",
-                                                           "max_batch_tokens", "keep_finished", "graphs")},
+            "options": {k: getattr(self.opts, k) for k in LOGGED_OPTIONS},
             "running": [{**common(r), "n_tokens": len(r.ids), "n_computed": r.n_computed, "row": r.row,
                          "admitted": r.admitted, "table": self.blocks.tables[r.id]} for r in self.running.values()],
             "waiting": [{**common(r), "prompt": r.ids} for r in self.waiting],

@@ -1,0 +1,131 @@
+"""Batch-invariant linear layers and RMSNorm for the engine (``EngineOptions.invariant``).
+
+A request's tokens are a function of the request alone only if every operation on its rows gives the same bits
+whatever else is in the batch. Elementwise ops, the embedding, RoPE and the sampler (a generator per request)
+already do; the paged attention kernel does by construction (serve/attention.py). What does not: cuBLAS picks
+its algorithm (tile shape, split-K) from the matrix shapes, so a row's reduction order over K changes with the
+number of rows; torch's row reductions (RMSNorm's mean) split a row across threads or blocks by the shape too.
+
+So, with ``invariant`` on, the engine swaps the forward of its model's ``nn.Linear`` and RMSNorm modules for:
+- ``linear``: a Triton GEMM whose tile configuration is a function of ``(N, K)`` only (never of M), one program
+  per output tile, K walked in fixed steps in order, no split-K: row ``i`` of ``x @ W.T`` is the same bits
+  for any M and any position of the row among the M;
+- ``rms_norm``: one program per row, the whole row in registers, one fixed reduction tree.
+The swap is per module instance (no global dispatcher override), made once when the engine is built.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+
+_kernels: dict[str, Any] = {}
+
+
+def _build() -> dict[str, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def concordia_linear(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, sxk, swn, swk, sym, syn,
+                         HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + kk[None, :] * sxk,
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            b = tl.load(w_ptr + rn[None, :].to(tl.int64) * swn + kk[:, None] * swk,
+                        mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
+            acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn, acc.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
+    def concordia_rms_norm(x_ptr, w_ptr, y_ptr, N, sx, sy, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * sx + c, mask=c < N, other=0.0).to(tl.float32)
+        var = tl.sum(x * x, 0) / N
+        h = (x * tl.math.rsqrt(var + eps)).to(y_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + c, mask=c < N, other=0.0)
+        tl.store(y_ptr + row * sy + c, (w * h).to(y_ptr.dtype.element_ty), mask=c < N)
+
+    return {"linear": concordia_linear, "rms_norm": concordia_rms_norm}
+
+
+def kernels() -> dict[str, Any]:
+    if not _kernels:
+        _kernels.update(_build())
+    return _kernels
+
+
+def tiles(n: int, k: int) -> tuple[int, int, int, int]:
+    """``(BM, BN, BK, warps)`` for a weight of ``n`` outputs x ``k`` inputs: a function of the weight alone,
+    so every batch size runs the same arithmetic. Narrow tiles for narrow weights (decode steps need programs
+    across the SMs); M tiles of 64 rows."""
+    bn = 32 if n <= 4096 else 64
+    return 64, bn, 64, 4
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` over the last dim of ``x``, batch-invariant (see the module docstring)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    m, k = x2.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm, bn, bk, warps = tiles(n, k)
+    kernels()["linear"][(-(-m // bm), -(-n // bn))](
+        x2, weight, bias if bias is not None else weight, y, m, n, k, x2.stride(0), x2.stride(1),
+        weight.stride(0), weight.stride(1), y.stride(0), y.stride(1), HAS_BIAS=bias is not None,
+        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=3)
+    return y.view(*shape[:-1], n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` per row in float32, as transformers' RMSNorm computes it."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    n = x2.shape[1]
+    y = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    import triton
+
+    kernels()["rms_norm"][(x2.shape[0],)](x2, weight, y, n, x2.stride(0), y.stride(0), float(eps),
+                                          BLOCK=triton.next_power_of_2(n), num_warps=4)
+    return y.view(shape)
+
+
+def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, self.weight, self.bias)
+
+
+def _norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    return rms_norm(x, self.weight, getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6)))
+
+
+def install(model: torch.nn.Module) -> int:
+    """Swap the forward of every ``nn.Linear`` and RMSNorm module of ``model`` (its instances only) for the
+    batch-invariant kernels; returns how many modules were switched."""
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            mod.forward = types.MethodType(_linear_forward, mod)  # type: ignore[method-assign]
+            n += 1
+        elif type(mod).__name__.endswith("RMSNorm") and getattr(mod, "weight", None) is not None:
+            mod.forward = types.MethodType(_norm_forward, mod)  # type: ignore[method-assign]
+            n += 1
+    return n
+
+
+__all__ = ["install", "kernels", "linear", "rms_norm", "tiles"]
