@@ -66,7 +66,52 @@ def engine() -> None:
             assert r.generated == want, (graphs, r.id)
 
 
-CASES = {"reference1": lambda: reference(1), "reference2": lambda: reference(2), "reference3": lambda: reference(3),
+def linear() -> None:
+    """The invariant linear and RMSNorm kernels: float64 within float32 rounding, rows equal for any row count."""
+    from concordia_ft.serve import invariant as inv
+
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(40, 70, generator=g), torch.randn(90, 70, generator=g)
+    y = inv.linear(x, w)
+    assert (y.double() - x.double() @ w.double().T).abs().max().item() < 1e-4
+    assert torch.equal(inv.linear(x[[5, 80, 3]], w), y[[5, 80, 3]])
+    nw = torch.randn(70, generator=g)
+    z = inv.rms_norm(x, nw, 1e-6)
+    ref = nw.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert (z.double() - ref).abs().max().item() < 1e-4
+    assert torch.equal(inv.rms_norm(x[:3], nw, 1e-6), z[:3])
+
+
+def invariant_engine() -> None:
+    """An engine with invariant=True gives each request alone the tokens it gets among others joining late."""
+    from llm_helpers import tiny_model
+
+    from concordia_ft.serve import Engine, SamplingParams
+
+    model = tiny_model("qwen3")
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 21, 4, 13)]
+    opts = {"num_blocks": 40, "block_size": 4, "max_batch_tokens": 16, "max_model_len": 64, "checkpoint": False,
+            "invariant": True}
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=8, temperature=0.0 if i % 2 else 0.9, seed=i)
+
+    eng = Engine(model, None, opts)
+    reqs = [eng.submit(p, params(i)) for i, p in enumerate(prompts[:2])]
+    eng.step()
+    reqs += [eng.submit(p, params(i + 2)) for i, p in enumerate(prompts[2:])]
+    while eng.has_work:
+        eng.step()
+    for i, p in enumerate(prompts):
+        alone = Engine(model, None, opts)
+        r = alone.submit(p, params(i))
+        while alone.has_work:
+            alone.step()
+        assert r.generated == reqs[i].generated, i
+
+
+CASES = {"linear": linear, "invariant_engine": invariant_engine, "reference1": lambda: reference(1), "reference2": lambda: reference(2), "reference3": lambda: reference(3),
          "invariance": invariance, "engine": engine}
 
 if __name__ == "__main__":

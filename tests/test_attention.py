@@ -16,12 +16,25 @@ from support import PYTHON, REPO, subprocess_env
 pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("case", ["reference1", "reference2", "reference3", "invariance", "engine"])
+@pytest.mark.parametrize("case", ["reference1", "reference2", "reference3", "invariance", "engine", "linear",
+                                  "invariant_engine"])
 def test_kernel_case(case: str) -> None:
     r = subprocess.run([PYTHON, str(REPO / "tests" / "attention_cases.py"), case], capture_output=True, text=True,
                        env=subprocess_env(), timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     assert f"ok {case}" in r.stdout
+
+
+def test_invariant_mode_off_the_gpu_says_what_it_needs() -> None:
+    from llm_helpers import tiny_model
+
+    from concordia_ft.errors import ConfigError
+    from concordia_ft.serve import Engine
+
+    if A.interpreted():
+        pytest.skip("Triton's interpreter is on: the mode runs on the CPU then")
+    with pytest.raises(ConfigError, match="invariant=True runs Triton kernels on the GPU"):
+        Engine(tiny_model("qwen3"), None, {"checkpoint": False, "invariant": True})
 
 
 def test_more_query_heads_per_kv_head_than_rows_are_refused() -> None:

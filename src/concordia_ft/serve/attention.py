@@ -46,9 +46,11 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _patch_interpreter() -> None:
-    """Triton 3.6's interpreter turns a loop bound into an int with ``int(array)`` on a one-element array, which
+def prepare_interpreter() -> None:
+    """Under Triton's interpreter only: Triton 3.6's interpreter turns a loop bound into an int with ``int(array)`` on a one-element array, which
     numpy >= 2.3 refuses; take the element instead (no effect on compiled kernels)."""
+    if not interpreted():
+        return
     from triton.runtime import interpreter as ti
 
     orig = ti._patch_lang_tensor
@@ -67,8 +69,7 @@ def _build() -> Any:
     import triton
     import triton.language as tl
 
-    if interpreted():
-        _patch_interpreter()
+    prepare_interpreter()
 
     @triton.jit
     def concordia_paged_attention(
@@ -193,4 +194,4 @@ def reference_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Ten
     return out
 
 
-__all__ = ["BLOCK_N", "M_ROWS", "PoolView", "block_q", "interpreted", "kernel", "launch", "plan_tiles", "reference_attention"]
+__all__ = ["BLOCK_N", "M_ROWS", "PoolView", "block_q", "interpreted", "kernel", "prepare_interpreter", "launch", "plan_tiles", "reference_attention"]

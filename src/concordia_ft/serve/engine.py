@@ -270,8 +270,9 @@ class Engine:
                               "raise num_blocks or lower max_model_len")
         install(model)
         if opts.invariant:
-            if self.device.type != "cuda":
-                raise ConfigError(f"invariant=True runs Triton kernels on the GPU; the model is on {self.device}")
+            if self.device.type != "cuda" and not attention.interpreted():
+                raise ConfigError(f"invariant=True runs Triton kernels on the GPU; the model is on {self.device} "
+                                  "(on the CPU only under Triton's interpreter, TRITON_INTERPRET=1)")
             from . import invariant
 
             invariant.install(model)

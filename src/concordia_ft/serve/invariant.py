@@ -28,6 +28,10 @@ def _build() -> dict[str, Any]:
     import triton
     import triton.language as tl
 
+    from . import attention
+
+    attention.prepare_interpreter()
+
     @triton.jit
     def concordia_linear(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, sxm, sxk, swn, swk, sym, syn,
                          HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
