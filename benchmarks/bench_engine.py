@@ -4,8 +4,9 @@ For each batch B (all prompts of one length, greedy, ``--new`` tokens each, EOS 
 - ``hf_static``: transformers' own ``model.generate(..., cache_implementation="static")`` of the batch (it
   compiles its forward: the first call is a warm-up, not timed); whole-wave tokens/s, and its decode rate from
   a 1-token run subtracted;
-- ``nolog`` / ``epochs``: ``serve.Engine`` without a log and with an epoch every step (DRAM log); ``invariant`` /
-  ``invariant_epochs``: the same with ``EngineOptions.invariant`` (batch-invariant linears and norms); ``--waves``
+- ``nolog`` / ``epochs``: ``serve.Engine`` as configured by default (batch-invariant, serve/invariant.py) without a
+  log and with an epoch every step (DRAM log); ``cublas`` / ``cublas_epochs``: the same with
+  ``invariant=False`` (cuBLAS GEMMs, torch's norms); ``--waves``
   successive waves of B requests on ONE engine, as a running server sees them. Per wave: whole-wave output
   tokens/s (prefill included), decode-step tokens/s (B / median decode step), TTFT p50 and inter-token p50/p99
   (from each request's token arrival times);
@@ -42,6 +43,7 @@ from concordia_ft.benchreport import median, percentile, print_table, write_resu
 from concordia_ft.serve import Engine, SamplingParams  # noqa: E402
 
 HBM_BPS = 4.8e12
+ENGINE_MODES = ("nolog", "epochs", "cublas", "cublas_epochs")
 
 
 def config(dims: str) -> Any:
@@ -155,7 +157,7 @@ def roofline(model: Any, batch: int, ctx: float, geo: Any) -> float:
     return batch / (step_bytes / HBM_BPS)
 
 
-def throughput(model: Any, inv_model: Any, hf: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+def throughput(models: dict[str, Any], hf: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     max_len = args.prompt + args.new
     for b in args.batches:
@@ -166,20 +168,20 @@ def throughput(model: Any, inv_model: Any, hf: Any, args: argparse.Namespace, vo
             print(f"B={b} hf_static {base['whole_tok_s']:.0f} tok/s whole, {base['decode_tok_s']:.0f} decode",
                   flush=True)
         per_mode: dict[str, list[dict[str, Any]]] = {}
-        for mode in (m for m in args.modes if m in ("nolog", "epochs", "invariant", "invariant_epochs")):
+        for mode in (m for m in args.modes if m in ENGINE_MODES):
             d = tempfile.mkdtemp(prefix="bench-engine-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
             logged = mode.endswith("epochs")
+            cublas = mode.startswith("cublas")
             opts = dict(engine_options(b, max_len), checkpoint=logged, async_epochs=args.async_epochs,
-                        invariant=mode.startswith("invariant"))
+                        invariant=not cublas)
             t0 = time.perf_counter()
-            eng = Engine(model if not opts["invariant"] else inv_model, os.path.join(d, "log") if logged else None,
-                         opts)
+            eng = Engine(models["cublas" if cublas else "invariant"], os.path.join(d, "log") if logged else None, opts)
             ctor = time.perf_counter() - t0
             out = []
             for wave in range(1, args.waves + 1):
                 r = run_wave(eng, prompts(b, args.prompt, vocab, 100 + wave), args.new, args.device)
                 r.update(batch=b, wave=wave, mode=mode, construct_s=ctor if wave == 1 else None)
-                r["roofline_tok_s"] = roofline(model, b, args.prompt + args.new / 2, eng.geo)
+                r["roofline_tok_s"] = roofline(models["invariant"], b, args.prompt + args.new / 2, eng.geo)
                 r["decode_vs_roofline"] = (r["decode_tok_s"] / r["roofline_tok_s"]) if r["decode_tok_s"] else None
                 if base is not None:
                     r["vs_transformers_static"] = r["whole_tok_s"] / base["whole_tok_s"]
@@ -195,8 +197,8 @@ def throughput(model: Any, inv_model: Any, hf: Any, args: argparse.Namespace, vo
             shutil.rmtree(d, ignore_errors=True)
             per_mode[mode] = out
         for mode, base_mode, key in (("epochs", "nolog", "epochs_vs_nolog"),
-                                     ("invariant", "nolog", "invariant_vs_nolog"),
-                                     ("invariant_epochs", "invariant", "epochs_vs_nolog")):
+                                     ("nolog", "cublas", "invariant_vs_cublas"),
+                                     ("cublas_epochs", "cublas", "epochs_vs_nolog")):
             if mode in per_mode and base_mode in per_mode:
                 for a, e in zip(per_mode[base_mode], per_mode[mode], strict=True):
                     e[key] = e["whole_tok_s"] / a["whole_tok_s"]
@@ -215,7 +217,7 @@ def poisson(model: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, 
     for mode in ("nolog", "epochs"):
         d = tempfile.mkdtemp(prefix="bench-engine-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         opts = dict(engine_options(64, 2048 + 512), checkpoint=mode == "epochs", async_epochs=args.async_epochs)
-        eng = Engine(model, None if mode == "nolog" else os.path.join(d, "log"), opts)
+        eng = Engine(model, None if mode == "nolog" else os.path.join(d, "log"), opts)  # the default engine
         g = torch.Generator().manual_seed(4)
         ps = [torch.randint(100, vocab - 1, (n,), generator=g).tolist() for n, _ in reqs]
         w = Wave()
@@ -254,6 +256,45 @@ def poisson(model: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, 
     return rows
 
 
+def plot(path: Path) -> Path:
+    """Tokens/s against wave (one line per batch and mode) and against batch (last wave), beside the JSON."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    doc = json.loads(path.read_text())
+    rows = [r for r in doc["rows"] if r.get("batch")]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for (batch, mode) in sorted({(r["batch"], r["mode"]) for r in rows if r["mode"] != "hf_static"}):
+        pts = sorted((r["wave"], r["whole_tok_s"]) for r in rows if r["batch"] == batch and r["mode"] == mode)
+        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=f"B={batch} {mode}")
+    for r in rows:
+        if r["mode"] == "hf_static":
+            a.axhline(r["whole_tok_s"], ls=":", lw=1, color="gray")
+    a.set(xlabel="wave (successive waves on one engine)", ylabel="whole-wave output tokens/s", yscale="log",
+          title="tokens/s by wave (dotted: transformers static-cache generate)")
+    a.legend(fontsize=7, ncol=2)
+    modes = sorted({r["mode"] for r in rows})
+    for mode in modes:
+        last = {r["batch"]: r["whole_tok_s"] for r in sorted((r for r in rows if r["mode"] == mode),
+                                                             key=lambda r: r["wave"])}
+        bs = sorted(last)
+        b.plot(bs, [last[x] for x in bs], marker="o", label=mode)
+    b.set(xlabel="batch", ylabel="whole-wave output tokens/s (last wave)", xscale="log", yscale="log",
+          title="tokens/s by batch")
+    b.legend(fontsize=8)
+    head = doc.get("notes", "").split(";")[0]
+    fig.suptitle(f"{doc['device'].get('gpu', '')}, {head}, commit {doc.get('git_commit', '')[:10]}",
+                 fontsize=8)
+    out = path.with_suffix(".png")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dims", default="0.6b", choices=["0.6b", "8b", "tiny"])
@@ -262,7 +303,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--waves", type=int, default=10)
-    ap.add_argument("--modes", default="hf_static,nolog,epochs")
+    ap.add_argument("--modes", default="hf_static,nolog,epochs,cublas")
     ap.add_argument("--async-epochs", action="store_true", help="pipelined epochs (EngineOptions.async_epochs)")
     ap.add_argument("--poisson", type=int, default=0, help="requests of the Poisson-arrival run (0: none)")
     ap.add_argument("--rate", type=float, default=20.0, help="Poisson arrivals per second")
@@ -279,9 +320,11 @@ def main() -> None:
     model = build(args.dims, args.device, dtype)
     hf = build(args.dims, args.device, dtype) if "hf_static" in args.modes else None  # its own attention
     vocab = model.config.vocab_size
-    # the invariant modes switch their model's linear layers and norms: a model of their own
-    inv_model = build(args.dims, args.device, dtype) if any(m.startswith("invariant") for m in args.modes) else None
-    rows = throughput(model, inv_model, hf, args, vocab)
+    # an invariant engine switches its model's linear layers and norms: the cuBLAS modes get a model of their own
+    models = {"invariant": model,
+              "cublas": build(args.dims, args.device, dtype) if any(m.startswith("cublas") for m in args.modes)
+              else None}
+    rows = throughput(models, hf, args, vocab)
     if args.poisson:
         del hf
         gc.collect()
@@ -291,8 +334,8 @@ def main() -> None:
                                f"async_epochs {args.async_epochs}")
     print_table("engine vs transformers", [
         {k: r.get(k) for k in ("batch", "wave", "mode", "whole_tok_s", "decode_tok_s", "vs_transformers_static",
-                               "epochs_vs_nolog", "invariant_vs_nolog", "decode_vs_roofline")} for r in rows])
-    print(f"wrote {path}")
+                               "epochs_vs_nolog", "invariant_vs_cublas", "decode_vs_roofline")} for r in rows])
+    print(f"wrote {path} and {plot(path)}")
 
 
 if __name__ == "__main__":

@@ -84,9 +84,8 @@ def linear() -> None:
 
 def invariant_engine() -> None:
     """An engine with invariant=True gives each request alone the tokens it gets among others joining late."""
-    from llm_helpers import tiny_model
-
     from concordia_ft.serve import Engine, SamplingParams
+    from llm_helpers import tiny_model
 
     model = tiny_model("qwen3")
     g = torch.Generator().manual_seed(8)

@@ -26,10 +26,9 @@ def test_kernel_case(case: str) -> None:
 
 
 def test_invariant_mode_off_the_gpu_says_what_it_needs() -> None:
-    from llm_helpers import tiny_model
-
     from concordia_ft.errors import ConfigError
     from concordia_ft.serve import Engine
+    from llm_helpers import tiny_model
 
     if A.interpreted():
         pytest.skip("Triton's interpreter is on: the mode runs on the CPU then")

@@ -74,10 +74,12 @@ class EngineOptions:
     # decode steps: "auto" (CUDA graphs on a CUDA model, else eager), "on" (graphs; CUDA only), "padded" (the
     # graphs' static padded step run uncaptured: same kernels and shapes, the exactness reference), "off"
     graphs: str = "auto"
-    # True: batch-invariant linear layers and RMSNorm (serve/invariant.py; the attention kernel is batch-invariant
+    # batch-invariant linear layers and RMSNorm (serve/invariant.py; the attention kernel is batch-invariant
     # always): a request's tokens do not depend on what else is in the batch, so a request resumed after a crash
-    # equals the one run alone whatever arrives after the recovery. CUDA models. Logged.
-    invariant: bool = False
+    # equals the one run alone whatever arrives after the recovery. None (the default): on for a CUDA model (its
+    # Triton GEMM is faster than cuBLAS at these shapes: results/serve_throughput-h200.json), off on the CPU,
+    # where it runs only under Triton's interpreter. False: cuBLAS and torch's norms. Logged.
+    invariant: bool | None = None
     # True: the epoch of step N is written by the runtime's background writer while step N+1 computes
     # (Runtime.checkpoint_async); step() then returns step N's output once its epoch is committed, one step late
     async_epochs: bool = False
@@ -269,6 +271,8 @@ class Engine:
             raise ConfigError(f"max_model_len={opts.max_model_len} is more than the pool's {self.geo.slots} slots; "
                               "raise num_blocks or lower max_model_len")
         install(model)
+        if opts.invariant is None:
+            self.opts = opts = dataclasses.replace(opts, invariant=self.device.type == "cuda")
         if opts.invariant:
             if self.device.type != "cuda" and not attention.interpreted():
                 raise ConfigError(f"invariant=True runs Triton kernels on the GPU; the model is on {self.device} "
