@@ -832,6 +832,7 @@ class Engine:
         if want != geo:
             raise RecoveryError(f"the model's KV rows are {want}; the log's are {geo}: same model needed")
         logged = dict(m["options"])
+        logged.setdefault("invariant", False)  # a log from before the option ran cuBLAS and torch's norms
         opts = EngineOptions(**{**opts.__dict__, **logged, "num_blocks": geo.num_blocks,
                                 "block_size": geo.block_size, "kv_dtype": geo.dtype})
         t1 = time.perf_counter()
