@@ -11,9 +11,9 @@ setup(ext_modules=[
     # the token-epoch writer of graph decode (ring slots -> committed epochs, GIL released); optional too:
     # core/slotlog.py falls back to the Python writer in integrations/graph_decode.py
     Extension("concordia_ft.core._slotlog", ["src/concordia_ft/core/_slotlog.c"], optional=True,
-              depends=["src/concordia_ft/core/_crc32c.h"], extra_compile_args=["-O2", "-pthread"]),
+              depends=["src/concordia_ft/core/_crc32c.h", "src/concordia_ft/core/_crc32c_gf2.h"], extra_compile_args=["-O2", "-pthread"]),
     # the streamed restore's chunk loop (copy pthreads + the hand-over, GIL released); optional:
     # core/streamed.py runs its Python loop without it
     Extension("concordia_ft.core._streamloop", ["src/concordia_ft/core/_streamloop.c"], optional=True,
-              depends=["src/concordia_ft/core/_crc32c.h"], extra_compile_args=["-O2", "-pthread"], libraries=["dl"]),
+              depends=["src/concordia_ft/core/_crc32c.h", "src/concordia_ft/core/_crc32c_gf2.h"], extra_compile_args=["-O2", "-pthread"], libraries=["dl"]),
 ])

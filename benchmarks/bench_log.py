@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 
 from concordia_ft.benchreport import print_table, write_results
+from concordia_ft.core.checksums import crc32c
 from concordia_ft.core.compaction import compact_offline
-from concordia_ft.core.format import crc32c
 from concordia_ft.core.log import RecoveryLog
 from concordia_ft.core.regions import DiffMode, RegionKind, RegionSpec
 from concordia_ft.core.replay import replay

@@ -1,4 +1,4 @@
-/* CRC32C (Castagnoli) for the C extensions of core/ (_slotlog.c, _streamloop.c): the SSE4.2 crc32 instruction
+/* CRC32C (Castagnoli) for the C extensions of core/: the SSE4.2 crc32 instruction
  * where the CPU has it (three chains combined for large buffers), a slicing-by-8 table otherwise
  * (CONCORDIA_CRC_TABLE forces the table: tests). Each extension calls crc_init() once at import; everything here
  * is static, so each extension has its own copy of the tables. */
@@ -8,17 +8,17 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_crc32c_gf2.h"
+
 #if defined(__x86_64__)
 #include <nmmintrin.h>
 #define CFT_X86 1
 #endif
 
 /* ------------------------------------------------------------------------------------------------ CRC32C */
-#define CRC_POLY 0x82F63B78u
 static uint32_t crc_tab[8][256];
 static int crc_hw = 0;
 static uint32_t crc_x2n[64]; /* x^(2^k) mod P, filled by crc_init */
-static uint32_t gf2_multmodp(uint32_t a, uint32_t b);
 
 static void crc_init(void) {
     for (uint32_t i = 0; i < 256; i++) {
@@ -70,19 +70,6 @@ __attribute__((target("sse4.2"))) static uint32_t crc_sse42(uint32_t crc, const 
     return ~(uint32_t)c;
 }
 #endif
-
-static uint32_t gf2_multmodp(uint32_t a, uint32_t b) { /* a(x) * b(x) mod P, reflected */
-    uint32_t m = 1u << 31, p = 0;
-    for (;;) {
-        if (a & m) {
-            p ^= b;
-            if ((a & (m - 1)) == 0) break;
-        }
-        m >>= 1;
-        b = (b & 1) ? (b >> 1) ^ CRC_POLY : b >> 1;
-    }
-    return p;
-}
 
 static uint32_t crc_shift_op(uint64_t nbytes) { /* x^(8 * nbytes) mod P */
     const uint32_t *x2n = crc_x2n;

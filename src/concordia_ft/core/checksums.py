@@ -1,4 +1,11 @@
-"""CRC32C of large buffers on several threads: split into chunks, checksum each, combine.
+"""CRC32C, the log's one checksum: every CRC the package computes on the host goes through this module.
+
+- ``crc32c``: the ``crc32c`` package (hardware instructions where the CPU has them).
+- ``crc32c_buffers`` / ``crc32c_native``: the C extension's CRC32C (core/_crc32c.h), for many buffers in one
+  call with the GIL released, optionally while their DMA is still landing.
+- the GF(2) arithmetic that combines CRCs (``multmodp``, ``crc32c_shift``, ``crc32c_combine``) and turns the raw
+  CRC a GPU kernel computes into the standard one (``raw_to_crc32c``). The C side of the same arithmetic is
+  core/_crc32c_gf2.h, shared by the C extension and the GPU kernel (cuda/crc.py).
 
 The log stores one CRC32C per payload, and one payload can be a whole prompt's KV (hundreds of MB in ONE
 record), so verifying "many epochs in parallel" is not enough: a payload is cut into ``chunk_bytes`` pieces
@@ -29,12 +36,13 @@ except ImportError as _e:  # no compiler at install time: the crc32c package doe
     _native = None
     _NATIVE_WHY = f"not built: {_e}"
 
-_POLY = 0x82F63B78  # CRC32C (Castagnoli), bit-reflected
+POLY = 0x82F63B78  # CRC32C (Castagnoli), bit-reflected
 _TOP = 1 << 31  # x^0 in the reflected representation
+_MASK = 0xFFFFFFFF
 
 
-def _multmodp(a: int, b: int) -> int:
-    """a(x) * b(x) modulo the CRC polynomial (reflected bit order)."""
+def multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) modulo the CRC polynomial (reflected bit order); core/_crc32c_gf2.h is the same in C."""
     m = _TOP
     p = 0
     while True:
@@ -43,7 +51,7 @@ def _multmodp(a: int, b: int) -> int:
             if not a & (m - 1):
                 return p
         m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+        b = (b >> 1) ^ POLY if b & 1 else b >> 1
         if not m:
             return p
 
@@ -53,7 +61,7 @@ def _x2n_table() -> list[int]:
     p = _TOP >> 1  # x^1
     for _ in range(32):
         out.append(p)
-        p = _multmodp(p, p)
+        p = multmodp(p, p)
     return out
 
 
@@ -65,7 +73,7 @@ def _x2nmodp(n: int, k: int) -> int:
     p = _TOP
     while n:
         if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
+            p = multmodp(_X2N[k & 31], p)
         n >>= 1
         k += 1
     return p
@@ -83,7 +91,19 @@ def crc32c_combine(crc1: int, crc2: int, len2: int, shift: int | None = None) ->
 
     ``shift`` may be ``crc32c_shift(len2)`` computed once for many combines of equal-length pieces."""
     op = crc32c_shift(len2) if shift is None else shift
-    return _multmodp(op, crc1) ^ crc2
+    return multmodp(op, crc1) ^ crc2
+
+
+def raw_to_crc32c(raw: int, nbytes: int, shift: int | None = None) -> int:
+    """The standard CRC32C (register from ~0, final xor ~0) of a message of ``nbytes`` from its raw CRC
+    (register from 0, no final xor): ``raw ^ x^(8n) * 0xFFFFFFFF ^ 0xFFFFFFFF``. ``shift``: ``crc32c_shift(nbytes)``."""
+    op = crc32c_shift(nbytes) if shift is None else shift
+    return raw ^ multmodp(op, _MASK) ^ _MASK
+
+
+def raw_crc(data: bytes | memoryview) -> int:
+    """The raw CRC (register from 0, no final xor) of ``data``, from the standard one (a reference)."""
+    return raw_to_crc32c(crc32c(data), memoryview(data).nbytes)
 
 
 def crc32c(data: bytes | bytearray | memoryview, value: int = 0, *, release_gil: bool | None = None) -> int:

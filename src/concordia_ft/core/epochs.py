@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import ConfigError
+from .checksums import crc32c
 from .format import (
     ALIGN,
     COMMIT_BYTES,
@@ -31,7 +32,6 @@ from .format import (
     NewerFormatError,
     align_up,
     check_commit,
-    crc32c,
     decode_entries,
     decode_json,
     encode_commit,

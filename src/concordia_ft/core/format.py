@@ -11,8 +11,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-import crc32c as _crc32c
-
+from .checksums import crc32c
 from .regions import KIND_BY_CODE, RegionKind
 
 FORMAT_VERSION = 1
@@ -55,10 +54,6 @@ MAX_DESC_BYTES = 1 << 30
 MAX_VAR_BYTES = 1 << 30
 MAX_EPOCH_BYTES = 1 << 46  # 64 TiB
 MAX_NAME_BYTES = 200
-
-
-def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
-    return int(_crc32c.crc32c(data, value))
 
 
 def align_up(n: int, a: int = ALIGN) -> int:

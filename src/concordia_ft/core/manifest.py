@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LogCorruptError, LogError
-from .format import FORMAT_VERSION, crc32c
+from .checksums import crc32c
+from .format import FORMAT_VERSION
 from .oscalls import REAL_OS, OsCalls
 
 MANIFEST_NAME = "MANIFEST"

@@ -30,8 +30,8 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import LogError
+from .checksums import crc32c
 from .epochs import layout_epoch
-from .format import crc32c
 from .images import PageWrite
 from .oscalls import REAL_OS, OsCalls
 from .regions import RegionSpec

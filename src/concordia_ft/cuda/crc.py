@@ -10,14 +10,15 @@ host copy threads (which only memcpy). Two kernels, compiled with NVRTC like the
 - ``concordia_crc32c_pieces``: one thread per piece folds its tiles' raw CRCs in order.
 
 The combine is the GF(2) one zlib uses for ``crc32_combine``: raw(A || B) = x^(8|B|) * raw(A) + raw(B) mod the
-Castagnoli polynomial (``multmodp``). Every span and tile is combined as if it were full-length: a piece of
+Castagnoli polynomial: ``gf2_multmodp`` of core/_crc32c_gf2.h, the C extension's copy (put in front of the
+kernel source by ``render``), with its Python twin and the shift operators in core/checksums.py. Every span and tile is combined as if it were full-length: a piece of
 ``n`` bytes is treated as ``pad`` zero bytes followed by the piece (``pad`` making it a whole number of
 tiles), and leading zeros do not change a raw CRC, so the shifts are the same powers of x for every piece and
 no length-dependent operator is needed on the device. Alignment: a span's first and last bytes up to an
 8-byte boundary are read one at a time, the rest as 8-byte words, so any address and any length work.
 
-The host turns a piece's raw CRC into the standard CRC32C (register starting at ~0, final xor ~0):
-``crc32c(M) = raw(M) ^ x^(8n) * 0xFFFFFFFF ^ 0xFFFFFFFF`` (``raw_to_crc32c``); the streamed restore then combines
+The host turns a piece's raw CRC into the standard CRC32C (``checksums.raw_to_crc32c``); the streamed restore
+then combines
 the pieces of a record (core/streamed.py) and compares with the record's stored checksum.
 ``reference_tiled_raw`` is the same decomposition in Python, checked against the ``crc32c`` package on CPU CI.
 """
@@ -25,44 +26,34 @@ the pieces of a record (core/streamed.py) and compares with the record's stored 
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import numpy as np
 
-from ..core.checksums import _multmodp, crc32c, crc32c_shift
+from ..core.checksums import crc32c_shift, multmodp, raw_crc, raw_to_crc32c
 from . import driver, nvrtc
 
 THREADS = 256
 SPAN = 256  # bytes per thread
 TILE = THREADS * SPAN  # bytes per block (64 KiB)
 PIECE_THREADS = 128
-_POLY = 0x82F63B78
-_MASK = 0xFFFFFFFF
+GF2_HEADER = Path(__file__).resolve().parent.parent / "core" / "_crc32c_gf2.h"
 
 SOURCE = r"""
 typedef unsigned int u32;
 typedef unsigned long long u64;
-#define POLY 0x82F63B78u
+__GF2__
 #define THREADS __THREADS__
 #define SPAN __SPAN__
 #define TILE (THREADS * SPAN)
 
 struct Piece { u64 ptr; u64 len; u64 tile0; u64 first_block; };
 
-__device__ __forceinline__ u32 multmodp(u32 a, u32 b) {  // a(x) * b(x) mod P, reflected bit order
-    u32 p = 0;
-#pragma unroll
-    for (int i = 31; i >= 0; --i) {
-        p ^= b & (0u - ((a >> i) & 1u));
-        b = (b >> 1) ^ (POLY & (0u - (b & 1u)));
-    }
-    return p;
-}
-
 __device__ __forceinline__ void build_tables(u32 (*T)[256]) {
     for (u32 i = threadIdx.x; i < 256; i += blockDim.x) {
         u32 c = i;
 #pragma unroll
-        for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (POLY & (0u - (c & 1u)));
+        for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (CRC_POLY & (0u - (c & 1u)));
         T[0][i] = c;
     }
     __syncthreads();
@@ -109,9 +100,9 @@ concordia_crc32c_tiles(const Piece* __restrict__ pieces, u32 n_pieces, u32 x_spa
     __syncthreads();
     u32 sh = x_span;  // x^(8 * SPAN * s) at stride s
     for (u32 s = 1; s < THREADS; s <<= 1) {
-        if ((threadIdx.x & (2 * s - 1)) == 0) red[threadIdx.x] = multmodp(sh, red[threadIdx.x]) ^ red[threadIdx.x + s];
+        if ((threadIdx.x & (2 * s - 1)) == 0) red[threadIdx.x] = gf2_multmodp(sh, red[threadIdx.x]) ^ red[threadIdx.x + s];
         __syncthreads();
-        sh = multmodp(sh, sh);
+        sh = gf2_multmodp(sh, sh);
     }
     if (threadIdx.x == 0) tile_crc[pc.tile0 + t] = red[0];
 }
@@ -124,14 +115,15 @@ extern "C" __global__ void concordia_crc32c_pieces(const u64* __restrict__ tile0
     if (i >= n) return;
     const u32* c = tile_crc + tile0[i];
     u32 r = 0;
-    for (u32 j = 0; j < ntiles[i]; ++j) r = multmodp(x_tile, r) ^ c[j];
+    for (u32 j = 0; j < ntiles[i]; ++j) r = gf2_multmodp(x_tile, r) ^ c[j];
     out[i] = r;
 }
 """
 
 
 def render() -> str:
-    return SOURCE.replace("__THREADS__", str(THREADS)).replace("__SPAN__", str(SPAN))
+    return (SOURCE.replace("__GF2__", GF2_HEADER.read_text()).replace("__THREADS__", str(THREADS))
+            .replace("__SPAN__", str(SPAN)))
 
 
 def compile_crc(arch: str = nvrtc.DEFAULT_ARCH) -> nvrtc.CompiledModule:
@@ -145,18 +137,6 @@ def tiles_of(nbytes: int) -> int:
 
 X_SPAN = crc32c_shift(SPAN)
 X_TILE = crc32c_shift(TILE)
-
-
-def raw_to_crc32c(raw: int, nbytes: int, shift: int | None = None) -> int:
-    """The standard CRC32C of a message of ``nbytes`` from its raw CRC (``shift``: ``crc32c_shift(nbytes)``)."""
-    op = crc32c_shift(nbytes) if shift is None else shift
-    return raw ^ _multmodp(op, _MASK) ^ _MASK
-
-
-def raw_crc(data: bytes | memoryview) -> int:
-    """The raw CRC (register from 0, no final xor) of ``data``, via the standard one (reference)."""
-    n = memoryview(data).nbytes
-    return crc32c(data) ^ _multmodp(crc32c_shift(n), _MASK) ^ _MASK
 
 
 def reference_tiled_raw(data: bytes | memoryview, span: int = SPAN, threads: int = THREADS) -> int:
@@ -179,10 +159,10 @@ def reference_tiled_raw(data: bytes | memoryview, span: int = SPAN, threads: int
         sh, s = x_span, 1
         while s < threads:
             for i in range(0, threads, 2 * s):
-                red[i] = _multmodp(sh, red[i]) ^ red[i + s]
-            sh = _multmodp(sh, sh)
+                red[i] = multmodp(sh, red[i]) ^ red[i + s]
+            sh = multmodp(sh, sh)
             s *= 2
-        out = _multmodp(x_tile, out) ^ red[0]
+        out = multmodp(x_tile, out) ^ red[0]
     return out
 
 

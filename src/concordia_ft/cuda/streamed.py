@@ -408,8 +408,7 @@ class CudaSink:
         returns how many."""
         if not self.verifies:
             return 0
-        from ..core.checksums import crc32c_shift
-        from . import crc
+        from ..core.checksums import crc32c_shift, raw_to_crc32c
 
         n = len(self._piece_len)
         self._crc.pieces(int(self.dev_tile0.data_ptr()), int(self.dev_ntiles.data_ptr()), n,
@@ -425,7 +424,7 @@ class CudaSink:
             op = shifts.get(ln)
             if op is None:
                 op = shifts[ln] = crc32c_shift(ln)
-            crcs[pid] = crc.raw_to_crc32c(int(raw[pid]), ln, op)
+            crcs[pid] = raw_to_crc32c(int(raw[pid]), ln, op)
             got += 1
         return got
 
