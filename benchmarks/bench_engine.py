@@ -268,9 +268,11 @@ def plot(path: Path) -> Path:
     doc = json.loads(path.read_text())
     rows = [r for r in doc["rows"] if r.get("batch")]
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for (batch, mode) in sorted({(r["batch"], r["mode"]) for r in rows if r["mode"] != "hf_static"}):
-        pts = sorted((r["wave"], r["whole_tok_s"]) for r in rows if r["batch"] == batch and r["mode"] == mode)
-        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=f"B={batch} {mode}")
+    for (run, batch, mode) in sorted({(r.get("run", ""), r["batch"], r["mode"]) for r in rows
+                                      if r["mode"] != "hf_static"}):
+        pts = sorted((r["wave"], r["whole_tok_s"]) for r in rows
+                     if r["batch"] == batch and r["mode"] == mode and r.get("run", "") == run)
+        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=f"{run} B={batch} {mode}".strip())
     for r in rows:
         if r["mode"] == "hf_static":
             a.axhline(r["whole_tok_s"], ls=":", lw=1, color="gray")
@@ -280,7 +282,7 @@ def plot(path: Path) -> Path:
     modes = sorted({r["mode"] for r in rows})
     for mode in modes:
         last = {r["batch"]: r["whole_tok_s"] for r in sorted((r for r in rows if r["mode"] == mode),
-                                                             key=lambda r: r["wave"])}
+                                                             key=lambda r: (r.get("run", ""), r["wave"]))}
         bs = sorted(last)
         b.plot(bs, [last[x] for x in bs], marker="o", label=mode)
     b.set(xlabel="batch", ylabel="whole-wave output tokens/s (last wave)", xscale="log", yscale="log",
