@@ -15,18 +15,29 @@ must do: the baseline), interleaved. Per repair: survivors' new tokens/s during 
 the replacement's first token) vs the second before the kill, the longest survivor stall, and the time until
 the replacement serves again (``timeline.service_during_repairs``). Writes ``distributed_partial-<tag>.json``.
 
+``--suite chaos``: faults from outside the job at random moments (the benchmark process SIGKILLs ranks and the
+coordinator by pid, stamping each in faults.jsonl), hot and cold standbys; every job's digest must equal the
+uninterrupted run's; phases per repair, and every wait that ended on a timeout (from the logs). Writes
+``distributed_chaos-<tag>.json``.
+
 Usage: python benchmarks/bench_distributed.py [--rounds 2] [--kills 3] [--backend gloo|nccl] [--out-dir D]
+       python benchmarks/bench_distributed.py --suite chaos [--rounds 2] [--faults 6] [--steps 400]
        python benchmarks/bench_distributed.py --suite partial [--rounds 2] [--kills 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +46,17 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from concordia_ft.benchreport import print_table, write_results  # noqa: E402
 from concordia_ft.distributed import run_job  # noqa: E402
-from concordia_ft.distributed.timeline import load_stamps, recovery_phases, service_during_repairs  # noqa: E402
+from concordia_ft.distributed.timeline import (  # noqa: E402
+    load_faults,
+    load_stamps,
+    recovery_phases,
+    service_during_repairs,
+    stamp_fault,
+)
 
 MODES: dict[str, dict[str, Any]] = {
-    "hot": {"standby": {"hot": 1, "warm": 0, "order": ["hot", "cold"]}},
+    "hot": {"standby": {"hot": 1, "warm": 0, "order": ["hot", "cold"]}},  # connected ahead (spare groups)
+    "hot-build": {"standby": {"hot": 1, "warm": 0, "order": ["hot", "cold"], "preconnect": False}},
     "warm": {"standby": {"hot": 0, "warm": 1, "order": ["warm", "cold"]}},
     "cold": {"standby": {"hot": 0, "warm": 0, "order": ["cold"]}},
     "restart": {"standby": {"hot": 0, "warm": 0, "order": ["cold"]}, "on_failure": "restart"},
@@ -94,9 +112,127 @@ def run_partial(a: argparse.Namespace, root: Path) -> Path:
     return path
 
 
+CHAOS_MODES: dict[str, dict[str, Any]] = {
+    "hot": {"standby": {"hot": 1, "warm": 0, "order": ["hot", "cold"]}},
+    "cold": {"standby": {"hot": 0, "warm": 0, "order": ["cold"]}},
+}
+
+
+def _members(job_dir: Path) -> dict[str, int]:
+    """The job's rank processes now (wid -> pid), from the coordinator's record."""
+    try:
+        doc = json.loads((job_dir / "coord" / "pids.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    procs = doc.get("procs", {})
+    return {w: int(procs[w]["pid"]) for w in doc.get("members", []) if w in procs}
+
+
+def _inject(job_dir: Path, rng: random.Random, faults: int, coordinator_p: float, lo_s: float, hi_s: float,
+            done: threading.Event, log: list[dict[str, Any]]) -> None:
+    """Kill processes of a running job from outside, by pid, at random moments (start-up, steps, collectives,
+    repairs in progress: the delays do not wait for anything), stamping each in faults.jsonl first."""
+    for _ in range(faults):
+        if done.wait(rng.uniform(lo_s, hi_s)):
+            return
+        if rng.random() < coordinator_p and (job_dir / "coord" / "pid").exists():
+            pid, wid = int((job_dir / "coord" / "pid").read_text()), "coordinator"
+        else:
+            members = _members(job_dir)
+            if not members:
+                continue
+            wid = rng.choice(sorted(members))
+            pid = members[wid]
+        stamp_fault(job_dir, wid, "SIGKILL from outside", by="bench (outside)")
+        try:
+            os.kill(pid, signal.SIGKILL)
+            log.append({"wid": wid, "pid": pid})
+        except ProcessLookupError:
+            pass
+
+
+def run_chaos(a: argparse.Namespace, root: Path) -> Path:
+    """Faults from outside at random moments: every job's digest must equal the uninterrupted run's; per repair
+    its phases; waits on a timeout counted from every process's log."""
+    base = {"workload": "dp_lora", "world": a.world, "steps": a.steps, "backend": a.backend, "fsync": "always",
+            "device": "cuda:0" if a.backend == "nccl" else "cpu", "max_rebuilds": 32}
+    expect = run_job(root / "reference", {**base, "standby": {"hot": 0}}, timeout_s=900).same_on_every_rank()
+    rows: list[dict[str, Any]] = []
+    jobs: list[dict[str, Any]] = []
+    rng = random.Random(a.seed)
+    for rnd in range(a.rounds):
+        for mode, extra in CHAOS_MODES.items():
+            job = root / f"chaos-{mode}-{rnd}"
+            done, sent = threading.Event(), []
+            inj = threading.Thread(target=_inject, args=(job, random.Random(rng.random()), a.faults, 0.15,
+                                                         0.05, a.max_gap_s, done, sent), daemon=True)
+            t0 = time.monotonic()
+            inj.start()
+            try:
+                r = run_job(job, {**base, **extra}, timeout_s=1200)
+            finally:
+                done.set()
+                inj.join()
+            same = r.same_on_every_rank() == expect
+            waits = _timeout_waits(job)
+            phases = recovery_phases(r.repairs, r.timings, r.events, load_faults(job))
+            for p in phases:
+                rows.append({"mode": mode, "round": rnd, **p})
+            jobs.append({"mode": mode, "round": rnd, "faults_sent": len(sent),
+                         "coordinator_kills": sum(1 for x in sent if x["wid"] == "coordinator"),
+                         "coordinator_restarts": r.coordinator_restarts, "repairs": len(r.repairs),
+                         "digest_equal": same, "timeout_waits": waits, "wall_s": time.monotonic() - t0})
+            print(f"round {rnd} {mode}: {len(sent)} faults, {len(r.repairs)} repairs, "
+                  f"{r.coordinator_restarts} coordinator restarts, digest {'equal' if same else 'DIFFERS'}, "
+                  f"{len(waits)} timeout waits, {time.monotonic() - t0:.1f} s", flush=True)
+            if not same:
+                raise SystemExit(f"{mode} round {rnd}: the result differs from the uninterrupted run ({job})")
+    summary = []
+    for mode in CHAOS_MODES:
+        sel = [x for x in rows if x["mode"] == mode]
+        timed = [x["total_ms"] for x in sel if x["total_ms"] is not None]
+        summary.append({"mode": mode, "repairs": len(sel), "timed": len(timed),
+                        "total_ms_median": statistics.median(timed) if timed else None,
+                        "total_ms_max": max(timed, default=None),
+                        "detection_ms_median": statistics.median(
+                            [x["detection_ms"] for x in sel if x["detection_ms"] is not None] or [0.0]),
+                        "cut_short": sum(1 for x in sel if x["note"]),
+                        "timeout_waits": sum(len(j["timeout_waits"]) for j in jobs if j["mode"] == mode),
+                        "digests_equal": all(j["digest_equal"] for j in jobs if j["mode"] == mode)})
+    notes = (f"{a.world} ranks, dp_lora {a.steps} steps, {a.backend}, fsync=always; {a.faults} SIGKILLs per job sent "
+             f"from outside the job by pid (the benchmark process), 15% of them to the coordinator, at random "
+             f"delays 0.05-{a.max_gap_s} s apart from the job's start (start-up, steps, collectives, prepares, "
+             "repairs in progress); phases per repair measured from each fault's stamp (faults.jsonl), 'total' = "
+             "kill -> every member finished its first step again; repairs cut short by the next fault have no "
+             "total. timeout_waits: lines in any process's log of a wait that ended on a timeout. 2 CPU cores "
+             "shared with ~8 other engineers' work: noisy.")
+    path = write_results("distributed_chaos", summary, baseline=rows + [{"job": j} for j in jobs], notes=notes,
+                         out_dir=a.out_dir, tag=a.tag or ("cpu" if a.backend == "gloo" else None))
+    print_table("faults from outside at random moments", summary)
+    return path
+
+
+def _timeout_waits(job: Path) -> list[str]:
+    """Lines of the job's logs that say a wait ended on a timeout (a store or group timeout that was waited
+    out, as opposed to a wait abandoned when the generation moved)."""
+    hits = []
+    for f in [job / "coordinator.log", *sorted((job / "logs").glob("*.log"))]:
+        try:
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        hits += [f"{f.name}: {line[:200]}" for line in text.splitlines()
+                 if "timed out" in line.lower() or "timeout" in line.lower()]
+    return hits
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--suite", choices=("recovery", "partial"), default="recovery")
+    ap.add_argument("--suite", choices=("recovery", "partial", "chaos"), default="recovery")
+    ap.add_argument("--faults", type=int, default=6, help="chaos: SIGKILLs sent from outside per job")
+    ap.add_argument("--steps", type=int, default=400, help="chaos: steps per job")
+    ap.add_argument("--max-gap-s", type=float, default=2.0, help="chaos: the longest delay between two faults")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=100, help="partial: new tokens per request")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--kills", type=int, default=3)
@@ -118,6 +254,9 @@ def main() -> int:
         if a.suite == "partial":
             print(f"wrote {run_partial(a, root)}")
             return 0
+        if a.suite == "chaos":
+            print(f"wrote {run_chaos(a, root)}")
+            return 0
         ref = run_job(root / "reference", {**base, "standby": {"hot": 0}}, timeout_s=600)
         expect = ref.same_on_every_rank()
         rows: list[dict[str, Any]] = []
@@ -128,7 +267,8 @@ def main() -> int:
                 r = run_job(root / f"{mode}-{rnd}", {**base, **extra, "kills": kills}, timeout_s=900)
                 if r.same_on_every_rank() != expect:
                     raise SystemExit(f"{mode} round {rnd}: the result differs from the uninterrupted run")
-                phases = [p for p in recovery_phases(r.repairs, r.timings, r.events) if not p["note"]]
+                phases = [p for p in recovery_phases(r.repairs, r.timings, r.events, load_faults(r.job_dir))
+                          if not p["note"]]
                 if len(phases) < len(r.repairs):
                     print(f"  {len(r.repairs) - len(phases)} repair(s) of {mode} without every member's timing "
                           f"(interrupted by a later failure): {r.job_dir}", flush=True)

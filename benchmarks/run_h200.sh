@@ -25,7 +25,7 @@ for part in "$@"; do
        python3 benchmarks/bench_llm.py --out "$out" ${only:+--only "$only"} 2>&1 | tail -60 ;;
     graph_epochs) python3 benchmarks/bench_graph_epochs.py --out-dir "$out" ${GRAPH_EPOCHS_ARGS:-} 2>&1 | grep -v -i warn | tail -60 ;;
     dist) python3 -m pytest tests/gpu/test_distributed_nccl.py -q -p no:cacheprovider 2>&1 | tail -20 ;;
-    dist_bench) python3 benchmarks/bench_distributed.py --backend nccl --world 2 --rounds 1 --kills 2 \
+    dist_bench) python3 benchmarks/bench_distributed.py --backend nccl --world 2 --rounds 1 --kills 2 --gap 40 --modes hot,hot-build,restart \
          --out-dir "$out" 2>&1 | tail -30 ;;
     serve|serve:*) only="${part#serve}"; only="${only#:}"
        python3 benchmarks/bench_serve.py --out "$out" ${only:+--only "$only"} 2>&1 | grep -v -i warn | tail -40 ;;

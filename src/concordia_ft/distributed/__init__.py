@@ -9,6 +9,7 @@ import it themselves.
 from .health import Action, FailureKind, Timeouts, Verdict, plan_timeouts
 from .launch import JobError, JobResult, run_job
 from .options import DistOptions, StandbyOptions
+from .workload import Workload
 
 __all__ = ["Action", "DistOptions", "FailureKind", "JobError", "JobResult", "StandbyOptions", "Timeouts",
-           "Verdict", "plan_timeouts", "run_job"]
+           "Verdict", "Workload", "plan_timeouts", "run_job"]

@@ -59,13 +59,31 @@ def _pdeathsig() -> None:
 
 @dataclass
 class Child:
+    """A process of the job: one this coordinator started (``popen``), or a rank that outlived the previous
+    coordinator and was adopted (``popen`` None: not our child, so its exit status is unknown; its pidfd
+    still makes its death an event)."""
+
     wid: str
     role: str  # rank | hot | warm
-    popen: subprocess.Popen[bytes]
+    pid: int
     pidfd: int
-    log: IO[bytes]
+    popen: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = None
     ready: bool = False  # warm: printed "ready"; hot: wrote standby/<wid>
     spawned_ns: int = field(default_factory=time.monotonic_ns)
+    gone: bool = False  # its exit was seen (pidfd)
+
+    def alive(self) -> bool:
+        if self.gone:
+            return False
+        if self.popen is not None:
+            return self.popen.poll() is None
+        return _proc_state(self.pid) not in ("", "Z")
+
+    def reap(self) -> int | None:
+        """Its exit status (None: adopted, not ours to reap) once it has exited."""
+        self.gone = True
+        return self.popen.wait() if self.popen is not None else None
 
 
 class JobFailed(Exception):
@@ -109,6 +127,9 @@ class Coordinator:
         self.gen_committed = False
         self.stopped: dict[str, int] = {}  # wid -> when the kernel first showed it stopped
         self.held_final = False  # every member prepared the final cut, its commit held for a kill still due
+        self.expect_beat: dict[str, int] = {}  # kept ranks: when they were assigned (a first beat is due)
+        self.spare: dict[str, Any] | None = None  # this generation's spare groups (offered, then ready)
+        self.killed_in_gen = -1  # the generation in which this coordinator last sent a kill
         rng_seed = int(opts.chaos.get("seed", 0)) + 7919 * self.incarnation
         self.rng = random.Random(rng_seed)
         self.next_chaos_ns = self._chaos_delay() if opts.chaos else None
@@ -143,20 +164,23 @@ class Coordinator:
         wid = wid or self._new_wid()
         env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         if self.opts.backend == "nccl":
+            # NCCL_RUNTIME_CONNECT=0: a communicator connects every channel at init (no lazy connect in a step)
             env.update(NCCL_HOSTID=f"concordia-{wid}", NCCL_SOCKET_IFNAME="lo", NCCL_NVLS_ENABLE="0",
+                       NCCL_RUNTIME_CONNECT="0",
                        TORCH_NCCL_ASYNC_ERROR_HANDLING="0")
         cmd = [sys.executable, "-m", WORKER, "--job-dir", str(self.job_dir), "--port", str(self.port),
-               "--wid", wid, "--role", role]
+               "--wid", wid, "--role", role, "--coordinator-pid", str(os.getpid()), "--inc", str(self.incarnation)]
         if plan is not None:
             cmd += ["--plan", plan.encode()]
         log = open(self.job_dir / "logs" / f"{wid}.log", "ab")
+        # ranks outlive this coordinator (a new one adopts them, §2); standbys die with it, and so does every
+        # process of the job when the launcher dies (CONCORDIA_DIST_LAUNCHER_PID, watched by each)
         popen = subprocess.Popen(cmd, stdin=subprocess.PIPE if role == "warm" else subprocess.DEVNULL,
                                  stdout=subprocess.PIPE if role == "warm" else log, stderr=log, env=env,
-                                 preexec_fn=_pdeathsig)
-        pidfd = os.pidfd_open(popen.pid)
-        child = Child(wid, role, popen, pidfd, log)
+                                 preexec_fn=None if role == "rank" else _pdeathsig)
+        child = Child(wid, role, popen.pid, os.pidfd_open(popen.pid), popen, log)
         self.children[wid] = child
-        self.sel.register(pidfd, selectors.EVENT_READ, ("exit", wid))
+        self.sel.register(child.pidfd, selectors.EVENT_READ, ("exit", wid))
         if role == "warm":
             assert popen.stdout is not None
             self.sel.register(popen.stdout, selectors.EVENT_READ, ("warm", wid))
@@ -167,33 +191,49 @@ class Coordinator:
         return wid
 
     def _write_pids(self) -> None:
-        pids = {c.wid: c.popen.pid for c in self.children.values() if c.popen.returncode is None}
+        """Who is who (``coord/pids.json``): the members by rank, and every live process with its start time
+        (a pid reused by another process is never mistaken for ours)."""
+        procs = {c.wid: {"pid": c.pid, "role": c.role, "start": _start_time(c.pid)}
+                 for c in self.children.values() if c.alive()}
         tmp = self.job_dir / "coord" / "pids.json.tmp"
-        tmp.write_text(json.dumps(pids))
+        tmp.write_text(json.dumps({"members": self.members, "procs": procs}))
         os.replace(tmp, self.job_dir / "coord" / "pids.json")
 
-    def _kill_leftovers(self) -> None:
-        """Children of a killed coordinator die with it (PDEATHSIG); wait until they have (bounded)."""
+    def _previous_members(self) -> dict[int, str]:
+        """The ranks the previous coordinator's members still hold (rank -> wid), alive and the same processes;
+        every other process it left (standbys) is SIGKILLed: this coordinator starts its own."""
         path = self.job_dir / "coord" / "pids.json"
-        if not path.exists():
-            return
-        for wid, pid in json.loads(path.read_text()).items():
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+        members, procs = doc.get("members", []), doc.get("procs", {})
+        keep: dict[int, str] = {}
+        for wid, info in procs.items():
+            pid = int(info["pid"])
             try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                same = (WORKER.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+                        and f"--wid\0{wid}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+                        and _start_time(pid) == info.get("start"))
             except OSError:
                 continue
-            if WORKER.encode() in cmdline and wid.encode() in cmdline:
+            if not same or _proc_state(pid) in ("", "Z"):
+                continue
+            if wid in members and len(members) == self.opts.world:
+                keep[members.index(wid)] = wid
+                fd = os.pidfd_open(pid)
+                self.children[wid] = Child(wid, "rank", pid, fd)
+                self.sel.register(fd, selectors.EVENT_READ, ("exit", wid))
+            else:
                 os.kill(pid, signal.SIGKILL)
-                deadline = time.monotonic() + 5
-                while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-                    time.sleep(0.002)
+        return keep
 
     def _sigkill(self, wid: str) -> int:
         c = self.children.get(wid)
         t = time.monotonic_ns()
-        if c is not None and c.popen.returncode is None:
+        if c is not None and c.alive():
             try:
-                os.kill(c.popen.pid, signal.SIGKILL)
+                os.kill(c.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         return t
@@ -204,22 +244,30 @@ class Coordinator:
 
     # ------------------------------------------------------------------------------------------- run
     def run(self) -> int:
-        self._kill_leftovers()
+        kept = self._previous_members() if self.resume else {}
         cut = self.commits.cut
         if cut >= 0:
             self.store.set(P.commit_key(cut), "1")
-        self.event("start", cut=cut, resume=self.resume, final_cut=self.final_cut, port=self.port, pid=os.getpid())
+        self.event("start", cut=cut, resume=self.resume, final_cut=self.final_cut, port=self.port, pid=os.getpid(),
+                   kept={str(r): w for r, w in kept.items()})
         if cut >= self.final_cut:
             self.event("already-done", cut=cut)
+        self.members = [kept.get(r) or self._new_wid() for r in range(self.opts.world)]
+        plan = P.Plan(self.gen, cut, tuple(self.members), "start" if not self.resume else "coordinator-restart",
+                      {"kept": sorted(kept)} if kept else {})
+        self.publish(plan)
+        t_plan = time.monotonic_ns()
+        for r, wid in enumerate(self.members):
+            if r in kept:  # a live rank rejoins (it offers itself at adopt/<wid> once it sees this store)
+                self.store.set(P.assign_key(wid), plan.encode())
+                self.expect_beat[wid] = t_plan
+            else:
+                self.spawn("rank", wid, plan)
+        self._write_endpoint()  # after the plan: a rank that sees this incarnation finds its assignment
         for _ in range(self.opts.standby.hot):
             self.spawn("hot")
         for _ in range(self.opts.standby.warm):
             self.spawn("warm")
-        self.members = [self._new_wid() for _ in range(self.opts.world)]
-        plan = P.Plan(self.gen, cut, tuple(self.members), "start" if not self.resume else "coordinator-restart")
-        self.publish(plan)
-        for wid in self.members:
-            self.spawn("rank", wid, plan)
         deadline = time.monotonic() + self.opts.job_timeout_s
         last_hb = 0
         try:
@@ -233,6 +281,7 @@ class Coordinator:
                     else:
                         self._on_warm_line(wid)
                 self._check_commit()
+                self._offer_spare()
                 if self.commits.cut >= self.final_cut and self._members_exited():
                     break
                 self._check_reports()
@@ -251,31 +300,43 @@ class Coordinator:
 
     def shutdown(self) -> None:
         for c in self.children.values():
-            if c.popen.returncode is None:
+            if c.alive():
                 try:
-                    os.kill(c.popen.pid, signal.SIGKILL)
+                    os.kill(c.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        deadline = time.monotonic() + 10
         for c in self.children.values():
-            try:
-                c.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+            if c.popen is not None:
+                try:
+                    c.popen.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            else:
+                while c.alive() and time.monotonic() < deadline:
+                    time.sleep(0.002)
         self._write_pids()
         self.commits.close()
 
+    def _write_endpoint(self) -> None:
+        """``coord/endpoint.json``: where this incarnation's store is (ranks that outlived the previous one
+        wait for a newer incarnation here, then rejoin)."""
+        tmp = self.job_dir / "coord" / "endpoint.json.tmp"
+        tmp.write_text(json.dumps({"inc": self.incarnation, "port": self.port, "pid": os.getpid()}))
+        os.replace(tmp, self.job_dir / "coord" / "endpoint.json")
+
     # ------------------------------------------------------------------------------------- observing
     def _members_exited(self) -> bool:
-        return all(self.children[w].popen.poll() is not None for w in self.members)
+        return all(not self.children[w].alive() for w in self.members)
 
     def _on_exit(self, wid: str) -> None:
         c = self.children[wid]
         self.sel.unregister(c.pidfd)
         os.close(c.pidfd)
-        rc = c.popen.wait()
+        rc = c.reap()
         t = time.monotonic_ns()
         self._write_pids()
-        if c.role == "warm" and c.popen.stdout is not None:
+        if c.role == "warm" and c.popen is not None and c.popen.stdout is not None:
             try:
                 self.sel.unregister(c.popen.stdout)
             except (KeyError, ValueError):
@@ -287,11 +348,13 @@ class Coordinator:
             self.warm.remove(wid)
         if wid not in self.members:
             self.event("exit", wid=wid, rc=rc, member=False, standby=pooled)
+            if self.spare is not None and self.spare["standby"] == wid:
+                self.spare = None  # the next ready standby is offered instead
             if pooled and self.opts.standby.refill and self.commits.cut < self.final_cut:
                 self.spawn(c.role)
             return
         rank = self.members.index(wid)
-        if rc == 0 and self.commits.cut >= self.final_cut:
+        if self.commits.cut >= self.final_cut:  # the job's last cut is committed: nothing left to repair
             self.event("exit", wid=wid, rc=rc, rank=rank, member=True)
             return
         self.event("detect", wid=wid, rank=rank, rc=rc, kind=FailureKind.PROCESS_DEATH.value, t_detect_ns=t)
@@ -301,7 +364,7 @@ class Coordinator:
 
     def _on_warm_line(self, wid: str) -> None:
         c = self.children[wid]
-        assert c.popen.stdout is not None
+        assert c.popen is not None and c.popen.stdout is not None
         line = c.popen.stdout.readline()
         self.sel.unregister(c.popen.stdout)
         if line.strip() == b"ready":
@@ -315,13 +378,13 @@ class Coordinator:
 
     def _check_commit(self) -> None:
         nxt = self.commits.cut + 1
-        if not self._prepared():
+        if not self._prepared() or self._hold_for_standby():
             return
         keys = [P.prep_key(self.gen, nxt, r) for r in range(self.opts.world)]
         final = nxt == self.final_cut
         if self.final_cut == FINAL_UNKNOWN:  # replicated: the first cut where no rank has work left is the last
             final = all(self.store.get(k).split(b",")[1] == b"0" for k in keys)
-        if final and self._kills_due():
+        if final and (self._kills_due() or self.killed_in_gen == self.gen):
             self.held_final = True  # the job does not end with a kill it was asked for unsent: sent first
             return
         ms = self.commits.commit(nxt, self.gen, final=final)
@@ -371,6 +434,9 @@ class Coordinator:
         progress timeout; or every member waiting in a collective at once (the communicator: REBUILD)."""
         t = self._timeouts()
         for rank, wid in enumerate(self.members):
+            c = self.children.get(wid)
+            if c is not None and c.gone:
+                continue  # its exit was seen (and acted on)
             v = self._stopped(rank, wid, now, t)
             if v is None:
                 v = self._silent(rank, wid, now, t)
@@ -386,7 +452,7 @@ class Coordinator:
 
     def _stopped(self, rank: int, wid: str, now: int, t: Timeouts) -> Verdict | None:
         c = self.children.get(wid)
-        state = _proc_state(c.popen.pid) if c is not None and c.popen.returncode is None else ""
+        state = _proc_state(c.pid) if c is not None and not c.gone else ""
         if state != "T":
             self.stopped.pop(wid, None)
             return None
@@ -396,6 +462,9 @@ class Coordinator:
     def _silent(self, rank: int, wid: str, now: int, t: Timeouts) -> Verdict | None:
         key = P.hb_key(wid)
         if not self.store.check([key]):
+            since = self.expect_beat.get(wid)  # a kept rank is up: it must beat within the heartbeat timeout
+            if since is not None and (now - since) / 1e6 > t.heartbeat_timeout_ms:
+                return classify_silence(rank, None, since, now, t)
             return None  # not up yet (a cold standby imports torch): its pidfd reports a death meanwhile
         raw = self.store.get(key)
         old = self.beats.get(wid)
@@ -412,6 +481,10 @@ class Coordinator:
     def _take_standby(self) -> tuple[str, str]:
         for kind in self.opts.standby.order:
             if kind == "hot":
+                ready = self._spare_ready()
+                if ready is not None and ready in self.hot:  # the one connected ahead goes first
+                    self.hot.remove(ready)
+                    return ready, "hot"
                 for wid in list(self.hot):
                     if self.store.check([P.standby_key(wid)]):
                         self.hot.remove(wid)
@@ -435,6 +508,7 @@ class Coordinator:
         self.gen_committed = False
         self.held_final = False
         self.pending = []
+        self.spare = None  # spare groups belong to the generation they were built in
 
     def _replace(self, ranks: list[int], v: Verdict, t_detect: int, *, kill: bool = False,
                  t_kill: int | None = None) -> None:
@@ -444,6 +518,8 @@ class Coordinator:
         if self.opts.on_failure == "restart":
             self._restart_all(v, t_detect)
             return
+        spare = self._spare_ready() if len(ranks) == 1 else None
+        spare_gen = self.gen
         self._bump()
         failed_wids = [self.members[r] for r in ranks]
         kinds = {}
@@ -452,6 +528,9 @@ class Coordinator:
             self.members[r] = wid
             kinds[r] = (wid, kind)
         extra: dict[str, Any] = {"failed": ranks, "detail": v.detail}
+        if spare is not None and kinds[ranks[0]][0] == spare:
+            # every member holds the group of (survivors + this standby) since the spare's boundary: use it
+            extra["spare"] = {"gen": spare_gen, "standby": spare, "failed": ranks[0]}
         if self.partial:
             extra["partial"] = True  # survivors keep their state and serve on; the group reforms at cut + 1
         plan = P.Plan(self.gen, self.commits.cut, tuple(self.members), v.kind.value, extra)
@@ -462,7 +541,7 @@ class Coordinator:
                 self.store.set(P.assign_key(wid), plan.encode())
             elif kind == "warm":
                 c = self.children[wid]
-                assert c.popen.stdin is not None
+                assert c.popen is not None and c.popen.stdin is not None
                 try:
                     c.popen.stdin.write(plan.encode().encode() + b"\n")
                     c.popen.stdin.flush()
@@ -477,7 +556,7 @@ class Coordinator:
                "replacement": {str(r): w for r, (w, _) in kinds.items()}, "failed_wids": failed_wids,
                "t_detect_ns": t_detect,
                "t_plan_ns": t_plan, "members": list(self.members), "mode": "repair",
-               "partial": self.partial}
+               "partial": self.partial, "spare": "spare" in extra}
         self.repairs.append(rec)
         self.event("plan", **rec)
 
@@ -499,10 +578,9 @@ class Coordinator:
             self._sigkill(wid)
         for wid in self.members:
             c = self.children[wid]
-            try:
-                c.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
+            deadline = time.monotonic() + 10
+            while c.alive() and time.monotonic() < deadline:
+                time.sleep(0.001)
         t_killed = time.monotonic_ns()
         self._bump()
         self.members = [self._new_wid() for _ in range(self.opts.world)]
@@ -538,18 +616,77 @@ class Coordinator:
             k = self.kill_queue.pop(0)
             self._kill_member(int(k["rank"]), "scheduled")
 
+    def _hold_for_standby(self) -> bool:
+        """A scheduled kill is due but the standby it is meant to be repaired from is not up yet (a process
+        starting takes seconds; a small job's steps take milliseconds): the next commit waits for it, so the
+        kill tests the standby it names instead of the job outrunning it."""
+        if not self.kill_queue or self.commits.cut < int(self.kill_queue[0]["after_cut"]):
+            return False
+        first = self.opts.standby.order[0]
+        if first == "hot" and self.opts.standby.hot:
+            return not any(self.store.check([P.standby_key(w)]) for w in self.hot)
+        if first == "warm" and self.opts.standby.warm:
+            return not any(self.children[w].ready for w in self.warm)
+        return False
+
     def _kills_due(self) -> bool:
         """A scheduled kill, or a chaos kill, that has not been sent yet."""
         return bool(self.kill_queue) or (bool(self.opts.chaos)
                                          and self.chaos_done < int(self.opts.chaos.get("kills", 0)))
 
+    def _spares_apply(self) -> bool:
+        return (self.opts.standby.preconnect and self.opts.on_failure == "repair" and not self.partial
+                and self.opts.standby.hot > 0)
+
+    def _offer_spare(self) -> None:
+        """A hot standby is ready and this generation has no spare groups: have every member and the standby
+        build them at the boundary of cut C + 2 (C committed): no member has prepared that cut yet (a member
+        prepares a cut only once the one before is committed, and this is written before the next commit),
+        so every member builds at the same boundary, and in the same order (DESIGN.md §5c)."""
+        if self.spare is not None or not self._spares_apply() or not self.gen_committed:
+            return
+        at = self.commits.cut + 2
+        if at >= self.final_cut:
+            return
+        sid = next((w for w in self.hot if self.store.check([P.standby_key(w)])), None)
+        if sid is None:
+            return
+        doc = json.dumps({"gen": self.gen, "standby": sid, "at_cut": at, "members": list(self.members)})
+        self.store.set(P.spare_key(self.gen), doc)
+        self.store.set(P.spare_for_key(sid), doc)
+        self.spare = {"gen": self.gen, "standby": sid, "at_cut": at}
+        self.event("spare-offer", standby=sid, at_cut=at)
+
+    def _spare_ready(self) -> str | None:
+        """The standby every member holds spare groups with (in this generation), or None."""
+        sp = self.spare
+        if sp is None or sp["gen"] != self.gen or sp["standby"] not in self.hot:
+            return None
+        if sp.get("failed"):
+            return None
+        if not sp.get("ready"):
+            keys = [P.spare_ok_key(self.gen, w) for w in [*self.members, sp["standby"]]]
+            if not self.store.check(keys):
+                return None
+            bad = [v for v in (self.store.get(k) for k in keys) if v != b"ok"]
+            if bad:  # a build failed: repairs build their group as without spares
+                sp["failed"] = True
+                self.event("spare-failed", standby=sp["standby"], detail=bad[0].decode()[:300])
+                return None
+            sp["ready"] = True
+            self.event("spare-ready", standby=sp["standby"])
+        return str(sp["standby"])
+
     def _settled(self) -> bool:
         """The last repair is over (a commit in this generation, or every member prepared the next cut) and
-        the preferred standby is ready."""
-        if not self.gen_committed and not self._prepared():
-            return False
+        the preferred standby is ready (connected ahead, where spare groups apply)."""
+        if self.killed_in_gen == self.gen or (not self.gen_committed and not self._prepared()):
+            return False  # the last kill's repair has not even started
         first = self.opts.standby.order[0]
         if first == "hot" and self.opts.standby.hot:
+            if self._spares_apply() and self.commits.cut + 2 < self.final_cut and not (
+                    self.spare is not None and self.spare.get("failed")):
+                return self._spare_ready() is not None
             return any(self.store.check([P.standby_key(w)]) for w in self.hot)
         if first == "warm" and self.opts.standby.warm:
             return any(self.children[w].ready for w in self.warm)
@@ -560,6 +697,7 @@ class Coordinator:
         t = self._sigkill(wid)
         self.kills_done += 1
         self.gen_committed = False  # not settled until the repair this kill causes has committed a cut
+        self.killed_in_gen = self.gen
         self.event("kill", rank=rank, wid=wid, why=why, t_kill_ns=t, cut=self.commits.cut)
 
     # ---------------------------------------------------------------------------------------- result
@@ -587,6 +725,15 @@ class Coordinator:
 from .health import Action  # noqa: E402
 
 ACTION_REPLACE = Action.REPLACE
+
+
+def _start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot, /proc/<pid>/stat field 22): with the pid, its identity."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2:].split()[19])
 
 
 def _proc_state(pid: int) -> str:

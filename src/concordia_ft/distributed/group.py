@@ -18,6 +18,7 @@ current generation read back each beat (so a blocked wait learns of a repair wit
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
 import time
@@ -53,12 +54,36 @@ def connect_store(port: int, timeout_s: float = 30.0) -> dist.TCPStore:
                          wait_for_workers=False)
 
 
-class Watch:
-    """Heartbeat + generation watch on a thread of its own (with its own store client)."""
+LAUNCHER_ENV = "CONCORDIA_DIST_LAUNCHER_PID"  # run_job's pid: when it dies the whole job goes with it
 
-    def __init__(self, port: int, wid: str, heartbeat_ms: int) -> None:
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # gone already (or no pidfds: then the store's failure tells)
+        return None
+
+
+def _fired(fd: int | None) -> bool:
+    return fd is not None and bool(select.select([fd], [], [], 0)[0])
+
+
+_LAUNCHER_FD = _pidfd(int(os.environ[LAUNCHER_ENV])) if os.environ.get(LAUNCHER_ENV, "").isdigit() else None
+
+
+def launcher_dead() -> bool:
+    """The process that launched the job (``run_job``) has died: no coordinator will be started again."""
+    return _fired(_LAUNCHER_FD)
+
+
+class Watch:
+    """Heartbeat + generation watch on a thread of its own (with its own store client), and the coordinator's
+    and the launcher's lives (pidfds: their deaths are events, seen within one heartbeat period at most)."""
+
+    def __init__(self, port: int, wid: str, heartbeat_ms: int, *, coordinator_pid: int) -> None:
         self.wid = wid
         self.period_s = heartbeat_ms / 1e3
+        self.coord_fd = _pidfd(coordinator_pid)
         self.store = connect_store(port)
         self.gen = -1
         self.step = -1
@@ -73,6 +98,9 @@ class Watch:
         self._thread = threading.Thread(target=self._loop, name=f"concordia-watch-{wid}", daemon=True)
         self._thread.start()
 
+    def coordinator_dead(self) -> bool:
+        return self.lost is not None or _fired(self.coord_fd)
+
     def beat(self) -> None:
         now = time.monotonic_ns()
         self.store.set(P.hb_key(self.wid), Beat(now, self.step, self.in_step, self.step_started_ns,
@@ -84,7 +112,17 @@ class Watch:
                 self._changed.set()
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.period_s):
+        fds = [fd for fd in (self.coord_fd, _LAUNCHER_FD) if fd is not None]
+        while not self._stop.is_set():
+            hit = select.select(fds, [], [], self.period_s)[0] if fds else self._stop.wait(self.period_s)
+            if self._stop.is_set():
+                return
+            if _LAUNCHER_FD is not None and _LAUNCHER_FD in (hit or []):
+                os._exit(3)  # the launcher is gone: nobody restarts the coordinator, nobody reads the result
+            if self.coord_fd is not None and self.coord_fd in (hit or []):
+                self.lost = "the coordinator died"
+                self._changed.set()
+                return
             try:
                 self.beat()
             except Exception as e:  # noqa: BLE001 - the store is gone: the coordinator died
@@ -163,10 +201,11 @@ def _claim(path: Path) -> bool:
         return False
 
 
-def build_group(backend: str, store: Any, gen: int, rank: int, world: int, timeout_ms: int,
+def build_group(backend: str, store: Any, prefix_name: str, rank: int, world: int, timeout_ms: int,
                 device: str) -> Any:
-    """A fresh torch process group for generation ``gen`` on its own store prefix (never the old one)."""
-    prefix = dist.PrefixStore(f"pg/{gen}", store)
+    """A fresh torch process group on its own store prefix (``pg/<gen>``, or a spare's: never an old one),
+    connected: NCCL's first collective (its lazy connect) is paid here, not by the first step."""
+    prefix = dist.PrefixStore(prefix_name, store)
     timeout = timedelta(milliseconds=timeout_ms)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefix, rank, world, timeout)
@@ -240,6 +279,14 @@ class FaultTolerantGroup:
                 if "timeout" in str(e).lower():
                     continue
                 raise Interrupted("coordinator", f"waiting for {what}: {e}") from None
+
+    @staticmethod
+    def retire(pg: Any, backend: str) -> None:
+        """Drop a group nobody uses any more (a spare that will not be needed): kept alive in the graveyard,
+        NCCL's aborted on a thread of its own (frees its buffers; the caller never waits for it)."""
+        _GRAVEYARD.append(pg)
+        if backend == "nccl":
+            threading.Thread(target=_abort_quietly, args=(pg,), daemon=True).start()
 
     def abort(self) -> float:
         """Leave the communicator; returns the ms the calling thread spent. Gloo's abort does not release a

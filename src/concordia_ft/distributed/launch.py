@@ -56,6 +56,7 @@ def _pdeathsig() -> None:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
+    env["CONCORDIA_DIST_LAUNCHER_PID"] = str(os.getpid())  # every process of the job dies when this one does
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
@@ -101,22 +102,28 @@ def run_job(job_dir: str | Path, options: DistOptions | Mapping[str, Any], *,
     limit = timeout_s if timeout_s is not None else opts.job_timeout_s + 30
     events = job_dir / "events.jsonl"
     restarts, fruitless = 0, 0
+    reaper = _Reaper(job_dir)
     while True:
         before = _committed(events)
         cmd = [sys.executable, "-m", "concordia_ft.distributed.coordinator", "--job-dir", str(job_dir)]
         with open(job_dir / "coordinator.log", "ab") as log:
             p = subprocess.Popen(cmd, stdout=log, stderr=log, env=_env(), preexec_fn=_pdeathsig)
-        try:
-            rc = p.wait(max(0.0, limit - (time.monotonic() - t0)))
-        except subprocess.TimeoutExpired:
-            p.send_signal(signal.SIGTERM)
-            p.wait(30)
-            raise JobError(f"the job in {job_dir} did not finish in {limit:.0f} s; see coordinator.log, "
-                           "events.jsonl and logs/") from None
+        while p.poll() is None:
+            reaper.reap()
+            if time.monotonic() - t0 > limit:
+                p.send_signal(signal.SIGTERM)
+                p.wait(30)
+                reaper.finish()
+                raise JobError(f"the job in {job_dir} did not finish in {limit:.0f} s; see coordinator.log, "
+                               "events.jsonl and logs/")
+            time.sleep(0.02)
+        rc = p.returncode
         if rc in (EXIT_DONE, EXIT_FAILED):
+            reaper.finish()
             break
         fruitless = fruitless + 1 if _committed(events) <= before else 0
         if fruitless > MAX_FRUITLESS_RESTARTS:
+            reaper.finish()
             raise JobError(f"the coordinator of {job_dir} died {fruitless} times in a row without committing a "
                            f"cut (last exit {_exit_text(rc)}); see coordinator.log")
         restarts += 1
@@ -132,10 +139,60 @@ def run_job(job_dir: str | Path, options: DistOptions | Mapping[str, Any], *,
     if last is None or rc != EXIT_DONE:
         reason = last["reason"] if last is not None and last.get("reason") else f"the coordinator exited with {rc}"
         raise JobError(f"the job in {job_dir} failed: {reason}; see coordinator.log, events.jsonl and logs/")
-    return JobResult(last["status"], {int(k): v for k, v in last["results"].items()},
-                     [r for d in docs for r in d["repairs"]],
+    # every repair from the events (a coordinator killed mid-job wrote no result document, but its plans are
+    # in events.jsonl); the event's own keys dropped
+    repairs = [{k: v for k, v in e.items() if k not in ("event", "t_ns", "inc")} for e in all_events
+               if e["event"] == "plan"]
+    return JobResult(last["status"], {int(k): v for k, v in last["results"].items()}, repairs,
                      {int(k): v for d in docs for k, v in d["timings"].items()}, all_events,
                      sum(d["kills"] for d in docs), restarts, job_dir, time.monotonic() - t0, docs)
+
+
+class _Reaper:
+    """Ranks outlive a killed coordinator (the next one keeps them), so they are reparented: to this process,
+    which makes itself their subreaper (PR_SET_CHILD_SUBREAPER) and reaps them when they exit. Only the job's
+    own processes (named in ``coord/pids.json``) are reaped here; ``finish`` SIGKILLs any still alive after
+    the job ended (none, unless a coordinator died with the job unfinished) and reaps them."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self.path = job_dir / "coord" / "pids.json"
+        self.job = str(job_dir).encode()
+        self.pids: set[int] = set()
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+
+    def _learn(self) -> None:
+        try:
+            doc = json.loads(self.path.read_text())
+            self.pids |= {int(v["pid"]) for v in doc.get("procs", {}).values()}
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+
+    def reap(self) -> None:
+        self._learn()
+        for pid in list(self.pids):
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    self.pids.discard(pid)
+            except ChildProcessError:  # not (yet) ours: still the coordinator's child, or reaped already
+                if not os.path.exists(f"/proc/{pid}"):
+                    self.pids.discard(pid)
+
+    def finish(self) -> None:
+        self._learn()
+        for pid in list(self.pids):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"concordia_ft.distributed.worker" in cmd and self.job in cmd:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 5
+        while self.pids and time.monotonic() < deadline:
+            self.reap()
+            time.sleep(0.005)
 
 
 def _exit_text(rc: int) -> str:

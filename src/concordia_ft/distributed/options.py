@@ -26,12 +26,19 @@ class StandbyOptions:
     """The standby pool: ``hot`` processes are up, model built, connected to the store and waiting for an
     assignment; ``warm`` ones are up with the model built but not connected (told through a pipe); ``cold``
     means a new process is started when needed. ``order`` is the preference when a rank must be replaced;
-    ``refill`` starts a new standby of the kind just used, in the background, after each repair."""
+    ``refill`` starts a new standby of the kind just used, in the background, after each repair; ``preconnect``
+    connects a ready hot standby to the ranks ahead of a failure (spare groups)."""
 
     hot: int = 1
     warm: int = 0
     order: tuple[str, ...] = ("hot", "warm", "cold")
     refill: bool = True
+    # a ready hot standby and the ranks build, ahead of any failure and at one step boundary, one spare group
+    # per rank the standby could replace (the ranks but that one, the standby in its place); a repair then
+    # switches to the spare: no group is built on its critical path (DESIGN.md §5c). Costs `world` more
+    # communicators per process (NCCL: their buffers in GPU memory) and one build at a boundary each time a
+    # standby becomes ready; False builds the new group during the repair
+    preconnect: bool = True
 
     def __post_init__(self) -> None:
         if self.hot < 0 or self.warm < 0:
@@ -69,6 +76,9 @@ class DistOptions:
     abort_bound_ms: int = 50  # a survivor leaves a broken communicator within this bound (asserted in tests)
     max_rebuilds: int = 8  # repairs of one step before the job gives up (a failure that repeats)
     job_timeout_s: float = 600.0
+    # how long a rank whose coordinator died waits for the one a supervisor starts again on the job directory,
+    # then rejoins it with its state (it exits at once when run_job, the launcher, dies: nobody will restart it)
+    coordinator_grace_s: float = 60.0
     workload_args: dict[str, Any] = field(default_factory=dict)
     # replicated workloads (replica_serve): survivors keep serving their own requests while a dead rank's
     # replacement is restored, and join the new group at their next boundary without rewinding (DESIGN.md

@@ -8,6 +8,9 @@ sent rank to rank outside torch.distributed's own groups. The layout (DESIGN.md 
 - ``commit/<cut>``: the coordinator's commit record for that cut is durable in the coordinator's log.
 - ``hb/<wid>``: a process's heartbeat (health.Beat); ``err/<n>`` + counter ``ctl/errors``: error reports.
 - ``assign/<wid>``: a hot standby's assignment (the plan it joins); ``standby/<wid>``: a hot standby is ready.
+- ``spare/<gen>``: the spare groups to build at a boundary (the hot standby, the cut); ``sparefor/<wid>``: the
+  same, told to that standby; ``spareok/<gen>/<wid>``: that process holds its spare groups (DESIGN.md §5c).
+- ``adopt/<wid>``: a rank that outlived the previous coordinator offers itself (its rank and slot cuts).
 - ``timing/<gen>/<wid>``: one process's phase timings for that generation; ``done/<rank>``: its result.
 - ``fired/<i>``: an injected fault already fired (faults fire once per job, also across replacements).
   A replicated workload's record also says how much work the rank had left at that cut (``ms,left``): the
@@ -50,6 +53,31 @@ def assign_key(wid: str) -> str:
 
 def standby_key(wid: str) -> str:
     return f"standby/{wid}"
+
+
+def spare_key(gen: int) -> str:
+    return f"spare/{gen}"
+
+
+def spare_for_key(wid: str) -> str:
+    return f"sparefor/{wid}"
+
+
+def spare_ok_key(gen: int, wid: str) -> str:
+    return f"spareok/{gen}/{wid}"
+
+
+def spare_prefix(gen: int, standby: str, failed: int) -> str:
+    return f"sparepg/{gen}/{standby}/{failed}"
+
+
+def spare_members(members: tuple[str, ...] | list[str], standby: str, failed: int) -> list[str]:
+    """Who holds each rank of the spare group that replaces rank ``failed`` by ``standby``."""
+    return [standby if r == failed else w for r, w in enumerate(members)]
+
+
+def adopt_key(wid: str) -> str:
+    return f"adopt/{wid}"
 
 
 def timing_key(gen: int, wid: str) -> str:

@@ -13,7 +13,8 @@ A workload is a class (or a factory) that every rank process builds with the job
   every ``collectives_per_step``-th call is the epoch boundary: before it is issued, the runtime commits the
   state as it was at the top of the step (cut ``step``). Work before a step's first collective must be a
   function of the state and the step number (a recovered rank replays the step from the top: same bits);
-- ``result()``: a JSON-able summary (the job's result per rank: losses, tokens, a digest of the state).
+- ``result()``: a JSON-able summary (the job's result per rank: losses, tokens, a digest of the state);
+- ``warmup()`` (optional): the step's code run once locally by a standby before it says it is ready.
 
 Class attributes and class methods, all optional: ``collectives_per_step`` (1), ``replicated`` (False: ranks
 share one state; True: each rank serves independently, DESIGN.md §5b), ``final_cut(steps, args)`` (the
@@ -84,6 +85,12 @@ class Workload:
 
     def result(self) -> dict[str, Any]:
         return {}
+
+    def warmup(self) -> None:
+        """Optional: run the step's code once, locally, before a standby says it is ready (first-call costs:
+        autograd's threads, cuBLAS handles, kernels loaded on first use), so a replacement's first step costs
+        what any step costs. The state it leaves is overwritten by the restore."""
+        return None
 
 
 def workload_path(spec: Any) -> str:

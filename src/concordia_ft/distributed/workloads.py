@@ -123,6 +123,10 @@ class DpLora(Workload):
     def result(self) -> dict[str, Any]:
         return {"losses": [float(v) for v in self._state["losses"]], "digest": state_digest(self._state)}
 
+    def warmup(self) -> None:
+        self.bind(0)
+        self.step(0, _OneRank())  # the restore then overwrites the state this leaves
+
 
 class TpDecode(Workload):
     """Tensor-parallel greedy decode (see the module docstring). ``steps`` = new tokens."""
@@ -212,6 +216,10 @@ class TpDecode(Workload):
 
     def result(self) -> dict[str, Any]:
         return {"tokens": [int(t) for t in self._state["tokens"]], "digest": state_digest(self._state)}
+
+    def warmup(self) -> None:
+        self.bind(0)
+        self.step(0, _OneRank())  # the restore then overwrites the state this leaves
 
 
 class _OneRank:
