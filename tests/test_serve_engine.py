@@ -1,6 +1,9 @@
 """The serving engine on CPU: batched paged decoding equals transformers' own generate() per request; seeded
 requests draw the same tokens whatever shares their batch; a SIGKILLed engine process is recovered from its log
-(twice) and every request finishes token-exact against an uninterrupted engine fed the same arrivals."""
+(twice) and every request finishes token-exact against an uninterrupted engine fed the same arrivals; prefix
+hits skip the shared prefill; requests are preempted by priority and resumed equal to generate(); a process
+SIGKILLed while requests share blocks and wait preempted is recovered to the uninterrupted engine's exact
+scheduling state and tokens."""
 
 from __future__ import annotations
 
@@ -13,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from concordia_ft.errors import ContextLengthError, QueueFullError, RecoveryError
+from concordia_ft.errors import ConfigError, ContextLengthError, QueueFullError, RecoveryError
 from concordia_ft.serve import Engine, SamplingParams
 from llm_helpers import tiny_model
-from serve_workload import OPTIONS, drive, workload
+from serve_workload import OPTIONS, SHARED_OPTIONS, drive, shared_workload, state_digest, workload
 from support import PYTHON, REPO, subprocess_env
 
 CHILD = REPO / "tests" / "serve_engine_child.py"
@@ -41,7 +44,8 @@ def test_batched_paged_greedy_equals_generate(family: str, shm_dir: Path) -> Non
         reqs += [eng.submit(p, SamplingParams(max_new_tokens=10, temperature=0.0)) for p in prompts[3:]]
         while eng.has_work:
             eng.step()
-        assert eng.blocks.n_free == 40  # every block went back to the free list
+        # every block went back: to the free list, or (full ones) to the prefix cache's LRU list
+        assert not eng.blocks.tables and eng.blocks.n_available == 40 and eng.blocks.n_cached > 0
     for p, r in zip(prompts, reqs, strict=True):
         want = ref.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False, eos_token_id=None,
                             pad_token_id=0)[0, len(p):].tolist()
@@ -167,7 +171,6 @@ def test_a_damaged_kv_record_is_refused_before_any_block_is_served(shm_dir: Path
 def test_a_pinned_mirror_is_refused_up_front_where_it_cannot_work(shm_dir: Path) -> None:
     """EngineOptions.mirror needs a CUDA model and a DRAM log: a CPU engine is refused before any log exists,
     and a recovery asking for one is refused before the log is touched (its bytes stay as they were)."""
-    from concordia_ft.errors import ConfigError
 
     model = tiny_model("llama")
     with pytest.raises(ConfigError, match="mirror.*CUDA model"):
@@ -181,3 +184,209 @@ def test_a_pinned_mirror_is_refused_up_front_where_it_cannot_work(shm_dir: Path)
     with pytest.raises(ConfigError, match="mirror.*CUDA model"):
         Engine.recover(shm_dir / "log", model, {"mirror": True})
     assert {p.name: p.read_bytes() for p in (shm_dir / "log").iterdir() if p.is_file()} == before
+
+
+# -- prefix caching, growing admission, preemption, priorities ------------------------------------------------
+
+def _generate(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    return model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _finish(eng: Engine) -> None:
+    while eng.has_work:
+        eng.step()
+
+
+def test_a_prefix_hit_skips_the_shared_prefill_and_equals_generate() -> None:
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    g = torch.Generator().manual_seed(4)
+    system = torch.randint(3, 256, (21,), generator=g).tolist()
+    tail = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 6, 2)]
+    opts = {"checkpoint": False, "num_blocks": 32, "block_size": 4, "max_model_len": 64, "max_batch_tokens": 64}
+    eng = Engine(model, None, opts)
+    a = eng.submit(system + tail[0], _greedy(5))
+    assert eng.step().batch_tokens == 24
+    a_table = list(eng.blocks.tables[a.id])
+    _finish(eng)
+    assert eng.blocks.n_cached == 7  # 24 prompt + 4 decoded positions computed: 7 full blocks
+    b = eng.submit(system + tail[1], _greedy(6))
+    assert eng.step().batch_tokens == 27 - 20  # 5 whole blocks of the system prompt were A's
+    assert b.n_computed == 27 and eng.blocks.tables[b.id][:5] == a_table[:5] and eng.blocks.hits == 5
+    c = eng.submit(system + tail[2], _greedy(4))  # while B runs: the same 5 blocks, two tables each
+    eng.step()
+    assert eng.blocks.tables[c.id][:5] == a_table[:5]
+    assert [eng.blocks.ref(x) for x in a_table[:5]] == [2] * 5
+    d = eng.submit(system[:20], _greedy(3))  # all 5 blocks cached: the last one is computed (its last token)
+    assert eng.step().batch_tokens == 2 + 4  # B, C decode; D feeds positions 16..19
+    assert eng.blocks.tables[d.id][:4] == a_table[:4] and eng.blocks.tables[d.id][4] != a_table[4]
+    _finish(eng)
+    for r in (a, b, c, d):
+        assert r.generated == _generate(ref, r.ids[: r.n_prompt], r.params.max_new_tokens), r.id
+    cold = Engine(model, None, {**opts, "prefix_caching": False})
+    cold.submit(system + tail[0], _greedy(2))
+    _finish(cold)
+    cold.submit(system + tail[1], _greedy(2))
+    assert cold.step().batch_tokens == 27 and cold.blocks.n_cached == 0
+
+
+def test_growth_preempts_the_lowest_priority_then_the_latest_and_resumes_equal_to_generate() -> None:
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 256, (11,), generator=g).tolist() for _ in range(3)]
+    eng = Engine(model, None, {"checkpoint": False, "num_blocks": 9, "block_size": 4, "max_model_len": 36,
+                               "max_batch_tokens": 64})
+    a = eng.submit(prompts[0], _greedy(8), request_id="a")
+    b = eng.submit(prompts[1], _greedy(8), request_id="b", priority=1)  # lower priority, earlier arrival
+    c = eng.submit(prompts[2], _greedy(8), request_id="c")
+    eng.step()  # 3 prefills of 11 tokens (admitted by priority): 3 blocks each, the pool is full; 12 tokens fit
+    assert eng.blocks.tables == {"a": [0, 1, 2], "c": [3, 4, 5], "b": [6, 7, 8]} and eng.preempted == 0
+    eng.step()  # 13 tokens each: a (best) needs a 4th block: b goes, though c arrived after it
+    assert b.status == "waiting" and b.preemptions == 1 and len(b.generated) == 2 and eng.preempted == 1
+    # b's full blocks went to the cache (released tail first); a and c evicted its tail, then its middle
+    assert eng.blocks.tables == {"a": [0, 1, 2, 8], "c": [3, 4, 5, 7]} and eng.blocks.lru() == [6]
+    assert list(eng.waiting) == [b]
+    meta = json.loads(eng._meta_json())["concordia.serve"]
+    want = eng._meta()
+    meta.pop("time"), want.pop("time")
+    assert json.loads(json.dumps(want)) == meta and meta["waiting"][0]["preemptions"] == 1
+    _finish(eng)
+    assert eng.preempted >= 1 and b.preemptions >= 1
+    for r in (a, b, c):  # the recomputed request's tokens are generate()'s
+        assert r.generated == _generate(ref, prompts["abc".index(r.id)], 8), r.id
+
+
+def test_a_higher_priority_arrival_preempts_a_running_lower_one() -> None:
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(2)
+    low, high = (torch.randint(3, 256, (16,), generator=g).tolist() for _ in range(2))
+    sampled = SamplingParams(max_new_tokens=10, temperature=0.9, top_k=40, seed=5)
+    eng = Engine(model, None, {"checkpoint": False, "num_blocks": 8, "block_size": 4, "max_model_len": 32})
+    lo = eng.submit(low, sampled, priority=3)
+    eng.step()
+    assert eng.blocks.tables[lo.id] == [0, 1, 2, 3, 4]  # 17 tokens: its 5th block at the step's end
+    peer = eng.submit(list(reversed(low)), _greedy(4), priority=3)  # same priority: waits, preempts nobody
+    eng.step()
+    assert peer.status == "waiting" and lo.status == "running"
+    hi = eng.submit(high, _greedy(4), priority=0)
+    eng.step()
+    assert hi.status == "running" and lo.status == "waiting" and lo.preemptions == 1 and len(lo.generated) == 2
+    assert [r.id for r in eng.waiting] == [lo.id, peer.id]  # back in its place by arrival
+    _finish(eng)
+    alone = Engine(model, None, {"checkpoint": False, "num_blocks": 8, "block_size": 4, "max_model_len": 32})
+    again = alone.submit(low, sampled)
+    _finish(alone)
+    assert lo.generated == again.generated  # its generator waited with it: the same draws
+
+
+def test_reserve_admission_holds_whole_budgets_and_never_preempts() -> None:
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 256, (11,), generator=g).tolist() for _ in range(3)]
+    eng = Engine(model, None, {"checkpoint": False, "num_blocks": 9, "block_size": 4, "max_model_len": 36,
+                               "max_batch_tokens": 64, "admission": "reserve"})
+    reqs = [eng.submit(p, _greedy(8), priority=i % 2) for i, p in enumerate(prompts)]
+    eng.step()
+    assert [r.status for r in reqs] == ["running", "waiting", "waiting"]  # 5 blocks each: one fits
+    assert eng.blocks.tables[reqs[0].id] == [0, 1, 2, 3, 4]
+    assert [r.id for r in eng.waiting] == [reqs[2].id, reqs[1].id]  # priority 0 before 1
+    _finish(eng)
+    assert eng.preempted == 0
+    for r, p in zip(reqs, prompts, strict=True):
+        assert r.generated == _generate(ref, p, 8)
+    with pytest.raises(ConfigError, match="admission='fifo'"):
+        Engine(model, None, {"checkpoint": False, "admission": "fifo"})
+
+
+@pytest.fixture(scope="module")
+def shared_reference() -> tuple[dict[str, list[int]], dict[int, str]]:
+    """The uninterrupted engine on the sharing/preemption workload: its tokens and each step's state digest."""
+    eng = Engine(tiny_model("llama"), None, {**SHARED_OPTIONS, "checkpoint": False})
+    digests: dict[int, str] = {}
+    got = drive(eng, shared_workload(), on_step=lambda o: digests.__setitem__(o.step, state_digest(eng)))
+    assert eng.preempted >= 5 and eng.blocks.hits >= 40
+    return got, digests
+
+
+def _run_paused(log_dir: Path, mode: str, pause: int) -> tuple[dict, dict[str, list[int]]]:
+    """Run the child until its log ends at step ``pause``, then SIGKILL it: its start event and its tokens."""
+    env = subprocess_env()
+    env["PYTHONPATH"] = str(REPO / "tests") + os.pathsep + env["PYTHONPATH"]
+    proc = subprocess.Popen([PYTHON, str(CHILD), str(log_dir), mode, str(pause)], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    start: dict = {}
+    got: dict[str, list[int]] = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        ev = json.loads(line)
+        if ev["ev"] == "start":
+            start = ev
+        if ev["ev"] == "step":
+            for rid, toks in ev["new"].items():
+                got.setdefault(rid, []).extend(toks)
+            if ev["step"] == pause:
+                proc.send_signal(signal.SIGKILL)
+                break
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    return start, got
+
+
+def _mid_preemption_and_sharing(eng: Engine) -> bool:
+    shared = any(eng.blocks.ref(b) > 1 for b in range(eng.blocks.num_blocks))
+    return shared and any(r.generated for r in eng.waiting) and eng.blocks.n_evictable > 0
+
+
+def test_sigkilled_mid_preemption_and_sharing_recovers_the_schedule_token_exact(
+        shm_dir: Path, shared_reference: tuple[dict[str, list[int]], dict[int, str]]) -> None:
+    reference, digests = shared_reference
+    log = shm_dir / "log"
+    _, before = _run_paused(log, "new-shared", 6)
+    # the second process writes its epochs with the pipelined C step writer (a step ahead of its outputs)
+    start, middle = _run_paused(log, "recover-shared-c-async", 13)
+    # the recovered engine stood exactly where the uninterrupted one stood after step 6: tables, cache, LRU, queue
+    assert start["step"] == 6 and start["state"] == digests[6]
+    for rid, toks in before.items():
+        assert reference[rid][: len(toks)] == toks and start["have"][rid] >= len(toks), rid
+    for rid, toks in middle.items():
+        n = start["have"].get(rid, 0)
+        assert reference[rid][n: n + len(toks)] == toks, rid
+    eng = Engine.recover(log, tiny_model("llama"), SHARED_OPTIONS)
+    assert eng.step_no >= 13 and state_digest(eng) == digests[eng.step_no]
+    assert _mid_preemption_and_sharing(eng)  # blocks named by two tables, preempted requests with tokens waiting
+    got = drive(eng, shared_workload())
+    eng.close()
+    assert got == reference
+
+
+def test_recovery_refuses_inconsistent_block_state(shm_dir: Path) -> None:
+    """A log whose block tables and cache no correct engine writes (committed through the real writer from a
+    damaged in-memory state) is refused by Engine.recover before anything is restored."""
+    model = tiny_model("llama")
+    for i, damage in enumerate(("owned twice", "cached under a key")):
+        log = shm_dir / f"log{i}"
+        eng = Engine(model, log, SHARED_OPTIONS)
+        for _step, rid, prompt, params, prio in shared_workload()[:4]:
+            eng.submit(prompt, params, request_id=rid, priority=prio)
+        for _ in range(3):
+            eng.step()
+        ids = sorted(eng.running)
+        if damage == "owned twice":
+            private = next(b for b in eng.blocks.tables[ids[0]] if eng.blocks.hash_of(b) is None)
+            eng.blocks.tables[ids[1]][-1] = private
+        else:
+            b = next(b for b in eng.blocks.tables[ids[0]] if eng.blocks.hash_of(b) is not None)
+            old = eng.blocks._hash_of[b]
+            del eng.blocks._block_of[old]
+            eng.blocks._hash_of[b] = bytes(16)
+            eng.blocks._block_of[bytes(16)] = b
+            eng.blocks._version += 1
+        for r in eng.running.values():
+            r._frag_key = None
+        eng.checkpoint()
+        eng.close()
+        with pytest.raises(RecoveryError, match=damage):
+            Engine.recover(log, model, SHARED_OPTIONS)

@@ -24,13 +24,17 @@ Caller mistakes (double free, unknown request) raise ``ValueError``; broken inva
 
 from __future__ import annotations
 
+import array
 import hashlib
 import heapq
+import sys
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
 from ..core.format import encode_json
+
+_LITTLE = sys.byteorder == "little" and array.array("i").itemsize == 4
 
 
 def blocks_for(n_tokens: int, block_size: int) -> int:
@@ -38,21 +42,31 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
     return -(-n_tokens // block_size)
 
 
-def block_hash(parent: bytes | None, tokens: Sequence[int]) -> bytes:
+def block_hash(parent: bytes | None, tokens: Sequence[int] | bytes) -> bytes:
     """The prefix cache's key of a full block: BLAKE2b-128 of the previous block's key and this block's token
-    ids (int32 little-endian). Stable across processes (no seeded ``hash()``), so a recovered engine computes
-    the keys the killed one logged."""
+    ids (int32 little-endian; ``bytes`` are taken as already encoded). Stable across processes (no seeded
+    ``hash()``), so a recovered engine computes the keys the killed one logged."""
     h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in tokens))
+    h.update(tokens if isinstance(tokens, bytes) else _int32le(tokens))
     return h.digest()
+
+
+def _int32le(ids: Sequence[int]) -> bytes:
+    return array.array("i", ids).tobytes() if _LITTLE else b"".join(
+        int(t).to_bytes(4, "little", signed=True) for t in ids)
 
 
 def chain_hashes(ids: Sequence[int], block_size: int, n_blocks: int, known: list[bytes] | None = None
                  ) -> list[bytes]:
     """The keys of the first ``n_blocks`` full blocks of ``ids`` (``known``: keys already computed, extended)."""
     out = list(known or [])
-    for i in range(len(out), n_blocks):
-        out.append(block_hash(out[-1] if out else None, ids[i * block_size: (i + 1) * block_size]))
+    if len(out) >= n_blocks:
+        return out
+    lo = len(out) * block_size
+    raw = _int32le(ids[lo: n_blocks * block_size])
+    step = 4 * block_size
+    for j in range(n_blocks - len(out)):
+        out.append(block_hash(out[-1] if out else None, raw[j * step: (j + 1) * step]))
     return out
 
 

@@ -1,9 +1,13 @@
 """The serving engine: many requests over ONE paged KV pool, continuous batching, one epoch per step.
 
-A step: admit waiting requests (FIFO, while a sampler row and the blocks for prompt + max_new_tokens are free),
-run ONE forward over every running request's new tokens (decodes 1 token each, prefills in chunks within
-``max_batch_tokens``), sample one token for every request whose feed reached its last token, retire finished
-requests (their blocks go back to the free list), then commit one epoch through the Runtime:
+A step: admit waiting requests in ``(priority, arrival)`` order while a sampler row and the blocks of their
+tokens are there (a cached prefix of whole blocks is shared, not recomputed; a running request of strictly lower
+priority is preempted for a head that does not fit), run ONE forward over every running request's new tokens
+(decodes 1 token each, prefills in chunks within ``max_batch_tokens``), sample one token for every request whose
+feed reached its last token, register the blocks that became full in the prefix cache, retire finished requests
+(their blocks go back to the free list or, cached, to the LRU list), give each running request the block its new
+token crossed into (preempting the lowest-priority, latest-arrived request when the pool is out), then commit one
+epoch through the Runtime:
 
 - ``kv``     (paged) the pool's rows written this step, flagged by the attention's slots (freed rows are
                      never flagged again until a new owner writes them);
@@ -20,6 +24,7 @@ packed arithmetic of a step is the same in an uninterrupted engine and in one re
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import itertools
 import time
@@ -36,7 +41,7 @@ from ..core.format import encode_json
 from ..errors import ConfigError, ContextLengthError, QueueFullError, RecoveryError
 from ..session import model_fingerprint
 from . import attention
-from .blocks import BlockPool, blocks_for
+from .blocks import BlockPool, blocks_for, chain_hashes
 from .graphs import DecodeGraphs, scratch_blocks_for
 from .kv import (
     KVPool,
@@ -53,9 +58,13 @@ from .sampling import RngRows, SamplingParams, new_generator, sample
 META_KEY = "concordia.serve"
 META_VERSION = 1
 TOKEN_BLOCK = 128  # int32 ids per 512-byte block of the tokens region
-# the options that shape a step's batch or its arithmetic: logged, and taken from the log by Engine.recover
+# the options that shape a step's batch, its arithmetic or its scheduling: logged, and taken from the log by
+# Engine.recover
 LOGGED_OPTIONS = ("max_running", "max_waiting", "max_model_len", "max_batch_tokens", "keep_finished", "graphs",
-                  "invariant")
+                  "invariant", "prefix_caching", "admission")
+# what a log written before an option existed ran with: cuBLAS and torch's norms, no prefix cache, whole-budget
+# reservation
+OPTION_BEFORE = {"invariant": False, "prefix_caching": False, "admission": "reserve"}
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,15 @@ class EngineOptions:
     # DMAs the pool from it (attached beside the log's open) instead of through a pinned ring filled from tmpfs.
     # Costs a second copy of the log in pinned host memory. CUDA models only.
     mirror: bool = False
+    # full blocks shared between requests by content (a chained hash of their token ids): a request whose prompt
+    # starts with cached blocks skips their prefill. Logged (the cache is part of the scheduling state).
+    prefix_caching: bool = True
+    # "grow": a request holds the blocks of the tokens it has (its prompt at admission, one more block when a
+    # decode crosses a block boundary); when the pool runs out the lowest-priority, latest-arrived running
+    # request is preempted (its blocks released, recomputed when it is admitted again). "reserve": the whole
+    # budget (prompt + max_new_tokens) is taken at admission and nothing is ever preempted, at the price of
+    # holding blocks a request may never use. Logged.
+    admission: str = "grow"
 
     @classmethod
     def coerce(cls, value: EngineOptions | dict[str, Any] | None) -> EngineOptions:
@@ -147,6 +165,8 @@ class Request:
     digest: str = ""
     info: dict[str, Any] = field(default_factory=dict)  # the API layer's (kind, model, created...)
     seq: int = 0  # arrival order
+    priority: int = 0  # lower runs first and is preempted last (vLLM's convention); FIFO (seq) within one
+    preemptions: int = 0  # times its blocks were taken back (it was then recomputed)
     admitted: int = -1  # the step that admitted it
     n_computed: int = 0  # positions whose KV is in the pool
     row: int = -1  # sampler row
@@ -156,6 +176,8 @@ class Request:
     finish_reason: str | None = None
     collected: bool = False
     gen: torch.Generator | None = None
+    hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full blocks (derived)
+    cached_upto: int = 0  # blocks of its table registered in (or shared from) the prefix cache
     _params_dict: dict[str, Any] | None = None
     _frag_key: Any = None  # the cached JSON fragment of this request in the epoch metadata, and what it holds
     _frag: bytes = b""
@@ -322,6 +344,9 @@ class Engine:
             raise ConfigError(f"step_epochs={opts.step_epochs!r}; use runtime, c or auto")
         if opts.async_depth < 1:
             raise ConfigError(f"async_depth={opts.async_depth}; it must be at least 1")
+        if opts.admission not in ("grow", "reserve"):
+            raise ConfigError(f"admission={opts.admission!r}; use grow or reserve")
+        self.preempted = 0  # preemptions by this engine (not logged: a counter for metrics and benchmarks)
         if opts.capture_warmups < 0:
             raise ConfigError(f"capture_warmups={opts.capture_warmups}; it must be 0 or more")
         _check_mirror(opts, self.device, runtime_given=_runtime is not None)
@@ -385,10 +410,14 @@ class Engine:
 
     # -- requests ----------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, *, request_id: str | None = None,
-               key: str | None = None, digest: str = "", info: dict[str, Any] | None = None) -> Request:
-        """Queue a request (it joins the batch at the next step); raises ContextLengthError / QueueFullError."""
+               key: str | None = None, digest: str = "", info: dict[str, Any] | None = None,
+               priority: int = 0) -> Request:
+        """Queue a request (it joins the batch at the next step); raises ContextLengthError / QueueFullError.
+        ``priority``: lower values are admitted first and preempted last; FIFO among equal priorities."""
         self._materialize()
         params.check()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigError(f"priority={priority!r} must be an integer (lower runs first)")
         if not prompt:
             raise ConfigError("the prompt is empty: a request needs at least one token")
         total = len(prompt) + params.max_new_tokens
@@ -405,8 +434,8 @@ class Engine:
         if rid in self.running or rid in self.finished or any(r.id == rid for r in self.waiting):
             raise ConfigError(f"request id {rid!r} is in use")
         r = Request(rid, [int(t) for t in prompt], len(prompt), params, key, digest, dict(info or {}),
-                    seq=next(self._seq))
-        self.waiting.append(r)
+                    seq=next(self._seq), priority=int(priority))
+        self._enqueue(r)
         if key is not None:
             self.by_key[key] = rid
         return r
@@ -450,32 +479,134 @@ class Engine:
         return bool(self.waiting or self.running or self._held)
 
     # -- the step ----------------------------------------------------------------------------------------
+    def _enqueue(self, r: Request) -> None:
+        """Into the waiting queue in ``(priority, seq)`` order (a preempted request keeps its place by arrival)."""
+        key = (r.priority, r.seq)
+        i = len(self.waiting)
+        while i and (self.waiting[i - 1].priority, self.waiting[i - 1].seq) > key:
+            i -= 1
+        self.waiting.insert(i, r)
+
     def _admit(self) -> None:
-        admitted: list[Request] = []
-        while self.waiting and len(self.running) + len(admitted) < self.opts.max_running:
+        """The step's scheduling, a pure function of the logged state: running requests get the blocks their
+        tokens need (``grow``; preempting the lowest-priority, latest-arrived running request when the pool runs
+        out), then the waiting queue is admitted head first while a sampler row and its blocks are there (its
+        cached prefix shared, the rest allocated); a head that does not fit waits and nobody overtakes it, unless
+        a running request of strictly lower priority can be preempted for it."""
+        grow = self.opts.admission == "grow"
+        if grow:
+            self._grow()
+        while self.waiting:
             r = self.waiting[0]
-            need = blocks_for(r.n_prompt + r.params.max_new_tokens, self.geo.block_size)
-            if need > self.geo.num_blocks:
+            hit = self._lookup(r)
+            need = self._blocks_needed(r, len(hit))
+            if need + len(hit) > self.geo.num_blocks:
                 raise AssertionError(f"request {r.id} needs {need} blocks of {self.geo.num_blocks}: submit checks")
-            if not self.blocks.can_allocate(need):
-                break  # FIFO: the head waits for blocks, nobody overtakes it
-            self.waiting.popleft()
-            admitted.append(r)
-        for r in sorted(admitted, key=lambda q: (q.digest, q.id)):
-            need = blocks_for(r.n_prompt + r.params.max_new_tokens, self.geo.block_size)
-            self.blocks.allocate(r.id, need)
-            self._bind_slots(r)
-            r.status, r.admitted, r.row = "running", self.step_no, self.rng.take()
-            self._write_tokens(r, 0, r.n_prompt)
-            if not r.params.greedy:
+            avail = self.blocks.n_available - sum(1 for b in hit if self.blocks.ref(b) == 0)
+            if len(self.running) < self.opts.max_running and need <= avail:
+                self.waiting.popleft()
+                self._start(r, hit, need)
+                continue
+            victim = self._victim() if grow else None
+            if victim is None or victim.priority <= r.priority:
+                break  # the head waits for blocks (or a row), nobody overtakes it
+            self._preempt(victim)
+
+    def _blocks_needed(self, r: Request, hits: int) -> int:
+        total = len(r.ids) if self.opts.admission == "grow" else r.n_prompt + r.params.max_new_tokens
+        return blocks_for(total, self.geo.block_size) - hits
+
+    def _lookup(self, r: Request) -> list[int]:
+        """The cached blocks of ``r``'s prefix it may share: whole blocks, never the one holding its last token
+        (that token's KV is computed, so the request has logits to sample from), each block's token ids compared
+        with the tokens region (the key covers the chain before it)."""
+        if not self.opts.prefix_caching:
+            return []
+        bs = self.geo.block_size
+        n = (len(r.ids) - 1) // bs
+        if len(r.hashes) < n:
+            r.hashes = chain_hashes(r.ids, bs, n, r.hashes)
+        hit = self.blocks.lookup(r.hashes[:n])
+        for i, b in enumerate(hit):
+            if not np.array_equal(self.tokens[b * bs: (b + 1) * bs], r.ids[i * bs: (i + 1) * bs]):
+                return hit[:i]  # a stale key would be a bookkeeping bug; a miss is always safe
+        return hit
+
+    def _start(self, r: Request, hit: list[int], need: int) -> None:
+        self.blocks.share(r.id, hit)
+        self.blocks.allocate(r.id, need)
+        r.n_computed = len(hit) * self.geo.block_size
+        r.cached_upto = len(hit)
+        self._bind_slots(r)
+        r.status, r.admitted, r.row = "running", self.step_no, self.rng.take()
+        r._frag_key = None
+        self._write_tokens(r, r.n_computed, len(r.ids))
+        if not r.params.greedy:
+            if r.gen is None:  # a preempted request goes on with the generator it had
                 r.gen = new_generator(self.device, r.params.seed)
-                self.rng.save(r.row, r.gen)
-            self.running[r.id] = r
+            self.rng.save(r.row, r.gen)
+        self.running[r.id] = r
+
+    def _grow(self) -> None:
+        """Each running request (best priority first) gets a block when its tokens crossed into a new one; when
+        none is free or evictable the worst running request is preempted (possibly the one asking). Run at the
+        end of every step, after sampling, so each epoch's tables hold every token its requests have."""
+        bs = self.geo.block_size
+        for r in sorted(self.running.values(), key=lambda q: (q.priority, q.seq)):
+            if r.id not in self.running:
+                continue  # preempted for an earlier one
+            need = blocks_for(len(r.ids), bs) - len(self.blocks.tables[r.id])
+            if need <= 0:
+                continue
+            while need > self.blocks.n_available:
+                victim = self._victim()
+                assert victim is not None
+                self._preempt(victim)
+                if victim is r:
+                    break
+            if r.id in self.running:
+                have = len(r.slots)
+                self.blocks.allocate(r.id, need)
+                self._bind_slots(r)
+                self._write_tokens(r, have, len(r.ids))  # the sampled token that crossed into the new block
+                r._frag_key = None  # its logged table changed
+
+    def _victim(self) -> Request | None:
+        """The running request preempted first: the lowest priority (largest value), the latest arrival."""
+        return max(self.running.values(), key=lambda q: (q.priority, q.seq), default=None)
+
+    def _preempt(self, r: Request) -> None:
+        """Recompute preemption: ``r``'s blocks are released (its full ones stay in the prefix cache until
+        evicted) and it waits again with every token it has; its generator goes with it."""
+        del self.running[r.id]
+        self.blocks.free(r.id)
+        self.rng.give_back(r.row)
+        r.status, r.row, r.slots, r.table, r.n_computed, r.cached_upto = "waiting", -1, [], None, 0, 0
+        r.preemptions += 1
+        self.preempted += 1
+        self._enqueue(r)
+
+    def _cache_blocks(self, r: Request) -> None:
+        """Register ``r``'s blocks whose every position's KV is now in the pool (after a forward)."""
+        if not self.opts.prefix_caching:
+            return
+        bs = self.geo.block_size
+        n = r.n_computed // bs
+        if n <= r.cached_upto:
+            return
+        r.hashes = chain_hashes(r.ids, bs, n, r.hashes)
+        table = self.blocks.tables[r.id]
+        for i in range(r.cached_upto, n):
+            self.blocks.cache(table[i], r.hashes[i])
+        r.cached_upto = n
 
     def _bind_slots(self, r: Request) -> None:
         table = self.blocks.tables[r.id]
+        bs = self.geo.block_size
         r.table = torch.as_tensor(table, dtype=torch.long)
-        r.slots = self.blocks.slots(r.id, 0, len(table) * self.geo.block_size)
+        have = len(r.slots) // bs
+        r.slots = r.slots[: have * bs] + (np.asarray(table[have:], dtype=np.int64)[:, None] * bs
+                                          + np.arange(bs)).ravel().tolist()
 
     def _write_tokens(self, r: Request, lo: int, hi: int) -> None:
         s = r.slots[lo:hi]
@@ -557,6 +688,7 @@ class Engine:
             out.batch_tokens = sum(e - s for _, s, e in feeds)
             for (r, _, end), tok in zip(feeds, toks, strict=True):
                 r.n_computed = end
+                self._cache_blocks(r)
                 if tok is None:
                     continue
                 r.ids.append(tok)
@@ -570,6 +702,8 @@ class Engine:
                     self._retire(r, reason)
                     out.finished.append(r.id)
                     out.reasons[r.id] = reason
+        if self.opts.admission == "grow":
+            self._grow()
         self.step_no += 1
         self._evict_finished()
         return out
@@ -678,6 +812,7 @@ class Engine:
         self.blocks.free(r.id)
         self.rng.give_back(r.row)
         r.status, r.finish_reason, r.row, r.slots, r.gen, r.table = "finished", reason, -1, [], None, None
+        r.hashes = []
         self.finished[r.id] = r
 
     def _forget_key(self, r: Request) -> None:
@@ -720,11 +855,13 @@ class Engine:
                     "table": self.blocks.tables[r.id]})[:-1] + b',"n_tokens":'
             frags.append(b'%s%d,"n_computed":%d}' % (r._frag, len(r.ids), r.n_computed))
         parts.append(b",".join(frags))
-        parts.append(b'],"waiting":[')
+        parts.append(b'],"blocks":')
+        parts.append(self.blocks.state_json())
+        parts.append(b',"waiting":[')
         frags = []
         for r in self.waiting:
             if r._frag_key != "waiting":
-                r._frag_key, r._frag = "waiting", encode_json({**self._common(r), "prompt": r.ids})
+                r._frag_key, r._frag = "waiting", encode_json(self._waiting_dict(r))
             frags.append(r._frag)
         parts.append(b",".join(frags))
         parts.append(b'],"finished":[')
@@ -742,12 +879,19 @@ class Engine:
     @staticmethod
     def _common(r: Request) -> dict[str, Any]:
         return {"id": r.id, "key": r.key, "digest": r.digest, "n_prompt": r.n_prompt, "seq": r.seq,
-                "params": r.params_dict(), "info": r.info}
+                "params": r.params_dict(), "info": r.info, "priority": r.priority, "preemptions": r.preemptions}
+
+    @classmethod
+    def _waiting_dict(cls, r: Request) -> dict[str, Any]:
+        """A waiting request: its tokens (a preempted one's prompt and what it generated) and, if it was
+        preempted after drawing, its generator's state (it has no sampler row while it waits)."""
+        d = {**cls._common(r), "prompt": r.ids}
+        if r.gen is not None:
+            d["rng"] = base64.b64encode(r.gen.get_state().numpy().tobytes()).decode("ascii")
+        return d
 
     def _meta(self) -> dict[str, Any]:
-        def common(r: Request) -> dict[str, Any]:
-            return {"id": r.id, "key": r.key, "digest": r.digest, "n_prompt": r.n_prompt, "seq": r.seq,
-                    "params": r.params_dict(), "info": r.info}
+        common = self._common
 
         return {
             "version": META_VERSION, "step": self.step_no, "next_seq": self._peek_seq(),
@@ -755,7 +899,8 @@ class Engine:
             "options": {k: getattr(self.opts, k) for k in LOGGED_OPTIONS},
             "running": [{**common(r), "n_tokens": len(r.ids), "n_computed": r.n_computed, "row": r.row,
                          "admitted": r.admitted, "table": self.blocks.tables[r.id]} for r in self.running.values()],
-            "waiting": [{**common(r), "prompt": r.ids} for r in self.waiting],
+            "blocks": self.blocks.state(),
+            "waiting": [self._waiting_dict(r) for r in self.waiting],
             "finished": [{**common(r), "generated": r.generated, "reason": r.finish_reason,
                           "collected": r.collected} for r in self.finished.values()],
             "time": time.time(),
@@ -831,8 +976,7 @@ class Engine:
                          dtype=getattr(torch, geo.dtype))
         if want != geo:
             raise RecoveryError(f"the model's KV rows are {want}; the log's are {geo}: same model needed")
-        logged = dict(m["options"])
-        logged.setdefault("invariant", False)  # a log from before the option ran cuBLAS and torch's norms
+        logged = {**OPTION_BEFORE, **m["options"]}
         opts = EngineOptions(**{**opts.__dict__, **logged, "num_blocks": geo.num_blocks,
                                 "block_size": geo.block_size, "kv_dtype": geo.dtype})
         t1 = time.perf_counter()
@@ -873,22 +1017,33 @@ class Engine:
         rec = self.runtime.recover_into(keep_images=False)
         self.recovered_epoch, self.recovered = rec.epoch, rec
         self.step_no, self._seq = int(m["step"]), itertools.count(int(m["next_seq"]))
-        self.blocks = BlockPool.restore(self.geo.num_blocks, self.geo.block_size,
-                                        {d["id"]: list(d["table"]) for d in m["running"]})
+        bs = self.geo.block_size
+        state = m.get("blocks") or {}
+        try:
+            self.blocks = BlockPool.restore(self.geo.num_blocks, bs, {d["id"]: list(d["table"]) for d in m["running"]},
+                                            state.get("cached", ()), state.get("lru", ()))
+        except ValueError as e:
+            raise RecoveryError(f"the block tables of epoch {rec.epoch} in {self.runtime.log_dir} are inconsistent "
+                                f"({e}); the log was not written by a correct engine: nothing was restored from "
+                                "it") from None
         self.rng.free = [i for i in range(self.opts.max_running) if i not in {d["row"] for d in m["running"]}]
         for d in m["running"]:
             r = self._request(d, [])
             table = self.blocks.tables[r.id]  # _bind_slots' table and slots, vectorised (132k slots at 64 x 2k)
             r.table = torch.as_tensor(table, dtype=torch.long)
-            bs = self.geo.block_size
             r.slots = (np.asarray(table, dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel().tolist()
             r.ids = self.tokens[r.slots[: int(d["n_tokens"])]].tolist()  # Python ints
             r.status, r.n_computed, r.row, r.admitted = "running", int(d["n_computed"]), int(d["row"]), int(d["admitted"])
+            self._check_shared(r, rec.epoch)
             if not r.params.greedy:
                 r.gen = self.rng.load(r.row)
             self.running[r.id] = r
         for d in m["waiting"]:
-            self.waiting.append(self._request(d, list(d["prompt"])))
+            r = self._request(d, [int(t) for t in d["prompt"]])
+            if d.get("rng") is not None:  # preempted after drawing: its generator waits with it
+                r.gen = torch.Generator(device=self.device)
+                r.gen.set_state(torch.frombuffer(bytearray(base64.b64decode(d["rng"])), dtype=torch.uint8))
+            self.waiting.append(r)
         for d in m["finished"]:
             r = self._request(d, [])
             r.ids = [0] * r.n_prompt + [int(t) for t in d["generated"]]  # the prompt of a finished one is not kept
@@ -898,9 +1053,29 @@ class Engine:
         self.tokens_dirty[:] = 0
         self.rng.dirty[:] = 0
 
+    def _check_shared(self, r: Request, epoch: int) -> None:
+        """A recovered running request's cached blocks: only whole blocks it has computed (nothing it still
+        writes), each under the key its restored tokens give (the chain of its blocks before it)."""
+        bs = self.geo.block_size
+        full = r.n_computed // bs
+        table = self.blocks.tables[r.id]
+        keys = chain_hashes(r.ids, bs, full) if self.opts.prefix_caching else []
+        for i, b in enumerate(table):
+            key = self.blocks.hash_of(b)
+            if key is None:
+                continue
+            if i >= full or not keys or key != keys[i]:
+                raise RecoveryError(
+                    f"block {b} (position {i} of request {r.id!r}'s table) is cached under a key its tokens in the "
+                    f"log do not give, or holds positions the request has not computed (epoch {epoch} in "
+                    f"{self.runtime.log_dir if self.runtime else '?'}): the log's prefix cache is inconsistent; "
+                    "nothing was restored from it")
+        r.hashes, r.cached_upto = keys, full
+
     def _request(self, d: dict[str, Any], ids: list[int]) -> Request:
         r = Request(str(d["id"]), ids, int(d["n_prompt"]), SamplingParams.from_dict(d["params"]), d.get("key"),
-                    str(d.get("digest", "")), dict(d.get("info") or {}), seq=int(d["seq"]))
+                    str(d.get("digest", "")), dict(d.get("info") or {}), seq=int(d["seq"]),
+                    priority=int(d.get("priority", 0)), preemptions=int(d.get("preemptions", 0)))
         if r.key is not None:
             self.by_key[r.key] = r.id
         return r
