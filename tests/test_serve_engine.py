@@ -390,3 +390,13 @@ def test_recovery_refuses_inconsistent_block_state(shm_dir: Path) -> None:
         eng.close()
         with pytest.raises(RecoveryError, match=damage):
             Engine.recover(log, model, SHARED_OPTIONS)
+
+
+def test_under_the_invariant_engine_a_hit_and_a_recompute_hold_a_fresh_prefills_bytes() -> None:
+    """invariant=True (Triton's interpreter on the CPU, a process of its own): a prefix hit's K/V rows equal a
+    fresh prefill's byte for byte, and so do a preempted request's recomputed rows its decoded ones."""
+    pytest.importorskip("triton")
+    r = subprocess.run([PYTHON, str(REPO / "tests" / "prefix_invariant_case.py")], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert r.stdout.strip().endswith("ok")
