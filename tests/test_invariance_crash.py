@@ -1,0 +1,30 @@
+"""Exact whatever else is in the batch, through crashes, on the CPU: a tiny Qwen3 engine with the batch-invariant
+kernels (under Triton's interpreter) serves requests, greedy and seeded, with arrivals that differ after each
+SIGKILL and recovery; every final stream equals the request run alone (benchmarks/bench_invariance.py, whose
+H200 run is results/invariance-h200.json). Slow: the interpreter runs every kernel in numpy."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from support import PYTHON, REPO, subprocess_env
+
+pytest.importorskip("triton")
+
+
+@pytest.mark.slow
+def test_streams_equal_the_request_alone_across_sigkills_with_other_arrivals(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = {**subprocess_env(), "TRITON_INTERPRET": "1"}
+    r = subprocess.run([PYTHON, str(REPO / "benchmarks" / "bench_invariance.py"), "--quick", "--device", "cpu",
+                        "--requests", "8", "--kills", "2", "--invariant", "on", "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=1800)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "invariance-quick.json").read_text())
+    row = doc["rows"][0]
+    assert row["equal_to_alone"] == row["requests"] == 8
+    assert row["stream_errors"] == 0 and len(row["kills"]) == 2
+    assert os.path.getsize(tmp_path / "invariance-quick.json") > 0
