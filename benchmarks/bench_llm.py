@@ -467,20 +467,11 @@ def bench_recovery(model: Any, log_root: Path, backend: str, device: str, quick:
 
 
 # -------------------------------------------------------------------------------------------------- LoRA
-LORA_MODES = ("none", "sync", "async", "async_prev", "async_old")
-ASYNC_MODES = ("async", "async_prev", "async_old")
-# The async modes share one log, switched per mode (LogOptions fields, read at each append):
-# - async: this version: a segment worker keeps the next segment ready (sized from the epochs seen, registered,
-#   faulted in) and retires sealed ones, a roll is a rename + header + manifest; each epoch laid out once
-# - async_prev: the path before it (mapped_ahead off: a thread per spare and per retired segment started on the
-#   append path, two layout passes), with the C CRC and segments that hold several epochs
-# - async_old: today's placed append before both: CRC32C on the crc32c package's thread pool, 64 MiB segments
-#   (a 53 MB epoch rolls every time), mapped_ahead off
-MODE_OPTS: dict[str, dict[str, Any]] = {
-    "async_prev": {"mapped_ahead": False},
-    "async_old": {"placed_crc": "python", "mapped_fit_epochs": 0, "mapped_ahead": False},
-}
-OLD_PLACED = MODE_OPTS["async_old"]
+LORA_MODES = ("none", "sync", "async")
+ASYNC_MODES = ("async",)
+# async modes that share one log, switched per mode (LogOptions fields, read at each append): none left (the
+# placed-append variants they compared are gone; their result is in integrations/LLM.md)
+MODE_OPTS: dict[str, dict[str, Any]] = {}
 BACKPRESSURE_WAIT_S = 50e-6  # a checkpoint call that waited longer than this for the previous epoch "waited"
 
 

@@ -268,17 +268,22 @@ def test_a_first_open_killed_before_its_manifest_leaves_an_empty_log(shm: Path, 
 
 
 @pytest.mark.parametrize("impl", ["c", "python"])
-def test_placed_crc_in_c_and_on_the_pool_write_the_same_epochs(shm: Path, impl: str) -> None:
-    """The placed append's CRC32Cs (core/_slotlog.c's crc32c_buffers, or the crc32c package on a pool) are what
-    replay's own check recomputes: several payloads of odd sizes, pieces crossing every boundary."""
+def test_placed_crc_in_c_and_on_the_pool_write_the_same_epochs(shm: Path, impl: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The placed append's CRC32Cs (the C extension's crc32c_buffers, or, where it is not built, the crc32c
+    package on a pool) are what replay's own check recomputes: several payloads of odd sizes, pieces crossing
+    every boundary."""
     from concordia_ft.core import checksums
+    from concordia_ft.core import log as log_module
 
     if impl == "c" and not checksums.native_available():
         pytest.skip(f"the C extension is {checksums.native_status()}")
+    if impl == "python":  # as in an install without a C compiler
+        monkeypatch.setattr(log_module, "native_available", lambda: False)
     rng = np.random.default_rng(11)
     specs = [RegionSpec(name=f"d{i}", kind=RegionKind.DENSE, nbytes=n, page_bytes=PAGE)
              for i, n in enumerate((3 * PAGE + 5, 5 << 20, (17 << 20) + 123))]
-    log = RecoveryLog.open(shm / "log", _opts(placed_crc=impl, mapped_segment_bytes=64 << 20))
+    log = RecoveryLog.open(shm / "log", _opts(mapped_segment_bytes=64 << 20))
     want = {}
     for e in range(2):
         deltas = []
@@ -312,19 +317,17 @@ def test_c_crc_of_buffers_equals_the_package() -> None:
         checksums.crc32c_buffers(bufs, piece=100)
 
 
-@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("fit", [0, 4])
-def test_large_epochs_get_segments_that_hold_several(shm: Path, fit: int, ahead: bool) -> None:
+def test_large_epochs_get_segments_that_hold_several(shm: Path, fit: int) -> None:
     """1.25 MiB epochs with 1 MiB mapped segments: each rolls unless the log grows its spares to hold
-    ``mapped_fit_epochs`` of them; either way the log replays every epoch. ``mapped_ahead``: the worker sizes
-    the spare from the epochs seen, so from the third epoch on every roll takes a ready spare (registered on
-    the worker, never on the appending thread)."""
+    ``mapped_fit_epochs`` of them; either way the log replays every epoch. The worker sizes the spare from the
+    epochs seen, so from the third epoch on every roll takes a ready spare (registered on the worker, never on
+    the appending thread)."""
     import threading
     import time
 
     rng = np.random.default_rng(8)
-    log = RecoveryLog.open(shm / "log", _opts(mapped_segment_bytes=1 << 20, mapped_fit_epochs=fit,
-                                              mapped_ahead=ahead))
+    log = RecoveryLog.open(shm / "log", _opts(mapped_segment_bytes=1 << 20, mapped_fit_epochs=fit))
     pins = PinLog()
     log.set_mapping_registrar(pins)
     big = RegionSpec(name="big", kind=RegionKind.DENSE, nbytes=1280 << 10, page_bytes=PAGE)
@@ -339,8 +342,8 @@ def test_large_epochs_get_segments_that_hold_several(shm: Path, fit: int, ahead:
         time.sleep(0.05)
     segments = len(log.manifest.incr)
     log.close()
-    if ahead:  # the spare is sized from two epochs seen: from the third epoch on no roll makes a segment
-        assert on_path[2:] == [0] * (n - 2), on_path
+    # the spare is sized from two epochs seen: from the third epoch on no roll makes a segment
+    assert on_path[2:] == [0] * (n - 2), on_path
     if fit:
         assert segments <= 6, segments  # the first, 2 rolls before large epochs recur, then 3 epochs a segment
     else:
@@ -617,7 +620,7 @@ def test_spares_are_sized_from_the_epochs_seen(tmp_path: Path) -> None:
     from concordia_ft.core.mapped import SparePreparer
 
     mib = 1 << 20
-    sp = SparePreparer(tmp_path, 64 * mib, None, ahead=True, fit_epochs=4, max_capacity=256 * mib)
+    sp = SparePreparer(tmp_path, 64 * mib, None, fit_epochs=4, max_capacity=256 * mib)
     assert sp.target_capacity([]) == sp.target_capacity([1000 * mib]) == 64 * mib
     assert sp.target_capacity([1000 * mib, 100_000]) == 64 * mib  # the prefill / weights epoch alone
     lora = 53 * mib
@@ -626,7 +629,7 @@ def test_spares_are_sized_from_the_epochs_seen(tmp_path: Path) -> None:
     huge = 300 * mib
     cap = sp.target_capacity([huge, huge])
     assert huge < cap < huge + 2 * mib  # one of them (past the cap): every roll still takes a ready spare
-    small = SparePreparer(tmp_path, 64 * mib, None, ahead=True, fit_epochs=0, max_capacity=256 * mib)
+    small = SparePreparer(tmp_path, 64 * mib, None, fit_epochs=0, max_capacity=256 * mib)
     assert small.target_capacity([lora, lora]) == 64 * mib  # fits one already
     assert small.target_capacity([80 * mib, 80 * mib]) > 80 * mib
 

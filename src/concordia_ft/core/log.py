@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import CheckpointError, ConfigError, LogCorruptError, LogError, LogLockedError
-from .checksums import crc32c_buffers, crc32c_parallel, native_available, native_status
+from .checksums import crc32c_buffers, crc32c_parallel, native_available
 from .epochs import RecordCache, assemble_epoch, layout_epoch, plan_epoch
 from .format import SEGMENT_BASE, SEGMENT_HEADER_BYTES, SEGMENT_INCR, SegmentHeader
 from .manifest import SEGMENT_RE, DirSyncError, Manifest, fsync_dir, store_manifest
@@ -69,23 +69,12 @@ class LogOptions:
     # a mapped log whose large epochs recur (LoRA: 53 MB each, every one rolls) prepares its next segments to
     # hold this many of them (at most 4 x mapped_segment_bytes), so most epochs do not roll; 0: never grow
     mapped_fit_epochs: int = 4
-    # a mapped log pinned with the driver (set_mapping_registrar): one worker thread keeps the next segment ready
-    # (sized from the epochs seen, created, faulted in, registered) and retires sealed ones, so a roll is a
-    # rename + header + manifest; a placed epoch is laid out once, its dense regions' page records reused.
-    # False: the path before it (a thread per spare and per retired segment, started on the append path; a
-    # spare too small for the epoch discarded there; two layout passes per epoch)
-    mapped_ahead: bool = True
-    # CRC32C of placed payloads: "c" (core/_slotlog.c: one call, GIL released, pieces on threads), "python"
-    # (the crc32c package on a thread pool), "auto" = c where it is built
-    placed_crc: str = "auto"
 
     def __post_init__(self) -> None:
         if self.mapped not in ("auto", "on", "off"):
             raise ConfigError(f"mapped={self.mapped!r}; use 'auto', 'on' or 'off'")
         if self.mapped == "on" and self.backend != "dram":
             raise ConfigError(f"mapped='on' needs backend 'dram' (tmpfs); the backend is {self.backend!r}")
-        if self.placed_crc not in ("auto", "c", "python"):
-            raise ConfigError(f"placed_crc={self.placed_crc!r}; use 'auto', 'c' or 'python'")
         if self.mapped_fit_epochs < 0:
             raise ConfigError(f"mapped_fit_epochs must be 0 or more, got {self.mapped_fit_epochs}")
         if self.mapped_segment_bytes < 1 << 20:
@@ -339,12 +328,10 @@ class RecoveryLog:
         self._register: Registrar | None = None  # pins mapped segments with the driver (set by the CUDA layer)
         self._spare: SparePreparer | None = None
         self._crc_pool: Any = None
-        self._deferred: list[Any] = []  # work _roll(defer=True) left for after the epoch (_run_deferred)
         # the phases of the last placed append (seconds): roll, place (DMA issued), wait (DMA done), crc, write
         self._phases: dict[str, float] = {}
         self._timed: list[Any] = []  # the last placed epoch's payloads whose copy time the GPU measured
-        self._last_roll_need = 0  # the epoch size that made the last roll (mapped_fit_epochs)
-        self._record_cache: RecordCache = {}  # page records of dense regions (mapped_ahead placed epochs)
+        self._record_cache: RecordCache = {}  # page records of dense regions (placed epochs of a registered log)
         # the active segment handed to an external appender (core/slotlog.py: graph decode's C writer); while
         # leased, append() refuses, the interval syncer leaves the segment to the lessee, a compactor's seal waits
         self._leased = False
@@ -456,8 +443,6 @@ class RecoveryLog:
             if self._leased:
                 raise ConfigError(f"the log {self.dir} is being appended by graph decode's token-epoch writer; "
                                   "append after that generate() returned")
-            if self._spare is not None:
-                self._spare.ahead = self.options.mapped_ahead
             # a payload that is still on a device (cuda.mapped.DevicePayload): DMA'd into the log's own pages
             placed = {i: d.payload for i, d in enumerate(deltas) if hasattr(d.payload, "place")}
             try:
@@ -479,7 +464,7 @@ class RecoveryLog:
             self.last_epoch = number
             self._segment_epochs += 1
             spare = self._spare
-            if spare is not None and spare.ahead and isinstance(self._segment, MappedSegment):
+            if spare is not None and isinstance(self._segment, MappedSegment):
                 spare.after_epoch(plan.total_bytes)  # the next spare, sized from the epochs seen
             return AppendResult(number, self._segment.path.name, offset, plan.total_bytes, plan.payload_bytes,
                                 plan.n_pages, plan.region_pages)
@@ -522,12 +507,9 @@ class RecoveryLog:
             self._dirty = True
         return start
 
-    def _roll(self, need: int = 0, *, defer: bool = False) -> None:
-        """Seal the active incremental segment and continue in a new one (manifest updated atomically).
-
-        ``defer``: preparing the next spare and retiring the sealed segment (driver registration and
-        unregistration) wait for ``_run_deferred``, after the epoch that rolled is written: a placed epoch's DMA
-        is in flight meanwhile, and the driver's (un)registration of other ranges must not run beside it.
+    def _roll(self, need: int = 0) -> None:
+        """Seal the active incremental segment and continue in a new one (manifest updated atomically). A
+        registered segment is retired (unregistered, unmapped) by the spare's worker, after the epoch.
 
         A failure before the manifest's rename leaves the log on the old segment, healthy; a failed fdatasync
         of the old segment or of the directory after the rename fails the log."""
@@ -548,36 +530,9 @@ class RecoveryLog:
         self._segment = seg
         self._segment_epochs = 0
         self._synced_end = seg.end
-        prev_need, self._last_roll_need = self._last_roll_need, need
-        if self._spare is not None and self._spare.ahead:  # the worker retires it and prepares the next
-            if isinstance(old, MappedSegment) and old.registered:
-                self._spare.retire(old)
-                return
-        elif self._spare is not None:
-            spare = self._spare
-            o = self.options
-            # large epochs: the next segments hold several of them (alignment padding included), up to 4x the
-            # configured capacity (a one-off huge epoch, e.g. weights logged once, does not make every spare huge)
-            fit = min(o.mapped_fit_epochs * (need + SEGMENT_HEADER_BYTES) + SEGMENT_HEADER_BYTES,
-                      4 * o.mapped_segment_bytes, max(o.segment_max_bytes, o.mapped_segment_bytes))
-            large = o.mapped_segment_bytes // 4
-            # only when large epochs recur (two rolls in a row for one): a session's one prefill epoch must not
-            # leave every later segment preallocated 4x larger (replay then reads their zero tails)
-            if o.mapped_fit_epochs and need > large and prev_need > large and fit > spare.capacity:
-                spare.grow(fit)
-            retire = isinstance(old, MappedSegment) and old.registered  # unregister + unmap off the append path
-
-            def after() -> None:
-                spare.start()
-                if retire:
-                    spare.retire(old)  # type: ignore[arg-type]
-
-            if defer:
-                self._deferred.append(after)
-            else:
-                after()
-            if retire:
-                return
+        if self._spare is not None and isinstance(old, MappedSegment) and old.registered:
+            self._spare.retire(old)  # the worker retires it after this epoch and prepares the next spare
+            return
         try:
             old.close()
         except OSError as e:  # synced already: nothing of it is at stake
@@ -603,7 +558,7 @@ class RecoveryLog:
                 o = self.options
                 cap = min(o.mapped_segment_bytes, o.segment_max_bytes)
                 self._spare = SparePreparer(
-                    self.dir, cap, register, io=self._io, ahead=o.mapped_ahead, fit_epochs=o.mapped_fit_epochs,
+                    self.dir, cap, register, io=self._io, fit_epochs=o.mapped_fit_epochs,
                     max_capacity=min(4 * o.mapped_segment_bytes, max(o.segment_max_bytes, o.mapped_segment_bytes)),
                     header_bytes=SEGMENT_HEADER_BYTES)
                 self._spare.start()
@@ -619,10 +574,7 @@ class RecoveryLog:
                        placed: dict[int, PlacedPayload], meta: Any) -> tuple[Any, int]:
         """One epoch whose payloads ``placed`` (index into ``deltas`` -> device payload) are DMA'd straight into
         the mapped segment at their final offsets; CRCs from the placed bytes; header, then commit marker."""
-        try:
-            return self._placed_append_now(number, defs, drops, deltas, placed, meta)
-        finally:
-            self._run_deferred()
+        return self._placed_append_now(number, defs, drops, deltas, placed, meta)
 
     @property
     def last_placed_phases(self) -> dict[str, float]:
@@ -636,21 +588,13 @@ class RecoveryLog:
             self._phases["dma"] = sum(float(p.copy_seconds()) for p in timed)
         return self._phases
 
-    def _run_deferred(self) -> None:
-        work, self._deferred = self._deferred, []
-        for fn in work:
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - a spare or a retirement only saves time later
-                log.warning("background segment work after a roll failed: %s", e)
-
     def _placed_append_now(self, number: int, defs: list[RegionSpec], drops: list[str], deltas: list[RegionDelta],
                            placed: dict[int, PlacedPayload], meta: Any) -> tuple[Any, int]:
         perf = time.perf_counter
         t0 = perf()
         rolled = 0.0
         spare = self._spare
-        ahead = spare is not None and spare.ahead
+        ahead = spare is not None  # a registered mapped log: its worker prepares segments ahead
         with_pages = [i for i, d in enumerate(deltas) if len(d.pages)]
         pages_of = [(deltas[i].spec, deltas[i].pages) for i in with_pages]
         cache = self._record_cache if ahead else None
@@ -665,7 +609,7 @@ class RecoveryLog:
         plan = lay_out(self._segment.end)
         seg = self._segment
         if not isinstance(seg, MappedSegment) or plan.total_bytes > seg.room():
-            self._roll(plan.total_bytes, defer=True)
+            self._roll(plan.total_bytes)
             rolled = 1.0
             seg = self._segment
             if not isinstance(seg, MappedSegment):
@@ -731,7 +675,7 @@ class RecoveryLog:
     def _gated_crcs(self, views: list[Any], payloads: list[Any]) -> list[int] | None:
         """CRC32C of the placed payloads as their DMA lands, when every one of them announces its chunks
         (``gates``: cuda.mapped.DevicePayload, large copies) and the C checksum is on; else None."""
-        if self.options.placed_crc == "python" or not payloads:
+        if not payloads:
             return None
         gates: list[tuple[int, int, int, int]] = []
         addr = 0
@@ -752,16 +696,12 @@ class RecoveryLog:
         return crc32c_buffers(views, threads=min(8, os.cpu_count() or 1), flags_address=addr, gates=gates)
 
     def _placed_crcs(self, payloads: list[Any]) -> list[int]:
-        """CRC32C of each placed payload: in C with the GIL released once (``placed_crc``), else the pool."""
-        impl = self.options.placed_crc
-        if impl != "python":
-            if native_available():
-                out = crc32c_buffers(payloads, threads=min(8, os.cpu_count() or 1))
-                assert out is not None  # no gates: it never gives up
-                return out
-            if impl == "c":
-                raise ConfigError(f"placed_crc='c', but the C extension is {native_status()}; build it "
-                                  "(scripts/build_ext.sh) or use placed_crc='auto'")
+        """CRC32C of each placed payload: in C with the GIL released once where the extension is built, else the
+        crc32c package on a pool (one task per piece)."""
+        if native_available():
+            out = crc32c_buffers(payloads, threads=min(8, os.cpu_count() or 1))
+            assert out is not None  # no gates: it never gives up
+            return out
         pool = self._crc_workers()
         return [crc32c_parallel(p, pool) for p in payloads]
 
