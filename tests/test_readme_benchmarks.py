@@ -1,6 +1,7 @@
 """The README's Benchmarks table is traceable: every row names exactly one results JSON of benchmarks/results/
 that exists and is a stamped results document, every results JSON there is named by a row (one JSON per row,
-not a notebook of runs), every figure has its JSON beside it, and no row is longer than 300 characters."""
+not a notebook of runs) and by benchmarks/README.md with the command that writes it, every figure has its JSON
+beside it, and no row is longer than 300 characters."""
 
 from __future__ import annotations
 
@@ -44,6 +45,8 @@ def test_every_results_file_belongs_to_a_row_and_every_figure_to_a_results_file(
     named = {named_file(r) for r in benchmark_rows((ROOT / "README.md").read_text())}
     on_disk = {p.name for p in RESULTS.glob("*.json")}
     assert on_disk - named == set(), "results no README row names (git keeps old runs; probes go to experiments/)"
+    commands = set(_JSON.findall((ROOT / "benchmarks" / "README.md").read_text()))
+    assert on_disk - commands == set(), "results files benchmarks/README.md gives no command for"
     figures = {p.with_suffix(".json").name for p in RESULTS.glob("*.png")}
     assert figures - on_disk == set(), "figures without their results JSON"
 
