@@ -51,6 +51,7 @@ from .options import DistOptions
 from .workload import FINAL_UNKNOWN, job_final_cut, resolve
 
 WORKER = "concordia_ft.distributed.worker"
+ZYGOTE = "concordia_ft.distributed.zygote"
 
 
 def _pdeathsig() -> None:
@@ -129,6 +130,9 @@ class Coordinator:
         self.held_final = False  # every member prepared the final cut, its commit held for a kill still due
         self.expect_beat: dict[str, int] = {}  # kept ranks: when they were assigned (a first beat is due)
         self.spare: dict[str, Any] | None = None  # this generation's spare groups (offered, then ready)
+        self.zygote: subprocess.Popen[bytes] | None = None
+        self.zygote_ready = False
+        self.zygote_fd = -1
         self.killed_in_gen = -1  # the generation in which this coordinator last sent a kill
         rng_seed = int(opts.chaos.get("seed", 0)) + 7919 * self.incarnation
         self.rng = random.Random(rng_seed)
@@ -160,18 +164,76 @@ class Coordinator:
         self.n_spawned += 1
         return f"i{self.incarnation}w{self.n_spawned}"
 
-    def spawn(self, role: str, wid: str | None = None, plan: P.Plan | None = None) -> str:
+    def _base_env(self) -> dict[str, str]:
+        return dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+    def _wid_env(self, wid: str) -> dict[str, str]:
+        if self.opts.backend != "nccl":
+            return {}
+        # NCCL_RUNTIME_CONNECT=0: a communicator connects every channel at init (no lazy connect in a step)
+        return {"NCCL_HOSTID": f"concordia-{wid}", "NCCL_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0",
+                "NCCL_RUNTIME_CONNECT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+
+    def _start_zygote(self) -> None:
+        """The job's fork server (zygote.py): later ranks and hot standbys are forked from it, torch imported."""
+        log = open(self.job_dir / "logs" / "zygote.log", "ab")
+        p = subprocess.Popen([sys.executable, "-m", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=log, env=self._base_env(), preexec_fn=_pdeathsig)
+        self.zygote, self.zygote_ready = p, False
+        self.zygote_fd = os.pidfd_open(p.pid)
+        assert p.stdout is not None
+        self.sel.register(p.stdout, selectors.EVENT_READ, ("zygote", ""))
+        self.sel.register(self.zygote_fd, selectors.EVENT_READ, ("zygote-exit", ""))
+
+    def _on_zygote(self, what: str) -> None:
+        assert self.zygote is not None and self.zygote.stdout is not None
+        if what == "zygote":
+            self.sel.unregister(self.zygote.stdout)
+            self.zygote_ready = self.zygote.stdout.readline().strip() == b"ready"
+            if self.zygote_ready:
+                self.event("zygote-ready", pid=self.zygote.pid)
+            return
+        self.sel.unregister(self.zygote_fd)
+        if not self.zygote_ready:
+            self.sel.unregister(self.zygote.stdout)
+        self.zygote_ready = False  # new processes are started from scratch again
+        self.event("zygote-exit", rc=self.zygote.wait())
+
+    def _fork(self, wid: str, role: str, argv: list[str]) -> int | None:
+        """A worker forked by the zygote; its pid, or None (no zygote ready: start it from scratch)."""
+        z = self.zygote
+        if not self.zygote_ready or z is None or z.stdin is None or z.stdout is None:
+            return None
+        req = {"argv": argv, "role": role, "log": str(self.job_dir / "logs" / f"{wid}.log"),
+               "env": self._wid_env(wid)}
+        try:
+            z.stdin.write(json.dumps(req).encode() + b"\n")
+            z.stdin.flush()
+            return int(z.stdout.readline())
+        except (BrokenPipeError, ValueError):
+            self.zygote_ready = False
+            return None
+
+    def spawn(self, role: str, wid: str | None = None, plan: P.Plan | None = None, *,
+              from_scratch: bool = False) -> str:
+        """Start a worker: forked from the zygote when it is ready (ranks and hot standbys), else (warm standbys,
+        ``from_scratch``: the restart baseline, a new interpreter as a user's relaunch is) a new interpreter."""
         wid = wid or self._new_wid()
-        env = dict(os.environ, TORCH_CPP_LOG_LEVEL="ERROR", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        if self.opts.backend == "nccl":
-            # NCCL_RUNTIME_CONNECT=0: a communicator connects every channel at init (no lazy connect in a step)
-            env.update(NCCL_HOSTID=f"concordia-{wid}", NCCL_SOCKET_IFNAME="lo", NCCL_NVLS_ENABLE="0",
-                       NCCL_RUNTIME_CONNECT="0",
-                       TORCH_NCCL_ASYNC_ERROR_HANDLING="0")
-        cmd = [sys.executable, "-m", WORKER, "--job-dir", str(self.job_dir), "--port", str(self.port),
-               "--wid", wid, "--role", role, "--coordinator-pid", str(os.getpid()), "--inc", str(self.incarnation)]
+        argv = ["--job-dir", str(self.job_dir), "--port", str(self.port), "--wid", wid, "--role", role,
+                "--coordinator-pid", str(os.getpid()), "--inc", str(self.incarnation)]
         if plan is not None:
-            cmd += ["--plan", plan.encode()]
+            argv += ["--plan", plan.encode()]
+        pid = self._fork(wid, role, argv) if role in ("rank", "hot") and not from_scratch else None
+        if pid is not None:
+            child = Child(wid, role, pid, os.pidfd_open(pid))
+            self.children[wid] = child
+            self.sel.register(child.pidfd, selectors.EVENT_READ, ("exit", wid))
+            if role == "hot":
+                self.hot.append(wid)
+            self._write_pids()
+            return wid
+        env = {**self._base_env(), **self._wid_env(wid)}
+        cmd = [sys.executable, "-m", WORKER, *argv]
         log = open(self.job_dir / "logs" / f"{wid}.log", "ab")
         # ranks outlive this coordinator (a new one adopts them, §2); standbys die with it, and so does every
         # process of the job when the launcher dies (CONCORDIA_DIST_LAUNCHER_PID, watched by each)
@@ -211,13 +273,8 @@ class Coordinator:
         keep: dict[int, str] = {}
         for wid, info in procs.items():
             pid = int(info["pid"])
-            try:
-                same = (WORKER.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-                        and f"--wid\0{wid}\0".encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-                        and _start_time(pid) == info.get("start"))
-            except OSError:
-                continue
-            if not same or _proc_state(pid) in ("", "Z"):
+            # the same process: pid and start time (a forked worker's cmdline is its zygote's, so not that)
+            if info.get("start") is None or _start_time(pid) != info.get("start") or _proc_state(pid) in ("", "Z"):
                 continue
             if wid in members and len(members) == self.opts.world:
                 keep[members.index(wid)] = wid
@@ -245,6 +302,7 @@ class Coordinator:
     # ------------------------------------------------------------------------------------------- run
     def run(self) -> int:
         kept = self._previous_members() if self.resume else {}
+        self._start_zygote()  # beside the first ranks (they start from scratch; later processes fork from it)
         cut = self.commits.cut
         if cut >= 0:
             self.store.set(P.commit_key(cut), "1")
@@ -278,6 +336,8 @@ class Coordinator:
                     what, wid = key.data
                     if what == "exit":
                         self._on_exit(wid)
+                    elif what.startswith("zygote"):
+                        self._on_zygote(what)
                     else:
                         self._on_warm_line(wid)
                 self._check_commit()
@@ -299,6 +359,9 @@ class Coordinator:
         return 0
 
     def shutdown(self) -> None:
+        if self.zygote is not None and self.zygote.poll() is None:
+            self.zygote.kill()
+            self.zygote.wait()
         for c in self.children.values():
             if c.alive():
                 try:
@@ -588,7 +651,7 @@ class Coordinator:
         self.publish(plan)
         t_plan = time.monotonic_ns()
         for wid in self.members:
-            self.spawn("rank", wid, plan)
+            self.spawn("rank", wid, plan, from_scratch=True)
         rec = {"gen": self.gen, "cut": plan.cut, "kind": v.kind.value, "action": "restart-all",
                "ranks": [v.rank], "standby": {}, "failed_wids": failed_wids, "t_detect_ns": t_detect,
                "t_abort_end_ns": t_killed,
@@ -622,12 +685,17 @@ class Coordinator:
         kill tests the standby it names instead of the job outrunning it."""
         if not self.kill_queue or self.commits.cut < int(self.kill_queue[0]["after_cut"]):
             return False
-        first = self.opts.standby.order[0]
+        first = self._preferred()
         if first == "hot" and self.opts.standby.hot:
             return not any(self.store.check([P.standby_key(w)]) for w in self.hot)
         if first == "warm" and self.opts.standby.warm:
             return not any(self.children[w].ready for w in self.warm)
         return False
+
+    def _preferred(self) -> str:
+        """The kind of standby a repair takes first: the first in ``order`` whose pool is not empty."""
+        sb = self.opts.standby
+        return next((k for k in sb.order if k == "cold" or (sb.hot if k == "hot" else sb.warm) > 0), "cold")
 
     def _kills_due(self) -> bool:
         """A scheduled kill, or a chaos kill, that has not been sent yet."""
@@ -682,7 +750,7 @@ class Coordinator:
         the preferred standby is ready (connected ahead, where spare groups apply)."""
         if self.killed_in_gen == self.gen or (not self.gen_committed and not self._prepared()):
             return False  # the last kill's repair has not even started
-        first = self.opts.standby.order[0]
+        first = self._preferred()
         if first == "hot" and self.opts.standby.hot:
             if self._spares_apply() and self.commits.cut + 2 < self.final_cut and not (
                     self.spare is not None and self.spare.get("failed")):
