@@ -196,7 +196,7 @@ KILL_SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("mode", [pytest.param("greedy", marks=pytest.mark.slow), "sampled"])  # sampled: the RNG too
 def test_settings_survive_a_sigkill(mode, tmp_path):
     max_new, kill_at = 40, 13
     settings = KILL_SETTINGS[mode]
