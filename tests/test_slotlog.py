@@ -245,7 +245,15 @@ def test_sigkilled_c_writers_leave_a_log_that_replays(tmp_path: Path, backend: s
             assert p.stdout is not None
             line = p.stdout.readline()
             assert line.startswith("OPEN"), (line, p.stderr.read() if p.stderr else "")
-            time.sleep(float(rng.uniform(0.0, 0.05)))
+            # Killed after a random number of its commits (the child runs on meanwhile) plus up to 5 ms, so
+            # every writer dies mid-stream however loaded the machine: a delay from OPEN alone can kill a
+            # slow child before its first commit, every time.
+            for _ in range(int(rng.integers(1, 30))):
+                ln = p.stdout.readline()
+                if not ln.startswith("COMMITTED "):
+                    break  # DONE: the arena is full
+                reported = max(reported, int(ln.split()[1]))
+            time.sleep(float(rng.uniform(0.0, 0.005)))
             p.send_signal(signal.SIGKILL)
             out, err = p.communicate(timeout=60)
             for ln in out.split("\n")[:-1]:  # whole lines only: the kill may cut the last one short
