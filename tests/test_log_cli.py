@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -423,6 +424,11 @@ with cft.Runtime(d, fsync="never", segment_max_bytes=1 << 20, compact_after_byte
 """
 
 
+def _has_base(d: Path) -> bool:
+    m = load_manifest(d)
+    return m is not None and m.base is not None
+
+
 def test_check_of_a_live_log_is_not_a_damaged_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     d, stop = tmp_path / "log", tmp_path / "stop"
     env = {**os.environ, "PYTHONPATH": str(Path(cft.__file__).parents[1])}
@@ -431,7 +437,12 @@ def test_check_of_a_live_log_is_not_a_damaged_log(tmp_path: Path, capsys: pytest
     try:
         assert w.stdout is not None and w.stdout.readline().strip() == "READY"
         results = []
-        for i in range(40):
+        # 40 checks at least, and on until the writer has compacted once (a base in the MANIFEST), so that the
+        # checks race a compaction however a loaded machine schedules the two processes
+        deadline, i = time.monotonic() + 240, 0
+        while i < 40 or not _has_base(d):
+            assert time.monotonic() < deadline, "the writer did not compact within 240 s"
+            i += 1
             rc, text = run_cli(capsys, "log", "check", str(d), *(["--json"] if i % 2 else []))
             results.append((rc, text))
             assert rc == 0, text
