@@ -111,7 +111,7 @@ class EngineOptions:
     # Engine.recover on a GPU: page-lock the streamed restore's ring on a helper thread while the log is opened
     # (cuda/streamed.py prefetch_ring), instead of between the open and the first chunk. Off: on the H200 host it
     # stretched the open by 0.1-0.2 s (the pinning and the open's mappings share the process's memory map lock),
-    # more than the 0.09-0.12 s it hid (8B: 1.24 vs 1.03 s to the first token; serve/DESIGN.md, session 12)
+    # more than the 0.09-0.12 s it hid (8B: 1.24 vs 1.03 s to the first token; serve/DESIGN.md)
     prefetch_ring: bool = False
     # eager forwards on a side stream before each decode graph's capture (lazy initialisation: cuBLAS handles and
     # workspaces, SDPA backend choice). Each is a Python forward on the host; a recovering engine captures the
