@@ -22,7 +22,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))  # concordia_lab
 
-from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
+from benchreport import median, print_table, write_results  # noqa: E402
+
 from concordia_lab.instrument.boundaries import BoundaryTrigger  # noqa: E402
 
 

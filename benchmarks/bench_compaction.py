@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchreport import print_table, write_results
 
 import concordia_ft as cft
-from concordia_ft.benchreport import print_table, write_results
 from concordia_ft.cli.main import main as cli_main
 from concordia_ft.core.compaction import compact_offline
 from concordia_ft.core.epochs import plan_epoch

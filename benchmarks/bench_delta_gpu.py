@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from benchreport import print_table, write_results
 
-from concordia_ft.benchreport import print_table, write_results
 from concordia_ft.core.log import RecoveryLog
 from concordia_ft.core.regions import DiffMode, RegionKind, RegionSpec
 from concordia_ft.cuda import driver

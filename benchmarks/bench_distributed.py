@@ -44,7 +44,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from concordia_ft.benchreport import print_table, write_results  # noqa: E402
+from benchreport import print_table, write_results  # noqa: E402
+
 from concordia_ft.distributed import run_job  # noqa: E402
 from concordia_ft.distributed.timeline import (  # noqa: E402
     load_faults,

@@ -22,10 +22,10 @@ import time
 import timeit
 from typing import Any
 
+import benchreport
 import numpy as np
 import torch
 
-from concordia_ft import benchreport
 from concordia_lab.executor import guard
 from concordia_lab.executor import ring as R
 from concordia_lab.executor.resident import (

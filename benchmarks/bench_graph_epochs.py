@@ -36,8 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_llm  # noqa: E402
-
-from concordia_ft.benchreport import percentile, print_table, save_figure, write_results  # noqa: E402
+from benchreport import percentile, print_table, save_figure, write_results  # noqa: E402
 
 MODES = ("graph_plain", "graph_durable", "graph_pipelined", "graph_durable_py", "graph_pipelined_py", "eager")
 SDPA = "reproducible"  # Session(sdpa=): "reproducible" keeps every mode off cuDNN attention (not run-to-run exact)

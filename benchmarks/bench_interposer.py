@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "experiments"))  # concordia_lab: the instrumentation and the executor
 
-from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
+from benchreport import median, print_table, write_results  # noqa: E402
+
 from concordia_lab.instrument import interposer as ip  # noqa: E402
 
 

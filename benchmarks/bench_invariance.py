@@ -36,8 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from bench_engine import build  # noqa: E402
+from benchreport import write_results  # noqa: E402
 
-from concordia_ft.benchreport import write_results  # noqa: E402
 from concordia_ft.serve import Engine, SamplingParams  # noqa: E402
 
 

@@ -38,8 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch  # noqa: E402
-
-from concordia_ft.benchreport import median, percentile, print_table, write_results  # noqa: E402
+from benchreport import median, percentile, print_table, write_results  # noqa: E402
 
 RT_OPTS = {"compact_after_bytes": None}  # no background compaction while timing
 LORA_ROUNDS = 3
@@ -494,8 +493,8 @@ def bench_lora(log_root: Path, backend: str, device: str, quick: bool,
     no checkpoint. Async epochs also report the commit latency (call -> epoch durable) and whether the
     backpressure (waiting for the previous epoch) ever held a step up."""
     import numpy as np
+    from benchreport import percentile
 
-    from concordia_ft.benchreport import percentile
     from concordia_ft.integrations.peft import LoraTrainer, synthetic_batch
     from concordia_ft.runtime import Runtime
 

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from benchreport import print_table, write_results
 
-from concordia_ft.benchreport import print_table, write_results
 from concordia_ft.core.checksums import crc32c
 from concordia_ft.core.compaction import compact_offline
 from concordia_ft.core.log import RecoveryLog

@@ -36,8 +36,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "experiments"))  # concordia_lab: the instrumentation and the executor
 
+from benchreport import median, print_table, write_results  # noqa: E402
+
 import instrument_kernels as ik  # noqa: E402
-from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
 from concordia_lab.instrument import triton_hook  # noqa: E402
 from concordia_lab.instrument.pause import PausableLaunch  # noqa: E402
 from concordia_lab.instrument.safepoints import SafepointOptions  # noqa: E402

@@ -513,7 +513,7 @@ def main() -> int:
         return _worker(ns)
     import signal
 
-    from concordia_ft.benchreport import write_results
+    from benchreport import write_results
 
     def on_term(signum: int, frame: Any) -> None:  # a time limit: leave through the finally below
         raise SystemExit(f"signal {signum}")

@@ -24,10 +24,10 @@ import tempfile
 import time
 from typing import Any
 
+import benchreport
 import torch
 from bench_executor import ev_ms  # the benchmarks directory is on sys.path when a script runs
 
-from concordia_ft import benchreport
 from concordia_lab.executor import ring as R
 from concordia_lab.executor.resident import ExecutorOptions, LaunchExecutor, ResidentExecutor
 

@@ -1,6 +1,6 @@
 """Draw the figures of benchmarks/results/: one PNG beside each results JSON that has a figure worth looking at.
 
-    python benchmarks/plot.py [--root DIR] [RESULTS.json ...]     (what `concordia bench --plot` runs)
+    python benchmarks/plot.py [--root DIR] [RESULTS.json ...]
 
 A results file gets the figure of its benchmark (the JSON's "benchmark" field): pause/resume latency and cost
 (pause), the probe cost per shape and per Triton kernel (qwen3_probes), the serving engine's epoch cost and
@@ -60,7 +60,7 @@ def _plt() -> Any:
 def generic(doc: dict[str, Any], path: Path) -> Path | None:
     """A horizontal bar chart per table (its main metric, log scale when it spans decades), baseline rows in
     grey beside the measured ones; None when no table has a number."""
-    from concordia_ft.benchreport import save_figure
+    from benchreport import save_figure
 
     rows = [dict(r, _base=False) for r in doc.get("rows", [])] + [dict(r, _base=True) for r in doc.get("baseline", [])]
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -94,7 +94,7 @@ def generic(doc: dict[str, Any], path: Path) -> Path | None:
 def pause(doc: dict[str, Any], path: Path) -> Path | None:
     """Pause latency against one wave's run time, the resume launch, and the armed probes' cost, per kernel and
     grid size."""
-    from concordia_ft.benchreport import save_figure
+    from benchreport import save_figure
 
     rows = doc["rows"]
     plt = _plt()
@@ -141,7 +141,7 @@ def _short(kernel: str) -> str:
 def qwen3_probes(doc: dict[str, Any], path: Path) -> Path | None:
     """Left: each variant's time against the plain process per shape (plain_b/plain: a second plain process,
     the A/A control), the 2% target dashed. Right: per Triton kernel of one shape, GPU time against plain."""
-    from concordia_ft.benchreport import save_figure
+    from benchreport import save_figure
 
     rows = [r for r in doc["rows"] if "target" in r]
     summary = next((r for r in doc["rows"] if r.get("variant") == "summary"), {})
@@ -259,7 +259,7 @@ def serve(doc: dict[str, Any], path: Path) -> Path | None:
     inter-token latency with and without epochs) and recovery (per model dims, the first token of every
     stream after a restart per mode, every round a dot, beside re-prefill; labelled with the copy phase's GB/s
     and its share of the pinned host-to-device rate of the same run)."""
-    from concordia_ft.benchreport import save_figure
+    from benchreport import save_figure
 
     thr = [r for r in doc["rows"] if r.get("part") == "throughput"]
     rec = [r for r in doc["rows"] if r.get("part") == "recovery"]

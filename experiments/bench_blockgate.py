@@ -27,7 +27,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from concordia_ft.benchreport import median, print_table, write_results  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchreport
+from benchreport import median, print_table, write_results  # noqa: E402
+
 from concordia_lab.instrument import blockgate as bg  # noqa: E402
 
 STATE_BLOCKS = 1 << 22

@@ -88,7 +88,8 @@ def run_child(steps: int, warmup: int, rank: int, profile: bool) -> dict[str, An
         ok = all(r.durable for r in t.stats.results)
     finally:
         t.close()
-    from concordia_ft.benchreport import git_commit
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchreport
+    from benchreport import git_commit
 
     out = {"commit": git_commit(Path(concordia_ft.__file__).resolve().parent), "checkpoint_s_us": step_us,
            "call_us": call_us, "backpressure_waits": waited, "regions": regions, "all_durable": ok,
@@ -129,7 +130,8 @@ def main() -> int:
     if a.child:
         print(json.dumps(run_child(a.steps, a.warmup, a.rank, a.profile)))
         return 0
-    from concordia_ft.benchreport import median, percentile, print_table, write_results
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchreport
+    from benchreport import median, percentile, print_table, write_results
 
     trees = {"this tree": SRC}
     if a.baseline_src is not None:

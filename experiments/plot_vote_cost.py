@@ -12,7 +12,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from concordia_ft.benchreport import save_figure  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchreport
+from benchreport import save_figure  # noqa: E402
 
 
 def main(path: str) -> Path:

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import benchreport
 from bench_executor import ev_ms  # noqa: E402 (benchmarks/, put on sys.path above)
 
-from concordia_ft import benchreport
 from concordia_lab.executor import guard
 from concordia_lab.executor import ring as R
 from concordia_lab.executor.resident import ExecutorImage, ExecutorOptions, ResidentExecutor, compile_executor

@@ -8,13 +8,16 @@ Usage: python experiments/probe_host_mem.py [--mb 232] [--out-dir experiments/re
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import crc32c
 import numpy as np
 
-from concordia_ft import benchreport
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchreport
+import benchreport  # noqa: E402
 
 
 def gbs(nbytes: int, fn) -> float:  # type: ignore[no-untyped-def]

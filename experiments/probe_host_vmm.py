@@ -379,7 +379,8 @@ def main() -> int:
         out["writer_sigkilled"] = wp.returncode == -signal.SIGKILL
     print(json.dumps(out, indent=1))
     if a.out:
-        from concordia_ft.benchreport import write_results
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchreport
+        from benchreport import write_results
 
         print("wrote", write_results("host_vmm", [out], baseline=[], notes=__doc__.split("\n\n")[0],
                                      out_dir=a.out))

@@ -278,7 +278,8 @@ def main() -> int:
         os.close(fd)
         os.unlink(path)
     if a.out:
-        from concordia_ft.benchreport import write_results
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchreport
+        from benchreport import write_results
 
         print("wrote", write_results("restore_paths", [out], baseline=[], notes=__doc__.split("\n\n")[0],
                                      out_dir=a.out))

@@ -48,7 +48,9 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tests' Triton kernels (instrument
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from concordia_ft.benchreport import print_table, write_results  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchreport
+from benchreport import print_table, write_results  # noqa: E402
+
 from concordia_lab.instrument.ptxas import assemble  # noqa: E402
 from concordia_lab.instrument.safepoints import SafepointOptions, rewrite_ptx  # noqa: E402
 from instrument_kernels import poi_silu_mul_kernel as silu_mul_kernel  # noqa: E402

@@ -1,4 +1,4 @@
-"""benchmarks/plot.py (what `concordia bench --plot` runs): a results JSON of a benchmark with a generic figure
+"""benchmarks/plot.py: a results JSON of a benchmark with a generic figure
 becomes a PNG with one panel per table, rows labelled by what distinguishes them and the table's main metric on
 the axis; the pause, probe and serve figures draw the README's results files."""
 
@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-from concordia_ft.benchreport import write_results
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))  # benchreport: the benchmarks' results writer, not in the package
+
+from benchreport import write_results  # noqa: E402
 
 pytest.importorskip("matplotlib")
-ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_plot", ROOT / "benchmarks" / "plot.py")
 assert _spec is not None and _spec.loader is not None
 plot = importlib.util.module_from_spec(_spec)

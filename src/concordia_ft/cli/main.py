@@ -1,4 +1,4 @@
-"""`concordia`: the command line. Subcommands: demo, serve, log (check/inspect/compact), bench, doctor, dist.
+"""`concordia`: the command line. Subcommands: demo, serve, log (check/inspect/compact), doctor, dist.
 
 No Python traceback reaches the user: :func:`main` turns every error into one line that says what happened
 and what to do, with an exit code (2: bad input or a missing dependency, 1: the operation failed, 130:
@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import bench, demo, dist, doctor, logcmds, serve
+from . import demo, dist, doctor, logcmds, serve
 from .output import guarded
 
 
@@ -25,7 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(d)
     logcmds.add_arguments(sub)
     serve.add_arguments(sub)
-    bench.add_arguments(sub)
     doctor.add_arguments(sub)
     dist.add_arguments(sub)
     return p
@@ -40,8 +39,6 @@ def _dispatch(args: argparse.Namespace) -> int:
         return serve.run(args)
     if args.cmd == "dist":
         return dist.run(args)
-    if args.cmd == "bench":
-        return bench.run(args)
     return doctor.run(args)
 
 
