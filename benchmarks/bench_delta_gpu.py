@@ -11,7 +11,7 @@ log (``RecoveryLog`` on tmpfs, fsync=never: the DRAM log) + advance (hash/shadow
 
 T5: 16/50/128/256/1024 MiB, 1 dirty page, hash and shadow. T6: 256 MiB, 1..32 dirty pages and 1%..100%.
 Every epoch's page list is checked against the pages actually dirtied. Medians. Results:
-benchmarks/results/delta_gpu-<tag>.json (concordia_ft.benchreport.write_results).
+benchmarks/results/delta_gpu-<tag>.json (benchreport.write_results).
 
     PYTHONPATH=src python benchmarks/bench_delta_gpu.py [--quick] [--out-dir benchmarks/results]
 """

@@ -10,7 +10,7 @@ T7:   trigger cost: Python ring submit (NOP and a full 6-argument descriptor), r
 T9:   the executor's SM footprint; bf16 matmul and HBM copy throughput with the executor resident vs not.
 
 Usage: python benchmarks/bench_executor.py [--quick] [--host-only] [--out-dir benchmarks/results]
-Writes benchmarks/results/executor-<tag>.json via concordia_ft.benchreport (``--host-only``: only T7h, no GPU,
+Writes benchmarks/results/executor-<tag>.json via benchreport.py (``--host-only``: only T7h, no GPU,
 executor-host-<tag>.json); prints the tables last.
 """
 
