@@ -133,7 +133,7 @@ def _inject(job_dir: Path, rng: random.Random, faults: int, coordinator_p: float
             done: threading.Event, log: list[dict[str, Any]]) -> None:
     """Kill processes of a running job from outside, by pid, at random moments (start-up, steps, collectives,
     repairs in progress: the delays do not wait for anything), stamping each in faults.jsonl first."""
-    for _ in range(faults):
+    while len(log) < faults:
         if done.wait(rng.uniform(lo_s, hi_s)):
             return
         if rng.random() < coordinator_p and (job_dir / "coord" / "pid").exists():
@@ -141,7 +141,7 @@ def _inject(job_dir: Path, rng: random.Random, faults: int, coordinator_p: float
         else:
             members = _members(job_dir)
             if not members:
-                continue
+                continue  # not started yet: the next moment
             wid = rng.choice(sorted(members))
             pid = members[wid]
         stamp_fault(job_dir, wid, "SIGKILL from outside", by="bench (outside)")

@@ -255,15 +255,16 @@ class Coordinator:
     def _write_pids(self) -> None:
         """Who is who (``coord/pids.json``): the members by rank, and every live process with its start time
         (a pid reused by another process is never mistaken for ours)."""
-        procs = {c.wid: {"pid": c.pid, "role": c.role, "start": _start_time(c.pid)}
+        procs = {c.wid: {"pid": c.pid, "role": c.role, "start": _start_time(c.pid), "up": c.wid in self.beats}
                  for c in self.children.values() if c.alive()}
         tmp = self.job_dir / "coord" / "pids.json.tmp"
         tmp.write_text(json.dumps({"members": self.members, "procs": procs}))
         os.replace(tmp, self.job_dir / "coord" / "pids.json")
 
     def _previous_members(self) -> dict[int, str]:
-        """The ranks the previous coordinator's members still hold (rank -> wid), alive and the same processes;
-        every other process it left (standbys) is SIGKILLed: this coordinator starts its own."""
+        """The ranks the previous coordinator's members still hold (rank -> wid): alive, the same processes, and
+        up (they had beaten: one still starting never connected, and cannot reach this store's new address).
+        Every other process it left (standbys, members still starting) is SIGKILLed: this one starts its own."""
         path = self.job_dir / "coord" / "pids.json"
         try:
             doc = json.loads(path.read_text())
@@ -276,7 +277,7 @@ class Coordinator:
             # the same process: pid and start time (a forked worker's cmdline is its zygote's, so not that)
             if info.get("start") is None or _start_time(pid) != info.get("start") or _proc_state(pid) in ("", "Z"):
                 continue
-            if wid in members and len(members) == self.opts.world:
+            if wid in members and len(members) == self.opts.world and info.get("up"):
                 keep[members.index(wid)] = wid
                 fd = os.pidfd_open(pid)
                 self.children[wid] = Child(wid, "rank", pid, fd)
@@ -534,6 +535,8 @@ class Coordinator:
         if old is None or old[0] != raw:
             beat = Beat.decode(raw)
             self.beats[wid] = (raw, now, beat)
+            if old is None:
+                self._write_pids()  # it is up: a coordinator started after this one may keep it
             if beat.slowest_step_ms > 0:
                 self.slowest_ms.append(beat.slowest_step_ms)
             return None
@@ -817,7 +820,11 @@ ACTION_REBUILD = Action.REBUILD
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="concordia_ft.distributed.coordinator")
     ap.add_argument("--job-dir", required=True)
+    ap.add_argument("--standby", action="store_true",
+                    help="import everything, then wait for a line 'go' on stdin (launch.run_job's next coordinator)")
     a = ap.parse_args(argv)
+    if a.standby and sys.stdin.readline().strip() != "go":
+        return 0  # not needed: the job ended
     job_dir = Path(a.job_dir)
     opts = DistOptions.from_json((job_dir / "options.json").read_text())
     coord = Coordinator(job_dir, opts)

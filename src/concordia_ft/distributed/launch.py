@@ -103,30 +103,34 @@ def run_job(job_dir: str | Path, options: DistOptions | Mapping[str, Any], *,
     events = job_dir / "events.jsonl"
     restarts, fruitless = 0, 0
     reaper = _Reaper(job_dir)
+    nxt = _start_coordinator(job_dir, standby=True)
+    p = _start_coordinator(job_dir, standby=False)
     while True:
         before = _committed(events)
-        cmd = [sys.executable, "-m", "concordia_ft.distributed.coordinator", "--job-dir", str(job_dir)]
-        with open(job_dir / "coordinator.log", "ab") as log:
-            p = subprocess.Popen(cmd, stdout=log, stderr=log, env=_env(), preexec_fn=_pdeathsig)
         while p.poll() is None:
             reaper.reap()
             if time.monotonic() - t0 > limit:
                 p.send_signal(signal.SIGTERM)
                 p.wait(30)
+                nxt.kill()
                 reaper.finish()
                 raise JobError(f"the job in {job_dir} did not finish in {limit:.0f} s; see coordinator.log, "
                                "events.jsonl and logs/")
             time.sleep(0.02)
         rc = p.returncode
         if rc in (EXIT_DONE, EXIT_FAILED):
+            nxt.kill()
+            nxt.wait()
             reaper.finish()
             break
         fruitless = fruitless + 1 if _committed(events) <= before else 0
         if fruitless > MAX_FRUITLESS_RESTARTS:
+            nxt.kill()
             reaper.finish()
             raise JobError(f"the coordinator of {job_dir} died {fruitless} times in a row without committing a "
                            f"cut (last exit {_exit_text(rc)}); see coordinator.log")
         restarts += 1
+        p, nxt = _take_over(nxt, job_dir), _start_coordinator(job_dir, standby=True)
     docs = [json.loads(f.read_text()) for f in sorted(job_dir.glob("result.*.json"))]
     all_events = []
     for line in events.read_text().splitlines():
@@ -146,6 +150,27 @@ def run_job(job_dir: str | Path, options: DistOptions | Mapping[str, Any], *,
     return JobResult(last["status"], {int(k): v for k, v in last["results"].items()}, repairs,
                      {int(k): v for d in docs for k, v in d["timings"].items()}, all_events,
                      sum(d["kills"] for d in docs), restarts, job_dir, time.monotonic() - t0, docs)
+
+
+def _start_coordinator(job_dir: Path, *, standby: bool) -> subprocess.Popen[bytes]:
+    """A coordinator for ``job_dir``. ``standby``: it imports everything (torch: seconds on a loaded host) and
+    waits for "go" on stdin, so the one that takes over from a dead coordinator starts in milliseconds."""
+    cmd = [sys.executable, "-m", "concordia_ft.distributed.coordinator", "--job-dir", str(job_dir)]
+    with open(job_dir / "coordinator.log", "ab") as log:
+        return subprocess.Popen([*cmd, "--standby"] if standby else cmd, stdin=subprocess.PIPE if standby else None,
+                                stdout=log, stderr=log, env=_env(), preexec_fn=_pdeathsig)
+
+
+def _take_over(nxt: subprocess.Popen[bytes], job_dir: Path) -> subprocess.Popen[bytes]:
+    """The standby coordinator, told to go (or a new one, if the standby died)."""
+    try:
+        assert nxt.stdin is not None
+        nxt.stdin.write(b"go\n")
+        nxt.stdin.close()
+        return nxt
+    except (BrokenPipeError, OSError):
+        nxt.wait()
+        return _start_coordinator(job_dir, standby=False)
 
 
 class _Reaper:
