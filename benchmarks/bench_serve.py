@@ -288,13 +288,12 @@ def _log_facts(log: Path) -> dict[str, Any]:
 # copy threads as they copy), "streamed_open" (every checksum at the log's open first: each byte read twice),
 # "streamed_prefault" (+2 threads mapping the log's pages ahead of the copies), "streamed_r24" (a 24-slot
 # ring), "streamed_s32" (32 MiB slots: half the chunks), "streamed_cold" (the graph captured at the first
-# step, after the restore), "streamed_py" / "streamed_py_cold" (the Python chunk loop, the default since session
-# 11, named), "streamed_c" / "streamed_c_cold" (the C loop, core/_streamloop.c, required), "streamed_pop"
-# (the Python loop with 8 threads populating the log's mappings during its open: RecoveryOptions.populate),
+# step, after the restore), "streamed_py" / "streamed_py_cold" (memcpy fills, the graph warm or cold),
+# "streamed_pop" (8 threads populating the log's mappings during its open: RecoveryOptions.populate),
 # "streamed_reg" (the log's pages registered for DMA from the plan's end backwards: RecoveryOptions.register_log),
 # "streamed_prefetch" / "streamed_noprefetch" (the ring page-locked while the log opens, or after: the default;
-# EngineOptions.prefetch_ring), "streamed_nt" / "streamed_c_nt" (the fills write the ring with streaming stores:
-# RecoveryOptions.nontemporal, Python or C loop),
+# EngineOptions.prefetch_ring), "streamed_nt" (the fills write the ring with streaming stores:
+# RecoveryOptions.nontemporal),
 # "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
 RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed": {"streamed": True},
@@ -304,18 +303,15 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed_r24": {"streamed": True, "ring_slots": 24},
     "streamed_s32": {"streamed": True, "slot_bytes": 32 << 20},
     "streamed_cold": {"streamed": True, "warm_graphs": False},
-    "streamed_py": {"streamed": True, "stream_loop": "python", "nontemporal": False},
-    "streamed_pop": {"streamed": True, "stream_loop": "python", "populate": 8},  # 8 populate threads in the open
+    "streamed_py": {"streamed": True, "nontemporal": False},
+    "streamed_pop": {"streamed": True, "populate": 8},  # 8 populate threads in the open
     # the ring page-locked while the log opens (EngineOptions.prefetch_ring=True; off by default since session 12)
-    "streamed_prefetch": {"streamed": True, "stream_loop": "python", "engine": {"prefetch_ring": True}},
-    "streamed_noprefetch": {"streamed": True, "stream_loop": "python", "engine": {"prefetch_ring": False}},
+    "streamed_prefetch": {"streamed": True, "engine": {"prefetch_ring": True}},
+    "streamed_noprefetch": {"streamed": True, "engine": {"prefetch_ring": False}},
     # the log's pages registered for DMA from the end of the plan backwards, those chunks sent straight from the log
-    "streamed_reg": {"streamed": True, "stream_loop": "python", "register_log": True},
-    "streamed_py_cold": {"streamed": True, "stream_loop": "python", "warm_graphs": False},
-    "streamed_c": {"streamed": True, "stream_loop": "c", "nontemporal": False},
-    "streamed_nt": {"streamed": True, "stream_loop": "python", "nontemporal": True},
-    "streamed_c_nt": {"streamed": True, "stream_loop": "c", "nontemporal": True},
-    "streamed_c_cold": {"streamed": True, "stream_loop": "c", "warm_graphs": False},
+    "streamed_reg": {"streamed": True, "register_log": True},
+    "streamed_py_cold": {"streamed": True, "warm_graphs": False},
+    "streamed_nt": {"streamed": True, "nontemporal": True},
     # the first step's graph captured beside the restore after one eager warm-up forward, or none (the model ran
     # in this process before: what a server that warms its model up at load would do), instead of two
     "streamed_w1": {"streamed": True, "engine": {"capture_warmups": 1}},
@@ -621,7 +617,7 @@ def main() -> int:
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--recovery-modes", default="streamed",
                     help="comma-separated, of RECOVERY_MODES (streamed, streamed_host, streamed_open, "
-                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_reg, streamed_prefetch, streamed_noprefetch, streamed_nt, streamed_c_nt, streamed_c_cold, image); ':N' sets the copy threads, "
+                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_reg, streamed_prefetch, streamed_noprefetch, streamed_nt, image); ':N' sets the copy threads, "
                          "e.g. streamed:8")
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,

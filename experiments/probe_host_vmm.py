@@ -185,9 +185,9 @@ def writer(sock_path: str, gb: int) -> int:
     try:
         from concurrent.futures import ThreadPoolExecutor
 
-        from concordia_ft.core import _streamloop  # type: ignore[attr-defined]
+        from concordia_ft.core import _ntcopy  # type: ignore[attr-defined]
 
-        for label, fn in (("memcpy", lambda a, b: np.copyto(a, b)), ("nt", _streamloop.copy)):
+        for label, fn in (("memcpy", lambda a, b: np.copyto(a, b)), ("nt", _ntcopy.copy)):
             for t in (1, 4):
                 step = piece // t
                 with ThreadPoolExecutor(t) as ex:

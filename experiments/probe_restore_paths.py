@@ -6,7 +6,7 @@
 - register: cuMemHostRegister of a fresh mapping (what a DMA straight from the segment needs), whole and in
   256 MiB pieces on T threads, cuMemHostUnregister, and H2D from the registered range;
 - h2d: pinned -> device, one 1 GiB copy;
-- pread vs the fill's streaming-store copy (``_streamloop.copy``, the restore's default) from a fresh mapping: the
+- pread vs the fill's streaming-store copy (``_ntcopy.copy``, the restore's default) from a fresh mapping: the
   file read into the slots with ``pread`` (no page faults on the source: the kernel copies from the page cache
   through its own map), each alone and while a DMA stream (1 GiB pinned -> device, repeated) runs beside it, as
   in a restore; the DMA's own rate is reported beside (``--dma``).
@@ -52,12 +52,12 @@ def copy_all(ex: ThreadPoolExecutor, view: memoryview, ring: np.ndarray, n: int)
 
 
 def nt_copy_all(ex: ThreadPoolExecutor, view: memoryview, ring: np.ndarray, n: int) -> None:
-    from concordia_ft.core import _streamloop  # type: ignore[attr-defined]
+    from concordia_ft.core import _ntcopy  # type: ignore[attr-defined]
 
     depth = len(ring)
 
     def fill(i: int) -> None:
-        _streamloop.copy(ring[i % depth], view[i * SLOT:(i + 1) * SLOT])
+        _ntcopy.copy(ring[i % depth], view[i * SLOT:(i + 1) * SLOT])
 
     list(ex.map(fill, range(n // SLOT)))
 

@@ -20,8 +20,6 @@ from concordia_ft.errors import ConfigError, LogCorruptError
 from concordia_ft.recovery import RecoveryOptions
 
 PAGE = 512
-# the chunk loop: the C one (core/_streamloop.c) where it is built, and always the Python one
-LOOPS = ["python"] + (["c"] if streamed_mod.c_loop_available() else [])
 ROW = 4 * PAGE  # a "row" of 4 pages, the paged region's block
 
 
@@ -58,15 +56,13 @@ def _write_log(log: Path, rng: np.random.Generator, *, steps: int, compact_at: i
     return {"kv": kv.copy(), "small": small.copy()}
 
 
-def _streamed(log: Path, name: str, *, slot_bytes: int, slots: int, threads: int,
-              loop: str = "auto") -> tuple[np.ndarray, object]:
+def _streamed(log: Path, name: str, *, slot_bytes: int, slots: int, threads: int) -> tuple[np.ndarray, object]:
     res = replay(log, materialize=False)
     assert res.pending is not None
     spec = res.specs[name]
     plan = res.pending.streamed_plan(name, slot_bytes)
     out = np.full(spec.n_pages * spec.page_bytes, 0xAB, dtype=np.uint8)  # garbage: every byte must be written
-    stats = run_streamed(plan, HostSink(out, spec.page_bytes, slots=slots, slot_bytes=slot_bytes), threads=threads,
-                         loop=loop)
+    stats = run_streamed(plan, HostSink(out, spec.page_bytes, slots=slots, slot_bytes=slot_bytes), threads=threads)
     res.close()
     return out[: spec.nbytes], (plan, stats)
 
@@ -74,18 +70,16 @@ def _streamed(log: Path, name: str, *, slot_bytes: int, slots: int, threads: int
 @pytest.mark.parametrize(("slot_bytes", "slots", "threads"), [(PAGE, 2, 1), (3 * PAGE, 3, 2), (64 << 10, 4, 3),
                                                               (1 << 20, 2, 1)])
 @pytest.mark.parametrize("shape", ["plain", "compacted", "redefined"])
-@pytest.mark.parametrize("loop", LOOPS)
 def test_streamed_restore_equals_the_image_and_the_live_buffer(shm_dir: Path, slot_bytes: int, slots: int,
-                                                               threads: int, shape: str, loop: str) -> None:
+                                                               threads: int, shape: str) -> None:
     rng = np.random.default_rng(7)
     log = shm_dir / "log"
     kw = {"compact_at": 9} if shape == "compacted" else {"redefine_at": 12} if shape == "redefined" else {}
     final = _write_log(log, rng, steps=20, **kw)
     image = replay(log).regions["kv"].data
     assert np.array_equal(image, final["kv"])  # the reference: the image path
-    got, (plan, stats) = _streamed(log, "kv", slot_bytes=slot_bytes, slots=slots, threads=threads, loop=loop)
+    got, (plan, stats) = _streamed(log, "kv", slot_bytes=slot_bytes, slots=slots, threads=threads)
     assert np.array_equal(got, final["kv"])
-    assert stats.extra.get("c_loop", 0.0) == float(loop == "c")  # type: ignore[attr-defined]
     assert plan.copy_bytes + plan.unfilled * PAGE == final["kv"].nbytes  # each live page copied exactly once
     # rows no one wrote (zeros) are written by the sink, not by a chunk; a redefinition logged every row anew
     assert (plan.unfilled > 0) == (shape != "redefined")
@@ -159,9 +153,8 @@ def _damage(log: Path, where: str) -> None:
 
 @pytest.mark.parametrize("on_sink", [False, True], ids=["fill-threads", "sink"])
 @pytest.mark.parametrize("where", ["live", "superseded"])
-@pytest.mark.parametrize("loop", LOOPS)
 def test_a_deferred_checksum_failure_is_raised_by_the_streamed_restore(shm_dir: Path, where: str,
-                                                                       on_sink: bool, loop: str) -> None:
+                                                                       on_sink: bool) -> None:
     log = shm_dir / "log"
     _write_log(log, np.random.default_rng(3), steps=30)
     _damage(log, where)
@@ -174,16 +167,13 @@ def test_a_deferred_checksum_failure_is_raised_by_the_streamed_restore(shm_dir: 
     out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
     # the sink checksums the copied pieces where they landed (the device sink's protocol), or the fill threads do
     with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
-        run_streamed(plan, HostSink(out, PAGE, slots=3, slot_bytes=16 << 10, verify=on_sink), threads=2, loop=loop)
+        run_streamed(plan, HostSink(out, PAGE, slots=3, slot_bytes=16 << 10, verify=on_sink), threads=2)
     res.close()
 
 
-@pytest.mark.parametrize(("on_sink", "prefault", "loop"), [(False, 0, "python"), (True, 0, "python"),
-                                                          (True, 2, "python"), (False, 0, "c"), (True, 0, "c")])
+@pytest.mark.parametrize(("on_sink", "prefault"), [(False, 0), (True, 0), (True, 2)])
 def test_deferred_checks_of_an_undamaged_log_pass_and_cover_every_payload_byte(shm_dir: Path, on_sink: bool,
-                                                                              prefault: int, loop: str) -> None:
-    if loop not in LOOPS:
-        pytest.skip("the C chunk loop is not built")
+                                                                              prefault: int) -> None:
     log = shm_dir / "log"
     final = _write_log(log, np.random.default_rng(5), steps=30)
     res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
@@ -194,12 +184,11 @@ def test_deferred_checks_of_an_undamaged_log_pass_and_cover_every_payload_byte(s
     assert plan.crc_only  # some bytes are only checksummed (superseded rows)
     out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
     st = run_streamed(plan, HostSink(out, PAGE, slots=4, slot_bytes=8 << 10, verify=on_sink), threads=3,
-                      prefault=prefault, loop=loop)
+                      prefault=prefault)
     res.close()
     assert st.extra["verified_bytes"] == total
-    # the C loop's host target cannot call the sink back: its fill threads checksum the pieces instead
-    assert st.extra["verify_on_device"] == float(on_sink and loop == "python")
-    if on_sink and loop == "python":  # every copied piece was checksummed by the sink, the superseded ones on the host
+    assert st.extra["verify_on_device"] == float(on_sink)
+    if on_sink:  # every copied piece was checksummed by the sink, the superseded ones on the host
         assert st.extra["device_verified_pieces"] == len(plan.pieces) - len(plan.crc_only)
     assert np.array_equal(out[: final["kv"].nbytes], final["kv"])
 
@@ -218,164 +207,6 @@ def test_a_runtime_with_deferred_checks_refuses_damage_before_restoring_or_appen
         rt.recover_into(keep_images=False)  # a host region: checked before its image is built
     assert not kv.any()
     rt.close()
-
-
-@pytest.mark.skipif("c" not in LOOPS, reason="the C chunk loop is not built")
-def test_the_c_loops_crc32c_is_the_reference_crc32c() -> None:
-    from concordia_ft.core.checksums import crc32c
-
-    lib = streamed_mod._streamloop
-    rng = np.random.default_rng(11)
-    data = rng.integers(0, 256, 5000, dtype=np.uint8).tobytes()
-    for a, n in [(0, 0), (1, 7), (3, 64), (5, 1000), (0, 5000), (7, 4093)]:
-        part = data[a:a + n]
-        assert lib.crc32c(part) == crc32c(part)
-        assert lib.crc32c(part[n // 2:], lib.crc32c(part[:n // 2])) == crc32c(part)  # continued
-    # the portable table path, as on a CPU without SSE4.2 (chosen at import: a fresh interpreter)
-    import os
-    import subprocess
-    import sys
-
-    code = ("import sys; from concordia_ft.core import _streamloop as s; from concordia_ft.core.checksums import "
-            "crc32c; d = bytes(range(256)) * 41; assert s.crc_impl() == 'table', s.crc_impl(); "
-            "assert all(s.crc32c(d[a:a + n]) == crc32c(d[a:a + n]) for a in range(9) for n in (0, 1, 9, 4000))")
-    env = {**os.environ, "CONCORDIA_CRC_TABLE": "1", "PYTHONPATH": str(Path(streamed_mod.__file__).parents[2])}
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
-
-
-@pytest.mark.skipif("c" not in LOOPS, reason="the C chunk loop is not built")
-def test_the_c_loop_refuses_a_plan_that_points_outside_its_ring_or_target(shm_dir: Path) -> None:
-    log = shm_dir / "log"
-    SLOT = 4 * ROW  # noqa: N806
-    _write_log(log, np.random.default_rng(2), steps=12)
-    res = replay(log, materialize=False)
-    assert res.pending is not None
-    plan = res.pending.streamed_plan("kv", SLOT)
-    out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
-    sink = HostSink(out, PAGE, slots=2, slot_bytes=SLOT)
-    lib = streamed_mod._streamloop
-    scattered = [k for k, c in enumerate(plan.chunks) if c.run_start < 0]
-    direct = [k for k, c in enumerate(plan.chunks) if c.run_start >= 0]
-    assert scattered and direct
-
-    def attempt(edit: object) -> None:
-        flat = streamed_mod.flatten_plan(plan)
-        edit(flat)  # type: ignore[operator]
-        lib.run(flat.srcs, flat.copies, flat.chunks, flat.pages, sink._ring_mem, SLOT, 2, 2, PAGE, host_dst=out)
-
-    attempt(lambda f: None)  # the plan as made streams
-
-    def far_page(f: streamed_mod.FlatPlan) -> None:
-        f.pages[int(f.chunks[scattered[0], streamed_mod.C_PAGE0])] = plan.spec.n_pages
-
-    def far_run(f: streamed_mod.FlatPlan) -> None:
-        f.chunks[direct[0], streamed_mod.C_RUN] = plan.spec.n_pages - 1
-
-    def big_chunk(f: streamed_mod.FlatPlan) -> None:
-        f.chunks[0, streamed_mod.C_NBYTES] = 2 * SLOT
-        f.chunks[0, streamed_mod.C_NPAGES] = 2 * SLOT // PAGE
-
-    def far_copy(f: streamed_mod.FlatPlan) -> None:
-        f.copies[0, 0] = SLOT
-
-    for edit in (far_page, far_run, big_chunk, far_copy):
-        with pytest.raises(ValueError, match="chunk"):
-            attempt(edit)
-    with pytest.raises(ValueError, match="target"):
-        flat = streamed_mod.flatten_plan(plan)
-        lib.run(flat.srcs, flat.copies, flat.chunks, flat.pages, sink._ring_mem, SLOT, 2, 2, PAGE)
-    res.close()
-
-
-def test_a_chunk_loop_that_cannot_run_is_refused_with_what_to_do(shm_dir: Path) -> None:
-    log = shm_dir / "log"
-    _write_log(log, np.random.default_rng(2), steps=4)
-    res = replay(log, materialize=False)
-    assert res.pending is not None
-    plan = res.pending.streamed_plan("kv", 4 * PAGE)
-    out = np.zeros(plan.spec.n_pages * PAGE, dtype=np.uint8)
-    sink = HostSink(out, PAGE, slots=2, slot_bytes=4 * PAGE)
-    with pytest.raises(ConfigError, match="loop='fast'"):
-        run_streamed(plan, sink, loop="fast")
-    bare = type("Bare", (), {})()
-    for attr in ("slots", "slot_bytes", "begin", "slot", "put", "done", "wait", "finish"):
-        setattr(bare, attr, getattr(sink, attr))
-    with pytest.raises(ConfigError, match="C chunk loop cannot run.*loop='auto'"):
-        run_streamed(plan, bare, loop="c")  # type: ignore[arg-type]
-    st = run_streamed(plan, bare, loop="auto")  # type: ignore[arg-type]  # the Python loop
-    assert st.extra.get("c_loop", 0.0) == 0.0
-    res.close()
-    with pytest.raises(ConfigError, match="stream_loop"):
-        RecoveryOptions(stream_loop="cython")
-
-
-def test_the_cuda_sinks_crc_descriptors_cover_each_checked_piece_where_its_chunk_lands(shm_dir: Path) -> None:
-    """The C loop's device checksums are described once, before the stream (cuda/streamed.py
-    ``crc_descriptors``): each checked piece with tiles gets a row at the address its chunk's DMA puts it (in
-    place for a run, staging twin ``k % slots`` otherwise), the rows of a chunk count their blocks from 0."""
-    from concordia_ft.cuda import crc
-    from concordia_ft.cuda.streamed import crc_descriptors
-
-    log = shm_dir / "log"
-    _write_log(log, np.random.default_rng(9), steps=30)
-    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
-    assert res.pending is not None
-    slot, slots = 8 * PAGE, 3
-    plan = res.pending.streamed_plan("kv", slot)
-    flat = streamed_mod.flatten_plan(plan)
-    ntiles = [crc.tiles_of(n) for _, _, n in plan.pieces]
-    for pid, _ in plan.crc_only:
-        ntiles[pid] = 0
-    tile0 = np.concatenate([[0], np.cumsum(ntiles)[:-1]]).astype(int).tolist()
-    piece_dev = [0] * len(plan.pieces)
-    dst, staging = 1 << 40, 1 << 44
-    table, launches, tiles = crc_descriptors(plan, flat, dst, staging, slot, slots, ntiles, tile0, piece_dev)
-    copied = {pid for c in plan.chunks for _, _, pid in c.copies if pid >= 0}
-    assert tiles == sum(ntiles[p] for p in copied) > 0
-    assert launches == sum(1 for c in plan.chunks if any(p >= 0 and ntiles[p] for _, _, p in c.copies))
-    assert int(flat.chunks[:, streamed_mod.C_NMETA].sum()) == len(table)
-    scattered = 0
-    for k, c in enumerate(plan.chunks):
-        row = flat.chunks[k]
-        base = dst + c.run_start * PAGE if c.run_start >= 0 else staging + (k % slots) * slot
-        scattered += c.run_start < 0
-        mine = table[int(row[streamed_mod.C_META0]):int(row[streamed_mod.C_META0] + row[streamed_mod.C_NMETA])]
-        want = [(base + off, src.nbytes, tile0[pid]) for src, off, pid in c.copies if pid >= 0 and ntiles[pid]]
-        assert [(int(r["ptr"]), int(r["len"]), int(r["tile0"])) for r in mine] == want
-        counts = [ntiles[pid] for _, _, pid in c.copies if pid >= 0 and ntiles[pid]]
-        assert [int(r["first_block"]) for r in mine] == [sum(counts[:i]) for i in range(len(counts))]
-        assert int(row[streamed_mod.C_BLOCKS]) == sum(counts)
-        for _, off, pid in c.copies:
-            if pid >= 0:
-                assert piece_dev[pid] == base + off and base <= piece_dev[pid] < base + c.nbytes
-    assert scattered  # some chunks land in a staging twin
-    res.close()
-
-
-@pytest.mark.skipif("c" not in LOOPS, reason="the C chunk loop is not built")
-def test_a_c_loop_that_fails_is_streamed_again_by_the_python_loop_under_auto(shm_dir: Path) -> None:
-    import ctypes.util
-
-    if ctypes.util.find_library("cuda"):
-        pytest.skip("a CUDA driver is present: the failing target below would reach it")
-    log = shm_dir / "log"
-    final = _write_log(log, np.random.default_rng(6), steps=20)
-    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
-    assert res.pending is not None
-    plan = res.pending.streamed_plan("kv", 8 << 10)
-
-    class NoDriver(HostSink):
-        def c_target(self, plan: object, flat: object) -> dict[str, object]:
-            return {"ring": self._ring_mem, "slot_bytes": self.slot_bytes, "cuda": (0,) * 10}  # no libcuda here
-
-    out = np.full(plan.spec.n_pages * PAGE, 0xAB, dtype=np.uint8)
-    with pytest.raises(cft.errors.RecoveryError, match="C chunk loop.*libcuda.*stream_loop='python'"):
-        run_streamed(plan, NoDriver(out, PAGE, slots=3, slot_bytes=8 << 10), threads=2, loop="c")
-    st = run_streamed(plan, NoDriver(out, PAGE, slots=3, slot_bytes=8 << 10, verify=True), threads=2, loop="auto")
-    assert st.extra["c_loop_failed"] == 1.0 and "c_loop" not in st.extra
-    assert st.extra["verified_bytes"] > 0
-    assert np.array_equal(out[: final["kv"].nbytes], final["kv"])
-    res.close()
 
 
 def _mapped_kib(path: Path) -> int:
@@ -436,7 +267,7 @@ def test_populate_threads_map_the_deferred_payloads_in_during_the_open(shm_dir: 
     assert warm >= seg_kib - 8, (warm, seg_kib)  # every page of every segment is in this process's page tables
     plan = res.pending.streamed_plan("kv", 64 << 10)
     out = np.zeros(plan.spec.n_pages * 4096, dtype=np.uint8)
-    run_streamed(plan, HostSink(out, 4096, slots=4, slot_bytes=64 << 10, verify=True), threads=2, loop="python")
+    run_streamed(plan, HostSink(out, 4096, slots=4, slot_bytes=64 << 10, verify=True), threads=2)
     res.close()  # stops the populate threads (idle by now) before the mappings go
     assert np.array_equal(out[: final.nbytes], final)
 
@@ -502,9 +333,9 @@ def test_registered_chunks_go_straight_from_the_log_and_are_still_checked(shm_di
     try:
         if damaged:
             with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
-                run_streamed(plan, sink, threads=2, loop="python", register=register)
+                run_streamed(plan, sink, threads=2, register=register)
             return
-        st = run_streamed(plan, sink, threads=2, loop="python", register=register)
+        st = run_streamed(plan, sink, threads=2, register=register)
     finally:
         regs = list(sink.registered)
         sink.close()
@@ -528,7 +359,7 @@ def test_without_a_verifying_sink_nothing_is_sent_around_the_fills(shm_dir: Path
     plan = res.pending.streamed_plan("kv", 64 << 10)
     out = np.zeros(plan.spec.n_pages * 4096, dtype=np.uint8)
     sink = HostSink(out, 4096, slots=2, slot_bytes=64 << 10, verify=False, register=True)
-    st = run_streamed(plan, sink, threads=2, loop="python", register=True)  # the fills checksum: all via slots
+    st = run_streamed(plan, sink, threads=2, register=True)  # the fills checksum: all via slots
     res.close()
     assert "registered_chunks" not in st.extra and not sink.registered
     assert np.array_equal(out[: final.nbytes], final)
@@ -566,9 +397,9 @@ def test_hooks_before_unmap_run_before_the_log_is_unmapped(shm_dir: Path, big: b
     assert seen == [True] and all(m.closed for m in mappings)
 
 
-@pytest.mark.skipif(not streamed_mod.stream_copy_available(), reason="the C extension _streamloop is not built")
+@pytest.mark.skipif(not streamed_mod.stream_copy_available(), reason="the C extension _ntcopy is not built")
 def test_the_streaming_copy_equals_memcpy_at_every_alignment() -> None:
-    from concordia_ft.core import _streamloop  # type: ignore[attr-defined]
+    from concordia_ft.core import _ntcopy  # type: ignore[attr-defined]
 
     rng = np.random.default_rng(11)
     src = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
@@ -577,18 +408,16 @@ def test_the_streaming_copy_equals_memcpy_at_every_alignment() -> None:
         so = int(rng.integers(0, src.size - n + 1))
         dst = np.full(n + 512, 0x5A, dtype=np.uint8)
         do = int(rng.integers(0, 256))
-        _streamloop.copy(dst[do:do + n], memoryview(src[so:so + n]))
+        _ntcopy.copy(dst[do:do + n], memoryview(src[so:so + n]))
         assert np.array_equal(dst[do:do + n], src[so:so + n])
         assert (dst[:do] == 0x5A).all() and (dst[do + n:] == 0x5A).all()  # nothing outside the destination
     with pytest.raises(ValueError, match="destination of 4 bytes, source of 5"):
-        _streamloop.copy(np.zeros(4, dtype=np.uint8), b"abcde")
+        _ntcopy.copy(np.zeros(4, dtype=np.uint8), b"abcde")
 
 
-@pytest.mark.skipif(not streamed_mod.stream_copy_available(), reason="the C extension _streamloop is not built")
-@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.skipif(not streamed_mod.stream_copy_available(), reason="the C extension _ntcopy is not built")
 @pytest.mark.parametrize("damaged", [False, True])
-def test_nontemporal_fills_restore_the_same_bytes_and_catch_the_same_damage(shm_dir: Path, loop: str,
-                                                                           damaged: bool) -> None:
+def test_nontemporal_fills_restore_the_same_bytes_and_catch_the_same_damage(shm_dir: Path, damaged: bool) -> None:
     log = shm_dir / "log"
     final = _write_log(log, np.random.default_rng(8), steps=30)
     if damaged:
@@ -601,9 +430,9 @@ def test_nontemporal_fills_restore_the_same_bytes_and_catch_the_same_damage(shm_
         sink = HostSink(out, PAGE, slots=3, slot_bytes=40 << 10, verify=on_sink)
         if damaged:
             with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
-                run_streamed(plan, sink, threads=3, loop=loop, nontemporal=True)
+                run_streamed(plan, sink, threads=3, nontemporal=True)
             continue
-        st = run_streamed(plan, sink, threads=3, loop=loop, nontemporal=True)
+        st = run_streamed(plan, sink, threads=3, nontemporal=True)
         assert st.extra["nontemporal"] == 1.0
         assert np.array_equal(out[: final["kv"].nbytes], final["kv"])
         out[:] = 0xAB
@@ -647,9 +476,9 @@ def test_mirrored_chunks_come_from_the_mirror_and_are_still_checked(shm_dir: Pat
     try:
         if case == "damaged":
             with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
-                run_streamed(plan, sink, threads=2, loop="python", mirror=translate)
+                run_streamed(plan, sink, threads=2, mirror=translate)
             return
-        st = run_streamed(plan, sink, threads=2, loop="python", mirror=translate)
+        st = run_streamed(plan, sink, threads=2, mirror=translate)
     finally:
         res.close()
     assert np.array_equal(out[: final.nbytes], final)

@@ -54,11 +54,6 @@ class RecoveryOptions:
     # (driver 580) the driver serialises each registration against the stream's DMA submissions, and the 8B
     # restore took 2.2 s instead of 1.2 (serve/DESIGN.md, Recovery)
     register_log: bool | str = False
-    # the streamed restore's chunk loop: "python" (the default: the Python-driven loop, 16 copy threads), "c" (the
-    # chunk loop in C with the GIL released, core/_streamloop.c; refused where it is not built), "auto" (C where
-    # built, else Python). Python is the default by measurement: on the H200 (64 x 2k tokens at Qwen3-8B dims)
-    # its first token came at 0.84 / 1.12 s vs the C loop's 0.92 / 1.67 s in two runs (serve/DESIGN.md, Recovery)
-    stream_loop: str = "python"
     # streamed restores: the copy threads write the ring's slots with streaming (non-temporal) stores instead of
     # memcpy, so the host's memory is not read for the slot lines each fill overwrites (glibc's memcpy streams only
     # above ~150 MiB on the H200 host, and a fill copies at most a 16 MiB slot). None (the default): on where the
@@ -79,8 +74,6 @@ class RecoveryOptions:
             raise ConfigError(f"RecoveryOptions.slot_bytes={self.slot_bytes!r}: use an int >= 65536")
         if self.stream_verify not in ("device", "host"):
             raise ConfigError(f"RecoveryOptions.stream_verify={self.stream_verify!r}: use 'device' or 'host'")
-        if self.stream_loop not in ("auto", "c", "python"):
-            raise ConfigError(f"RecoveryOptions.stream_loop={self.stream_loop!r}: use 'auto', 'c' or 'python'")
         if not isinstance(self.prefault, int) or self.prefault < 0:
             raise ConfigError(f"RecoveryOptions.prefault={self.prefault!r}: use an int >= 0")
         if self.register_log not in (False, True, "first"):

@@ -523,7 +523,7 @@ class Runtime:
 
         def stream(plan: Any, sink: Any, translate: Any) -> Any:
             try:
-                return run_streamed(plan, sink, threads=opts.threads, prefault=opts.prefault, loop=opts.stream_loop,
+                return run_streamed(plan, sink, threads=opts.threads, prefault=opts.prefault,
                                     register=opts.register_log, nontemporal=self._nontemporal(), mirror=translate)
             finally:
                 close = getattr(sink, "close", None)

@@ -184,7 +184,7 @@ def _pool_log(shm: Path, model: torch.nn.Module, *, slots_reused: bool) -> tuple
 
 
 @pytest.mark.parametrize("slots_reused", [False, True])
-@pytest.mark.parametrize("loop", ["c", "python", "registered", "registered_overlap", "python_nt", "c_nt"])
+@pytest.mark.parametrize("loop", ["python", "registered", "registered_overlap", "python_nt"])
 def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees(shm: Path, slots_reused: bool,
                                                                                    loop: str) -> None:
     model = _bf16_model()
@@ -195,14 +195,11 @@ def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees
     # a tiny ring (3 slots of 64 KiB) so that chunks wrap it many times, some straight into place, some scattered;
     # "registered": the one-run chunks DMA'd straight from the log's registered pages (all registered first),
     # "registered_overlap": registered beside the stream, from the end (what RecoveryOptions.register_log=True does)
-    # "python_nt" / "c_nt": the fills write the ring with streaming stores (RecoveryOptions.nontemporal)
+    # "python_nt": the fills write the ring with streaming stores (RecoveryOptions.nontemporal)
     reg = {"registered": "first", "registered_overlap": True}.get(loop, False)
-    c_loop = loop.split("_")[0] == "c"
     rec = Engine.recover(log, model, recovery={"ring_slots": 3, "slot_bytes": 64 << 10,
-                                               "stream_loop": "c" if c_loop else "python",
                                                "register_log": reg, "nontemporal": loop.endswith("_nt")})
     st = rec.recovered.streamed["kv"]
-    assert st.extra.get("c_loop", 0.0) == float(c_loop)
     assert st.extra["nontemporal"] == float(loop.endswith("_nt"))
     if loop == "registered":  # everything registered before the stream: every one-run chunk but the first direct
         assert st.extra["registered_chunks"] > 0 and st.extra["registered_bytes"] > 0, st.extra
@@ -255,17 +252,11 @@ def test_the_first_step_after_recovery_replays_a_graph_captured_beside_the_resto
     copy = shm / "copy"
     shutil.copytree(shm / "log", copy)
     (copy / "LOCK").unlink(missing_ok=True)
-    # "auto": the C chunk loop where built (the default is the Python loop), so that its driver calls from C
-    # threads run beside the capture (where an earlier C loop met CUDA_ERROR_CAPTURED_EVENT)
-    warm = Engine.recover(shm / "log", model, {"prefetch_ring": True}, recovery={"stream_loop": "auto"})
+    warm = Engine.recover(shm / "log", model, {"prefetch_ring": True})
     assert warm.recover_phases["warm_captured"] == 1.0
     st = warm.recovered.streamed["kv"]
     assert st.extra["ring_prefetched"] == 1.0  # page-locked while the log was opened (EngineOptions.prefetch_ring)
     assert st.extra["verify_on_device"] == 1.0 and st.extra["device_verified_pieces"] > 0
-    from concordia_ft.core.streamed import c_loop_available
-
-    # the C chunk loop (driver calls from C threads) beside the capture, where it is built
-    assert st.extra.get("c_loop", 0.0) == float(c_loop_available())
     cold = Engine.recover(copy, model, warm_graphs=False)  # the default: the ring page-locked after the open
     assert "warm_captured" not in cold.recover_phases
     assert cold.recovered.streamed["kv"].extra["ring_prefetched"] == 0.0

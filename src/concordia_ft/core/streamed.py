@@ -13,10 +13,9 @@ every byte into it, then a DMA of the whole image. A streamed restore never buil
    thread at a time) and hands each filled slot to a **sink**, which sends it to the buffer asynchronously
    (the CUDA sink: one DMA into a device staging slot and one scatter kernel, or one DMA straight into place
    when the chunk's pages are one run) and tells when the slot may be refilled. Fills, DMA and scatter overlap.
-   With the C extension (``_streamloop.c``) built and a sink that offers ``c_target``, the whole chunk loop
-   can run in C with the GIL released (copy pthreads, the hand-over on the calling thread: ``loop="c"``, or
-   ``"auto"`` where built); the Python loop below is the default (``loop="python"``: as fast or faster on the
-   H200, serve/DESIGN.md "Recovery"), the fallback and the reference.
+   (The same loop in C with the GIL released was no faster on the H200: first token at 8B dims 1.076 vs
+   1.176 s in one run, 0.92 vs 0.84 and 1.67 vs 1.12 s in others, within each other's spread; serve/DESIGN.md
+   "Recovery", results serve_restore-h200-s12b.json in git history. It went.)
 
 Verification: either the caller streams from a replay whose pass 1 verified every payload's checksum (at the
 Runtime's open), or the plan carries the region's deferred checks (``ReplayOptions.defer``): each record's
@@ -44,40 +43,27 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ConfigError, LogCorruptError, RecoveryError
+from ..errors import ConfigError, LogCorruptError
 from .checksums import ChecksumItem, crc32c, crc32c_combine, crc32c_shift, first_mismatch
 from .images import PageWrite
 from .regions import RegionSpec
 from .tracking import pages_to_runs
 
 try:
-    from . import _streamloop  # type: ignore[attr-defined]
-    _LOOP_WHY = ""
-except ImportError as _e:  # not built: the Python loop runs
-    _streamloop = None
-    _LOOP_WHY = f"not built: {_e}"
+    from . import _ntcopy  # type: ignore[attr-defined]
+    _NT_WHY = ""
+except ImportError as _e:  # not built: the fills use memcpy
+    _ntcopy = None
+    _NT_WHY = f"not built: {_e}"
 
 _log = logging.getLogger(__name__)
-LOOPS = ("auto", "c", "python")
-# the C loop's chunk table columns (_streamloop.c: C_COPY0 ... C_BLOCKS)
-C_COPY0, C_COPY1, C_NBYTES, C_RUN, C_PAGE0, C_NPAGES, C_META0, C_NMETA, C_BLOCKS = range(9)
-C_COLS = 9
-
-
-def c_loop_available() -> bool:
-    """True when the C chunk loop is built and not switched off (``CONCORDIA_STREAM_LOOP=python``)."""
-    return _streamloop is not None and os.environ.get("CONCORDIA_STREAM_LOOP", "c") != "python"
 
 
 def loop_status() -> str:
-    """One line for ``concordia doctor``, build scripts and benchmark stamps: the C loop's availability (the
-    default loop is RecoveryOptions.stream_loop's, "python") and how the fills write the ring."""
-    if _streamloop is None:
-        return f"python only ({_LOOP_WHY})"
-    if not c_loop_available():
-        return f"python only (CONCORDIA_STREAM_LOOP=python); fills with {_streamloop.copy_impl()}"
-    return (f"python by default; c built (stream_loop='c', crc32c: {_streamloop.crc_impl()}); fills with "
-            f"{_streamloop.copy_impl()}")
+    """One line for ``concordia doctor``, build scripts and benchmark stamps: how the fills write the ring."""
+    if _ntcopy is None:
+        return f"fills with memcpy (the streaming-store copy is {_NT_WHY})"
+    return f"fills with {_ntcopy.copy_impl()}"
 
 
 @dataclass(frozen=True)
@@ -276,12 +262,12 @@ def streamed_threads() -> int:
 
 def stream_copy_available() -> bool:
     """True when fills can use streaming (non-temporal) stores: the C extension is built."""
-    return _streamloop is not None
+    return _ntcopy is not None
 
 
 def _copy_into(dst: npt.NDArray[np.uint8], src: memoryview, nontemporal: bool) -> None:
     if nontemporal:
-        _streamloop.copy(dst, src)  # GIL released; streaming stores for the body
+        _ntcopy.copy(dst, src)  # GIL released; streaming stores for the body
     else:
         dst[:] = np.frombuffer(src, dtype=np.uint8)  # numpy releases the GIL for the copy
 
@@ -332,84 +318,8 @@ def _first_failed(plan: StreamedPlan, crcs: list[int]) -> DeferredCheck | None:
     return min(failed, key=lambda c: c.seq) if failed else None
 
 
-@dataclass
-class FlatPlan:
-    """A plan as the C loop reads it: ``srcs[i]`` is copy ``i``'s source, ``copies[i]`` its (offset in the
-    slot, piece or -1); ``chunks[k]`` the C_* columns of chunk ``k`` (the sink fills C_META0/C_NMETA/C_BLOCKS:
-    the device checksum's descriptor rows and blocks); ``pages``: the scatter chunks' target pages, end to end."""
-
-    srcs: list[memoryview]
-    copies: npt.NDArray[np.int64]
-    chunks: npt.NDArray[np.int64]
-    pages: npt.NDArray[np.int64]
-
-
-def flatten_plan(plan: StreamedPlan) -> FlatPlan:
-    pb = plan.spec.page_bytes
-    srcs: list[memoryview] = []
-    copies: list[tuple[int, int]] = []
-    rows = np.zeros((len(plan.chunks), C_COLS), dtype=np.int64)
-    parts: list[npt.NDArray[np.int64]] = []
-    p0 = 0
-    for k, c in enumerate(plan.chunks):
-        c0 = len(srcs)
-        for src, off, pid in c.copies:
-            srcs.append(src)
-            copies.append((off, pid))
-        page0 = 0
-        if c.run_start < 0:
-            parts.append(np.ascontiguousarray(c.pages, dtype=np.int64))
-            page0 = p0
-            p0 += len(c.pages)
-        rows[k, :C_META0] = (c0, len(srcs), c.nbytes, c.run_start, page0, c.nbytes // pb)
-    pages = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return FlatPlan(srcs, np.array(copies, dtype=np.int64).reshape(-1, 2), rows, pages)
-
-
-def _use_c_loop(loop: str, sink: StreamSink, prefault: int) -> bool:
-    if loop not in LOOPS:
-        raise ConfigError(f"loop={loop!r}: use one of {', '.join(LOOPS)}")
-    if loop == "python":
-        return False
-    ok = c_loop_available() and hasattr(sink, "c_target")
-    if loop == "c" and not ok:
-        raise ConfigError(f"loop='c' but the C chunk loop cannot run here ({loop_status()}; sink "
-                          f"{type(sink).__name__}{'' if hasattr(sink, 'c_target') else ' has no c_target'}): "
-                          "build it with scripts/build_ext.sh, or use loop='auto'")
-    return ok and (loop == "c" or prefault == 0)  # prefault helpers are a Python-loop ablation
-
-
-def _run_c(plan: StreamedPlan, sink: Any, workers: int, crcs: list[int], fill_crcs: bool,
-           stats: StreamedStats, nontemporal: bool = False) -> bool:
-    """The chunk loop in C; returns whether the sink checksums the pieces (``collect_crcs`` after finish)."""
-    flat = flatten_plan(plan)
-    target: dict[str, Any] = sink.c_target(plan, flat)
-    sink_verifies = bool(target.pop("sink_verifies", False))
-    want_crc = bool(plan.checks) and (fill_crcs or not sink_verifies)
-    crc_out = np.zeros(max(1, len(plan.pieces)), dtype=np.uint32) if want_crc else None
-    try:
-        res = _streamloop.run(flat.srcs, flat.copies, flat.chunks, flat.pages, slots=sink.slots, threads=workers,
-                              page_bytes=plan.spec.page_bytes, crc_out=crc_out, stream_stores=nontemporal,
-                              **target)
-    except RuntimeError as e:
-        raise RecoveryError(f"streamed restore of region {plan.spec.name!r} failed in the C chunk loop: {e}; "
-                            "retry with RecoveryOptions(stream_loop='python') to use the Python loop") from e
-    stats.fill_wait_s = float(res["fill_wait_s"])
-    stats.slot_wait_s = float(res["slot_wait_s"])
-    stats.extra["c_loop"] = 1.0
-    stats.extra["put_s"] = float(res["put_s"])
-    stats.extra["loop_s"] = float(res["seconds"])
-    stats.direct_chunks = int(np.count_nonzero(flat.chunks[:, C_RUN] >= 0))
-    if crc_out is not None:
-        for pid in flat.copies[:, 1].tolist():
-            if pid >= 0:
-                crcs[pid] = int(crc_out[pid])
-    return sink_verifies and not want_crc
-
-
 def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = None,
-                 pool: Executor | None = None, prefault: int = 0, loop: str = "python",
-                 register: bool | str = False, nontemporal: bool = False,
+                 pool: Executor | None = None, prefault: int = 0, register: bool | str = False, nontemporal: bool = False,
                  mirror: Callable[[int, int], int | None] | None = None) -> StreamedStats:
     """Stream ``plan`` through ``sink``'s ring; returns when every byte has arrived (``sink.finish()``) and every
     deferred checksum the plan carries passed (``LogCorruptError`` for the earliest record that failed).
@@ -417,11 +327,9 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
     A sink with ``verifies`` true after ``begin`` checksums the copied pieces itself (on the device) and hands
     their CRCs over in ``collect_crcs(crcs)`` after ``finish``; the fills are then plain copies. ``prefault``:
     helper threads that map the chunks' source pages ahead of the copies (``MADV_POPULATE_READ``), so the copy
-    threads do not take first-touch page faults on the mapped log (Python loop only). ``loop``: "python" (the
-    default, as ``RecoveryOptions.stream_loop``), "auto" (the C chunk loop when it is built and the sink offers
-    ``c_target``), "c" (ConfigError where it cannot run).
+    threads do not take first-touch page faults on the mapped log.
 
-    ``register`` (Python loop, a sink with ``can_register``): a registrar thread makes the log's own pages
+    ``register`` (a sink with ``can_register``): a registrar thread makes the log's own pages
     DMA-able (``sink.register_source``: ``cuMemHostRegister``, read-only) for the chunks at the END of the plan,
     walking backwards while the loop walks forwards; a chunk of one run whose sources are all registered by the
     time the loop reaches it is sent straight from the log (``sink.put_direct``: no fill, no slot), so its bytes
@@ -430,22 +338,21 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
     (``wait_released``). ``register="first"``: every such chunk is registered before the stream starts (the
     direct path alone: the ablation, and what the tests drive).
 
-    ``nontemporal``: the fills write the slots with streaming stores (``_streamloop.copy``; both loops), so the
+    ``nontemporal``: the fills write the slots with streaming stores (``_ntcopy.copy``), so the
     host's memory is not read for the slot lines the fill overwrites; ConfigError where the C extension is not
     built.
 
-    ``mirror`` (Python loop, a sink with ``put_direct`` that checksums on the device, or a plan without
+    ``mirror`` (a sink with ``put_direct`` that checksums on the device, or a plan without
     checks): ``translate(address, nbytes)`` gives a device-readable copy of source bytes (a pinned log mirror,
     cuda/mirror.py) or None; a chunk of one run whose sources all translate is sent from there (``put_direct``
     with the translation), the others through the ring. Replaces ``register``."""
     t0 = time.perf_counter()
     if nontemporal and not stream_copy_available():
-        raise ConfigError(f"nontemporal=True needs the C extension _streamloop ({_LOOP_WHY}): build it with "
+        raise ConfigError(f"nontemporal=True needs the C extension _ntcopy ({_NT_WHY}): build it with "
                           "scripts/build_ext.sh, or leave RecoveryOptions.nontemporal off")
     direct_ok = getattr(sink, "put_direct", None) is not None
     if mirror is not None and not direct_ok:
         mirror = None
-    use_c = _use_c_loop(loop, sink, prefault) if mirror is None else False
     workers = max(1, min(threads or streamed_threads(), sink.slots))
     stats = StreamedStats(bytes=plan.copy_bytes, chunks=len(plan.chunks), threads=workers)
     crcs = [0] * len(plan.pieces)
@@ -462,24 +369,6 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
         stats.extra["verify_on_device"] = float(on_sink)
         stats.extra["nontemporal"] = float(nontemporal)
         chunks = plan.chunks
-        if use_c:
-            if plan.crc_only:  # superseded bytes: checksummed beside the stream (GIL released for big pieces)
-                crc_jobs = _submit_crc_only(plan.crc_only, crcs, ex, workers)
-            try:
-                on_sink = _run_c(plan, sink, workers, crcs, fill_crcs is not None, stats, nontemporal)
-                chunks = []  # the Python loop below has nothing left to do
-            except RecoveryError as e:
-                if loop != "auto":
-                    raise
-                # "auto": the Python loop streams the whole plan again (every chunk rewrites its pages) once
-                # whatever the C loop queued has drained
-                _log.warning("%s; streaming it again with the Python loop", e)
-                stats.extra["c_loop_failed"] = 1.0
-                sink.finish()
-                sink.begin(plan)
-                on_sink = bool(plan.checks) and bool(getattr(sink, "verifies", False))
-                fill_crcs = None if on_sink else crcs
-            stats.extra["verify_on_device"] = float(on_sink and bool(plan.checks))
         if prefault > 0 and len(chunks) > 1:
             faulters = [threading.Thread(target=_prefault, args=(chunks[i::prefault], stop), daemon=True,
                                          name="concordia-prefault") for i in range(prefault)]
@@ -544,7 +433,7 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
                 sink.wait(sending[0])
                 stats.slot_wait_s += time.perf_counter() - tw
                 free.append(sending.popleft())
-        if plan.crc_only and not crc_jobs and not use_c:  # no chunk at all
+        if plan.crc_only and not crc_jobs:  # no chunk at all
             crc_jobs = _submit_crc_only(plan.crc_only, crcs, ex, workers)
         tf = time.perf_counter()
         for f in crc_jobs:
@@ -772,7 +661,7 @@ class HostSink:
                  slot_bytes: int = 4 << 20, verify: bool = False, register: bool = False) -> None:
         self.padded, self.page_bytes = padded, page_bytes
         self.slots, self.slot_bytes = slots, slot_bytes
-        self._ring_mem = np.empty((slots, slot_bytes), dtype=np.uint8)  # one block: the C loop's ring
+        self._ring_mem = np.empty((slots, slot_bytes), dtype=np.uint8)  # one block, a slot per row
         self._ring = list(self._ring_mem)
         self.verifies = verify
         self._crcs: dict[int, int] = {}
@@ -790,14 +679,6 @@ class HostSink:
 
     def slot(self, i: int) -> npt.NDArray[np.uint8]:
         return self._ring[i]
-
-    def c_target(self, plan: StreamedPlan, flat: FlatPlan) -> dict[str, Any]:
-        """The C loop's host target: slots memcpy'd into place or scattered a page at a time; the fills
-        checksum the checked pieces (the C loop's put cannot call back into this sink)."""
-        if not self.padded.flags.c_contiguous or not self.padded.flags.writeable:
-            raise ConfigError("HostSink: the C loop needs a writable C-contiguous target buffer")
-        return {"ring": self._ring_mem, "slot_bytes": self.slot_bytes, "host_dst": self.padded,
-                "sink_verifies": False}
 
     def put(self, i: int, chunk: Chunk) -> None:
         pb = self.page_bytes

@@ -14,12 +14,6 @@ place, or in the staging twin before the scatter), in stream order; ``collect_cr
 folds each piece's tiles and reads the piece CRCs back, which core/streamed.py combines per record and compares
 with the stored checksums before the restore returns. The host copy threads then only memcpy.
 
-The C chunk loop (core/_streamloop.c, ``c_target``): the driving loop issues the same work per chunk through
-the driver API with the GIL released (one DMA, the CRC tile kernel, and for a scattered chunk
-``concordia_scatter_pages`` instead of ``index_copy_``); the page indices of every scattered chunk and the
-CRC descriptor rows of every chunk are uploaded once before the stream (chunk ``k`` uses slot ``k % slots``,
-so where each piece lands is known in advance), and a releaser thread waits on each slot's event.
-
 The side stream is the sink's own (``cuStreamCreate``, non-blocking), not one of torch's pooled streams:
 ``torch.cuda.Stream()`` hands out one of 32 pooled streams round robin, so a restore's stream could be the very
 stream a decode graph is being captured on beside it (serve/engine.py ``warm_graphs``); the restore's DMAs
@@ -120,61 +114,6 @@ _NOT_READY = 600  # CUDA_ERROR_NOT_READY
 DIRECT_LANES = 8  # put_direct's CRC descriptor rows in flight (a row is reused once its upload has run)
 _log = logging.getLogger(__name__)
 
-SCATTER_SOURCE = r"""
-typedef unsigned long long u64;
-// one block per page: page p of the staging twin goes to page idx[p] of the region (8-byte lanes)
-extern "C" __global__ void concordia_scatter_pages(const u64* __restrict__ src, const long long* __restrict__ idx,
-                                                   u64* __restrict__ dst, u64 lanes, unsigned int n) {
-    unsigned int p = blockIdx.x;
-    if (p >= n) return;
-    const u64* s = src + (u64)p * lanes;
-    u64* d = dst + (u64)idx[p] * lanes;
-    for (u64 l = threadIdx.x; l < lanes; l += blockDim.x) d[l] = s[l];
-}
-"""
-_scatter: dict[int, Any] = {}
-
-
-def scatter_function(device: int) -> Any:
-    """``concordia_scatter_pages`` loaded on ``device`` (once per process and device)."""
-    from . import nvrtc
-
-    m = _scatter.get(device)
-    if m is None:
-        m = _scatter[device] = nvrtc.load_module(SCATTER_SOURCE, "concordia_scatter", device=device)
-    return m.function("concordia_scatter_pages")
-
-
-def crc_descriptors(plan: StreamedPlan, flat: Any, dst: int, staging: int, slot_bytes: int, slots: int,
-                    ntiles: list[int], tile0: list[int], piece_dev: list[int]) -> tuple[npt.NDArray[Any], int, int]:
-    """The CRC tile kernel's descriptor rows (``crc.PIECE_DTYPE``) of every chunk of a C-loop stream, end to end:
-    chunk ``k`` lands in place (``dst + run_start * page_bytes``) or in staging twin ``k % slots``; its checked
-    pieces with tiles get a row each (``first_block`` counted from the chunk's launch), and
-    ``flat.chunks[k, C_META0:C_BLOCKS + 1]`` says where its rows start, how many, and how many blocks.
-    ``piece_dev[pid]``: where piece ``pid`` landed. Returns (table, launches, tiles)."""
-    from ..core.streamed import C_BLOCKS, C_META0
-    from .crc import PIECE_DTYPE
-
-    pb = plan.spec.page_bytes
-    rows: list[tuple[int, int, int, int]] = []
-    launches = tiles = 0
-    for k, c in enumerate(plan.chunks):
-        base = dst + c.run_start * pb if c.run_start >= 0 else staging + (k % slots) * slot_bytes
-        m0, blocks = len(rows), 0
-        for src, off, pid in c.copies:
-            if pid < 0:
-                continue
-            piece_dev[pid] = base + off
-            nt = ntiles[pid]
-            if nt:
-                rows.append((base + off, src.nbytes, tile0[pid], blocks))
-                blocks += nt
-        flat.chunks[k, C_META0:C_BLOCKS + 1] = (m0, len(rows) - m0, blocks)
-        launches += blocks > 0
-        tiles += blocks
-    table = np.array(rows, dtype=PIECE_DTYPE) if rows else np.zeros(1, dtype=PIECE_DTYPE)
-    return table, launches, tiles
-
 
 class CudaSink:
     def __init__(self, tensor: Any, nbytes: int, page_bytes: int, *, slots: int = 16,
@@ -217,8 +156,6 @@ class CudaSink:
         flags = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.events = [driver.check(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(self.slots)]
         self.used = [False] * self.slots
-        self._c_pages: Any = None  # the C loop's uploads (c_target)
-        self._c_meta: Any = None
         self._torch = torch
         # device verification (set up in begin when the plan carries checks)
         self.verifies = verify == "device"
@@ -280,35 +217,6 @@ class CudaSink:
     def slot(self, i: int) -> npt.NDArray[np.uint8]:
         row: npt.NDArray[np.uint8] = self.host_np[i]
         return row
-
-    def c_target(self, plan: StreamedPlan, flat: Any) -> dict[str, Any]:
-        """What the C chunk loop needs (after ``begin``): the scattered chunks' page indices and every chunk's
-        CRC descriptor rows uploaded, and the driver handles. Chunk ``k`` goes through slot ``k % slots``."""
-        from ..core.streamed import C_RUN
-
-        torch = self._torch
-        dev, slots = self.device, self.slots
-        staging = int(self.dev.data_ptr())
-        self._c_pages = torch.from_numpy(flat.pages).to(dev) if len(flat.pages) else None
-        pages_ptr = int(self._c_pages.data_ptr()) if self._c_pages is not None else 0
-        f_scatter = scatter_function(self.dev_no) if bool((flat.chunks[:, C_RUN] < 0).any()) else 0
-        meta_ptr = tile_crc = f_tiles = 0
-        x_span = 0
-        if self.verifies:
-            from . import crc
-
-            table, launches, tiles = crc_descriptors(plan, flat, self.flat_ptr, staging, self.slot_bytes, slots,
-                                                     self._ntiles, self._tile0, self._piece_dev)
-            self._c_meta = torch.from_numpy(table.view(np.uint8)).to(dev)
-            meta_ptr, tile_crc = int(self._c_meta.data_ptr()), int(self.tile_crc.data_ptr())
-            f_tiles, x_span = int(self._crc.fn_tiles), crc.X_SPAN
-            self.crc_stats["tiles"] += tiles
-            self.crc_stats["launches"] += launches
-        # the uploads above ran on torch's current stream: the sink's stream waits for them
-        self.stream.wait_stream(torch.cuda.current_stream(dev))
-        return {"ring": self.host_np, "slot_bytes": self.raw_slot, "sink_verifies": self.verifies,
-                "cuda": (self.flat_ptr, staging, pages_ptr, meta_ptr, tile_crc, self.ds.handle, int(f_scatter),
-                         f_tiles, x_span, 0)}
 
     def put(self, i: int, chunk: Chunk) -> None:
         n, pb = chunk.nbytes, self.page_bytes
@@ -457,7 +365,6 @@ class CudaSink:
             bufs = [b for b in (self.ring, self.small, getattr(self, "meta", None)) if b is not None]
             self.ring = self.small = self.meta = None  # type: ignore[assignment]
             self.dev = self.dev_index = self.dev_meta = self.tile_crc = self.dev_out = None  # type: ignore[assignment]
-            self._c_pages = self._c_meta = None
             self.ds.close()  # after the synchronize: nothing is queued on it
             drv = driver.bindings()
             for ev in self.events + self._lane_events:
