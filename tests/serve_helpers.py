@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -77,9 +78,43 @@ class ServerProc:
         env.setdefault("OMP_NUM_THREADS", "1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                      start_new_session=True)
+        self.stderr_lines: list[str] = []  # read all along (the request log must never fill the pipe)
+        self._err_reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._err_reader.start()
         self.ready = self._wait_ready(timeout_s)
+        self.stdout_lines: list[str] = []
+        threading.Thread(target=self._read_stdout, daemon=True).start()
         self.port = int(self.ready["port"])
         self.base = f"http://127.0.0.1:{self.port}"
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line)
+
+    def _read_stdout(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.stdout_lines.append(line)
+
+    @property
+    def stderr(self) -> str:
+        """What the server wrote to stderr so far (all of it once it exited)."""
+        if self.proc.poll() is not None:
+            self._err_reader.join(timeout=10)
+        return "".join(self.stderr_lines)
+
+    def events(self, ev: str) -> list[dict[str, Any]]:
+        """The JSON lines of kind ``ev`` on stderr (the request log: ``"request"``)."""
+        out = []
+        for line in self.stderr.splitlines():
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(d, dict) and d.get("ev") == ev:
+                out.append(d)
+        return out
 
     def _wait_ready(self, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
@@ -87,8 +122,8 @@ class ServerProc:
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
-                err = self.proc.stderr.read() if self.proc.stderr else ""
-                raise RuntimeError(f"the server exited ({self.proc.wait()}) before it was ready:\n{err[-4000:]}")
+                rc = self.proc.wait()
+                raise RuntimeError(f"the server exited ({rc}) before it was ready:\n{self.stderr[-4000:]}")
             try:
                 ev = json.loads(line)
             except ValueError:

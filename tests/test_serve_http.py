@@ -213,10 +213,11 @@ def test_hostile_and_malformed_requests(model_dir: Path, tmp_path: Path) -> None
             (b'{"model": "tiny", "prompt": "hi", "max_tokens": 0}', 400, "invalid_value"),
             (b'{"model": "tiny", "prompt": "hi", "temperature": -1}', 400, "invalid_value"),
             (b'{"model": "tiny", "prompt": "hi", "stream": "yes"}', 400, "invalid_type"),
-            (b'{"model": "tiny", "prompt": "hi", "n": 2}', 400, "invalid_value"),
+            (b'{"model": "tiny", "prompt": "hi", "n": 17}', 400, "invalid_value"),
             (b'{"model": "tiny", "prompt": [1, 2, 99999]}', 400, "invalid_value"),
-            (b'{"model": "tiny", "prompt": "hi", "stop": ["x"]}', 400, "unsupported_parameter"),
-            (b'{"model": "tiny", "prompt": "hi", "logprobs": 3}', 400, "unsupported_parameter"),
+            (b'{"model": "tiny", "prompt": "hi", "suffix": "x"}', 400, "unsupported_parameter"),
+            (b'{"model": "tiny", "prompt": "hi", "best_of": 3}', 400, "unsupported_parameter"),
+            (b'{"model": "tiny", "prompt": "hi", "frobnicate": 1}', 400, "unknown_parameter"),
             (json.dumps({"model": "tiny", "prompt": "x" * 60}).encode(), 400, "context_length_exceeded"),
             (json.dumps({"model": "tiny", "prompt": "x" * (2 << 20)}).encode(), 413, "request_too_large"),
         ]
@@ -233,6 +234,8 @@ def test_hostile_and_malformed_requests(model_dir: Path, tmp_path: Path) -> None
         assert got == 405 and "error" in err
         got, err = _post(url, b'{"model": "tiny", "prompt": "hi"}', {"Last-Event-ID": "abc"})
         assert got == 400 and err["error"]["param"] == "Last-Event-ID"
+        got, err = _post(url, b'{"model": "tiny", "prompt": "hi"}', {"Last-Event-ID": "3", "Idempotency-Key": "new"})
+        assert got == 400 and err["error"]["param"] == "Last-Event-ID"  # no such request: nothing to resume
 
         c = srv.client(timeout=30)
         with pytest.raises(openai.NotFoundError):

@@ -53,10 +53,10 @@ from .kv import (
     plan_pool,
     sdpa_backends,
 )
-from .sampling import RngRows, SamplingParams, new_generator, sample
+from .sampling import LP_WORDS, RngRows, Sampler, SamplingParams, StopStrings, TokenLogprobs, new_generator
 
 META_KEY = "concordia.serve"
-META_VERSION = 1
+META_VERSION = 2
 TOKEN_BLOCK = 128  # int32 ids per 512-byte block of the tokens region
 # the options that shape a step's batch, its arithmetic or its scheduling: logged, and taken from the log by
 # Engine.recover
@@ -178,7 +178,9 @@ class Request:
     gen: torch.Generator | None = None
     hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full blocks (derived)
     cached_upto: int = 0  # blocks of its table registered in (or shared from) the prefix cache
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per generated token (params.logprobs set)
     _params_dict: dict[str, Any] | None = None
+    _lp_admitted: tuple[int, list[Any]] | None = None  # (admitted step, its log-probabilities then) for the meta
     _frag_key: Any = None  # the cached JSON fragment of this request in the epoch metadata, and what it holds
     _frag: bytes = b""
 
@@ -270,7 +272,7 @@ class Engine:
     ``Engine.recover(log_dir, model)`` continues every request from the last committed step."""
 
     def __init__(self, model: Any, log_dir: str | Path | None, options: EngineOptions | dict[str, Any] | None = None,
-                 *, _recovering: dict[str, Any] | None = None, _runtime: Any = None) -> None:
+                 *, tokenizer: Any = None, _recovering: dict[str, Any] | None = None, _runtime: Any = None) -> None:
         from .. import runtime as _rt
 
         self.opts = opts = EngineOptions.coerce(options)
@@ -323,6 +325,12 @@ class Engine:
         self.tokens = np.zeros(-(-self.geo.slots // TOKEN_BLOCK) * TOKEN_BLOCK, np.int32)
         self.tokens_dirty = np.zeros(len(self.tokens) // TOKEN_BLOCK, np.uint8)
         self.rng = RngRows(opts.max_running, self.device)
+        # the sampler's rules, and each generated token's log-probabilities (requests asking for them) per slot
+        self.sampler = Sampler(opts.max_running, int(self.lm_head.weight.shape[0]), self.device)
+        self.tokenizer = tokenizer  # stop strings are matched in its text (not logged: pass the same to recover)
+        self.stops = StopStrings(tokenizer) if tokenizer is not None else None
+        self.lp = np.zeros(self.geo.slots * LP_WORDS, np.float32)
+        self.lp_dirty = np.zeros(-(-self.lp.nbytes // 512), np.uint8)
         self.fingerprint = model_fingerprint(model) if _recovering is None else str(_recovering["fingerprint"])
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
@@ -407,6 +415,8 @@ class Engine:
                     dirty_blocks=self.tokens_dirty, initially_zero=fresh)
         rt.register("rng", self.rng.buf, kind="paged", page_bytes=512, block_bytes=self.rng.row_bytes,
                     dirty_blocks=self.rng.dirty, initially_zero=fresh)
+        rt.register("logprobs", self.lp, kind="paged", page_bytes=512, block_bytes=512,
+                    dirty_blocks=self.lp_dirty, initially_zero=fresh)
 
     # -- requests ----------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, *, request_id: str | None = None,
@@ -418,6 +428,9 @@ class Engine:
         params.check()
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ConfigError(f"priority={priority!r} must be an integer (lower runs first)")
+        if params.stop and self.stops is None:
+            raise ConfigError("stop strings are matched in the text: this engine has no tokenizer "
+                              "(Engine(..., tokenizer=...))")
         if not prompt:
             raise ConfigError("the prompt is empty: a request needs at least one token")
         total = len(prompt) + params.max_new_tokens
@@ -613,6 +626,11 @@ class Engine:
         self.tokens[s] = r.ids[lo:hi]
         for b in {x // TOKEN_BLOCK for x in s}:
             self.tokens_dirty[b] = 1
+        if r.params.logprobs is not None:
+            for i in range(max(lo, r.n_prompt), min(hi, len(r.slots))):  # the generated tokens' beside them
+                slot = r.slots[i]
+                self.lp[slot * LP_WORDS: (slot + 1) * LP_WORDS] = r.logprobs[i - r.n_prompt].pack()
+                self.lp_dirty[slot * LP_WORDS * 4 // 512] = 1
 
     def order(self) -> list[Request]:
         return sorted(self.running.values(), key=lambda r: (r.admitted, r.digest, r.id))
@@ -678,7 +696,10 @@ class Engine:
         feeds = self._plan_feeds(self.order())
         if not feeds:
             self._materialize()  # no forward to overlap: this step's end changes the state
-        self._fast_rows = self.fast.plan(feeds) if self.fast is not None else None
+        # a step writing log-probabilities (a host region the step-epoch writer does not carry) takes the
+        # generic epoch
+        self._fast_rows = self.fast.plan(feeds) if self.fast is not None and not any(
+            r.params.logprobs is not None for r, _, _ in feeds) else None
         if self._fast_rows is not None and not feeds:
             self.fast.gather(out.step, self._fast_rows)
         if feeds:
@@ -763,7 +784,7 @@ class Engine:
             logits = self.graphs.run(feeds)  # a decode-only step: the static (graph) path, if a bucket holds it
             if logits is not None:
                 self._gather_rows()
-                toks = sample(logits, [r.params for r, _, _ in feeds], [r.gen for r, _, _ in feeds])
+                toks = self.sampler.sample(logits, [r for r, _, _ in feeds])
                 return list(toks), True
         dev = self.device
         ids = [t for r, s, e in feeds for t in r.ids[s:e]]
@@ -787,7 +808,7 @@ class Engine:
             return result, False
         rows = last[torch.as_tensor(sampling, device=dev)]
         logits = self.lm_head(h[0, rows]).float()
-        toks = sample(logits, [feeds[i][0].params for i in sampling], [feeds[i][0].gen for i in sampling])
+        toks = self.sampler.sample(logits, [feeds[i][0] for i in sampling])
         for i, t in zip(sampling, toks, strict=True):
             result[i] = t
         return result, False
@@ -801,8 +822,12 @@ class Engine:
             self.fast.send(wait_copy=False)  # the previous step's epoch (pipelined), while this forward computes
 
     def _finish_reason(self, r: Request, tok: int) -> str | None:
-        if not r.params.ignore_eos and tok in r.params.eos_token_ids:
-            return "stop"
+        n = len(r.ids) - r.n_prompt
+        if n >= r.params.min_tokens:
+            if not r.params.ignore_eos and tok in r.params.eos_token_ids:
+                return "stop"
+            if r.params.stop and self.stops is not None and self.stops.hit(r.params, r.ids[r.n_prompt:]):
+                return "stop"
         if len(r.ids) - r.n_prompt >= r.params.max_new_tokens or len(r.ids) >= self.opts.max_model_len:
             return "length"
         return None
@@ -852,7 +877,7 @@ class Engine:
             if r._frag_key != "running":
                 r._frag_key, r._frag = "running", encode_json({
                     **self._common(r), "row": r.row, "admitted": r.admitted,
-                    "table": self.blocks.tables[r.id]})[:-1] + b',"n_tokens":'
+                    "table": self.blocks.tables[r.id], **self._admitted_logprobs(r)})[:-1] + b',"n_tokens":'
             frags.append(b'%s%d,"n_computed":%d}' % (r._frag, len(r.ids), r.n_computed))
         parts.append(b",".join(frags))
         parts.append(b'],"blocks":')
@@ -870,7 +895,8 @@ class Engine:
             key = ("finished", r.collected)
             if r._frag_key != key:
                 r._frag_key, r._frag = key, encode_json({**self._common(r), "generated": r.generated,
-                                                         "reason": r.finish_reason, "collected": r.collected})
+                                                         "reason": r.finish_reason, "collected": r.collected,
+                                                         **self._finished_logprobs(r)})
             frags.append(r._frag)
         parts.append(b",".join(frags))
         parts.append(b"]}}")
@@ -885,7 +911,7 @@ class Engine:
     def _waiting_dict(cls, r: Request) -> dict[str, Any]:
         """A waiting request: its tokens (a preempted one's prompt and what it generated) and, if it was
         preempted after drawing, its generator's state (it has no sampler row while it waits)."""
-        d = {**cls._common(r), "prompt": r.ids}
+        d = {**cls._common(r), "prompt": r.ids, **cls._finished_logprobs(r)}
         if r.gen is not None:
             d["rng"] = base64.b64encode(r.gen.get_state().numpy().tobytes()).decode("ascii")
         return d
@@ -898,13 +924,31 @@ class Engine:
             "geometry": self.geo.describe(), "fingerprint": self.fingerprint,
             "options": {k: getattr(self.opts, k) for k in LOGGED_OPTIONS},
             "running": [{**common(r), "n_tokens": len(r.ids), "n_computed": r.n_computed, "row": r.row,
-                         "admitted": r.admitted, "table": self.blocks.tables[r.id]} for r in self.running.values()],
+                         "admitted": r.admitted, "table": self.blocks.tables[r.id], **self._admitted_logprobs(r)}
+                        for r in self.running.values()],
             "blocks": self.blocks.state(),
             "waiting": [self._waiting_dict(r) for r in self.waiting],
             "finished": [{**common(r), "generated": r.generated, "reason": r.finish_reason,
-                          "collected": r.collected} for r in self.finished.values()],
+                          "collected": r.collected, **self._finished_logprobs(r)} for r in self.finished.values()],
             "time": time.time(),
         }
+
+    @staticmethod
+    def _finished_logprobs(r: Request) -> dict[str, Any]:
+        """A finished or waiting (preempted) request's log-probabilities: it holds no slots, the metadata keeps
+        them."""
+        return {"logprobs": [lp.to_list() for lp in r.logprobs]} if r.params.logprobs is not None else {}
+
+    @staticmethod
+    def _admitted_logprobs(r: Request) -> dict[str, Any]:
+        """A running request's log-probabilities of the tokens it had when it was admitted (a preempted one's;
+        taken once per admission). Those of later tokens are in the ``logprobs`` region at their slots, which are
+        its own: a block shared through the prefix cache may hold another request's rows."""
+        if r.params.logprobs is None:
+            return {}
+        if r._lp_admitted is None or r._lp_admitted[0] != r.admitted:
+            r._lp_admitted = (r.admitted, [lp.to_list() for lp in r.logprobs])
+        return {"logprobs": r._lp_admitted[1]}
 
     def _peek_seq(self) -> int:
         n = next(self._seq)
@@ -915,7 +959,7 @@ class Engine:
     @classmethod
     def recover(cls, log_dir: str | Path, model: Any, options: EngineOptions | dict[str, Any] | None = None,
                 *, recovery: Any = None, runtime_options: dict[str, Any] | None = None,
-                warm_graphs: bool = True) -> Engine:
+                warm_graphs: bool = True, tokenizer: Any = None) -> Engine:
         """A new engine from the last committed step of ``log_dir``: every request continues where it was.
         Every checksum of the log is verified before any restored byte is used (at the open, or, for a GPU
         pool, by the streamed restore on the bytes it copies: on the device after each chunk's DMA by default;
@@ -924,7 +968,7 @@ class Engine:
         Runtime's RecoveryOptions, or a dict of them; ``{"streamed": False}`` restores through a host image;
         ``runtime_options``: more keyword arguments of the Runtime that continues the log). ``warm_graphs``:
         capture the decode graph the first step will replay while the pool is being restored (scratch rows
-        only), so the first token is a replay."""
+        only), so the first token is a replay. ``tokenizer``: the one the engine matched stop strings with."""
         from ..recovery import RecoveryOptions
         from ..runtime import open_to_recover
 
@@ -954,7 +998,7 @@ class Engine:
             rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
                                     runtime_options={**(runtime_options or {}), "recovery": rec_opts})
             try:
-                return cls._recover_open(log_dir, model, opts, rt, m, t0, warm_graphs)
+                return cls._recover_open(log_dir, model, opts, rt, m, t0, warm_graphs, tokenizer)
             except BaseException:
                 rt.close()
                 raise
@@ -964,7 +1008,7 @@ class Engine:
 
     @classmethod
     def _recover_open(cls, log_dir: str | Path, model: Any, opts: EngineOptions, rt: Any, m: dict[str, Any],
-                      t0: float, warm_graphs: bool) -> Engine:
+                      t0: float, warm_graphs: bool, tokenizer: Any = None) -> Engine:
         if m.get("version") != META_VERSION:
             raise RecoveryError(f"serve metadata version {m.get('version')}; this code reads {META_VERSION}")
         fp = model_fingerprint(model)
@@ -980,7 +1024,7 @@ class Engine:
         opts = EngineOptions(**{**opts.__dict__, **logged, "num_blocks": geo.num_blocks,
                                 "block_size": geo.block_size, "kv_dtype": geo.dtype})
         t1 = time.perf_counter()
-        eng = cls(model, log_dir, opts, _recovering=m, _runtime=rt)
+        eng = cls(model, log_dir, opts, tokenizer=tokenizer, _recovering=m, _runtime=rt)
         t2 = time.perf_counter()
         warm = eng._start_warm_capture(m) if warm_graphs else None
         try:
@@ -1033,6 +1077,10 @@ class Engine:
             r.table = torch.as_tensor(table, dtype=torch.long)
             r.slots = (np.asarray(table, dtype=np.int64)[:, None] * bs + np.arange(bs)).ravel().tolist()
             r.ids = self.tokens[r.slots[: int(d["n_tokens"])]].tolist()  # Python ints
+            if r.params.logprobs is not None:
+                r.logprobs = [TokenLogprobs.from_list(v) for v in d.get("logprobs", ())]
+                r.logprobs += [TokenLogprobs.unpack(self.lp[s * LP_WORDS: (s + 1) * LP_WORDS])
+                               for s in r.slots[r.n_prompt + len(r.logprobs): len(r.ids)]]
             r.status, r.n_computed, r.row, r.admitted = "running", int(d["n_computed"]), int(d["row"]), int(d["admitted"])
             self._check_shared(r, rec.epoch)
             if not r.params.greedy:
@@ -1040,6 +1088,7 @@ class Engine:
             self.running[r.id] = r
         for d in m["waiting"]:
             r = self._request(d, [int(t) for t in d["prompt"]])
+            r.logprobs = [TokenLogprobs.from_list(v) for v in d.get("logprobs", ())]
             if d.get("rng") is not None:  # preempted after drawing: its generator waits with it
                 r.gen = torch.Generator(device=self.device)
                 r.gen.set_state(torch.frombuffer(bytearray(base64.b64decode(d["rng"])), dtype=torch.uint8))
@@ -1048,10 +1097,12 @@ class Engine:
             r = self._request(d, [])
             r.ids = [0] * r.n_prompt + [int(t) for t in d["generated"]]  # the prompt of a finished one is not kept
             r.status, r.finish_reason, r.collected = "finished", d["reason"], bool(d["collected"])
+            r.logprobs = [TokenLogprobs.from_list(v) for v in d.get("logprobs", ())]
             self.finished[r.id] = r
         self.pool.dirty.zero_()
         self.tokens_dirty[:] = 0
         self.rng.dirty[:] = 0
+        self.lp_dirty[:] = 0
 
     def _check_shared(self, r: Request, epoch: int) -> None:
         """A recovered running request's cached blocks: only whole blocks it has computed (nothing it still

@@ -1,9 +1,23 @@
-"""Per-request sampling settings and the sampler: greedy rows in one batched argmax, sampled rows each from
-the request's own ``torch.Generator`` (so a request's draws depend on its own history only, never on which
-other requests share the step). The generator's state is what the engine logs (``RngRows``)."""
+"""Per-request sampling settings and the sampler.
+
+Each row of a step's logits goes through the rules its request asked for, in ``generate()``'s order
+(transformers' ``_get_logits_processor``): ``logit_bias`` (its ``SequenceBiasLogitsProcessor`` for one-token
+sequences), ``repetition_penalty`` (over the prompt and the generated tokens), then the OpenAI frequency and
+presence penalties (over the generated tokens, which ``generate()`` does not have), ``min_tokens`` (the end
+tokens masked), then temperature, top-k and top-p (its warpers' arithmetic). Greedy rows take one batched
+argmax; sampled rows each draw from the request's own ``torch.Generator``, so a request's draws depend on its
+own history only, never on which other requests share the step. The generator's state is what the engine logs
+(``RngRows``).
+
+The rules are pure functions of a request's token ids: the per-row buffers they read (token counts, the tokens
+seen, the bias) live on the logits' device, one row per sampler row, and are rebuilt from the ids whenever a
+row changes owner (admission, recovery), so nothing of them is logged. A step whose rows use none of them runs
+no code for them.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -13,6 +27,8 @@ import torch
 from ..errors import ConfigError
 
 RNG_ROW_ALIGN = 512
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+LP_WORDS = 64  # float32 words per pool slot in the logprobs region: [chosen, k, (id, logprob) x k, 0...]
 
 
 @dataclass(frozen=True)
@@ -24,10 +40,23 @@ class SamplingParams:
     seed: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    stop: tuple[str, ...] = ()  # stop strings: the output ends before the first one (needs the engine's tokenizer)
+    min_tokens: int = 0  # no end token and no stop string before this many tokens
+    repetition_penalty: float = 1.0  # generate()'s: logits of tokens seen (prompt + generated) / p (x p below 0)
+    frequency_penalty: float = 0.0  # OpenAI's: minus count x f for each generated token
+    presence_penalty: float = 0.0  # OpenAI's: minus p for each token generated at least once
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) sorted by id
+    logprobs: int | None = None  # None: off; k: the chosen token's log-probability and the k most likely
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether the row's logits go through a rule before the warpers (penalties, bias, min_tokens)."""
+        return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
+                    or self.logit_bias or (self.min_tokens and not self.ignore_eos))
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
@@ -36,18 +65,33 @@ class SamplingParams:
             raise ConfigError(f"temperature={self.temperature} must be between 0 and 100")
         if self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k} must be >= 0 (0: off)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ConfigError(f"top_p={self.top_p} must be in [0, 1] (0: the most likely token only)")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ConfigError(f"min_tokens={self.min_tokens} must be between 0 and max_tokens={self.max_new_tokens}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ConfigError(f"repetition_penalty={self.repetition_penalty} must be > 0 (1: off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ConfigError(f"{name}={getattr(self, name)} must be between -2 and 2")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ConfigError(f"logprobs={self.logprobs}: between 0 and {MAX_TOP_LOGPROBS} most likely tokens")
+        if any(not s for s in self.stop):
+            raise ConfigError("a stop string must not be empty")
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["eos_token_ids"] = list(self.eos_token_ids)
+        d["stop"] = list(self.stop)
+        d["logit_bias"] = [list(b) for b in self.logit_bias]
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
         d = dict(d)
         d["eos_token_ids"] = tuple(int(e) for e in d.get("eos_token_ids", ()))
+        d["stop"] = tuple(str(s) for s in d.get("stop", ()))
+        d["logit_bias"] = tuple((int(t), float(b)) for t, b in d.get("logit_bias", ()))
         return cls(**d)
 
 
@@ -93,26 +137,157 @@ def new_generator(device: torch.device, seed: int | None) -> torch.Generator:
 
 
 def _warp(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """generate()'s TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper, then the softmax."""
     x = row.float() / p.temperature
     if p.top_k and p.top_k < x.numel():
         kth = torch.topk(x, p.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
     if p.top_p < 1.0:
-        vals, idx = torch.sort(x, descending=True)
-        cum = torch.softmax(vals, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(vals, dim=-1) > p.top_p  # keep the smallest prefix reaching top_p
-        x = x.scatter(0, idx, vals.masked_fill(drop, float("-inf")))
+        vals, idx = torch.sort(x, descending=False)
+        drop = vals.softmax(dim=-1).cumsum(dim=-1) <= (1 - p.top_p)
+        drop[-1:] = False  # keep at least one
+        x = x.masked_fill(drop.scatter(0, idx, drop), float("-inf"))
     return torch.softmax(x, dim=-1)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits [B, V]``; row ``i`` draws from ``gens[i]`` unless it is greedy."""
-    out: list[torch.Tensor] = []
-    greedy = torch.argmax(logits, dim=-1)
-    for i, (p, g) in enumerate(zip(params, gens, strict=True)):
-        if p.greedy:
-            out.append(greedy[i: i + 1])
-        else:
-            assert g is not None, "a sampled request has a generator"
-            out.append(torch.multinomial(_warp(logits[i], p), 1, generator=g))
-    return [int(t) for t in torch.cat(out).tolist()]
+@dataclass
+class TokenLogprobs:
+    """A generated token's log-probability under the model (the log-softmax of its logits before any rule)
+    and the ``k`` most likely tokens with theirs."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+    def pack(self) -> np.ndarray:
+        w = np.zeros(LP_WORDS, np.float32)
+        w[0], w[1] = self.logprob, len(self.top)
+        for i, (t, lp) in enumerate(self.top):
+            w[2 + 2 * i], w[3 + 2 * i] = t, lp
+        return w
+
+    @classmethod
+    def unpack(cls, w: np.ndarray) -> TokenLogprobs:
+        k = int(w[1])
+        return cls(float(w[0]), [(int(w[2 + 2 * i]), float(w[3 + 2 * i])) for i in range(k)])
+
+    def to_list(self) -> list[Any]:
+        return [self.logprob, [[t, lp] for t, lp in self.top]]
+
+    @classmethod
+    def from_list(cls, v: list[Any]) -> TokenLogprobs:
+        return cls(float(v[0]), [(int(t), float(lp)) for t, lp in v[1]])
+
+
+class Sampler:
+    """The engine's sampler. ``sample(logits, reqs)`` picks one token per row of ``logits [B, V]`` for the
+    request of that row (it has ``params``, ``gen``, ``ids``, ``n_prompt``, ``row``, ``logprobs``); requests
+    asking for log-probabilities get this token's appended to ``r.logprobs``."""
+
+    def __init__(self, max_rows: int, vocab: int, device: torch.device) -> None:
+        self.max_rows, self.vocab, self.device = max_rows, vocab, device
+        self.counts: torch.Tensor | None = None  # [rows, V] float32: generated tokens counted
+        self.seen: torch.Tensor | None = None  # [rows, V] bool: prompt + generated
+        self.bias: torch.Tensor | None = None  # [rows, V] float32: logit_bias
+        self.owner: list[tuple[str, int] | None] = [None] * max_rows  # (request id, tokens the row has counted)
+
+    def _bind(self, reqs: list[Any]) -> None:
+        """Rows whose owner changed (or who are behind: a recovered request) are rebuilt from the ids."""
+        if self.counts is None:
+            v, n = self.vocab, self.max_rows
+            self.counts = torch.zeros(n, v, dtype=torch.float32, device=self.device)
+            self.seen = torch.zeros(n, v, dtype=torch.bool, device=self.device)
+            self.bias = torch.zeros(n, v, dtype=torch.float32, device=self.device)
+        assert self.seen is not None and self.bias is not None
+        for r in reqs:
+            if self.owner[r.row] == (r.id, len(r.ids)):
+                continue
+            gen = torch.as_tensor(r.ids[r.n_prompt:], dtype=torch.long, device=self.device)
+            self.counts[r.row].zero_().index_add_(0, gen, torch.ones(len(gen), device=self.device))
+            self.seen[r.row].zero_()[torch.as_tensor(r.ids, dtype=torch.long, device=self.device)] = True
+            self.bias[r.row].zero_()
+            if r.params.logit_bias:
+                ids, vals = zip(*r.params.logit_bias, strict=True)
+                self.bias[r.row][torch.as_tensor(ids, device=self.device)] = torch.as_tensor(
+                    vals, dtype=torch.float32, device=self.device)
+            self.owner[r.row] = (r.id, len(r.ids))
+
+    def _process(self, logits: torch.Tensor, idx: list[int], reqs: list[Any]) -> torch.Tensor:
+        assert self.counts is not None and self.seen is not None and self.bias is not None
+        dev = logits.device
+        ps = [reqs[i].params for i in idx]
+        rows = torch.as_tensor([reqs[i].row for i in idx], device=dev)
+        x = logits[torch.as_tensor(idx, device=dev)]
+        x = x + self.bias[rows]
+        rp = torch.as_tensor([p.repetition_penalty for p in ps], dtype=torch.float32, device=dev)[:, None]
+        x = torch.where(self.seen[rows], torch.where(x < 0, x * rp, x / rp), x)
+        counts = self.counts[rows]
+        fp = torch.as_tensor([p.frequency_penalty for p in ps], dtype=torch.float32, device=dev)[:, None]
+        pp = torch.as_tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=dev)[:, None]
+        x = x - counts * fp - (counts > 0).float() * pp
+        for j, i in enumerate(idx):
+            r = reqs[i]
+            if r.params.min_tokens and not r.params.ignore_eos and len(r.ids) - r.n_prompt < r.params.min_tokens:
+                eos = [e for e in r.params.eos_token_ids if 0 <= e < x.shape[1]]
+                if eos:
+                    x[j, torch.as_tensor(eos, device=dev)] = float("-inf")
+        return logits.index_copy(0, torch.as_tensor(idx, device=dev), x)
+
+    def sample(self, logits: torch.Tensor, reqs: list[Any]) -> list[int]:
+        raw = logits
+        proc = [i for i, r in enumerate(reqs) if r.params.processed]
+        if proc:
+            self._bind([reqs[i] for i in proc])
+            logits = self._process(logits, proc, reqs)
+        out: list[torch.Tensor] = []
+        greedy = torch.argmax(logits, dim=-1)
+        for i, r in enumerate(reqs):
+            if r.params.greedy:
+                out.append(greedy[i: i + 1])
+            else:
+                assert r.gen is not None, "a sampled request has a generator"
+                out.append(torch.multinomial(_warp(logits[i], r.params), 1, generator=r.gen))
+        toks_t = torch.cat(out)
+        toks = [int(t) for t in toks_t.tolist()]
+        if proc:
+            assert self.counts is not None and self.seen is not None
+            rows = torch.as_tensor([reqs[i].row for i in proc], device=logits.device)
+            chosen = toks_t[torch.as_tensor(proc, device=logits.device)]
+            self.counts.index_put_((rows, chosen), torch.ones(len(proc), device=logits.device), accumulate=True)
+            self.seen[rows, chosen] = True
+            for i in proc:
+                r = reqs[i]
+                self.owner[r.row] = (r.id, len(r.ids) + 1)
+        lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        if lp_rows:
+            sel = torch.as_tensor(lp_rows, device=logits.device)
+            lp = torch.log_softmax(raw[sel].float(), dim=-1)
+            k = max(int(reqs[i].params.logprobs) for i in lp_rows)
+            top_v, top_i = (torch.topk(lp, k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+            chosen_lp = lp.gather(1, toks_t[sel][:, None])[:, 0].tolist()
+            top_v_l, top_i_l = top_v.tolist(), top_i.tolist()
+            for j, i in enumerate(lp_rows):
+                kk = int(reqs[i].params.logprobs)
+                reqs[i].logprobs.append(TokenLogprobs(chosen_lp[j], list(zip(top_i_l[j][:kk], top_v_l[j][:kk],
+                                                                             strict=True))))
+        return toks
+
+
+class StopStrings:
+    """Whether a request's newest token completed one of its stop strings: a pure function of its generated
+    ids (so a recovered engine stops at the same token). Only an occurrence that ends in the newest token's
+    text counts (an earlier one stopped the request then, or came before ``min_tokens``)."""
+
+    WINDOW = 16  # tokens of context beyond the longest stop string's bytes
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+
+    def hit(self, p: SamplingParams, generated: list[int]) -> bool:
+        if not p.stop or not generated:
+            return False
+        longest = max(len(s.encode("utf-8")) for s in p.stop)
+        lo = max(0, len(generated) - longest - self.WINDOW)
+        before = self.tok.decode(generated[lo:-1], skip_special_tokens=True)
+        text = self.tok.decode(generated[lo:], skip_special_tokens=True)
+        base = len(before.rstrip("\ufffd")) if text.startswith(before.rstrip("\ufffd")) else 0
+        return any(text.find(s, max(0, base - len(s) + 1)) >= 0 for s in p.stop)

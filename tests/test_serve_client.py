@@ -1,0 +1,141 @@
+"""concordia_ft.client: the official openai client through the resuming transport, against the real server in a
+subprocess SIGKILLed by pid twice mid-stream and restarted on the same log and port. The caller's iterators
+(two streams at once, chat and completions, greedy and seeded) yield every token exactly once, equal to an
+uninterrupted run; a non-streamed request sent while the server is down gets its answer once it is back; a
+SIGTERM's resume notice is followed as a dropped connection is."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from serve_helpers import ServerProc, make_tiny_model_dir
+
+openai = pytest.importorskip("openai", reason="the client tests use the official openai client (dev extra)")
+
+from concordia_ft.client import ResumingTransport, resuming_http_client  # noqa: E402
+
+ARGS = ("--served-model-name", "tiny", "--max-model-len", "512", "--batch-wait-ms", "3000", "--max-running", "2")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("serve-model") / "tiny")
+
+
+def _free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        return int(s.getsockname()[1])
+
+
+SPECS: list[dict[str, Any]] = [
+    {"kind": "chat", "messages": [{"role": "user", "content": "Tell me a long story."}], "temperature": 0.0},
+    {"kind": "completion", "prompt": "Once upon a time", "temperature": 0.8, "top_p": 0.95, "seed": 77},
+]
+MAX_TOKENS = 300
+
+
+class Reader(threading.Thread):
+    """Iterates one stream of the openai client, keeping each chunk's token ids and text as the caller sees them."""
+
+    def __init__(self, client: Any, spec: dict[str, Any]) -> None:
+        super().__init__(daemon=True)
+        self.client, self.spec = client, dict(spec)
+        self.tokens: list[int] = []
+        self.text, self.finish, self.error = "", None, None
+
+    def run(self) -> None:
+        spec = dict(self.spec)
+        kind = spec.pop("kind")
+        fn = self.client.chat.completions.create if kind == "chat" else self.client.completions.create
+        try:
+            for ch in fn(model="tiny", max_tokens=MAX_TOKENS, stream=True, **spec,
+                         extra_body={"return_token_ids": True, "ignore_eos": True}):
+                if not ch.choices:
+                    continue
+                c = ch.choices[0]
+                self.tokens.extend((c.model_extra or {}).get("token_ids") or [])
+                self.text += (c.delta.content or "") if kind == "chat" else c.text
+                self.finish = c.finish_reason or self.finish
+        except Exception as e:  # noqa: BLE001 - kept for the assertion
+            self.error = e
+
+
+def _read_all(base: str) -> list[Reader]:
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", http_client=resuming_http_client())
+    readers = [Reader(client, s) for s in SPECS]
+    for r in readers:
+        r.start()
+    return readers
+
+
+def test_the_openai_client_resumes_through_two_sigkills(model_dir: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    ref = ServerProc(model_dir, tmp_path / "ref", *ARGS, "--port", str(port))
+    try:
+        want = _read_all(ref.base)
+        for r in want:
+            r.join(timeout=300)
+        assert all(r.error is None and r.finish == "length" and len(r.tokens) == MAX_TOKENS for r in want)
+    finally:
+        ref.stop()
+
+    log = tmp_path / "log"
+    srv = ServerProc(model_dir, log, *ARGS, "--port", str(port))
+    readers = _read_all(srv.base)
+    for at in (40, 150):
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and min(len(r.tokens) for r in readers) < at:
+            time.sleep(0.005)
+        assert all(at <= len(r.tokens) < MAX_TOKENS for r in readers), [len(r.tokens) for r in readers]
+        os.kill(srv.proc.pid, signal.SIGKILL)  # by pid, from outside
+        assert srv.proc.wait(timeout=30) == -9
+        time.sleep(0.5)  # the clients find the server gone and back off
+        srv = ServerProc(model_dir, log, *ARGS, "--port", str(port))
+        assert srv.ready["recovered"] and srv.ready["running"] == 2
+    try:
+        for r in readers:
+            r.join(timeout=300)
+        for r, w in zip(readers, want, strict=True):
+            assert r.error is None, r.error
+            assert r.tokens == w.tokens and r.text == w.text and r.finish == "length"
+    finally:
+        srv.stop()
+
+
+def test_a_request_sent_while_the_server_is_down_and_a_sigterm_notice(model_dir: Path, tmp_path: Path) -> None:
+    port = _free_port()
+    log = tmp_path / "log"
+    transport = ResumingTransport(retry_for_s=180)
+    import httpx2
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                           http_client=httpx2.Client(transport=transport, timeout=300))
+    got: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: got.update(r=client.completions.create(
+        model="tiny", prompt="late", max_tokens=5, temperature=0, extra_headers={"Idempotency-Key": "late-1"})))
+    t.start()  # nothing listens yet: the transport backs off until the server is up
+    time.sleep(1.0)
+    srv = ServerProc(model_dir, log, *ARGS, "--port", str(port), "--shutdown-grace-s", "0.5")
+    try:
+        t.join(timeout=120)
+        assert got["r"].choices[0].finish_reason == "length" and got["r"].usage.completion_tokens == 5
+        reader = Reader(client, {**SPECS[0]})
+        reader.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(reader.tokens) < 20:
+            time.sleep(0.005)
+        before = transport.reconnects
+        assert srv.stop() == 0  # SIGTERM: the stream is told to resume, the transport waits for the restart
+        srv = ServerProc(model_dir, log, *ARGS, "--port", str(port))
+        reader.join(timeout=300)
+        assert reader.error is None and len(reader.tokens) == MAX_TOKENS and transport.reconnects > before
+    finally:
+        srv.stop()
