@@ -6,6 +6,7 @@ SIGTERM's resume notice is followed as a dropped connection is."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -20,7 +21,11 @@ from serve_helpers import ServerProc, make_tiny_model_dir
 
 openai = pytest.importorskip("openai", reason="the client tests use the official openai client (dev extra)")
 
-from concordia_ft.client import ResumingTransport, resuming_http_client  # noqa: E402
+from concordia_ft.client import (  # noqa: E402
+    ResumingTransport,
+    async_resuming_http_client,
+    resuming_http_client,
+)
 
 ARGS = ("--served-model-name", "tiny", "--max-model-len", "512", "--batch-wait-ms", "3000", "--max-running", "2")
 
@@ -35,9 +40,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# with the settings whose state must survive too: penalties over the tokens so far, log-probabilities of the
+# tokens already delivered, a stop string that is never met (matched at every token)
 SPECS: list[dict[str, Any]] = [
-    {"kind": "chat", "messages": [{"role": "user", "content": "Tell me a long story."}], "temperature": 0.0},
-    {"kind": "completion", "prompt": "Once upon a time", "temperature": 0.8, "top_p": 0.95, "seed": 77},
+    {"kind": "chat", "messages": [{"role": "user", "content": "Tell me a long story."}], "temperature": 0.0,
+     "presence_penalty": 0.4, "logprobs": True, "top_logprobs": 2, "stop": ["\u0001never"]},
+    {"kind": "completion", "prompt": "Once upon a time", "temperature": 0.8, "top_p": 0.95, "seed": 77,
+     "frequency_penalty": 0.3, "logit_bias": {"101": 2.0}, "logprobs": 1},
 ]
 MAX_TOKENS = 300
 
@@ -49,6 +58,7 @@ class Reader(threading.Thread):
         super().__init__(daemon=True)
         self.client, self.spec = client, dict(spec)
         self.tokens: list[int] = []
+        self.logprobs: list[float] = []
         self.text, self.finish, self.error = "", None, None
 
     def run(self) -> None:
@@ -63,6 +73,9 @@ class Reader(threading.Thread):
                 c = ch.choices[0]
                 self.tokens.extend((c.model_extra or {}).get("token_ids") or [])
                 self.text += (c.delta.content or "") if kind == "chat" else c.text
+                if c.logprobs is not None:
+                    self.logprobs += [e.logprob for e in c.logprobs.content] if kind == "chat" else \
+                        list(c.logprobs.token_logprobs)
                 self.finish = c.finish_reason or self.finish
         except Exception as e:  # noqa: BLE001 - kept for the assertion
             self.error = e
@@ -106,6 +119,7 @@ def test_the_openai_client_resumes_through_two_sigkills(model_dir: Path, tmp_pat
         for r, w in zip(readers, want, strict=True):
             assert r.error is None, r.error
             assert r.tokens == w.tokens and r.text == w.text and r.finish == "length"
+            assert len(r.logprobs) == MAX_TOKENS and r.logprobs == pytest.approx(w.logprobs, abs=1e-5)
     finally:
         srv.stop()
 
@@ -137,5 +151,29 @@ def test_a_request_sent_while_the_server_is_down_and_a_sigterm_notice(model_dir:
         srv = ServerProc(model_dir, log, *ARGS, "--port", str(port))
         reader.join(timeout=300)
         assert reader.error is None and len(reader.tokens) == MAX_TOKENS and transport.reconnects > before
+        # the asyncio client through its transport, SIGKILLed once: the same tokens as the stream above
+        got_async: list[int] = []
+
+        async def read() -> None:
+            aclient = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                         http_client=async_resuming_http_client(retry_for_s=180))
+            spec = dict(SPECS[0])
+            spec.pop("kind")
+            async for ch in await aclient.chat.completions.create(
+                    model="tiny", max_tokens=MAX_TOKENS, stream=True, **spec,
+                    extra_body={"return_token_ids": True, "ignore_eos": True}):
+                if ch.choices:
+                    got_async.extend((ch.choices[0].model_extra or {}).get("token_ids") or [])
+
+        t = threading.Thread(target=lambda: asyncio.run(read()), daemon=True)
+        t.start()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len(got_async) < 30:
+            time.sleep(0.005)
+        os.kill(srv.proc.pid, signal.SIGKILL)
+        srv.proc.wait(timeout=30)
+        srv = ServerProc(model_dir, log, *ARGS, "--port", str(port))
+        t.join(timeout=300)
+        assert got_async == reader.tokens
     finally:
         srv.stop()
