@@ -134,7 +134,7 @@ LAYERS = (
     ("concordia_ft.checkpoint", 3), ("concordia_ft.recovery", 3),
     ("concordia_ft.integrations", 4), ("concordia_ft.models", 4),
     ("concordia_ft.session", 5),
-    ("concordia_ft.serve", 6),
+    ("concordia_ft.serve", 6), ("concordia_ft.client", 6),  # the server and its HTTP client
     ("concordia_ft.distributed", 7),
     ("concordia_ft.cli", 8),
 )
