@@ -54,6 +54,10 @@ def _spec(i: int, model: str = "tiny", base_tokens: int = 120, step_tokens: int 
         body["messages"] = [{"role": "user", "content": f"Tell me story number {i}, please."}]
     else:
         body["prompt"] = f"Once upon a time, story {i} began with"
+    if i % 8 == 3:  # state that must survive the kills too (logprobs: a step writing them takes the generic epoch)
+        body.update(logprobs=2, presence_penalty=0.5)
+    if i % 8 == 6:
+        body.update(frequency_penalty=0.4, logit_bias={"65": 3.0}, stop=["\u0001never"])
     return body
 
 

@@ -194,3 +194,57 @@ def test_a_penalised_request_does_not_depend_on_its_batch(llama: Any) -> None:
                                                                         presence_penalty=0.5 * (i % 2)))
                          for i in range(5)] + [(prompt, p)])
     assert crowd[-1].generated == alone.generated
+
+
+def test_preempted_and_readmitted_requests_keep_their_logprobs_across_restarts(llama: Any, shm_dir: Path) -> None:
+    """A pool too small for three requests: one is preempted (recomputed later, sharing its own cached blocks);
+    the engine is restarted on its log while it waits and again after it was admitted again."""
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, 256, (11,), generator=g).tolist() for _ in range(3)]
+    opts = {"num_blocks": 9, "block_size": 4, "max_model_len": 36, "max_batch_tokens": 64}
+    reqs = [
+        (prompts[0], SamplingParams(8, temperature=0.0, logprobs=2, frequency_penalty=0.5), 0),
+        (prompts[1], SamplingParams(8, seed=3, temperature=0.9, logprobs=3, repetition_penalty=1.3), 1),
+        (prompts[2], SamplingParams(8, temperature=0.0, logprobs=1, presence_penalty=0.5), 0),
+    ]
+
+    def submit(eng: Engine) -> list[Any]:
+        return [eng.submit(p, sp, request_id=f"r{i}", priority=pr) for i, (p, sp, pr) in enumerate(reqs)]
+
+    with Engine(llama, shm_dir / "ref", opts) as eng:
+        want = submit(eng)
+        while eng.has_work:
+            eng.step()
+    assert eng.preempted >= 1
+
+    def lps(r: Any) -> list[Any]:
+        return [(lp.logprob, lp.top) for lp in r.logprobs]
+
+    eng = Engine(llama, shm_dir / "log", opts)
+    rs = submit(eng)
+    eng.step()
+    eng.step()
+    assert rs[1].status == "waiting" and rs[1].preemptions == 1 and len(rs[1].logprobs) == 2
+    held = {r.id: lps(r) for r in rs}
+    eng.close()
+    eng = Engine.recover(shm_dir / "log", llama, opts)
+    assert eng.get("r1").status == "waiting"
+    assert {rid: lps(eng.get(rid)) for rid in held} == held  # bit for bit, the waiting one's from the metadata
+    for _ in range(50):
+        if eng.get("r1").status == "running" and len(eng.get("r1").generated) >= 4:
+            break
+        eng.step()
+    r1 = eng.get("r1")
+    assert r1.status == "running" and r1.preemptions >= 1, r1.status
+    held = {rid: lps(eng.get(rid)) for rid in held}
+    eng.close()
+    with Engine.recover(shm_dir / "log", llama, opts) as back:
+        assert {rid: lps(back.get(rid))[: len(v)] for rid, v in held.items()} == held
+        while back.has_work:
+            back.step()
+        got = [back.get(f"r{i}") for i in range(3)]
+    for w, r in zip(want, got, strict=True):
+        assert (r.generated, r.finish_reason) == (w.generated, w.finish_reason), r.id
+        assert len(r.logprobs) == len(w.logprobs) == 8
+        for x, y in zip(r.logprobs, w.logprobs, strict=True):
+            assert x.logprob == pytest.approx(y.logprob, abs=1e-5) and [t for t, _ in x.top] == [t for t, _ in y.top]
