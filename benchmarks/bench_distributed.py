@@ -119,6 +119,22 @@ CHAOS_MODES: dict[str, dict[str, Any]] = {
 }
 
 
+def _committed(job_dir: Path) -> int:
+    try:
+        lines = (job_dir / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return -1
+    cuts = [-1]
+    for line in lines:
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if e.get("event") == "commit":
+            cuts.append(int(e["cut"]))
+    return max(cuts)
+
+
 def _members(job_dir: Path) -> dict[str, int]:
     """The job's rank processes now (wid -> pid), from the coordinator's record."""
     try:
@@ -134,7 +150,14 @@ def _inject(job_dir: Path, rng: random.Random, faults: int, coordinator_p: float
     """Kill processes of a running job from outside, by pid, at random moments (start-up, steps, collectives,
     repairs in progress: the delays do not wait for anything), stamping each in faults.jsonl first."""
     while len(log) < faults:
-        if done.wait(rng.uniform(lo_s, hi_s)):
+        # the first fault at start-up; the others once the job runs, at random gaps, a quarter of them short
+        # enough to land in the repair the previous one started
+        if log and not any(p.name.startswith("result") for p in job_dir.glob("*")) and _committed(job_dir) < 0:
+            if done.wait(0.05):
+                return
+            continue
+        gap = rng.uniform(lo_s, 0.15) if log and rng.random() < 0.25 else rng.uniform(lo_s, hi_s)
+        if done.wait(gap):
             return
         if rng.random() < coordinator_p and (job_dir / "coord" / "pid").exists():
             pid, wid = int((job_dir / "coord" / "pid").read_text()), "coordinator"
@@ -190,9 +213,10 @@ def run_chaos(a: argparse.Namespace, root: Path) -> Path:
                 raise SystemExit(f"{mode} round {rnd}: the result differs from the uninterrupted run ({job})")
     summary = []
     for mode in CHAOS_MODES:
-        sel = [x for x in rows if x["mode"] == mode]
+        sel = [x for x in rows if x["mode"] == mode and x["cut"] >= 0]  # the job was up (a cut committed)
         timed = [x["total_ms"] for x in sel if x["total_ms"] is not None]
         summary.append({"mode": mode, "repairs": len(sel), "timed": len(timed),
+                        "start_up_repairs": sum(1 for x in rows if x["mode"] == mode and x["cut"] < 0),
                         "total_ms_median": statistics.median(timed) if timed else None,
                         "total_ms_max": max(timed, default=None),
                         "detection_ms_median": statistics.median(
@@ -201,9 +225,11 @@ def run_chaos(a: argparse.Namespace, root: Path) -> Path:
                         "timeout_waits": sum(len(j["timeout_waits"]) for j in jobs if j["mode"] == mode),
                         "digests_equal": all(j["digest_equal"] for j in jobs if j["mode"] == mode)})
     notes = (f"{a.world} ranks, dp_lora {a.steps} steps, {a.backend}, fsync=always; {a.faults} SIGKILLs per job sent "
-             f"from outside the job by pid (the benchmark process), 15% of them to the coordinator, at random "
-             f"delays 0.05-{a.max_gap_s} s apart from the job's start (start-up, steps, collectives, prepares, "
-             "repairs in progress); phases per repair measured from each fault's stamp (faults.jsonl), 'total' = "
+             f"from outside the job by pid (the benchmark process), 15% of them to the coordinator: the first at "
+             f"start-up (0.05-{a.max_gap_s} s after the job starts), the others once a cut is committed, at random "
+             f"gaps of 0.05-{a.max_gap_s} s (a quarter of them under 0.15 s: into the repair in progress): steps, "
+             "collectives, prepares, rebuilds, restores. Rows: every repair; the summary counts repairs of a job "
+             "that was up (start-up ones apart). Phases measured from each fault's stamp (faults.jsonl), 'total' = "
              "kill -> every member finished its first step again; repairs cut short by the next fault have no "
              "total. timeout_waits: lines in any process's log of a wait that ended on a timeout. 2 CPU cores "
              "shared with ~8 other engineers' work: noisy.")

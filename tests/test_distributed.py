@@ -210,6 +210,8 @@ def test_rank_killed_at_every_point_gives_the_uninterrupted_result(scratch: Path
     kinds = [rep["kind"] for rep in r.repairs]
     assert kinds.count("process-death") >= 5, kinds
     assert {"collective-error", "hang", "sticky-cuda"} <= set(kinds), kinds
+    hangs = [rep for rep in r.repairs if rep["kind"] == "hang"]  # the stopped rank, never a peer waiting on it
+    assert [rep["ranks"] for rep in hangs] == [[3]] and "stopped" in hangs[0]["detail"], hangs
     _check_consistent(r, 4)
     bound = DistOptions().abort_bound_ms
     aborts = [m["abort_ms"] for ms in r.timings.values() for m in ms if m["role"] == "survivor"]

@@ -111,7 +111,9 @@ class Coordinator:
         self.hot: list[str] = []
         self.warm: list[str] = []
         self.members: list[str] = []
-        self.gen = self.commits.gen + 1
+        # generations are numbered across incarnations (a restarted coordinator's never repeats one: the
+        # members' timings are keyed by generation)
+        self.gen = max(self.commits.gen, _last_gen(job_dir / "events.jsonl")) + 1
         self.incarnation = sum(1 for _ in (job_dir / "coord").glob("incarnation.*"))
         (job_dir / "coord" / f"incarnation.{self.incarnation}").touch()
         (job_dir / "coord" / "pid").write_text(str(os.getpid()))
@@ -134,6 +136,7 @@ class Coordinator:
         self.zygote_ready = False
         self.zygote_fd = -1
         self.killed_in_gen = -1  # the generation in which this coordinator last sent a kill
+        self.refills: list[str] = []  # standbys to start again once the current repair has committed
         rng_seed = int(opts.chaos.get("seed", 0)) + 7919 * self.incarnation
         self.rng = random.Random(rng_seed)
         self.next_chaos_ns = self._chaos_delay() if opts.chaos else None
@@ -459,6 +462,9 @@ class Coordinator:
         if not self.gen_committed:
             self.gen_committed = True
             self.event("first-commit", cut=nxt, commit_ms=ms)
+            # a new process's start (its CUDA context, its first kernels; on a small host its CPU) would
+            # compete with the repair's first step: the refills start once the repair has committed
+            self._start_refills()
         self.event("commit", cut=nxt, commit_ms=ms)
 
     def _check_reports(self) -> None:
@@ -616,13 +622,13 @@ class Coordinator:
             else:
                 self.spawn("rank", wid, plan)
             if kind in ("hot", "warm") and self.opts.standby.refill:
-                self.spawn(kind)
+                self.refills.append(kind)  # started once this generation commits: not on the repair's path
         rec = {"gen": self.gen, "cut": plan.cut, "kind": v.kind.value, "action": v.action.value,
                "ranks": ranks, "standby": {str(r): k for r, (_, k) in kinds.items()},
                "replacement": {str(r): w for r, (w, _) in kinds.items()}, "failed_wids": failed_wids,
                "t_detect_ns": t_detect,
                "t_plan_ns": t_plan, "members": list(self.members), "mode": "repair",
-               "partial": self.partial, "spare": "spare" in extra}
+               "partial": self.partial, "spare": "spare" in extra, "detail": v.detail}
         self.repairs.append(rec)
         self.event("plan", **rec)
 
@@ -689,11 +695,18 @@ class Coordinator:
         if not self.kill_queue or self.commits.cut < int(self.kill_queue[0]["after_cut"]):
             return False
         first = self._preferred()
+        if first in self.refills:
+            self._start_refills()  # a kill waits for this standby: start it now
         if first == "hot" and self.opts.standby.hot:
-            return not any(self.store.check([P.standby_key(w)]) for w in self.hot)
+            return bool(self.hot) and not any(self.store.check([P.standby_key(w)]) for w in self.hot)
         if first == "warm" and self.opts.standby.warm:
-            return not any(self.children[w].ready for w in self.warm)
+            return bool(self.warm) and not any(self.children[w].ready for w in self.warm)
         return False
+
+    def _start_refills(self) -> None:
+        for kind in self.refills:
+            self.spawn(kind)
+        self.refills = []
 
     def _preferred(self) -> str:
         """The kind of standby a repair takes first: the first in ``order`` whose pool is not empty."""
@@ -796,6 +809,17 @@ class Coordinator:
 from .health import Action  # noqa: E402
 
 ACTION_REPLACE = Action.REPLACE
+
+
+def _last_gen(events: Path) -> int:
+    """The newest generation any earlier incarnation of the job's coordinator published (-1: none)."""
+    best = -1
+    for line in events.read_text().splitlines() if events.exists() else []:
+        try:
+            best = max(best, int(json.loads(line).get("gen", -1)))
+        except (json.JSONDecodeError, ValueError, TypeError):
+            continue
+    return best
 
 
 def _start_time(pid: int) -> int | None:

@@ -35,6 +35,7 @@ from .health import Beat
 from .timeline import stamp_fault
 
 _GRAVEYARD: list[Any] = []  # abandoned groups: never destroyed while one of their collectives may still run
+_ABORT_LATER: list[Any] = []  # NCCL communicators to abort once the next generation has made its first step
 
 
 class Interrupted(Exception):
@@ -286,7 +287,7 @@ class FaultTolerantGroup:
         NCCL's aborted on a thread of its own (frees its buffers; the caller never waits for it)."""
         _GRAVEYARD.append(pg)
         if backend == "nccl":
-            threading.Thread(target=_abort_quietly, args=(pg,), daemon=True).start()
+            _ABORT_LATER.append(pg)
 
     def abort(self) -> float:
         """Leave the communicator; returns the ms the calling thread spent. Gloo's abort does not release a
@@ -298,7 +299,7 @@ class FaultTolerantGroup:
             pg = self.pg
             _GRAVEYARD.append(pg)
             if self.backend == "nccl":
-                threading.Thread(target=_abort_quietly, args=(pg,), daemon=True).start()
+                _ABORT_LATER.append(pg)  # after the next generation's first step: abort_retired()
             else:
                 _abort_quietly(pg)
         return (time.perf_counter() - t0) * 1e3
@@ -352,6 +353,14 @@ class FaultTolerantGroup:
         except Exception as e:  # noqa: BLE001 - ncclRemoteError & co: the group is broken
             raise Interrupted("collective", f"{what} failed on rank {self.rank}: {str(e).splitlines()[0][:300]}"
                               ) from None
+
+
+def abort_retired() -> None:
+    """Abort the NCCL communicators left behind (on a thread: NCCL's abort takes 0.5-1 s, measured). Called
+    once the new generation has made its first step: run during the repair, the abort competes with the
+    repair's first step (on the H200 that step took 0.5-0.6 s where a steady step takes milliseconds)."""
+    while _ABORT_LATER:
+        threading.Thread(target=_abort_quietly, args=(_ABORT_LATER.pop(),), daemon=True).start()
 
 
 def _abort_quietly(pg: Any) -> None:

@@ -145,8 +145,8 @@ def service_during_repairs(repairs: list[dict[str, Any]], events: list[dict[str,
     """Partial service per repair of a replicated job (DESIGN.md §5b). The repair window runs from the kill
     (or, for a death not sent by the coordinator, its detection) to the replacement's first token (``serve_again_ms``). Survivors' throughput counts new tokens (first
     productions) in that window, against the ``before_ms`` before the kill; the longest survivor stall is the
-    longest gap between a survivor's consecutive new tokens that overlaps the window (a survivor whose stream
-    ended inside the window is not stalled after its last token)."""
+    longest time after the kill until a survivor's next new token, over the gaps that overlap the window (a
+    survivor whose stream ended inside the window is not stalled after its last token)."""
     kills = sorted(e["t_kill_ns"] for e in events if e["event"] == "kill")
     new = _new_tokens(stamps)
     first_of = {w: min((int(s[0]) for s in d["stamps"]), default=None) for w, d in stamps.items()}
@@ -172,8 +172,8 @@ def service_during_repairs(repairs: list[dict[str, Any]], events: list[dict[str,
         for r in survivors:
             ts = new.get(r, [])
             for a, b in zip(ts, ts[1:], strict=False):
-                if b > t_kill and a < t_back:
-                    stall = max(stall, b - a)
+                if b > t_kill and a < t_back:  # counted from the kill: a wait before it is not the repair's
+                    stall = max(stall, b - max(a, t_kill))
         rows.append({"gen": int(rec["gen"]), "standby": ",".join(rec.get("standby", {}).values()),
                      "partial": bool(rec.get("partial")), "serve_again_ms": (t_back - t_kill) / 1e6,
                      "survivor_tokens_during": during, "survivor_tps_during": during / win_s,

@@ -46,6 +46,7 @@ from .group import (  # noqa: E402
     FaultTolerantGroup,
     Interrupted,
     Watch,
+    abort_retired,
     build_group,
     connect_store,
     launcher_dead,
@@ -259,6 +260,7 @@ class Member:
         self.timing["first_step_end_ns"] = time.monotonic_ns()
         self.timing["gen"] = gen
         self.store.set(P.timing_key(gen, self.wid), json.dumps(self.timing))
+        abort_retired()  # the generation made its first step: the old communicators can go now
 
     def _cut(self, cut: int) -> None:
         """The boundary of cut ``cut``: the rank's prepare (called by the group before the collective)."""
