@@ -75,6 +75,12 @@ def linear() -> None:
     y = inv.linear(x, w)
     assert (y.double() - x.double() @ w.double().T).abs().max().item() < 1e-4
     assert torch.equal(inv.linear(x[[5, 80, 3]], w), y[[5, 80, 3]])
+    wg, wu = torch.randn(40, 70, generator=g), torch.randn(40, 70, generator=g)
+    gu = inv.gate_up(x, wg, wu)
+    xd = x.double()
+    want = torch.nn.functional.silu(xd @ wg.double().T) * (xd @ wu.double().T)
+    assert (gu.double() - want).abs().max().item() < 1e-3
+    assert torch.equal(inv.gate_up(x[[7, 1]], wg, wu), gu[[7, 1]])
     nw = torch.randn(70, generator=g)
     z = inv.rms_norm(x, nw, 1e-6)
     ref = nw.double() * x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)

@@ -30,6 +30,20 @@ def test_linear_matches_float64_and_is_batch_invariant(nk: tuple[int, int]) -> N
         assert torch.equal(part, y[rows]), m
 
 
+def test_gate_up_matches_float64_and_is_batch_invariant() -> None:
+    g = torch.Generator(device="cuda").manual_seed(3)
+    wg = (torch.randn(3072, 1024, device="cuda", generator=g) * 1024 ** -0.5).bfloat16()
+    wu = (torch.randn(3072, 1024, device="cuda", generator=g) * 1024 ** -0.5).bfloat16()
+    x = torch.randn(200, 1024, device="cuda", generator=g).bfloat16()
+    y = inv.gate_up(x, wg, wu)
+    xd = x.double()
+    ref = torch.nn.functional.silu(xd @ wg.double().T) * (xd @ wu.double().T)
+    unfused = (torch.nn.functional.silu(torch.nn.functional.linear(x, wg)) * torch.nn.functional.linear(x, wu))
+    assert (y.double() - ref).abs().max().item() <= 2 * (unfused.double() - ref).abs().max().item() + 1e-3
+    for m in (1, 5, 64, 65):
+        assert torch.equal(inv.gate_up(x[:m], wg, wu), y[:m]), m
+
+
 def test_rms_norm_matches_transformers_and_is_batch_invariant() -> None:
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 

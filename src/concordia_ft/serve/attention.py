@@ -123,15 +123,47 @@ def _build() -> Any:
         tl.store(o_ptr + tok[:, None] * o_st + head[:, None] * o_sh + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=valid[:, None])
 
-    return concordia_paged_attention
+    @triton.jit
+    def concordia_kv_write(k_ptr, k_st, k_sh, v_ptr, v_st, v_sh, kv_ptr, row_stride, k_off, v_off, slots_ptr,
+                           D: tl.constexpr, W: tl.constexpr, BLOCK: tl.constexpr):
+        # token t's K and V (all its K/V heads) into its pool row: one program a token
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK)
+        inside = e < W
+        h = e // D
+        d = e % D
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        k = tl.load(k_ptr + t * k_st + h * k_sh + d, mask=inside)
+        v = tl.load(v_ptr + t * v_st + h * v_sh + d, mask=inside)
+        row = kv_ptr + slot * row_stride + e
+        tl.store(row + k_off, k.to(kv_ptr.dtype.element_ty), mask=inside)
+        tl.store(row + v_off, v.to(kv_ptr.dtype.element_ty), mask=inside)
+
+    return {"attention": concordia_paged_attention, "kv_write": concordia_kv_write}
 
 
-def kernel() -> Any:
-    """The compiled-on-first-use Triton kernel (importing this module never imports Triton)."""
+def kernel(name: str = "attention") -> Any:
+    """A compiled-on-first-use Triton kernel (importing this module never imports Triton)."""
     global _kernel
     if _kernel is None:
         _kernel = _build()
-    return _kernel
+    return _kernel[name]
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, view: PoolView, slots: torch.Tensor) -> None:
+    """Token ``t``'s ``k[t], v[t]`` (``[T, Hkv, D]``, the head dimension contiguous) into pool slot ``slots[t]``
+    of the layer ``view`` names, in one launch."""
+    if k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("the K/V write needs the head dimension contiguous")
+    t = k.shape[0]
+    if t == 0:
+        return
+    w = view.kv_heads * view.head_dim
+    import triton
+
+    kernel("kv_write")[(t,)](k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1), view.storage,
+                             view.storage.stride(0), view.k_off, view.v_off, slots, D=view.head_dim, W=w,
+                             BLOCK=triton.next_power_of_2(w), num_warps=4)
 
 
 def block_q(rep: int) -> int:
@@ -172,7 +204,7 @@ def launch(q: torch.Tensor, out: torch.Tensor, view: PoolView, tables: torch.Ten
     if q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("paged attention needs the head dimension contiguous")
     bq = block_q(rep)
-    kernel()[(n_tiles, view.kv_heads)](
+    kernel("attention")[(n_tiles, view.kv_heads)](
         q, q.stride(0), q.stride(1), out, out.stride(0), out.stride(1),
         view.storage, view.storage.stride(0), view.k_off, view.v_off, tables, tables.stride(0), tiles,
         scale * math.log2(math.e), REP=rep, D=d, M=M_ROWS, BQ=bq, BN=BLOCK_N, PAGE=view.page,
@@ -194,4 +226,4 @@ def reference_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Ten
     return out
 
 
-__all__ = ["BLOCK_N", "M_ROWS", "PoolView", "block_q", "interpreted", "kernel", "prepare_interpreter", "launch", "plan_tiles", "reference_attention"]
+__all__ = ["BLOCK_N", "M_ROWS", "PoolView", "block_q", "interpreted", "kernel", "prepare_interpreter", "write_kv", "launch", "plan_tiles", "reference_attention"]

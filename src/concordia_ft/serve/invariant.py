@@ -10,7 +10,9 @@ So, with ``invariant`` on, the engine swaps the forward of its model's ``nn.Line
 - ``linear``: a Triton GEMM whose tile configuration is a function of ``(N, K)`` only (never of M), one program
   per output tile, K walked in fixed steps in order, no split-K: row ``i`` of ``x @ W.T`` is the same bits
   for any M and any position of the row among the M;
-- ``rms_norm``: one program per row, the whole row in registers, one fixed reduction tree.
+- ``rms_norm``: one program per row, the whole row in registers, one fixed reduction tree;
+- ``gate_up``: a SiLU-gated MLP's gate and up projections as ``linear`` computes them, SiLU and the product in the
+  same kernel (two launches and two elementwise kernels fewer per layer).
 The swap is per module instance (no global dispatcher override), made once when the engine is built.
 """
 
@@ -54,6 +56,29 @@ def _build() -> dict[str, Any]:
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
     @triton.jit
+    def concordia_gate_up(x_ptr, g_ptr, u_ptr, y_ptr, M, N, K, sxm, sxk, swn, swk, sym, syn,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # silu(x @ Wg.T) * (x @ Wu.T) in one pass over x: both accumulators walk K as concordia_linear does
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        acc_g = tl.zeros([BM, BN], tl.float32)
+        acc_u = tl.zeros([BM, BN], tl.float32)
+        for k0 in range(0, K, BK):
+            kk = k0 + rk
+            a = tl.load(x_ptr + rm[:, None].to(tl.int64) * sxm + kk[None, :] * sxk,
+                        mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+            wmask = (rn[None, :] < N) & (kk[:, None] < K)
+            woff = rn[None, :].to(tl.int64) * swn + kk[:, None] * swk
+            acc_g = tl.dot(a, tl.load(g_ptr + woff, mask=wmask, other=0.0), acc_g)
+            acc_u = tl.dot(a, tl.load(u_ptr + woff, mask=wmask, other=0.0), acc_u)
+        y = acc_g * tl.sigmoid(acc_g) * acc_u
+        tl.store(y_ptr + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn, y.to(y_ptr.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+    @triton.jit
     def concordia_rms_norm(x_ptr, w_ptr, y_ptr, N, sx, sy, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, BLOCK)
@@ -63,7 +88,7 @@ def _build() -> dict[str, Any]:
         w = tl.load(w_ptr + c, mask=c < N, other=0.0)
         tl.store(y_ptr + row * sy + c, (w * h).to(y_ptr.dtype.element_ty), mask=c < N)
 
-    return {"linear": concordia_linear, "rms_norm": concordia_rms_norm}
+    return {"linear": concordia_linear, "gate_up": concordia_gate_up, "rms_norm": concordia_rms_norm}
 
 
 def kernels() -> dict[str, Any]:
@@ -95,6 +120,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y.view(*shape[:-1], n)
 
 
+def gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` in one kernel (a gated MLP's first half), batch-invariant like
+    ``linear``; the product is taken in float32 before one rounding."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    m, k = x2.shape
+    n = gate.shape[0]
+    if up.shape != gate.shape or up.stride() != gate.stride():
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} projections must match")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    bm, bn, bk, warps = tiles(n, k)
+    kernels()["gate_up"][(-(-m // bm), -(-n // bn))](
+        x2, gate, up, y, m, n, k, x2.stride(0), x2.stride(1), gate.stride(0), gate.stride(1), y.stride(0),
+        y.stride(1), BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=3)
+    return y.view(*shape[:-1], n)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * (x * rsqrt(mean(x^2) + eps))`` per row in float32, as transformers' RMSNorm computes it."""
     shape = x.shape
@@ -118,11 +160,27 @@ def _norm_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
     return rms_norm(x, self.weight, getattr(self, "variance_epsilon", getattr(self, "eps", 1e-6)))
 
 
+def _gated_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(gate_up(x, self.gate_proj.weight, self.up_proj.weight))
+
+
+def _is_silu_gated_mlp(mod: Any) -> bool:
+    """A transformers gated MLP (``down(act(gate(x)) * up(x))``) with SiLU and no biases."""
+    parts = [getattr(mod, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    act = getattr(mod, "act_fn", None)
+    silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"  # transformers' own SiLU
+    return all(isinstance(p, torch.nn.Linear) and p.bias is None for p in parts) and silu
+
+
 def install(model: torch.nn.Module) -> int:
-    """Swap the forward of every ``nn.Linear`` and RMSNorm module of ``model`` (its instances only) for the
-    batch-invariant kernels; returns how many modules were switched."""
+    """Swap the forward of every ``nn.Linear``, RMSNorm and SiLU-gated MLP module of ``model`` (its instances
+    only) for the batch-invariant kernels (a gated MLP's gate and up projections and its SiLU in one kernel);
+    returns how many modules were switched."""
     n = 0
     for mod in model.modules():
+        if _is_silu_gated_mlp(mod):
+            mod.forward = types.MethodType(_gated_mlp_forward, mod)  # type: ignore[method-assign]
+            n += 1
         if isinstance(mod, torch.nn.Linear):
             mod.forward = types.MethodType(_linear_forward, mod)  # type: ignore[method-assign]
             n += 1
@@ -132,4 +190,4 @@ def install(model: torch.nn.Module) -> int:
     return n
 
 
-__all__ = ["install", "kernels", "linear", "rms_norm", "tiles"]
+__all__ = ["gate_up", "install", "kernels", "linear", "rms_norm", "tiles"]

@@ -241,9 +241,9 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     layer = int(module.layer_idx)
     pool = batch.pool
     if isinstance(batch, KernelBatch):
-        kl, vl = pool.k[layer], pool.v[layer]
-        kl.index_copy_(0, batch.write_slots, key[0].transpose(0, 1).to(kl.dtype))
-        vl.index_copy_(0, batch.write_slots, value[0].transpose(0, 1).to(vl.dtype))
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+        attention.write_kv(k if k.stride(2) == 1 else k.contiguous(), v if v.stride(2) == 1 else v.contiguous(),
+                           pool.views[layer], batch.write_slots)
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         if q.stride(2) != 1:
             q = q.contiguous()
