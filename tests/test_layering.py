@@ -250,9 +250,10 @@ def cycles(mods: dict[str, Path], edges: list[Edge]) -> list[set[str]]:
     return out
 
 
-def upward(edges: list[Edge]) -> list[Edge]:
+def upward(edges: list[Edge], *, allowed: bool = False) -> list[Edge]:
+    """Imports from a lower layer to a higher one (``allowed``: the allow-listed ones too)."""
     return [e for e in edges if e.src != FACADE and e.dst != FACADE and layer_of(e.dst) > layer_of(e.src)
-            and (e.src, e.dst) not in ALLOWED_UPWARD]
+            and (allowed or (e.src, e.dst) not in ALLOWED_UPWARD)]
 
 
 def test_every_module_has_a_layer() -> None:
@@ -296,13 +297,13 @@ def report() -> str:
              f"({sum(e.where == 'local' for e in edges)} function-local, "
              f"{sum(e.where == 'typing' for e in edges)} under TYPE_CHECKING)",
              f"import circles: {len(found)}" + "".join(f"\n  {' <-> '.join(sorted(c))}" for c in found),
-             f"upward imports: {len(upward(edges))}"]
-    lines += [f"  {e.src} -> {e.dst} (line {e.line})" for e in upward(edges)]
+             f"upward imports: {len(upward(edges, allowed=True))} ({len(upward(edges))} not allow-listed)"]
+    lines += [f"  {e.src} -> {e.dst} (line {e.line})" for e in upward(edges, allowed=True)]
+    found_r = reach_ins()
+    lines.append(f"private reach-ins: {len(found_r)} ({sum((m, n) not in ALLOWED_REACH_INS for m, n, _ in found_r)} "
+                 "not allow-listed)")
+    lines += [f"  {m}:{line} {n}" for m, n, line in found_r]
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(report())
 
 
 # ------------------------------------------------------------------------------------ private reach-ins
@@ -384,3 +385,7 @@ def test_the_reach_in_check_sees_a_private_attribute_and_a_private_import(tmp_pa
     assert ALLOWED_REACH_INS <= got, ALLOWED_REACH_INS - got
     tree = ast.parse("class A:\n    def __init__(self):\n        self._x = 1\n_G = 2\ndef _f(): pass\n")
     assert private_names(tree) == {"_x", "_G", "_f"}
+
+
+if __name__ == "__main__":
+    print(report())
