@@ -326,7 +326,7 @@ class Engine:
         self.tokens_dirty = np.zeros(len(self.tokens) // TOKEN_BLOCK, np.uint8)
         self.rng = RngRows(opts.max_running, self.device)
         # the sampler's rules, and each generated token's log-probabilities (requests asking for them) per slot
-        self.sampler = Sampler(opts.max_running, int(self.lm_head.weight.shape[0]), self.device)
+        self.sampler = Sampler(opts.max_running, int(self.lm_head.weight.shape[0]), self.device, opts.max_model_len)
         self.tokenizer = tokenizer  # stop strings are matched in its text (not logged: pass the same to recover)
         self.stops = StopStrings(tokenizer) if tokenizer is not None else None
         self.lp = np.zeros(self.geo.slots * LP_WORDS, np.float32)

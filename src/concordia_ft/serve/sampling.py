@@ -9,14 +9,15 @@ argmax; sampled rows each draw from the request's own ``torch.Generator``, so a 
 own history only, never on which other requests share the step. The generator's state is what the engine logs
 (``RngRows``).
 
-The rules are pure functions of a request's token ids: the per-row buffers they read (token counts, the tokens
-seen, the bias) live on the logits' device, one row per sampler row, and are rebuilt from the ids whenever a
-row changes owner (admission, recovery), so nothing of them is logged. A step whose rows use none of them runs
-no code for them.
+The rules are pure functions of a request's token ids: the per-row buffers they read (its ids, its generated
+token counts) live on the logits' device, one row per sampler row, and are rebuilt from the ids whenever a row
+changes owner (admission, recovery), so nothing of them is logged. A step whose rows use none of them runs no
+code for them.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -52,7 +53,7 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
+    @functools.cached_property
     def processed(self) -> bool:
         """Whether the row's logits go through a rule before the warpers (penalties, bias, min_tokens)."""
         return bool(self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty
@@ -181,56 +182,72 @@ class TokenLogprobs:
 class Sampler:
     """The engine's sampler. ``sample(logits, reqs)`` picks one token per row of ``logits [B, V]`` for the
     request of that row (it has ``params``, ``gen``, ``ids``, ``n_prompt``, ``row``, ``logprobs``); requests
-    asking for log-probabilities get this token's appended to ``r.logprobs``."""
+    asking for log-probabilities get this token's appended to ``r.logprobs``.
 
-    def __init__(self, max_rows: int, vocab: int, device: torch.device) -> None:
-        self.max_rows, self.vocab, self.device = max_rows, vocab, device
+    The rules touch only the tokens a request has (``generate()``'s own gather/scatter over its ids): per
+    sampler row, its token ids ``[rows, max_len]`` and its generated-token counts ``[rows, V]`` stay on the
+    logits' device, updated in place after each draw; a step reads ``rows x context`` of them, never a whole
+    vocabulary row more than the one copy of the logits that the rules are applied to."""
+
+    def __init__(self, max_rows: int, vocab: int, device: torch.device, max_len: int) -> None:
+        self.max_rows, self.vocab, self.device, self.max_len = max_rows, vocab, device, max_len
+        self.ids: torch.Tensor | None = None  # [rows, max_len] int64: prompt + generated
         self.counts: torch.Tensor | None = None  # [rows, V] float32: generated tokens counted
-        self.seen: torch.Tensor | None = None  # [rows, V] bool: prompt + generated
-        self.bias: torch.Tensor | None = None  # [rows, V] float32: logit_bias
-        self.owner: list[tuple[str, int] | None] = [None] * max_rows  # (request id, tokens the row has counted)
+        self.bias: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * max_rows  # logit_bias (ids, values)
+        self.owner: list[tuple[str, int] | None] = [None] * max_rows  # (request id, tokens the row holds)
 
     def _bind(self, reqs: list[Any]) -> None:
         """Rows whose owner changed (or who are behind: a recovered request) are rebuilt from the ids."""
-        if self.counts is None:
-            v, n = self.vocab, self.max_rows
-            self.counts = torch.zeros(n, v, dtype=torch.float32, device=self.device)
-            self.seen = torch.zeros(n, v, dtype=torch.bool, device=self.device)
-            self.bias = torch.zeros(n, v, dtype=torch.float32, device=self.device)
-        assert self.seen is not None and self.bias is not None
+        dev = self.device
+        if self.ids is None:
+            self.ids = torch.zeros(self.max_rows, self.max_len, dtype=torch.long, device=dev)
+            self.counts = torch.zeros(self.max_rows, self.vocab, dtype=torch.float32, device=dev)
+        assert self.counts is not None
         for r in reqs:
             if self.owner[r.row] == (r.id, len(r.ids)):
                 continue
-            gen = torch.as_tensor(r.ids[r.n_prompt:], dtype=torch.long, device=self.device)
-            self.counts[r.row].zero_().index_add_(0, gen, torch.ones(len(gen), device=self.device))
-            self.seen[r.row].zero_()[torch.as_tensor(r.ids, dtype=torch.long, device=self.device)] = True
-            self.bias[r.row].zero_()
+            ids = torch.as_tensor(r.ids, dtype=torch.long, device=dev)
+            self.ids[r.row, : len(r.ids)] = ids
+            gen = ids[r.n_prompt:]
+            self.counts[r.row].zero_().index_add_(0, gen, torch.ones(len(gen), device=dev))
+            self.bias[r.row] = None
             if r.params.logit_bias:
-                ids, vals = zip(*r.params.logit_bias, strict=True)
-                self.bias[r.row][torch.as_tensor(ids, device=self.device)] = torch.as_tensor(
-                    vals, dtype=torch.float32, device=self.device)
+                t, v = zip(*r.params.logit_bias, strict=True)
+                self.bias[r.row] = (torch.as_tensor(t, dtype=torch.long, device=dev),
+                                    torch.as_tensor(v, dtype=torch.float32, device=dev))
             self.owner[r.row] = (r.id, len(r.ids))
 
     def _process(self, logits: torch.Tensor, idx: list[int], reqs: list[Any]) -> torch.Tensor:
-        assert self.counts is not None and self.seen is not None and self.bias is not None
+        assert self.ids is not None and self.counts is not None
         dev = logits.device
+        x = logits.clone()
         ps = [reqs[i].params for i in idx]
+        for i in idx:  # logit_bias first (generate()'s SequenceBiasLogitsProcessor comes before the penalties)
+            b = self.bias[reqs[i].row]
+            if b is not None:
+                x[i, b[0]] += b[1]
+        lens = [len(reqs[i].ids) for i in idx]
         rows = torch.as_tensor([reqs[i].row for i in idx], device=dev)
-        x = logits[torch.as_tensor(idx, device=dev)]
-        x = x + self.bias[rows]
-        rp = torch.as_tensor([p.repetition_penalty for p in ps], dtype=torch.float32, device=dev)[:, None]
-        x = torch.where(self.seen[rows], torch.where(x < 0, x * rp, x / rp), x)
-        counts = self.counts[rows]
-        fp = torch.as_tensor([p.frequency_penalty for p in ps], dtype=torch.float32, device=dev)[:, None]
-        pp = torch.as_tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=dev)[:, None]
-        x = x - counts * fp - (counts > 0).float() * pp
-        for j, i in enumerate(idx):
+        at = torch.as_tensor(idx, device=dev)[:, None]
+        ids = self.ids[rows, : max(lens)]
+        pad = torch.arange(ids.shape[1], device=dev)[None, :] >= torch.as_tensor(lens, device=dev)[:, None]
+        ids = torch.where(pad, ids[:, :1], ids)  # past a row's end: its first token again (same value written)
+        if any(p.repetition_penalty != 1.0 for p in ps):
+            rp = torch.as_tensor([p.repetition_penalty for p in ps], dtype=torch.float32, device=dev)[:, None]
+            v = x[at, ids]
+            x[at, ids] = torch.where(v < 0, v * rp, v / rp)
+        if any(p.frequency_penalty or p.presence_penalty for p in ps):
+            fp = torch.as_tensor([p.frequency_penalty for p in ps], dtype=torch.float32, device=dev)[:, None]
+            pp = torch.as_tensor([p.presence_penalty for p in ps], dtype=torch.float32, device=dev)[:, None]
+            c = self.counts[rows[:, None], ids]  # 0 for a prompt token never generated: no penalty
+            x[at, ids] = x[at, ids] - c * fp - (c > 0).float() * pp
+        for i in idx:
             r = reqs[i]
             if r.params.min_tokens and not r.params.ignore_eos and len(r.ids) - r.n_prompt < r.params.min_tokens:
                 eos = [e for e in r.params.eos_token_ids if 0 <= e < x.shape[1]]
                 if eos:
-                    x[j, torch.as_tensor(eos, device=dev)] = float("-inf")
-        return logits.index_copy(0, torch.as_tensor(idx, device=dev), x)
+                    x[i, torch.as_tensor(eos, device=dev)] = float("-inf")
+        return x
 
     def sample(self, logits: torch.Tensor, reqs: list[Any]) -> list[int]:
         raw = logits
@@ -249,14 +266,16 @@ class Sampler:
         toks_t = torch.cat(out)
         toks = [int(t) for t in toks_t.tolist()]
         if proc:
-            assert self.counts is not None and self.seen is not None
-            rows = torch.as_tensor([reqs[i].row for i in proc], device=logits.device)
-            chosen = toks_t[torch.as_tensor(proc, device=logits.device)]
-            self.counts.index_put_((rows, chosen), torch.ones(len(proc), device=logits.device), accumulate=True)
-            self.seen[rows, chosen] = True
+            assert self.ids is not None and self.counts is not None
+            dev = logits.device
+            keep = [i for i in proc if len(reqs[i].ids) < self.max_len]
+            rows = torch.as_tensor([reqs[i].row for i in keep], device=dev)
+            chosen = toks_t[torch.as_tensor(keep, device=dev)]
+            self.counts.index_put_((rows, chosen), torch.ones(len(keep), device=dev), accumulate=True)
+            self.ids[rows, torch.as_tensor([len(reqs[i].ids) for i in keep], device=dev)] = chosen
             for i in proc:
                 r = reqs[i]
-                self.owner[r.row] = (r.id, len(r.ids) + 1)
+                self.owner[r.row] = (r.id, len(r.ids) + 1) if i in keep else None
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         if lp_rows:
             sel = torch.as_tensor(lp_rows, device=logits.device)
