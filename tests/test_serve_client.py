@@ -190,3 +190,28 @@ def test_a_request_sent_while_the_server_is_down_and_a_sigterm_notice(model_dir:
         assert got_async == reader.tokens
     finally:
         srv.stop()
+
+
+def test_the_readmes_client_snippet_runs_as_written(model_dir: Path, tmp_path: Path) -> None:
+    import re
+    import subprocess
+
+    from support import PYTHON, REPO, subprocess_env
+
+    blocks = re.findall(r"^```python\n(.*?)^```$", (REPO / "README.md").read_text(), flags=re.S | re.M)
+    code = next(b for b in blocks if "resuming_http_client" in b)
+    assert len(code.strip().splitlines()) <= 5, code
+    srv = ServerProc(model_dir, tmp_path / "log", "--served-model-name", "SmolLM2-135M-Instruct",
+                     "--default-max-tokens", "16")
+    try:
+        code = code.replace("http://127.0.0.1:8000", srv.base)  # the only change: this server's port
+        p = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=300)
+        assert p.returncode == 0 and p.stdout, p.stdout + p.stderr
+        deadline = time.monotonic() + 10  # the request's log line, read from the server's stderr
+        while time.monotonic() < deadline and not any(e["path"] == "/v1/chat/completions"
+                                                      for e in srv.events("request")):
+            time.sleep(0.05)
+        reqs = [e for e in srv.events("request") if e["path"] == "/v1/chat/completions"]
+        assert [(e["status"], e["completion_tokens"], e["key"]) for e in reqs] == [(200, 16, True)]
+    finally:
+        srv.stop()
