@@ -309,7 +309,8 @@ def _logprobs(kind: str, body: dict[str, Any]) -> int | None:
                 raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "invalid_value", "top_logprobs")
             return None
         return int(top or 0)
-    return _num(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+    k: int | None = _num(body, "logprobs", int, None, 0, MAX_TOP_LOGPROBS)
+    return k
 
 
 def _metadata(v: Any) -> dict[str, str]:
