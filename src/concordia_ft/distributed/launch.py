@@ -177,7 +177,8 @@ class _Reaper:
     """Ranks outlive a killed coordinator (the next one keeps them), so they are reparented: to this process,
     which makes itself their subreaper (PR_SET_CHILD_SUBREAPER) and reaps them when they exit. Only the job's
     own processes (named in ``coord/pids.json``) are reaped here; ``finish`` SIGKILLs any still alive after
-    the job ended (none, unless a coordinator died with the job unfinished) and reaps them."""
+    the job ended (none, unless a coordinator died with the job unfinished), reaps them, and stops being a
+    subreaper."""
 
     def __init__(self, job_dir: Path) -> None:
         self.path = job_dir / "coord" / "pids.json"
@@ -218,6 +219,9 @@ class _Reaper:
         while self.pids and time.monotonic() < deadline:
             self.reap()
             time.sleep(0.005)
+        # this process stops adopting orphans: other processes it runs (a server's keeper, say) keep the
+        # ordinary reparenting to init
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 0)
 
 
 def _exit_text(rc: int) -> str:
