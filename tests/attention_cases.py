@@ -89,31 +89,45 @@ def linear() -> None:
 
 
 def invariant_engine() -> None:
-    """An engine with invariant=True gives each request alone the tokens it gets among others joining late."""
+    """An engine with invariant=True computes each request's K/V rows (every layer, every position) and tokens
+    bit for bit the same alone as among others joining late, with its prompt chunked differently (another
+    ``max_batch_tokens``), greedy and seeded."""
     from concordia_ft.serve import Engine, SamplingParams
     from llm_helpers import tiny_model
 
     model = tiny_model("qwen3")
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 21, 4, 13)]
-    opts = {"num_blocks": 40, "block_size": 4, "max_batch_tokens": 16, "max_model_len": 64, "checkpoint": False,
+    opts = {"num_blocks": 60, "block_size": 4, "max_batch_tokens": 16, "max_model_len": 64, "checkpoint": False,
             "invariant": True}
 
     def params(i: int) -> SamplingParams:
-        return SamplingParams(max_new_tokens=8, temperature=0.0 if i % 2 else 0.9, seed=i)
+        return SamplingParams(max_new_tokens=8, temperature=0.0 if i % 2 else 0.9, seed=i, ignore_eos=True)
+
+    def run(eng: Engine, step_hook: object = None) -> dict[str, list[int]]:
+        slots: dict[str, list[int]] = {}
+        while eng.has_work:
+            for r in eng.running.values():
+                slots[r.id] = list(r.slots)  # its table grows as it decodes
+            eng.step()
+            if callable(step_hook):
+                step_hook()
+        return slots
+
+    def rows(eng: Engine, slots: list[int], n: int) -> torch.Tensor:
+        return eng.pool.storage.view(-1, eng.geo.row_bytes)[slots[:n]].clone()
 
     eng = Engine(model, None, opts)
     reqs = [eng.submit(p, params(i)) for i, p in enumerate(prompts[:2])]
-    eng.step()
-    reqs += [eng.submit(p, params(i + 2)) for i, p in enumerate(prompts[2:])]
-    while eng.has_work:
-        eng.step()
+    late = iter([prompts[2:]])
+    slots = run(eng, lambda: [reqs.append(eng.submit(p, params(len(reqs)))) for p in next(late, [])])
     for i, p in enumerate(prompts):
-        alone = Engine(model, None, opts)
+        alone = Engine(model, None, {**opts, "max_batch_tokens": 5})  # another prefill chunking
         r = alone.submit(p, params(i))
-        while alone.has_work:
-            alone.step()
+        mine = run(alone)
         assert r.generated == reqs[i].generated, i
+        n = len(p) + len(r.generated) - 1  # the last sampled token's K/V is never computed
+        assert torch.equal(rows(alone, mine[r.id], n), rows(eng, slots[reqs[i].id], n)), i
 
 
 CASES = {"linear": linear, "invariant_engine": invariant_engine, "reference1": lambda: reference(1), "reference2": lambda: reference(2), "reference3": lambda: reference(3),
