@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .core.format import encode_json
+from .core.format import JSONText, encode_json
 from .core.log import RecoveryLog
 from .core.regions import RegionKind, RegionSpec
 from .core.tracking import DenseBatch, RegionDelta, StagedBatch, StagedDelta, Tracker
@@ -102,6 +102,11 @@ class FrozenMeta:
     def value(self) -> Any:
         return json.loads(self.text)
 
+    @property
+    def encoded(self) -> Any:
+        """What the log appends: the text itself (encode_json's output already; not decoded and encoded again)."""
+        return JSONText(self.text)
+
 
 @dataclass(frozen=True)
 class HandedMeta:
@@ -109,6 +114,10 @@ class HandedMeta:
     and the writer encodes it (once, in the log append)."""
 
     value: Any
+
+    @property
+    def encoded(self) -> Any:
+        return self.value
 
 
 def freeze_meta(meta: Any, copy: bool = True) -> FrozenMeta | HandedMeta | None:
@@ -244,7 +253,7 @@ class PendingEpoch:
             t1 = time.perf_counter()
             res = self._log.append(defs=list(self.contents.defs), drops=list(self.contents.drops),
                                    deltas=[d for _, d in ordered],
-                                   meta=None if self._meta is None else self._meta.value)
+                                   meta=None if self._meta is None else self._meta.encoded)
             t2 = time.perf_counter()
         except BaseException as e:  # noqa: BLE001 - handed to the caller's next call, never lost
             self._abandon()

@@ -109,6 +109,9 @@ class Runtime:
         self._appended_since_compact = self.log.replayed.suffix_bytes if self.log.replayed is not None else 0
         self._compactor: threading.Thread | None = None
         self.last_compaction: CompactionResult | None = None
+        # every compaction of this runtime: count, seconds (seal included), seal seconds, bytes before / after
+        self._compaction_live: Any = None  # set_compaction_live
+        self._compactions = {"count": 0, "seconds": 0.0, "seal_wait_s": 0.0, "bytes_before": 0, "bytes_after": 0}
         self.compaction_error: CompactionError | None = None  # the last compaction failure (kept)
         self._compaction_unreported: CompactionError | None = None  # raised by the next checkpoint, once
         self.last_stats: CheckpointStats | None = None
@@ -591,14 +594,48 @@ class Runtime:
             self._join_compactor()
             self._compaction_unreported = None  # this call reports for itself
             try:
-                result = compact_with_writer(self.log)
+                result = compact_with_writer(self.log, live=self._compaction_live)
             except Exception as e:
                 raise self._compaction_failed(e) from e
-            self.last_compaction = result
+            self._compacted(result)
             self._appended_since_compact = 0
             return result
         self._start_compactor()
         return None
+
+    def _compacted(self, result: CompactionResult) -> None:
+        self.last_compaction = result
+        if result.compacted:
+            c = self._compactions
+            c["count"] += 1
+            c["seconds"] += result.seconds
+            c["seal_wait_s"] += result.seal_seconds
+            c["bytes_before"] += result.bytes_before
+            c["bytes_after"] += result.bytes_after
+
+    @property
+    def compact_after_bytes(self) -> int | None:
+        """Bytes appended (since the last compaction) that start the next one; None: never."""
+        return self._compact_after
+
+    def set_compaction_live(self, live: Any) -> None:
+        """``live(meta)`` -> {region name: the pages (ascending int64 array) the state of the epoch whose
+        metadata is ``meta`` still needs} (or None): compactions leave the other pages of those regions out of
+        the base (they replay as zeros). A pure function of the metadata: it runs on the compactor's thread, on
+        the compacted epoch's metadata, not on the caller's current state."""
+        self._compaction_live = live
+
+    def compaction_stats(self) -> dict[str, float]:
+        """The compactions this runtime ran: ``count``, ``seconds`` (sum, the seal included), ``seal_wait_s`` (of
+        it, sealing the active segment), ``bytes_before`` / ``bytes_after`` (sums: the segments replaced, the
+        bases written)."""
+        return dict(self._compactions)
+
+    @property
+    def compacting(self) -> bool:
+        """A background compaction is running."""
+        c = self._compactor
+        return c is not None and c.is_alive()
 
     def _compaction_failed(self, e: BaseException) -> CompactionError:
         err = e if isinstance(e, CompactionError) else CompactionError(str(self.log_dir), f"{type(e).__name__}: {e}")
@@ -622,11 +659,21 @@ class Runtime:
         for a lease to end (a compaction's seal), and (unless ``ignore_in_flight``) no asynchronous epoch in
         flight. A lessee's epochs hold only the pages it was given: the trackers' flags are its caller's to
         clear."""
+        return self.lease_blocker(ignore_in_flight=ignore_in_flight) is None
+
+    def lease_blocker(self, *, ignore_in_flight: bool = False) -> str | None:
+        """Why the next epoch may not be appended by a lessee (``leasable``'s conditions, the first that holds,
+        as a word), or None."""
         with self._mutex:
-            return not (self._closed or self._pending_defs or self._pending_drops or self._needs_full
-                        or (self._inflight is not None and not ignore_in_flight) or self._unreported is not None
-                        or self._compaction_unreported is not None or self.log.lease_wanted
-                        or self.log.failed is not None)
+            for why, holds in (("closed", self._closed), ("region_defs", self._pending_defs),
+                               ("region_drops", self._pending_drops), ("full_epoch", self._needs_full),
+                               ("async_in_flight", self._inflight is not None and not ignore_in_flight),
+                               ("unreported_failure", self._unreported is not None),
+                               ("compaction_failure", self._compaction_unreported is not None),
+                               ("compaction_seal", self.log.lease_wanted), ("log_failed", self.log.failed is not None)):
+                if holds:
+                    return why
+            return None
 
     def count_appended(self, nbytes: int, epochs: int) -> None:
         """Report ``epochs`` epochs of ``nbytes`` that another writer appended to this runtime's log (a leased
@@ -654,7 +701,7 @@ class Runtime:
 
         def run() -> None:
             try:
-                self.last_compaction = compact_with_writer(self.log)
+                self._compacted(compact_with_writer(self.log, live=self._compaction_live))
             except BaseException as e:  # noqa: BLE001 - reported, never lost: the old segments stay valid
                 self._compaction_unreported = self._compaction_failed(e)
                 log.error("background compaction of %s failed: %s (the log is unchanged)", self.log_dir, e)

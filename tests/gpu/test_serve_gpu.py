@@ -121,15 +121,18 @@ def test_async_epochs_with_graphs_recover_token_exact(shm: Path) -> None:
     rec.close()
 
 
-@pytest.mark.parametrize(("pipelined", "depth", "cap"), [(False, 1, 0), (True, 1, 0), (True, 8, 0), (False, 1, 8),
-                                                         (True, 8, 8)])
-def test_step_epochs_with_graphs_log_the_generic_state_and_recover_token_exact(shm: Path, pipelined: bool,
-                                                                               depth: int, cap: int) -> None:
+@pytest.mark.parametrize(("pipelined", "depth", "cap", "bulk"), [
+    (False, 1, 0, "auto"), (True, 1, 0, "auto"), (True, 8, 0, "auto"), (False, 1, 8, "auto"), (True, 8, 8, "auto"),
+    (False, 1, 8, "c"), (True, 8, 8, "c")])
+def test_step_epochs_with_graphs_log_the_generic_state_and_recover_token_exact(
+        shm: Path, pipelined: bool, depth: int, cap: int, bulk: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Step epochs on the GPU (rows gathered on the device into the pinned ring, inside the graph steps' stream
     order; the previous step's epoch handed to the writer after the next forward's launch when pipelined; with
-    ``cap`` the prefill chunks go through the bulk buffer in pieces): the same tokens as no log, the log replays
-    to the same KV / tokens / rng bytes and metadata as the generic path's, every flag the step path logged is
-    clear, and a recovered engine continues token-exact."""
+    ``cap`` the prefill chunks are more rows than a ring slot: DMA'd into the log's mapped segment by the placed
+    path (``bulk`` "auto"), or gathered into the bulk buffer in pieces ("c")): the same tokens as no log, the log
+    replays to the same KV / tokens / rng bytes and metadata as the generic path's, every flag the step path
+    logged is clear, and a recovered engine continues token-exact."""
+    monkeypatch.setenv("CONCORDIA_STEP_EPOCH_BULK", bulk)
     from concordia_ft.core.replay import replay
     from concordia_ft.serve.stepepochs import StepEpochs
 
@@ -143,7 +146,8 @@ def test_step_epochs_with_graphs_log_the_generic_state_and_recover_token_exact(s
         c.fast = StepEpochs(c, cap_rows=cap, slots=c.fast.n_slots)
     assert drive(g, workload(), max_steps=14) == drive(c, workload(), max_steps=14)
     assert c.graphs is not None and c.graphs.replays > 0 and c.fast.steps >= 8
-    assert (c.fast.bulk_steps > 0) == bool(cap) and c.fast.fallbacks == 0
+    assert (c.fast.bulk_steps > 0) == (bool(cap) and bulk == "c") and c.fast.fallbacks == 0
+    assert (c.fast.placed_steps > 0) == (bool(cap) and bulk == "auto")
     c.fast.suspend()  # (pipelined: the last step's epoch is deferred until then; it takes its flags)
     torch.cuda.synchronize()
     assert not c.pool.dirty.any().item() and not c.tokens_dirty.any() and not c.rng.dirty.any()

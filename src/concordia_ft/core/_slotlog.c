@@ -118,6 +118,7 @@ typedef struct {
     int64_t last_seq;    /* StepWriter: the last seq submitted (-1: none) */
     int64_t committed_epoch; /* its epoch number (0: none yet) */
     int stop_req, failed, rolling, running;
+    int roll_req;        /* roll before the next epoch (a compactor wants the segment sealed): set_target clears it */
     /* the target segment */
     int kind, fd, fsync_mode;
     uint8_t *base;
@@ -419,7 +420,8 @@ static int store_epoch(Writer *w, Rec *recs, int nr) {
     }
     uint64_t total = cursor + COMMIT_BYTES;
     uint64_t payload_bytes = any_payload ? last_end - payload_area : 0;
-    if (total > w->cap - w->end || (w->seg_epochs > 0 && w->end + total > w->soft_max)) {
+    if (total > w->cap - w->end ||
+        (w->seg_epochs > 0 && (w->end + total > w->soft_max || __atomic_load_n(&w->roll_req, __ATOMIC_ACQUIRE)))) {
         w->need = total;
         return 1;
     }
@@ -767,6 +769,7 @@ static PyObject *Writer_set_target(Writer *w, PyObject *args, PyObject *kw) {
     w->interval_ns = interval_ns; w->synced_end = synced_end; w->durable_epoch = durable_epoch;
     w->last_sync_ns = now_ns(CLOCK_MONOTONIC);
     w->rolling = 0;
+    __atomic_store_n(&w->roll_req, 0, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&w->mu);
     Py_RETURN_NONE;
 }
@@ -800,6 +803,12 @@ static PyObject *Writer_fail(Writer *w, PyObject *unused) {
     w->failed = 1;
     pthread_cond_broadcast(&w->cv);
     pthread_mutex_unlock(&w->mu);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Writer_request_roll(Writer *w, PyObject *unused) {
+    (void)unused;
+    __atomic_store_n(&w->roll_req, 1, __ATOMIC_RELEASE);
     Py_RETURN_NONE;
 }
 
@@ -969,6 +978,8 @@ static PyMethodDef StepWriter_methods[] = {
     {"set_target", (PyCFunction)(void (*)(void))Writer_set_target, METH_VARARGS | METH_KEYWORDS,
      "set_target(...): the segment to append to, as Writer.set_target"},
     {"submit", (PyCFunction)(void (*)(void))StepWriter_submit, METH_FASTCALL, "submit(seq, blob)"},
+    {"request_roll", (PyCFunction)Writer_request_roll, METH_NOARGS,
+     "roll to a new segment before the next epoch (unless the segment holds none): run() returns 1 there"},
     {"fail", (PyCFunction)Writer_fail, METH_NOARGS, "mark the writer failed (the Python side failed a roll)"},
     {"stop", (PyCFunction)Writer_stop, METH_NOARGS, "finish the queue, then run() returns 0"},
     {"run", (PyCFunction)Writer_run, METH_NOARGS, "the writer loop, GIL released: 0 stopped, 1 roll, 2 failed"},

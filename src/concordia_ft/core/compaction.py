@@ -16,7 +16,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ class CompactionResult:
     bytes_after: int = 0
     seconds: float = 0.0
     reason: str = ""
+    seal_seconds: float = 0.0  # of ``seconds``: sealing the active segment (waiting for a lessee's roll or lease end)
 
 
 FAILURE_NAME = "COMPACTION_FAILED"  # the last compaction failure of this log, until one succeeds
@@ -65,11 +66,17 @@ def clear_failure(log_dir: Path, *, io: OsCalls = REAL_OS) -> None:
     io.unlink_quietly(log_dir / FAILURE_NAME)
 
 
+LiveFn = Callable[[Any], "Mapping[str, Any] | None"]
+
+
 def compact_sealed(log_dir: Path, manifest_segments: list[str], *, new_name: str, header: bytes,
                    install: Callable[[str, list[str]], None],
-                   kill_hook: Callable[[str], None] | None = None, io: OsCalls = REAL_OS) -> CompactionResult:
+                   kill_hook: Callable[[str], None] | None = None, io: OsCalls = REAL_OS,
+                   live: LiveFn | None = None) -> CompactionResult:
     """Replay (verify) the sealed ``manifest_segments``, write their state as base ``new_name`` (streamed from
-    the mapped segments, sparse), and ``install`` it in their place."""
+    the mapped segments, sparse), and ``install`` it in their place. ``live(meta)``: from the compacted epoch's
+    metadata, the pages (ascending int64 arrays) of the regions it names that the state still needs; the rest
+    of those regions is dead and left out of the base (None: everything is kept)."""
     t0 = time.perf_counter()
     if not manifest_segments or (len(manifest_segments) == 1 and manifest_segments[0].startswith("base.")):
         return CompactionResult(False, reason="nothing to compact: no sealed incremental segments")
@@ -82,8 +89,9 @@ def compact_sealed(log_dir: Path, manifest_segments: list[str], *, new_name: str
         if res.epoch is None or res.pending is None:
             return CompactionResult(False, reason="the sealed segments hold no committed epoch")
         before = sum(os.path.getsize(log_dir / n) for n in manifest_segments)
+        keep = live(res.meta) if live is not None else None
         size = write_base(log_dir, new_name, header, res.epoch, res.pending.region_pages(), res.meta,
-                          kill_hook=kill_hook, io=io)
+                          kill_hook=kill_hook, io=io, keep=keep)
     finally:
         res.close()
     if kill_hook:
@@ -96,14 +104,19 @@ def compact_sealed(log_dir: Path, manifest_segments: list[str], *, new_name: str
                             time.perf_counter() - t0)
 
 
-def compact_with_writer(writer: RecoveryLog, *, kill_hook: Callable[[str], None] | None = None
-                        ) -> CompactionResult:
+def compact_with_writer(writer: RecoveryLog, *, kill_hook: Callable[[str], None] | None = None,
+                        live: LiveFn | None = None) -> CompactionResult:
     """Compact while ``writer`` keeps appending (run it in a background thread)."""
     try:
+        t0 = time.perf_counter()
         sealed = writer.seal_for_compaction()
+        sealed_s = time.perf_counter() - t0
         name, header = writer.reserve_base()
-        return compact_sealed(writer.dir, sealed, new_name=name, header=header, install=writer.install_base,
-                              kill_hook=kill_hook, io=writer.io)
+        res = compact_sealed(writer.dir, sealed, new_name=name, header=header, install=writer.install_base,
+                             kill_hook=kill_hook, io=writer.io, live=live)
+        res.seal_seconds = sealed_s
+        res.seconds += sealed_s
+        return res
     except Exception as e:
         record_failure(writer.dir, e, io=writer.io)
         raise

@@ -221,7 +221,14 @@ def check_commit(buf: bytes | memoryview, epoch: int, total_bytes: int, desc_crc
                           f"({total_bytes} bytes)")
 
 
+class JSONText(bytes):
+    """Metadata its caller encoded as JSON already (from cached fragments: the serving engine's per-step state):
+    ``encode_json`` passes it through instead of encoding an object again."""
+
+
 def encode_json(obj: Any) -> bytes:
+    if isinstance(obj, JSONText):
+        return bytes(obj)
     return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode("utf-8")
 
 

@@ -197,7 +197,8 @@ class PlacedPayload(Protocol):
 
 
 def _add_incr_segment(log_dir: Path, manifest: Manifest, opts: LogOptions, io: OsCalls, *, capacity: int = 0,
-                      register: Registrar | None = None, spare: SparePreparer | None = None) -> SegmentWriter:
+                      register: Registrar | None = None, spare: SparePreparer | None = None,
+                      stats: dict[str, Any] | None = None) -> SegmentWriter:
     """Create the next incremental segment (header synced), then name it in the manifest (atomically).
 
     On a failure before the manifest's rename, ``manifest`` names the same segments as before and the new file
@@ -210,6 +211,8 @@ def _add_incr_segment(log_dir: Path, manifest: Manifest, opts: LogOptions, io: O
     seg: SegmentWriter | None = None
     if spare is not None and opts.uses_mapped:  # created, faulted in and registered ahead, off this path
         seg = spare.take(log_dir / name, header, capacity)
+    if stats is not None:
+        stats["prepared" if seg is not None else "on_the_spot"] += 1
     if seg is None:
         seg = _open_segment(log_dir / name, opts, io, header=header, capacity=capacity, register=register)
     new.incr.append(name)
@@ -337,6 +340,13 @@ class RecoveryLog:
         self._leased = False
         self._lease_waiters = 0  # threads waiting for the lease to end (a compaction's seal)
         self._lease_done = threading.Condition(self._mutex)
+        # a compactor that wants the active segment sealed while a lessee that can roll holds it (``seal_wanted``):
+        # the lessee rolls at its next epoch (roll_leased), instead of ending its lease
+        self._seal_waiters = 0
+        self._rollable_lease = False
+        # segment rolls of this writer: how many, how many took a segment prepared ahead / made one on the spot,
+        # the seconds they took on the thread that rolled
+        self.roll_stats: dict[str, Any] = {"rolls": 0, "prepared": 0, "on_the_spot": 0, "seconds": 0.0}
         if opts.fsync == "interval":
             self._syncer = threading.Thread(target=self._sync_loop, name="concordia-fsync", daemon=True)
             self._syncer.start()
@@ -514,12 +524,13 @@ class RecoveryLog:
         A failure before the manifest's rename leaves the log on the old segment, healthy; a failed fdatasync
         of the old segment or of the directory after the rename fails the log."""
         old = self._segment
+        t0 = time.perf_counter()
         self._sync_active(f"fdatasync of {old.path.name} before sealing it")
         try:
             # an epoch is planned again at the new offset: its alignment padding can grow by up to a page
             seg = _add_incr_segment(self.dir, self.manifest, self.options, self._io,
                                     capacity=need + 2 * SEGMENT_HEADER_BYTES, register=self._register,
-                                    spare=self._spare)
+                                    spare=self._spare, stats=self.roll_stats)
         except DirSyncError as e:
             raise _WriteFailed(self._mark_failed((self.last_epoch or 0) + 1, (
                 f"starting segment {self.manifest.incr[-1]}: the manifest naming it is in place, but fsyncing the "
@@ -530,7 +541,11 @@ class RecoveryLog:
         self._segment = seg
         self._segment_epochs = 0
         self._synced_end = seg.end
-        if self._spare is not None and isinstance(old, MappedSegment) and old.registered:
+        self.roll_stats["rolls"] += 1
+        self.roll_stats["seconds"] += time.perf_counter() - t0
+        if self._seal_waiters:
+            self._lease_done.notify_all()  # a compactor waiting for this seal
+        if self._spare is not None and isinstance(old, MappedSegment):
             self._spare.retire(old)  # the worker retires it after this epoch and prepares the next spare
             return
         try:
@@ -554,7 +569,9 @@ class RecoveryLog:
                 return
             self._register = register
             self._segment.register(register)
-            if prepare_spare:
+            if self._spare is not None:  # prepared ahead already (prepare_spares): pinned from now on
+                self._spare.set_registrar(register)
+            elif prepare_spare:
                 o = self.options
                 cap = min(o.mapped_segment_bytes, o.segment_max_bytes)
                 self._spare = SparePreparer(
@@ -562,6 +579,30 @@ class RecoveryLog:
                     max_capacity=min(4 * o.mapped_segment_bytes, max(o.segment_max_bytes, o.mapped_segment_bytes)),
                     header_bytes=SEGMENT_HEADER_BYTES)
                 self._spare.start()
+
+    @property
+    def registers_segments(self) -> bool:
+        """The mapped segments are pinned with a driver (``set_mapping_registrar``): a device DMAs into them."""
+        return self._register is not None
+
+    def prepare_spares(self, depth: int = 1) -> bool:
+        """Keep ``depth`` next segments of a mapped log prepared ahead (created, preallocated, faulted in, and
+        pinned once ``set_mapping_registrar`` gave a registrar) by one background worker, so no roll makes its
+        segment on the appending thread. False when the log's segments are not mapped."""
+        with self._mutex:
+            self._check_open()
+            if not isinstance(self._segment, MappedSegment):
+                return False
+            if self._spare is None:
+                o = self.options
+                self._spare = SparePreparer(
+                    self.dir, min(o.mapped_segment_bytes, o.segment_max_bytes), self._register, io=self._io,
+                    fit_epochs=o.mapped_fit_epochs,
+                    max_capacity=min(4 * o.mapped_segment_bytes, max(o.segment_max_bytes, o.mapped_segment_bytes)),
+                    header_bytes=SEGMENT_HEADER_BYTES)
+            self._spare.set_depth(depth)
+            self._spare.start()
+            return True
 
     def wait_spare(self, timeout_s: float | None = None) -> bool:
         """Until the next segment being prepared ahead (``set_mapping_registrar``) is ready, at most
@@ -752,6 +793,11 @@ class RecoveryLog:
             raise self._error(number, self._failure)
 
     @property
+    def seal_wanted(self) -> bool:
+        """A compactor waits for a rollable lessee to roll (``lease_tail(rollable=True)``)."""
+        return self._seal_waiters > 0
+
+    @property
     def lease_wanted(self) -> bool:
         """True while a thread waits for the lease to end (a compaction sealing the active segment): a lessee
         that can pause (the serving engine's step epochs) ends its lease and takes none until this is False."""
@@ -788,9 +834,11 @@ class RecoveryLog:
 
 
     # ------------------------------------------------------------------------------- leased tail
-    def lease_tail(self) -> TailLease | None:
+    def lease_tail(self, *, rollable: bool = False) -> TailLease | None:
         """Hand the active segment to an external appender (core/slotlog.py) until ``end_lease``: None when
-        this log cannot be leased (a DAX segment, OS calls that are not the real ones, a failed log)."""
+        this log cannot be leased (a DAX segment, OS calls that are not the real ones, a failed log).
+        ``rollable``: the lessee watches ``seal_wanted`` and rolls (``roll_leased``) before its next epoch, so a
+        compactor's seal waits for that roll instead of for the lease's end."""
         with self._mutex:
             self._check_open()
             if self._failure is not None or self._leased or self._io is not REAL_OS:
@@ -798,6 +846,7 @@ class RecoveryLog:
             lease = self._tail_lease()
             if lease is not None:
                 self._leased = True
+                self._rollable_lease = rollable
             return lease
 
     def _tail_lease(self) -> TailLease | None:
@@ -836,6 +885,8 @@ class RecoveryLog:
             except _WriteFailed as f:
                 self._end_lease_locked()
                 raise self._error((self.last_epoch or 0) + 1, f.text) from f.__cause__
+            if self._spare is not None:
+                self._spare.took(need)  # no after_epoch follows a lessee's epochs: the next spare is made now
             lease = self._tail_lease()
             if lease is None or lease.capacity - lease.end < need:
                 self._end_lease_locked()
@@ -857,6 +908,7 @@ class RecoveryLog:
 
     def _end_lease_locked(self) -> None:
         self._leased = False
+        self._rollable_lease = False
         self._lease_done.notify_all()
 
     def _lessee_failure(self, kind: int, errnum: int, text: str, start: int, number: int) -> CheckpointError:
@@ -883,6 +935,22 @@ class RecoveryLog:
         """Start a new incremental segment; return the sealed segments a compactor may rewrite."""
         with self._mutex:
             self._check_open()
+            if self._leased and self._rollable_lease:
+                # the lessee (the serving engine's step epochs) rolls before its next epoch; the segments before
+                # the one it then appends to are sealed. An idle lessee ends its lease instead (below).
+                rolls = self.roll_stats["rolls"]
+                self._seal_waiters += 1
+                try:
+                    while (self._leased and self._rollable_lease and self.roll_stats["rolls"] == rolls
+                           and not self._closed and self._failure is None):
+                        self._lease_done.wait()
+                finally:
+                    self._seal_waiters -= 1
+                self._check_open()
+                if self._failure is not None:
+                    raise LogError(f"the log {self.dir} is failed ({self._failure}); compaction waits for a reopen")
+                if self.roll_stats["rolls"] != rolls:
+                    return self.manifest.segments()[:-1]
             while self._leased:  # graph decode appends to the active segment: seal it once that is over
                 self._lease_waiters += 1
                 try:

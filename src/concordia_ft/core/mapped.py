@@ -265,10 +265,12 @@ class SparePreparer:
     a ``.tmp`` name that ``remove_orphans`` deletes if the process dies first; ``take`` renames it.
 
     ONE worker thread, started once, does all of it between epochs. The log reports each epoch's size
-    (``after_epoch``); the worker sizes the spare from the sizes seen (``target_capacity``), keeps one ready
-    (created, preallocated, faulted in, registered) and retires sealed segments (driver unregistration, unmap),
-    so a roll on the append path is a rename of the ready spare, its header and the manifest: no creation, no
-    page fault, no registration, no thread start. Driver (un)registration waits for ``quiet`` (held by the log
+    (``after_epoch``, and each roll of a lessee: ``took``); the worker sizes the spares from the sizes seen
+    (``target_capacity``), keeps ``depth`` of them ready (created, preallocated, faulted in, registered; more than
+    one for a writer whose large epochs come back to back, e.g. a serving engine's prefill chunks, each of which
+    fills a segment) and retires sealed segments (driver unregistration, unmap), so a roll on the append path is
+    a rename of a ready spare, its header and the manifest: no creation, no page fault, no registration, no
+    thread start. Driver (un)registration waits for ``quiet`` (held by the log
     while a placed epoch's DMA is in flight), so it never runs beside one. (A thread per spare and per retired
     segment started by the roll, with two layout passes per placed epoch, committed LoRA's 53 MB epochs in
     3.04 ms median against 2.43 ms this way: integrations/LLM.md, results llm_lora-h200-b1.json.)
@@ -281,7 +283,8 @@ class SparePreparer:
         self._dir, self._register, self._io = directory, register, io
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._spare: MappedSegment | None = None
+        self._ready: list[MappedSegment] = []  # spares ready, oldest first
+        self.depth = 1  # spares kept ready
         self.error: BaseException | None = None
         # the worker's state (all under _lock)
         self.quiet = QuietGate()  # held by the log while a placed epoch's DMA and CRC run
@@ -294,7 +297,7 @@ class SparePreparer:
         self._to_close: list[tuple[MappedSegment, bool]] = []  # (segment, unlink it): retire or discard
         self._stopping = False
         self._worker: threading.Thread | None = None
-        self.stats = {"made": 0, "retired": 0, "discarded": 0}
+        self.stats = {"made": 0, "retired": 0, "discarded": 0, "taken": 0}
 
     # ---------------------------------------------------------------------------------- sizing
     def target_capacity(self, sizes: Sequence[int]) -> int:
@@ -334,10 +337,30 @@ class SparePreparer:
         one of its own before the worker thread got to run."""
         if self._making or self._make_failed or self._stopping:
             return
-        if self._spare is None or self._spare.capacity < self._want:
+        if sum(1 for r in self._ready if r.capacity >= self._want) < self.depth:
             self._making = True
             self._start_worker()
             self._cond.notify_all()
+
+    def set_depth(self, depth: int) -> None:
+        """Keep ``depth`` spares ready from now on."""
+        with self._cond:
+            self.depth = max(1, int(depth))
+            self._request_make()
+
+    def took(self, epoch_bytes: int) -> None:
+        """A roll took a spare for an epoch of ``epoch_bytes`` (a lessee's roll: no ``after_epoch`` follows):
+        the next one is made now."""
+        self.after_epoch(epoch_bytes)
+
+    def set_registrar(self, register: Registrar) -> None:
+        """Pin the spares made from now on (and those ready now) with ``register``."""
+        with self._cond:
+            self._register = register
+            ready = list(self._ready)
+        for r in ready:
+            with self.quiet:
+                r.register(register)
 
     def _start_worker(self) -> None:
         if self._worker is None and not self._stopping:
@@ -392,11 +415,11 @@ class SparePreparer:
                 self._close_segment(seg, True)
                 seg = None
         with self._cond:
-            if seg is not None and self._spare is not None:  # the smaller one (or one the other mode made)
-                self._to_close.append((self._spare, True))
-                self.stats["discarded"] += 1
             if seg is not None:
-                self._spare = seg
+                for r in [r for r in self._ready if r.capacity < capacity]:  # smaller ones: replaced
+                    self._to_close.append((r, True))
+                    self.stats["discarded"] += 1
+                self._ready = [r for r in self._ready if r.capacity >= capacity] + [seg]
             self._making = False
             if seg is None:
                 self._make_failed = True
@@ -430,7 +453,7 @@ class SparePreparer:
                 if left is not None and left <= 0:
                     break
                 self._cond.wait(left)
-            return self._spare is not None
+            return bool(self._ready)
 
     def stop(self) -> None:
         """Tell the worker to finish (without waiting: ``close`` joins it)."""
@@ -449,7 +472,7 @@ class SparePreparer:
     def retire(self, seg: MappedSegment) -> None:
         """Close a sealed segment (driver unregistration, unmap, hole punch of its unused tail) off the append
         path: a roll does not wait for it (the bytes are synced already; only this process's view goes)."""
-        with self._cond:  # the worker closes it after the epoch that rolled (after_epoch): nothing runs beside it
+        with self._cond:  # the worker closes it after the epoch that rolled (after_epoch / took)
             self._to_close.append((seg, False))
 
     def take(self, path: Path, header: bytes, capacity: int) -> MappedSegment | None:
@@ -457,19 +480,20 @@ class SparePreparer:
         smaller than ``capacity``)."""
         with self._cond:
             # one being prepared (and none ready that fits): finishing it beats creating one here
-            while self._making and not self._stopping and (self._spare is None
-                                                           or self._spare.capacity < capacity):
+            while self._making and not self._stopping and not any(r.capacity >= capacity for r in self._ready):
                 self._cond.wait()
-            seg = self._spare
-            if seg is None:
+            fit = [r for r in self._ready if r.capacity >= capacity]
+            if not fit:
+                if self._ready:  # too small for this epoch: discarded by the worker, not here
+                    self._to_close += [(r, True) for r in self._ready]
+                    self.stats["discarded"] += len(self._ready)
+                    self._ready = []
+                    self._start_worker()
+                    self._cond.notify_all()
                 return None
-            self._spare = None
-            if seg.capacity < capacity:  # discarded by the worker, not here
-                self._to_close.append((seg, True))
-                self.stats["discarded"] += 1
-                self._start_worker()
-                self._cond.notify_all()
-                return None
+            seg = fit[0]
+            self._ready.remove(seg)
+            self.stats["taken"] += 1
         self._io.replace(seg.path, path)
         seg.path = path
         seg.append([header])
@@ -486,12 +510,12 @@ class SparePreparer:
         if w is not None and w is not threading.current_thread():
             w.join(timeout=60)
         with self._lock:
-            seg, self._spare = self._spare, None
+            ready, self._ready = self._ready, []
             closing, self._to_close = self._to_close, []
         for s, unlink in closing:
             self._close_segment(s, unlink)
-        if seg is not None:
-            self._discard(seg)
+        for r in ready:
+            self._discard(r)
 
 
 class HostPayload:

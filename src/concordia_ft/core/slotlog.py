@@ -274,7 +274,7 @@ class StepLogWriter(SlotLogWriter):
         if not available():
             raise ConfigError(f"the C epoch writer is {status()}")
         assert _slotlog is not None
-        lease = log.lease_tail()
+        lease = log.lease_tail(rollable=True)  # a compactor's seal: roll_for_seal, not the lease's end
         if lease is None:
             raise ConfigError(f"the log {log.dir} cannot be leased (a DAX segment, injected OS calls or a failed log)")
         self.log = log
@@ -300,16 +300,19 @@ class StepLogWriter(SlotLogWriter):
         self.lease = lease
         super()._target(lease)
 
-    def roll_if_needed(self, need: int) -> bool:
+    def roll_if_needed(self, need: int, *, seal: bool = False) -> bool:
         """Roll to the next segment now, on the calling thread, when an epoch of up to ``need`` bytes would not
-        fit the active one and the writer is idle (nothing queued): the writer's own thread would otherwise
-        roll, and take the GIL from a busy caller to do it. True when it rolled. A failed roll raises
-        ``CheckpointError`` (the lease is then over: ``lease_lost``)."""
+        fit the active one (or ``seal``: a compactor wants the segment sealed, and it holds an epoch) and the
+        writer is idle (nothing queued): the writer's own thread would otherwise roll, and take the GIL from a
+        busy caller to do it. True when it rolled. A failed roll raises ``CheckpointError`` (the lease is then
+        over: ``lease_lost``)."""
         st = self._w.state()
         if st["queued"] or st["rolling"]:
             return False
         end, lease = int(st["end"]), self.lease
-        if need <= lease.capacity - end and not (int(st["segment_epochs"]) > 0 and end + need > lease.soft_max):
+        epochs = int(st["segment_epochs"])
+        if need <= lease.capacity - end and not (epochs > 0 and end + need > lease.soft_max) and not (
+                seal and epochs > 0):
             return False
         try:
             new = self.log.roll_leased(st, need)
@@ -320,6 +323,14 @@ class StepLogWriter(SlotLogWriter):
             raise
         self._target(new)
         return True
+
+    def roll_for_seal(self, need: int) -> str:
+        """A compactor waits for the active segment to be sealed (``RecoveryLog.seal_wanted``): roll now when
+        the writer is idle ("now"), else have the writer roll before its next epoch ("requested")."""
+        if self.roll_if_needed(need, seal=True):
+            return "now"
+        self._w.request_roll()
+        return "requested"
 
 
 __all__ = ["SENTINELS", "SlotLogWriter", "StepLogWriter", "available", "meta_record",

@@ -61,18 +61,24 @@ class RegionPages:
             row[pages[lo:hi] - a] = np.arange(lo, hi)
         return src, row
 
-    def chunks(self, only: npt.NDArray[np.int64] | None = None
+    def chunks(self, only: npt.NDArray[np.int64] | None = None, *, keep: npt.NDArray[np.int64] | None = None
                ) -> Iterator[tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8]]]:
         """(pages, their bytes as a (k, page_bytes) array) for every live page (or only the pages in ``only``,
-        ascending, all live), ascending, at most CHUNK_BYTES at a time."""
+        ascending, all live; or the live ones of ``keep``, ascending), ascending, at most CHUNK_BYTES at a
+        time."""
         pb = self.spec.page_bytes
         step = max(1, CHUNK_BYTES // pb)
         n = self.spec.n_pages
         for a in range(0, n, WINDOW_PAGES):
             b = min(n, a + WINDOW_PAGES)
             src, row = self._newest(a, b)
-            if only is None:
+            if only is None and keep is None:
                 idx = np.flatnonzero(src >= 0)
+            elif only is None:
+                assert keep is not None
+                lo, hi = np.searchsorted(keep, [a, b])
+                cand = keep[lo:hi] - a
+                idx = cand[src[cand] >= 0]
             else:
                 lo, hi = np.searchsorted(only, [a, b])
                 idx = only[lo:hi] - a
@@ -101,11 +107,12 @@ class RegionPages:
             out[sel] = payloads[k][r[sel]]
         return out
 
-    def nonzero_pages(self) -> npt.NDArray[np.int64]:
-        """The live pages whose newest version is not all zeros (what the base must hold)."""
+    def nonzero_pages(self, keep: npt.NDArray[np.int64] | None = None) -> npt.NDArray[np.int64]:
+        """The live pages whose newest version is not all zeros (what the base must hold); with ``keep`` (pages,
+        ascending), only those of them: the others are not read."""
         kept: list[npt.NDArray[np.int64]] = []
         wide = self.spec.page_bytes % 8 == 0
-        for pages, data in self.chunks():
+        for pages, data in self.chunks(keep=keep):
             rows = data.view(np.uint64) if wide else data
             kept.append(pages[rows.any(axis=1)])
         return np.concatenate(kept) if kept else np.zeros(0, dtype=np.int64)
@@ -122,14 +129,18 @@ def region_pages(specs: Mapping[str, RegionSpec], born: Mapping[str, int], write
 
 
 def write_base(log_dir: Path, name: str, header: bytes, epoch: int, regions: Sequence[RegionPages], meta: Any, *,
-               kill_hook: Callable[[str], None] | None = None, io: OsCalls = REAL_OS) -> int:
+               kill_hook: Callable[[str], None] | None = None, io: OsCalls = REAL_OS,
+               keep: Mapping[str, npt.NDArray[np.int64]] | None = None) -> int:
     """Write segment ``name`` (via ``name.tmp``, synced, renamed, directory synced) holding one FULL epoch of
     ``regions``' nonzero pages and ``meta``. Returns the file's size. Every call that changes the directory
     goes through ``io`` (the log's OS boundary); a failure leaves at most a ``.tmp`` (deleted here, or as
-    crash debris at the next open): the log itself is untouched until the manifest names the base."""
+    crash debris at the next open): the log itself is untouched until the manifest names the base.
+
+    ``keep``: for the regions it names, the pages (ascending) the state still needs; the others are dead (the
+    KV rows of a serving engine's freed blocks) and replay as zeros from the base."""
     tmp = log_dir / (name + ".tmp")
     io.unlink_quietly(tmp)
-    kept = [(r, r.nonzero_pages()) for r in regions]
+    kept = [(r, r.nonzero_pages(None if keep is None else keep.get(r.spec.name))) for r in regions]
     start = len(header)
     lay = layout_epoch(epoch, start, defs=[r.spec for r in regions], drops=[],
                        pages_of=[(r.spec, pages) for r, pages in kept], meta=meta, full=True)

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..core.format import encode_json
+from ..core.format import JSONText, encode_json
 from ..errors import ConfigError, ContextLengthError, QueueFullError, RecoveryError
 from ..session import model_fingerprint
 from . import attention
@@ -65,6 +65,7 @@ LOGGED_OPTIONS = ("max_running", "max_waiting", "max_model_len", "max_batch_toke
 # what a log written before an option existed ran with: cuBLAS and torch's norms, no prefix cache, whole-budget
 # reservation
 OPTION_BEFORE = {"invariant": False, "prefix_caching": False, "admission": "reserve"}
+SPARE_SEGMENTS = 2  # log segments kept prepared ahead (a mapped log)
 
 
 @dataclass(frozen=True)
@@ -367,6 +368,12 @@ class Engine:
                 str(log_dir), fsync=opts.fsync, backend=opts.backend, on_compaction_error="warn",
                 compact_after_bytes=max(256 << 20, 2 * self.geo.nbytes), log_options=self._log_options())
             self._register(fresh=_recovering is None)
+            # the next segments of a mapped (dram) log made ahead by the log's worker, never by a roll on the
+            # step's path (a GPU's registered ones pinned too): two, since a prefill chunk's epoch fills one
+            self.runtime.log.prepare_spares(SPARE_SEGMENTS)
+            # a compaction keeps only what the compacted step's requests still need (their blocks' rows, token
+            # pages and generator rows): a finished request's rows are dead, and the base is <= the live bytes
+            self.runtime.set_compaction_live(self._live_pages)
             if opts.step_epochs == "c" and not stepepochs.available():
                 raise ConfigError("step_epochs='c' needs the C epoch writer, which is not built here "
                                   "(scripts/build_ext.sh, or pip install with a C compiler); use 'auto' or 'runtime'")
@@ -377,7 +384,7 @@ class Engine:
             if _recovering is None:
                 # a fresh log's first epoch: the region definitions and the empty engine (step 0), so the first
                 # step's epoch (a prefill, the largest) need not carry the definitions and may take the step path
-                self.runtime.checkpoint(meta={META_KEY: self._meta()})
+                self.runtime.checkpoint(meta=JSONText(self._meta_json()))
                 if opts.prepare_ahead:
                     if self.fast is not None:
                         self.fast.prepare_bulk(opts.max_batch_tokens)
@@ -398,13 +405,39 @@ class Engine:
         self.mirror = LogMirror(self.runtime.log_dir, self.device.index)
 
     def _log_options(self) -> dict[str, Any] | None:
-        """A GPU engine's mapped log segments hold its largest step's epoch (a full prefill of
-        ``max_batch_tokens`` rows) with room to spare, so that epoch lands in a segment prepared ahead (created,
-        faulted in and registered off the step) rather than in one made on the spot: 256 MiB to 1 GiB."""
-        if self.device.type != "cuda":
+        """The mapped log segments hold the engine's largest step's epoch (a full prefill of ``max_batch_tokens``
+        rows) with room to spare, so that epoch lands in a segment prepared ahead (created, faulted in and, on a
+        GPU, registered off the step) rather than in one made on the spot: 256 MiB to 1 GiB on a GPU, 16 MiB to
+        1 GiB on the CPU (the active segment and two spares are allocated tmpfs memory)."""
+        if self.opts.backend != "dram":
             return None
+        if self.device.type != "cuda":
+            big = self.opts.max_batch_tokens * self.geo.row_bytes * 5 // 4
+            return {"mapped_segment_bytes": min(1 << 30, max(16 << 20, -(-big // (16 << 20)) * (16 << 20)))}
         big = self.opts.max_batch_tokens * self.geo.row_bytes + (64 << 20)
         return {"mapped_segment_bytes": min(1 << 30, max(256 << 20, -(-big // (64 << 20)) * (64 << 20)))}
+
+    def _live_pages(self, meta: Any) -> dict[str, np.ndarray] | None:
+        """The pages of ``kv``, ``tokens`` and ``rng`` that the engine state logged as ``meta`` needs: every block
+        a running request's table names or the block cache keeps (its rows, their token pages) and the running
+        requests' generator rows. None (keep everything) for metadata this code does not read."""
+        m = meta.get(META_KEY) if isinstance(meta, dict) else None
+        if not isinstance(m, dict) or m.get("version") != META_VERSION:
+            return None
+        geo, bs = self.geo, self.geo.block_size
+        blocks = {int(b) for d in m.get("running", ()) for b in d["table"]}
+        cache = m.get("blocks")
+        if isinstance(cache, dict):  # the prefix cache's blocks outlive their requests
+            blocks.update(int(e[0]) for e in cache.get("cached", ()))
+        b = np.array(sorted(blocks), dtype=np.int64)
+        slots = (b[:, None] * bs + np.arange(bs)).ravel()
+        ppr = geo.row_bytes // geo.page_bytes
+        kv = (slots[:, None] * ppr + np.arange(ppr)).ravel()
+        tok = np.unique(slots // TOKEN_BLOCK)
+        rng_ppr = self.rng.row_bytes // 512
+        rows = np.array(sorted({int(d["row"]) for d in m.get("running", ())}), dtype=np.int64)
+        rng = (rows[:, None] * rng_ppr + np.arange(rng_ppr)).ravel()
+        return {"kv": kv.astype(np.int64), "tokens": tok.astype(np.int64), "rng": rng.astype(np.int64)}
 
     def _register(self, *, fresh: bool) -> None:
         rt, geo = self.runtime, self.geo
@@ -749,7 +782,7 @@ class Engine:
             released += self._release(0)  # the generic path: one epoch in flight at a time
             if self.fast is not None:
                 self.fast.suspend()
-            self._held.append((out, self.runtime.checkpoint_async(meta={META_KEY: self._meta()})))
+            self._held.append((out, self.runtime.checkpoint_async(meta=JSONText(self._meta_json()))))
             out.checkpoint_s = time.perf_counter() - t1
         return self._out(released)
 
@@ -860,7 +893,7 @@ class Engine:
             return None
         if self.fast is not None:
             self.fast.suspend()  # the generic path appends: the step-epoch writer's lease ends first
-        return int(self.runtime.checkpoint(meta={META_KEY: self._meta()}))
+        return int(self.runtime.checkpoint(meta=JSONText(self._meta_json())))
 
     def _meta_json(self) -> bytes:
         """``encode_json({META_KEY: self._meta()})`` up to key order and the time, from cached fragments: the
@@ -877,7 +910,8 @@ class Engine:
             if r._frag_key != "running":
                 r._frag_key, r._frag = "running", encode_json({
                     **self._common(r), "row": r.row, "admitted": r.admitted,
-                    "table": self.blocks.tables[r.id], **self._admitted_logprobs(r)})[:-1] + b',"n_tokens":'
+                    "table": self.blocks.tables[r.id], "prompt_rows": "logged",
+                    **self._admitted_logprobs(r)})[:-1] + b',"n_tokens":'
             frags.append(b'%s%d,"n_computed":%d}' % (r._frag, len(r.ids), r.n_computed))
         parts.append(b",".join(frags))
         parts.append(b'],"blocks":')
@@ -924,7 +958,8 @@ class Engine:
             "geometry": self.geo.describe(), "fingerprint": self.fingerprint,
             "options": {k: getattr(self.opts, k) for k in LOGGED_OPTIONS},
             "running": [{**common(r), "n_tokens": len(r.ids), "n_computed": r.n_computed, "row": r.row,
-                         "admitted": r.admitted, "table": self.blocks.tables[r.id], **self._admitted_logprobs(r)}
+                         "admitted": r.admitted, "table": self.blocks.tables[r.id], "prompt_rows": "logged",
+                         **self._admitted_logprobs(r)}
                         for r in self.running.values()],
             "blocks": self.blocks.state(),
             "waiting": [self._waiting_dict(r) for r in self.waiting],
@@ -1072,6 +1107,11 @@ class Engine:
                                 "it") from None
         self.rng.free = [i for i in range(self.opts.max_running) if i not in {d["row"] for d in m["running"]}]
         for d in m["running"]:
+            if d.get("prompt_rows", "logged") != "logged":
+                # the hook of recompute-at-recovery (serve/DESIGN.md, "Rows or recompute"): a request whose
+                # prompt KV was not logged would be re-prefilled here; no engine writes such a log yet
+                raise RecoveryError(f"request {d['id']}: its prompt's KV rows are not in the log "
+                                    f"(prompt_rows={d.get('prompt_rows')!r}) and this engine does not recompute them")
             r = self._request(d, [])
             table = self.blocks.tables[r.id]  # _bind_slots' table and slots, vectorised (132k slots at 64 x 2k)
             r.table = torch.as_tensor(table, dtype=torch.long)

@@ -30,6 +30,7 @@ path: the lease is ended first (the writer drains), and taken again at the next 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -39,7 +40,9 @@ import numpy.typing as npt
 import torch
 
 from ..core import slotlog
-from ..errors import CheckpointError
+from ..errors import CheckpointError, ConfigError
+
+log = logging.getLogger("concordia_ft.serve")
 
 SLOTS = 3  # ring slots: one being gathered, one being written (pipelined), one spare
 ALIGN = 4096
@@ -126,7 +129,7 @@ class _Bytes:
 # metadata JSON), ``alloc`` (the pinned bulk buffer, inside ``gather``)
 PHASES = ("gather", "prepare", "copy_wait", "send", "wait", "roll", "meta", "alloc")
 BULK_MAX_BYTES = 2 << 30
-COUNT_BYTES = 32 << 20  # the writer's bytes go to the runtime's compaction count at least this often  # a step with more rows than this goes through the generic path
+COUNT_BYTES = 32 << 20  # the writer's bytes go to the runtime's compaction count at least this often
 
 
 class StepEpochs:
@@ -194,9 +197,22 @@ class StepEpochs:
         self.steps = 0  # step epochs committed by this engine
         self.bulk_steps = 0  # ... of them through the bulk buffer
         self.fallbacks = 0  # steps that went through the generic path
+        self.fallback_reasons: dict[str, int] = {}  # ... by reason (Runtime.lease_blocker's, "bulk_limit", ...)
+        self._skipped: tuple[int, str] | None = None  # the step gather() left to the generic path, and why
+        self.meta_bytes = 0  # metadata JSON bytes of every step epoch (summed)
+        # a step with more rows than a ring slot (a prefill chunk) on a GPU whose log segments are mapped and
+        # registered: its epoch goes through the generic path, whose CUDA tracker hands the log the rows on the
+        # device and the log DMAs them straight into the segment at their final offsets (cuda/mapped.py), instead
+        # of a DtoH into the pinned bulk buffer and the C writer's memcpy into the segment (two passes over host
+        # memory at DRAM speed). CONCORDIA_STEP_EPOCH_BULK: "placed" / "c" (the bulk buffer) / "auto".
+        self.bulk_mode = os.environ.get("CONCORDIA_STEP_EPOCH_BULK", "auto")
+        if self.bulk_mode not in ("auto", "placed", "c"):
+            raise ConfigError(f"CONCORDIA_STEP_EPOCH_BULK={self.bulk_mode!r}: use auto, placed or c")
+        self.placed_steps = 0  # steps whose epoch the generic path placed (DMA'd) into the log (bulk_mode)
         self.inflight: list[StepPending] = []
         self.t = dict.fromkeys(PHASES, 0.0)  # host seconds in each phase, all steps
         self.rolls = 0  # segment rolls done on the engine's thread
+        self.seal_rolls = 0  # rolls for a compaction's seal (now or by the writer before the next epoch)
         self.overlapped = 0  # deferred epochs prepared and sent while the next forward ran (pipelined)
         self.send_deferred = 0  # sends put off to the step's end: the rows' copy was still running (pipelined)
         # the largest epoch the writer stored (a prefill's): its bytes, the writer's time on it (start to commit)
@@ -218,9 +234,18 @@ class StepEpochs:
         the generic path (more rows than the bulk buffer may hold, or the runtime has something pending)."""
         t0 = time.perf_counter()
         self.gathered = None
+        self._skipped = None
         rt = self.eng.runtime
         n = sum(e - s for _, s, e in feeds)
-        if n * self.row_bytes > self.bulk_max_bytes or not rt.leasable(ignore_in_flight=True):
+        if n * self.row_bytes > self.bulk_max_bytes:
+            self._skipped = (seq, "bulk_limit")
+            return
+        why = rt.lease_blocker(ignore_in_flight=True)
+        if why is not None:
+            self._skipped = (seq, why)
+            return
+        if n > self.cap_rows and self._placed_bulk():
+            self._skipped = (seq, "placed")  # a prefill: the generic path DMAs its rows into the log's pages
             return
         rows = np.fromiter((x for r, s, e in feeds for x in r.slots[s:e]), dtype=np.int64, count=n)
         rows.sort()
@@ -257,6 +282,12 @@ class StepEpochs:
                 self.eng.pool.dirty.index_fill_(0, torch.from_numpy(rows), 0)
         self.gathered = (seq, rows, kv_rec, bulk)
         self.t["gather"] += time.perf_counter() - t0
+
+    def _placed_bulk(self) -> bool:
+        if self.bulk_mode != "auto":
+            return self.bulk_mode == "placed"
+        log = self.eng.runtime.log
+        return self.cuda and log.accepts_placed and log.registers_segments
 
     def _idx_host(self, seq: int, n: int, bulk: bool) -> torch.Tensor:
         if bulk:
@@ -295,7 +326,8 @@ class StepEpochs:
         prefill of ``max_batch_tokens``), so the first prefill does not page-lock it (~0.3 s for 0.5 GiB on the
         H200 host; a buffer a closed engine of this process left is taken instead). Nothing when such a step
         fits a ring slot or would take the generic path."""
-        if self.cap_rows < rows and rows * self.row_bytes <= self.bulk_max_bytes and self.bulk_p is None:
+        if (self.cap_rows < rows and rows * self.row_bytes <= self.bulk_max_bytes and self.bulk_p is None
+                and not self._placed_bulk()):
             t = self.t["alloc"]
             self._ensure_bulk(rows)
             self.t["alloc"] = t  # construction's, not a step's
@@ -314,16 +346,29 @@ class StepEpochs:
         g = self.gathered
         if g is None or g[0] != seq:
             self.gathered = None
+            skipped, self._skipped = self._skipped, None
+            why = skipped[1] if skipped is not None and skipped[0] == seq else "not_gathered"
+            if why == "placed":
+                self.placed_steps += 1
+            else:
+                self._fell_back(why)
             return False
-        if rt is not None and (self.writer is not None or rt.leasable()):
+        why = None if self.writer is not None else rt.lease_blocker()
+        if why is None:
             return True
         self.gathered = None  # gathered, but the generic path writes this one: it logs the rows again
         if len(g[1]):
             if self.cuda:
                 (self.bulk_copied if g[3] else self.copied[seq % self.n_slots]).synchronize()  # flags cleared
             self.eng.pool.dirty.index_fill_(0, torch.from_numpy(g[1]).to(self.device), 1)
-        self.fallbacks += 1
+        self._fell_back(why)
         return False
+
+    def _fell_back(self, why: str) -> None:
+        """A step whose epoch the generic path writes: counted, by reason (``fallback_reasons``), and logged."""
+        self.fallbacks += 1
+        self.fallback_reasons[why] = self.fallback_reasons.get(why, 0) + 1
+        log.debug("step epoch through the generic path: %s", why)
 
     def submit(self, seq: int, meta_json: bytes) -> StepPending:
         """``prepare`` + ``send`` (the durable engine: its step then waits for the commit)."""
@@ -411,6 +456,7 @@ class StepEpochs:
             records.append(slotlog.rows_record(b"rng", rr.astype(np.int64), self.rng_ppb, self.rng_pb,
                                                self.base + off))
         records.append(slotlog.meta_record(meta_json))
+        self.meta_bytes += len(meta_json)
         self.writer.next_epoch += 1
         self.prepared = p
         self.t["prepare"] += time.perf_counter() - t0
@@ -441,7 +487,13 @@ class StepEpochs:
             if self._ablate == "writer":
                 self._ablated_commit(p)
                 return
-            if not self.inflight:  # the writer is idle: a roll it needs happens here (the GIL is ours)
+            if w.log.seal_wanted:  # a compaction waits for the segment to be sealed: it is, before this epoch
+                t1 = time.perf_counter()
+                if w.roll_for_seal(_need(p.records)) == "now":
+                    self.t["roll"] += time.perf_counter() - t1
+                    self.rolls += 1
+                self.seal_rolls += 1
+            elif not self.inflight:  # the writer is idle: a roll it needs happens here (the GIL is ours)
                 t1 = time.perf_counter()
                 if w.roll_if_needed(_need(p.records)):
                     self.t["roll"] += time.perf_counter() - t1
@@ -497,11 +549,17 @@ class StepEpochs:
         self.bulk_steps += sum(q.bulk for q in done)
         p.stats = _Bytes(nbytes - self._bytes_seen)
         self._bytes_seen = nbytes
-        if nbytes - self.bytes0 >= COUNT_BYTES:
+        if nbytes - self.bytes0 >= self._count_every():
             self._count(w, reset=False)  # toward the compaction threshold while the lease lasts
         self.committed_seq = max(self.committed_seq, p.seq)
         self.steps += len(done)
         self.t["wait"] += time.perf_counter() - t0
+
+    def _count_every(self) -> int:
+        """The writer's bytes go to the runtime's compaction count this often: a compaction starts within an
+        eighth of its threshold of being due, not only at the lease's end."""
+        after = self.eng.runtime.compact_after_bytes if self.eng.runtime is not None else None
+        return COUNT_BYTES if not after else max(16 << 10, min(COUNT_BYTES, after // 8))
 
     def _reflag(self, p: StepPending) -> None:
         rows, tb, rr = p.taken
