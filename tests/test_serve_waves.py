@@ -178,3 +178,25 @@ def test_sigkill_while_compacting_recovers_token_exact(shm_dir: Path, reference:
             assert rid not in after
         else:  # arrived after the last committed step (or waited): all of it from the recovered engine
             assert after.get(rid) == ref, rid
+
+
+@pytest.mark.parametrize("path", ["c", "runtime"])
+def test_finished_outputs_live_in_a_region_not_in_every_epochs_metadata(shm_dir: Path, reference: dict[str, list[int]],
+                                                                        path: str) -> None:
+    """Ten waves with every output kept (keep_finished 64): the metadata names each finished output by its slot
+    of the ``done`` region (a dozen bytes), so it does not grow with their tokens; the outputs recover whole."""
+    opts = {**OPTIONS, "step_epochs": path, "keep_finished": 64}
+    eng = Engine(tiny_model("llama"), shm_dir / "log", opts)
+    arrivals = waves(N_WAVES)
+    drive_waves(eng, arrivals[:BATCH])
+    one = len(eng._meta_json())
+    drive_waves(eng, arrivals[BATCH:])
+    assert len(eng.finished) == N_WAVES * BATCH
+    many = len(eng._meta_json())
+    assert many - one <= 16 * (N_WAVES - 1) * BATCH, (one, many)  # [slot, collected] a finished output
+    eng.close()
+    rec = Engine.recover(shm_dir / "log", tiny_model("llama"), opts)
+    assert {rid: r.generated for rid, r in rec.finished.items()} == reference
+    assert {rid: r.finish_reason for rid, r in rec.finished.items()} == {
+        rid: r.finish_reason for rid, r in eng.finished.items()}
+    rec.close()

@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import itertools
+import json
 import time
 import uuid
 from collections import deque
@@ -66,6 +67,12 @@ LOGGED_OPTIONS = ("max_running", "max_waiting", "max_model_len", "max_batch_toke
 # reservation
 OPTION_BEFORE = {"invariant": False, "prefix_caching": False, "admission": "reserve"}
 SPARE_SEGMENTS = 2  # log segments kept prepared ahead (a mapped log)
+# a finished output kept (keep_finished) lives in a slot of the ``done`` region, written once when it finished:
+# a 16-byte header (magic, generated ids, JSON bytes), the ids as int32, the request's JSON; the epochs' metadata
+# names only [slot, collected] (an output larger than a slot stays whole in the metadata)
+DONE_MAGIC = 0x44544643  # b"CFTD"
+DONE_HEAD = 16
+DONE_JSON_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -332,6 +339,11 @@ class Engine:
         self.stops = StopStrings(tokenizer) if tokenizer is not None else None
         self.lp = np.zeros(self.geo.slots * LP_WORDS, np.float32)
         self.lp_dirty = np.zeros(-(-self.lp.nbytes // 512), np.uint8)
+        self.done_slot_bytes = -(-(DONE_HEAD + 4 * opts.max_model_len + DONE_JSON_BYTES) // 512) * 512
+        self.done = np.zeros(max(1, opts.keep_finished) * self.done_slot_bytes, np.uint8)
+        self.done_dirty = np.zeros(len(self.done) // 512, np.uint8)
+        self._done_of: dict[str, int] = {}  # finished request id -> its slot of ``done`` (-1: kept in the metadata)
+        self._done_free = list(range(max(1, opts.keep_finished) - 1, -1, -1))
         self.fingerprint = model_fingerprint(model) if _recovering is None else str(_recovering["fingerprint"])
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
@@ -437,7 +449,11 @@ class Engine:
         rng_ppr = self.rng.row_bytes // 512
         rows = np.array(sorted({int(d["row"]) for d in m.get("running", ())}), dtype=np.int64)
         rng = (rows[:, None] * rng_ppr + np.arange(rng_ppr)).ravel()
-        return {"kv": kv.astype(np.int64), "tokens": tok.astype(np.int64), "rng": rng.astype(np.int64)}
+        pps = self.done_slot_bytes // 512
+        kept = np.array(sorted(int(d[0]) for d in m.get("finished", ()) if isinstance(d, list)), dtype=np.int64)
+        done = (kept[:, None] * pps + np.arange(pps)).ravel()
+        return {"kv": kv.astype(np.int64), "tokens": tok.astype(np.int64), "rng": rng.astype(np.int64),
+                "done": done.astype(np.int64)}
 
     def _register(self, *, fresh: bool) -> None:
         rt, geo = self.runtime, self.geo
@@ -450,6 +466,8 @@ class Engine:
                     dirty_blocks=self.rng.dirty, initially_zero=fresh)
         rt.register("logprobs", self.lp, kind="paged", page_bytes=512, block_bytes=512,
                     dirty_blocks=self.lp_dirty, initially_zero=fresh)
+        rt.register("done", self.done, kind="paged", page_bytes=512, block_bytes=512, dirty_blocks=self.done_dirty,
+                    initially_zero=fresh)
 
     # -- requests ----------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, *, request_id: str | None = None,
@@ -886,6 +904,9 @@ class Engine:
         for r in order[:extra]:
             del self.finished[r.id]
             self._forget_key(r)
+            k = self._done_of.pop(r.id, -1)
+            if k >= 0:
+                self._done_free.append(k)  # its bytes stay until a new output takes the slot (compaction drops them)
 
     # -- epochs ------------------------------------------------------------------------------------------
     def checkpoint(self) -> int | None:
@@ -928,13 +949,49 @@ class Engine:
         for r in self.finished.values():
             key = ("finished", r.collected)
             if r._frag_key != key:
-                r._frag_key, r._frag = key, encode_json({**self._common(r), "generated": r.generated,
-                                                         "reason": r.finish_reason, "collected": r.collected,
-                                                         **self._finished_logprobs(r)})
+                r._frag_key, r._frag = key, encode_json(self._finished_entry(r))
             frags.append(r._frag)
         parts.append(b",".join(frags))
         parts.append(b"]}}")
         return b"".join(parts)
+
+    def _finished_entry(self, r: Request) -> Any:
+        """A finished output in the metadata: ``[slot, collected]`` of the ``done`` slot that holds it (written
+        the first time it is asked for, its pages flagged for the next epoch), or the whole entry when it is
+        larger than a slot or no slot is free."""
+        k = self._done_of.get(r.id)
+        if k is None:
+            k = self._done_of[r.id] = self._write_done(r)
+        if k < 0:
+            return {**self._common(r), "generated": r.generated, "reason": r.finish_reason, "collected": r.collected,
+                    **self._finished_logprobs(r)}
+        return [k, int(r.collected)]
+
+    def _write_done(self, r: Request) -> int:
+        doc = encode_json({**self._common(r), "reason": r.finish_reason, **self._finished_logprobs(r)})
+        ids = np.asarray(r.generated, dtype=np.int32)
+        n = DONE_HEAD + 4 * len(ids) + len(doc)
+        if n > self.done_slot_bytes or not self._done_free:
+            return -1
+        k = self._done_free.pop()
+        at = k * self.done_slot_bytes
+        self.done[at: at + DONE_HEAD].view(np.uint32)[:] = (DONE_MAGIC, len(ids), len(doc), 0)
+        self.done[at + DONE_HEAD: at + DONE_HEAD + 4 * len(ids)] = ids.view(np.uint8)
+        self.done[at + DONE_HEAD + 4 * len(ids): at + n] = np.frombuffer(doc, np.uint8)
+        self.done_dirty[at // 512: -(-(at + n) // 512)] = 1
+        return k
+
+    def _read_done(self, k: int) -> dict[str, Any]:
+        """The finished entry slot ``k`` of ``done`` holds (as ``_finished_entry`` wrote it whole)."""
+        at = k * self.done_slot_bytes
+        magic, n_ids, n_doc, _ = (int(x) for x in self.done[at: at + DONE_HEAD].view(np.uint32))
+        if magic != DONE_MAGIC or DONE_HEAD + 4 * n_ids + n_doc > self.done_slot_bytes:
+            raise RecoveryError(f"finished output slot {k} of the log's 'done' region is not one this engine "
+                                "wrote (damaged, or a log of other code)")
+        ids = self.done[at + DONE_HEAD: at + DONE_HEAD + 4 * n_ids].view(np.int32).tolist()
+        d = json.loads(bytes(self.done[at + DONE_HEAD + 4 * n_ids: at + DONE_HEAD + 4 * n_ids + n_doc]))
+        d["generated"] = ids
+        return dict(d)
 
     @staticmethod
     def _common(r: Request) -> dict[str, Any]:
@@ -963,8 +1020,7 @@ class Engine:
                         for r in self.running.values()],
             "blocks": self.blocks.state(),
             "waiting": [self._waiting_dict(r) for r in self.waiting],
-            "finished": [{**common(r), "generated": r.generated, "reason": r.finish_reason,
-                          "collected": r.collected, **self._finished_logprobs(r)} for r in self.finished.values()],
+            "finished": [self._finished_entry(r) for r in self.finished.values()],
             "time": time.time(),
         }
 
@@ -1133,12 +1189,18 @@ class Engine:
                 r.gen = torch.Generator(device=self.device)
                 r.gen.set_state(torch.frombuffer(bytearray(base64.b64decode(d["rng"])), dtype=torch.uint8))
             self.waiting.append(r)
-        for d in m["finished"]:
+        self._done_of, taken = {}, set()
+        for e in m["finished"]:
+            d = e if isinstance(e, dict) else {**self._read_done(int(e[0])), "collected": bool(e[1])}
             r = self._request(d, [])
             r.ids = [0] * r.n_prompt + [int(t) for t in d["generated"]]  # the prompt of a finished one is not kept
             r.status, r.finish_reason, r.collected = "finished", d["reason"], bool(d["collected"])
             r.logprobs = [TokenLogprobs.from_list(v) for v in d.get("logprobs", ())]
             self.finished[r.id] = r
+            self._done_of[r.id] = -1 if isinstance(e, dict) else int(e[0])
+            taken.add(self._done_of[r.id])
+        self._done_free = [k for k in range(len(self.done) // self.done_slot_bytes - 1, -1, -1) if k not in taken]
+        self.done_dirty[:] = 0
         self.pool.dirty.zero_()
         self.tokens_dirty[:] = 0
         self.rng.dirty[:] = 0

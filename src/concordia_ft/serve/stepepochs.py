@@ -88,9 +88,9 @@ class StepPending:
     ``prepare``s it at the end of its step (the host parts copied, the flags cleared) and ``send``s it after the
     next step's forward was launched; ``wait()`` sends it first if nobody did."""
 
-    def __init__(self, owner: StepEpochs, seq: int, epoch: int, taken: tuple[Any, Any, Any]) -> None:
+    def __init__(self, owner: StepEpochs, seq: int, epoch: int, taken: tuple[Any, Any, Any, Any]) -> None:
         self.owner, self.seq, self.epoch = owner, seq, epoch
-        self.taken = taken  # (kv rows, token pages, rng rows) whose flags it cleared
+        self.taken = taken  # (kv rows, token pages, rng rows, done pages) whose flags it cleared
         self.stats: Any = None
         self.done = False
         self.sent = False
@@ -385,7 +385,7 @@ class StepEpochs:
         self.materialize()
         if self.prepared is not None:
             self.send()
-        p = StepPending(self, seq, -1, ((), (), ()))
+        p = StepPending(self, seq, -1, ((), (), (), ()))
         p.gathered, p.meta_fn = self.gathered, meta_fn
         self.gathered = None
         self.deferred = p
@@ -412,7 +412,7 @@ class StepEpochs:
         if self.prepared is not None:  # (a step with no forward: the one before it was not sent yet)
             self.send()
         g, self.gathered = self.gathered, None
-        p = StepPending(self, seq, -1, ((), (), ()))
+        p = StepPending(self, seq, -1, ((), (), (), ()))
         self._prepare(p, g, meta_json)
         return p
 
@@ -429,7 +429,7 @@ class StepEpochs:
         base = (seq % self.n_slots) * self.slot_bytes
         tb = np.flatnonzero(eng.tokens_dirty)
         rr = np.flatnonzero(eng.rng.dirty)
-        p.epoch, p.taken = self.writer.next_epoch, (rows, tb, rr)
+        p.epoch = self.writer.next_epoch
         records = p.records
         if len(rows):
             records.append(kv_rec)
@@ -455,6 +455,14 @@ class StepEpochs:
             eng.rng.dirty[rr] = 0
             records.append(slotlog.rows_record(b"rng", rr.astype(np.int64), self.rng_ppb, self.rng_pb,
                                                self.base + off))
+        dp = np.flatnonzero(eng.done_dirty)
+        if len(dp):  # finished outputs written since the last epoch (a few pages each, once per output)
+            area = np.empty(len(dp) * 512, np.uint8)
+            p.keep.append(area)
+            area.reshape(-1, 512)[:] = eng.done.reshape(-1, 512)[dp]
+            eng.done_dirty[dp] = 0
+            records.append(slotlog.pages_record(b"done", dp.astype(np.int64), 512, int(area.ctypes.data)))
+        p.taken = (rows, tb, rr, dp)
         records.append(slotlog.meta_record(meta_json))
         self.meta_bytes += len(meta_json)
         self.writer.next_epoch += 1
@@ -562,8 +570,10 @@ class StepEpochs:
         return COUNT_BYTES if not after else max(16 << 10, min(COUNT_BYTES, after // 8))
 
     def _reflag(self, p: StepPending) -> None:
-        rows, tb, rr = p.taken
+        rows, tb, rr, dp = p.taken
         eng = self.eng
+        if len(dp):
+            eng.done_dirty[dp] = 1
         if len(rows):
             eng.pool.dirty.index_fill_(0, torch.from_numpy(rows).to(self.device), 1)
         eng.tokens_dirty[tb] = 1
