@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from benchreport import median, percentile, print_table, write_results  # noqa: E402
 
-from concordia_ft.benchreport import median, percentile, print_table, write_results  # noqa: E402
 from concordia_ft.serve import Engine, SamplingParams  # noqa: E402
 
 # what each mode runs: "none" no log; "epochs" the engine's defaults (what a user gets); the rest pin the path
@@ -242,7 +242,7 @@ def bench_waves(model: Any, device: str, a: argparse.Namespace, modes: list[str]
         t0 = time.perf_counter()
         eng, log = make_engine(model, m, opts, 3 * a.batch * max_len * 200_000)
         if a.compact_after_mb is not None and eng.runtime is not None:  # a small run's scaled-down threshold
-            eng.runtime._compact_after = int(a.compact_after_mb * (1 << 20))
+            eng.runtime.compact_after_bytes = int(a.compact_after_mb * (1 << 20))
         engines[m] = (eng, log, Probe(eng, log))
         row_bytes = eng.geo.row_bytes
         print(f"{m}: engine built in {time.perf_counter() - t0:.2f} s (pool {eng.geo.nbytes / 1e6:.1f} MB, row "
@@ -313,7 +313,7 @@ def bench_poisson(model: Any, device: str, a: argparse.Namespace, modes: list[st
     for m in modes:
         eng, log = make_engine(model, m, opts, 4 * a.batch * max_len * 200_000)
         if a.compact_after_mb is not None and eng.runtime is not None:
-            eng.runtime._compact_after = int(a.compact_after_mb * (1 << 20))
+            eng.runtime.compact_after_bytes = int(a.compact_after_mb * (1 << 20))
         probe = Probe(eng, log)
         try:
             t_start = time.perf_counter()

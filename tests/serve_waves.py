@@ -38,7 +38,7 @@ def waves(n: int, seed: int = 11) -> list[tuple[int, str, list[int], SamplingPar
 
 def compact_often(engine: Engine) -> Engine:
     assert engine.runtime is not None
-    engine.runtime._compact_after = COMPACT_AFTER
+    engine.runtime.compact_after_bytes = COMPACT_AFTER
     return engine
 
 

@@ -67,7 +67,7 @@ def test_ten_waves_keep_the_epoch_work_flat(shm_dir: Path, reference: dict[str, 
                          "fallbacks": fast.fallbacks - last["fallbacks"]})
         last["fallbacks"] = fast.fallbacks
         wave_bytes = 0
-    rt._join_compactor()  # the last compaction's numbers are in
+    rt.wait_compaction()  # the last compaction's numbers are in
     assert got == reference
     # no step's epoch went through the generic path, for any reason (compaction seals included)
     assert fast.fallbacks == 0, fast.fallback_reasons

@@ -618,6 +618,17 @@ class Runtime:
         """Bytes appended (since the last compaction) that start the next one; None: never."""
         return self._compact_after
 
+    @compact_after_bytes.setter
+    def compact_after_bytes(self, nbytes: int | None) -> None:
+        if nbytes is not None and nbytes <= 0:
+            raise ConfigError(f"compact_after_bytes={nbytes}: a positive number of bytes, or None (never)")
+        self._compact_after = nbytes
+
+    def wait_compaction(self) -> None:
+        """Until a background compaction running now has finished (its numbers are then in
+        ``compaction_stats``); a failure is reported as ``on_compaction_error`` says, by the next checkpoint."""
+        self._join_compactor()
+
     def set_compaction_live(self, live: Any) -> None:
         """``live(meta)`` -> {region name: the pages (ascending int64 array) the state of the epoch whose
         metadata is ``meta`` still needs} (or None): compactions leave the other pages of those regions out of
