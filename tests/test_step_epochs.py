@@ -481,3 +481,29 @@ def test_an_engine_prepares_its_bulk_buffer_at_construction(shm_dir: Path, ahead
     sg, sc = _state(shm_dir / "generic"), _state(shm_dir / "c")
     assert sg[1] == sc[1] and sg[2] == sc[2]
     assert all(sg[0][k] == sc[0][k] for k in ("kv", "tokens", "rng"))
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_prefill_chunks_take_the_placed_path_and_recover_token_exact(shm_dir: Path, pipelined: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step with more rows than a ring slot goes through the generic path when the log places payloads
+    (the default on a GPU with a registered DRAM log; CONCORDIA_STEP_EPOCH_BULK=placed here, where the CPU
+    tracker copies them): counted as placed, not as a fallback; the decode steps around it keep the C path; the
+    tokens are those of no log and a recovered engine continues token-exact."""
+    monkeypatch.setenv("CONCORDIA_STEP_EPOCH_BULK", "placed")
+    from concordia_ft.serve.stepepochs import StepEpochs
+
+    opts = {**OPTIONS, "backend": "dram", "step_epochs": "c", "async_epochs": pipelined, "async_depth": 4}
+    eng = Engine(tiny_model("llama"), shm_dir / "log", opts)
+    eng.fast = StepEpochs(eng, cap_rows=8, slots=eng.fast.n_slots)
+    ref = drive(Engine(tiny_model("llama"), None, {**OPTIONS, "checkpoint": False}), workload())
+    arr = workload()
+    half = drive(eng, arr, max_steps=18)
+    assert eng.fast.placed_steps > 0 and eng.fast.fallbacks == 0 and eng.fast.bulk_steps == 0
+    assert eng.fast.steps > 5
+    eng.close()
+    rec = Engine.recover(shm_dir / "log", tiny_model("llama"), {**opts})
+    got = drive(rec, arr)
+    rec.close()
+    assert got == ref
+    assert all(ref[rid][: len(t)] == t for rid, t in half.items())

@@ -23,9 +23,12 @@ returns once its epoch committed (durable); with ``async_epochs=True`` the step'
 next step, which waits for it after its own forward (pipelined: a crash loses at most the last step, whose
 tokens no client has seen; the recovered engine recomputes it).
 
-A step whose rows or token pages do not fit a slot (a large prefill), the first epoch of a log (region
-definitions), or a runtime with something pending (a full epoch after a failure) goes through the generic
-path: the lease is ended first (the writer drains), and taken again at the next step that fits.
+A step with more rows than a slot (a prefill chunk) goes to a pinned bulk buffer, or, on a GPU whose log segments
+are mapped and registered, through the generic path, which DMAs its rows straight into the segment
+(``placed_steps``). A step with more rows than the bulk buffer may hold, or a runtime with something pending (a
+region definition, a full epoch after a failure) also goes through the generic path (``fallbacks``, by reason in
+``fallback_reasons``): the lease is ended first (the writer drains), and taken again at the next step that fits.
+A compaction's seal does not end the lease: the writer rolls to a new segment before its next epoch.
 """
 
 from __future__ import annotations
