@@ -502,10 +502,7 @@ for e in range(1, 6):
                                                                   HostPayload(memoryview(data)))], meta=e)
     print("E", e, flush=True)
     if e == 1:
-        import time
-        t0 = time.monotonic()
-        while log._spare._spare is None and time.monotonic() - t0 < 20:  # the first spare is ready
-            time.sleep(0.01)
+        log.wait_spare(20.0)  # the first spare is ready
 print("not killed", flush=True)
 '''
 
