@@ -22,7 +22,7 @@ from concordia_ft.core.regions import RegionKind, RegionSpec
 from concordia_ft.core.replay import Outcome, replay
 from concordia_ft.core.tracking import RegionDelta
 from concordia_ft.errors import CheckpointError
-from concordia_ft.serve import Engine
+from concordia_ft.serve import Engine, SamplingParams
 from llm_helpers import tiny_model
 from serve_workload import OPTIONS, drive, workload
 
@@ -507,3 +507,23 @@ def test_prefill_chunks_take_the_placed_path_and_recover_token_exact(shm_dir: Pa
     rec.close()
     assert got == ref
     assert all(ref[rid][: len(t)] == t for rid, t in half.items())
+
+
+def test_logprob_requests_take_the_step_path_and_their_region_is_logged(shm_dir: Path) -> None:
+    """Requests asking for log-probabilities: their steps are step epochs too (no fallback), the ``logprobs``
+    region's pages go in them, and the log replays to the engine's bytes; a recovered engine has the outputs'
+    log-probabilities."""
+    eng = Engine(tiny_model("llama"), shm_dir / "log", {**OPTIONS, "step_epochs": "c", "backend": "dram"})
+    eng.submit([5, 6, 7, 8], SamplingParams(max_new_tokens=6, temperature=0.0, logprobs=2), request_id="a")
+    eng.submit([9, 10, 11], SamplingParams(max_new_tokens=20, temperature=0.0, logprobs=1), request_id="b")
+    for _ in range(8):
+        eng.step()
+    assert eng.fast.steps == 8 and eng.fast.fallbacks == 0 and np.count_nonzero(eng.lp)
+    want = eng.lp.copy()
+    lps = [x.to_list() for x in eng.finished["a"].logprobs]
+    eng.close()
+    r = replay(shm_dir / "log")
+    assert np.array_equal(np.frombuffer(bytes(r.regions["logprobs"].data), np.float32)[: len(want)], want)
+    rec = Engine.recover(shm_dir / "log", tiny_model("llama"), {**OPTIONS, "step_epochs": "c", "backend": "dram"})
+    assert [x.to_list() for x in rec.finished["a"].logprobs] == lps
+    rec.close()

@@ -455,6 +455,10 @@ class Engine:
         return {"kv": kv.astype(np.int64), "tokens": tok.astype(np.int64), "rng": rng.astype(np.int64),
                 "done": done.astype(np.int64)}
 
+    def page_regions(self) -> list[tuple[bytes, np.ndarray, np.ndarray]]:
+        """The host regions of 512-byte pages after ``rng``, in registration order: (name, bytes, dirty flags)."""
+        return [(b"logprobs", self.lp.view(np.uint8), self.lp_dirty), (b"done", self.done, self.done_dirty)]
+
     def _register(self, *, fresh: bool) -> None:
         rt, geo = self.runtime, self.geo
         assert rt is not None
@@ -749,8 +753,7 @@ class Engine:
             self._materialize()  # no forward to overlap: this step's end changes the state
         # a step writing log-probabilities (a host region the step-epoch writer does not carry) takes the
         # generic epoch
-        self._fast_rows = self.fast.plan(feeds) if self.fast is not None and not any(
-            r.params.logprobs is not None for r, _, _ in feeds) else None
+        self._fast_rows = self.fast.plan(feeds) if self.fast is not None else None
         if self._fast_rows is not None and not feeds:
             self.fast.gather(out.step, self._fast_rows)
         if feeds:

@@ -93,7 +93,7 @@ class StepPending:
 
     def __init__(self, owner: StepEpochs, seq: int, epoch: int, taken: tuple[Any, Any, Any, Any]) -> None:
         self.owner, self.seq, self.epoch = owner, seq, epoch
-        self.taken = taken  # (kv rows, token pages, rng rows, done pages) whose flags it cleared
+        self.taken = taken  # (kv rows, token pages, rng rows, [(flags, pages)] of page_regions) whose flags it cleared
         self.stats: Any = None
         self.done = False
         self.sent = False
@@ -458,14 +458,19 @@ class StepEpochs:
             eng.rng.dirty[rr] = 0
             records.append(slotlog.rows_record(b"rng", rr.astype(np.int64), self.rng_ppb, self.rng_pb,
                                                self.base + off))
-        dp = np.flatnonzero(eng.done_dirty)
-        if len(dp):  # finished outputs written since the last epoch (a few pages each, once per output)
-            area = np.empty(len(dp) * 512, np.uint8)
-            p.keep.append(area)
-            area.reshape(-1, 512)[:] = eng.done.reshape(-1, 512)[dp]
-            eng.done_dirty[dp] = 0
-            records.append(slotlog.pages_record(b"done", dp.astype(np.int64), 512, int(area.ctypes.data)))
-        p.taken = (rows, tb, rr, dp)
+        # the other host regions of 512-byte pages, in registration order (the generic path's record order):
+        # log-probabilities at their slots, finished outputs (a few pages each, once per output)
+        extra = []
+        for name, buf, dirty in eng.page_regions():
+            dp = np.flatnonzero(dirty)
+            if len(dp):
+                area = np.empty(len(dp) * 512, np.uint8)
+                p.keep.append(area)
+                area.reshape(-1, 512)[:] = buf.reshape(-1, 512)[dp]
+                dirty[dp] = 0
+                extra.append((dirty, dp))
+                records.append(slotlog.pages_record(name, dp.astype(np.int64), 512, int(area.ctypes.data)))
+        p.taken = (rows, tb, rr, extra)
         records.append(slotlog.meta_record(meta_json))
         self.meta_bytes += len(meta_json)
         self.writer.next_epoch += 1
@@ -573,10 +578,10 @@ class StepEpochs:
         return COUNT_BYTES if not after else max(16 << 10, min(COUNT_BYTES, after // 8))
 
     def _reflag(self, p: StepPending) -> None:
-        rows, tb, rr, dp = p.taken
+        rows, tb, rr, extra = p.taken
         eng = self.eng
-        if len(dp):
-            eng.done_dirty[dp] = 1
+        for dirty, dp in extra:
+            dirty[dp] = 1
         if len(rows):
             eng.pool.dirty.index_fill_(0, torch.from_numpy(rows).to(self.device), 1)
         eng.tokens_dirty[tb] = 1
