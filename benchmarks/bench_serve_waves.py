@@ -135,7 +135,7 @@ class Probe:
         if f is not None:
             st.update({"c_steps": f.steps, "c_bulk_steps": f.bulk_steps, "fallbacks": f.fallbacks, "rolls": f.rolls,
                        "placed_steps": getattr(f, "placed_steps", 0), "seal_rolls": getattr(f, "seal_rolls", 0),
-                       "meta_bytes": f.meta_bytes, **{f"t_{k}": v for k, v in f.t.items()},
+                       "meta_bytes_sum": f.meta_bytes, **{f"t_{k}": v for k, v in f.t.items()},
                        **{f"fallback_{k}": v for k, v in f.fallback_reasons.items()}})
         return st
 
