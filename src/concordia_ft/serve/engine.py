@@ -556,14 +556,12 @@ class Engine:
         self.waiting.insert(i, r)
 
     def _admit(self) -> None:
-        """The step's scheduling, a pure function of the logged state: running requests get the blocks their
-        tokens need (``grow``; preempting the lowest-priority, latest-arrived running request when the pool runs
-        out), then the waiting queue is admitted head first while a sampler row and its blocks are there (its
-        cached prefix shared, the rest allocated); a head that does not fit waits and nobody overtakes it, unless
-        a running request of strictly lower priority can be preempted for it."""
+        """The step's admission, a pure function of the logged state (running requests already hold the blocks
+        of their tokens: ``_grow`` ran at the end of the last step): the waiting queue is admitted head first
+        while a sampler row and its blocks are there (its cached prefix shared, the rest allocated); a head that
+        does not fit waits and nobody overtakes it, unless a running request of strictly lower priority can be
+        preempted for it (``grow`` only)."""
         grow = self.opts.admission == "grow"
-        if grow:
-            self._grow()
         while self.waiting:
             r = self.waiting[0]
             hit = self._lookup(r)
