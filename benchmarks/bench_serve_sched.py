@@ -40,8 +40,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch  # noqa: E402
+from benchreport import median, percentile, print_table, write_results  # noqa: E402
 
-from concordia_ft.benchreport import median, percentile, print_table, write_results  # noqa: E402
 from concordia_ft.serve import Engine, SamplingParams  # noqa: E402
 
 
