@@ -286,6 +286,7 @@ def main() -> int:
     g.add_argument("--max-running", type=int, default=64)
     g.add_argument("--max-batch-tokens", type=int, default=2048)
     p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--name", default="serve_sched", help="results file name (before -<device tag>.json)")
     a = p.parse_args()
     if a.quick:
         a.dims, a.conversations, a.turns, a.system, a.user, a.answer = "tiny", 3, 2, 256, 16, 8
@@ -349,7 +350,7 @@ def main() -> int:
              "process's CPU seconds (one torch thread on CPU), steadier than wall time on a shared machine"
              "; agent: isolated turns and all conversations at once; admission: Poisson arrivals, lognormal "
              "output lengths ended by the driver as an EOS would")
-    path = write_results("serve_sched", rows, notes=notes, out_dir=a.out,
+    path = write_results(a.name, rows, notes=notes, out_dir=a.out,
                          tag=None if a.device.startswith("cuda") else "cpu")
     import json
 
