@@ -141,10 +141,7 @@ LAYERS = (
 FACADE = "concordia_ft"  # the package's __init__: re-exports the public names (lazily), so it may name any layer
 # the one circle this test still lets through: Session and graph decode are being merged into one LLM stack,
 # which removes it (issue 31); delete the entry with that change
-ALLOWED_CYCLES = [{"concordia_ft.session", "concordia_ft.integrations.graph_decode"},
-                  # DistOptions resolves its workload's path, workload.py's functions take a DistOptions: the
-                  # distributed/ owner untangles it (issue 33); delete the entry with that change
-                  {"concordia_ft.distributed.options", "concordia_ft.distributed.workload"}]
+ALLOWED_CYCLES = [{"concordia_ft.session", "concordia_ft.integrations.graph_decode"}]
 ALLOWED_UPWARD = {("concordia_ft.integrations.graph_decode", "concordia_ft.session")}  # the same circle
 
 

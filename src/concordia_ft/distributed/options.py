@@ -21,6 +21,28 @@ POOL_KINDS = ("hot", "warm", "cold")
 ON_FAILURE = ("repair", "restart")
 
 
+BUILTIN = {"dp_lora": "concordia_ft.distributed.workloads:DpLora",
+           "tp_decode": "concordia_ft.distributed.workloads:TpDecode",
+           "replica_serve": "concordia_ft.distributed.workloads:ReplicaServe"}
+
+
+def workload_path(spec: Any) -> str:
+    """The name a job's processes resolve: a built-in's name, ``module:qualname``, or the path of a class or
+    function (which must be importable from a fresh process)."""
+    if isinstance(spec, str):
+        if not spec:
+            raise ConfigError("workload '': name a built-in (" + ", ".join(BUILTIN) + ") or 'module:function'")
+        return spec
+    if not callable(spec):
+        raise ConfigError(f"workload {spec!r}: pass a name, 'module:function', or the class / function itself")
+    mod, qual = getattr(spec, "__module__", None), getattr(spec, "__qualname__", "")
+    if not mod or mod == "__main__" or "<" in qual:
+        raise ConfigError(f"workload {qual or spec!r}: the job's rank processes import it by path, so define it at "
+                          "the top level of an importable module (not in __main__, a function or a lambda)")
+    return f"{mod}:{qual}"
+
+
+
 @dataclass(frozen=True)
 class StandbyOptions:
     """The standby pool: ``hot`` processes are up, model built, connected to the store and waiting for an
@@ -92,7 +114,6 @@ class DistOptions:
     chaos: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from .workload import workload_path
 
         object.__setattr__(self, "workload", workload_path(self.workload))
         if self.backend not in BACKENDS:

@@ -34,15 +34,13 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ConfigError
+from .options import BUILTIN, workload_path  # noqa: F401 - the names a DistOptions resolves, re-exported here
 
 if TYPE_CHECKING:
     import torch
 
     from .options import DistOptions
 
-BUILTIN = {"dp_lora": "concordia_ft.distributed.workloads:DpLora",
-           "tp_decode": "concordia_ft.distributed.workloads:TpDecode",
-           "replica_serve": "concordia_ft.distributed.workloads:ReplicaServe"}
 FINAL_UNKNOWN = 1 << 62  # a replicated job's final cut: announced by the ranks when no work is left
 
 
@@ -91,22 +89,6 @@ class Workload:
         autograd's threads, cuBLAS handles, kernels loaded on first use), so a replacement's first step costs
         what any step costs. The state it leaves is overwritten by the restore."""
         return None
-
-
-def workload_path(spec: Any) -> str:
-    """The name a job's processes resolve: a built-in's name, ``module:qualname``, or the path of a class or
-    function (which must be importable from a fresh process)."""
-    if isinstance(spec, str):
-        if not spec:
-            raise ConfigError("workload '': name a built-in (" + ", ".join(BUILTIN) + ") or 'module:function'")
-        return spec
-    if not callable(spec):
-        raise ConfigError(f"workload {spec!r}: pass a name, 'module:function', or the class / function itself")
-    mod, qual = getattr(spec, "__module__", None), getattr(spec, "__qualname__", "")
-    if not mod or mod == "__main__" or "<" in qual:
-        raise ConfigError(f"workload {qual or spec!r}: the job's rank processes import it by path, so define it at "
-                          "the top level of an importable module (not in __main__, a function or a lambda)")
-    return f"{mod}:{qual}"
 
 
 def resolve(spec: str) -> Callable[..., Any]:
