@@ -28,6 +28,15 @@ def _cuda_available() -> tuple[bool, str]:
     return True, ""
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """Workers for pyproject's ``-n auto``: one per CPU core when the selection excludes GPU tests (the README's
+    and CI's runs: most tests wait on a subprocess, a model load or a SIGKILLed child), else none (0: one
+    process), so GPU tests never share the device between workers and a targeted run starts no workers."""
+    if "not gpu" not in (config.getoption("markexpr") or ""):
+        return 0
+    return len(os.sched_getaffinity(0))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_items = [it for it in items if it.get_closest_marker("gpu") is not None]
     if not gpu_items:
