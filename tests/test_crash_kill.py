@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -121,12 +120,10 @@ def _kill_loop(log_dir: Path, *, n_kills: int, seed: int, rng: np.random.Generat
 
 def test_writers_sigkilled_at_random_moments_lose_nothing_committed(tmp_path: Path) -> None:
     """CI sample: 20 kills of real fsync=always writers on one log (background compaction every ~6 MiB)."""
-    t0 = time.perf_counter()
     stats = _kill_loop(tmp_path / "log", n_kills=20, seed=7, rng=np.random.default_rng(7),
                        compact_after=6 << 20, max_delay_s=0.9)
     assert stats["kills"] >= 15, stats  # the children were really killed, mostly mid-run
     assert stats["epochs"] >= 20, stats  # and made progress across restarts
-    assert time.perf_counter() - t0 < 60, stats
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a tmpfs at /dev/shm")
