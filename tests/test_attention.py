@@ -16,8 +16,11 @@ from support import PYTHON, REPO, subprocess_env
 pytest.importorskip("triton")
 
 
-@pytest.mark.parametrize("case", ["reference1", "reference2", "reference3", "invariance", "engine", "linear",
-                                  "invariant_engine"])
+# the engine cases run a whole engine through the interpreter (minutes on two cores): the slow suite; the kernel
+# cases (float64 reference, invariance, linear) stay in the fast run
+@pytest.mark.parametrize("case", ["reference1", "reference2", "reference3", "invariance", "linear",
+                                  pytest.param("engine", marks=pytest.mark.slow),
+                                  pytest.param("invariant_engine", marks=pytest.mark.slow)])
 def test_kernel_case(case: str) -> None:
     r = subprocess.run([PYTHON, str(REPO / "tests" / "attention_cases.py"), case], capture_output=True, text=True,
                        env=subprocess_env(), timeout=600)
