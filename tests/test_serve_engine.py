@@ -392,6 +392,7 @@ def test_recovery_refuses_inconsistent_block_state(shm_dir: Path) -> None:
             Engine.recover(log, model, SHARED_OPTIONS)
 
 
+@pytest.mark.slow  # a whole engine under Triton's interpreter: minutes on two cores
 def test_under_the_invariant_engine_a_hit_and_a_recompute_hold_a_fresh_prefills_bytes() -> None:
     """invariant=True (Triton's interpreter on the CPU, a process of its own): a prefix hit's K/V rows equal a
     fresh prefill's byte for byte, and so do a preempted request's recomputed rows its decoded ones."""
