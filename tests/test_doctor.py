@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
+from dataclasses import dataclass
+
+import pytest
 
 from support import PYTHON, subprocess_env
 
@@ -19,8 +21,18 @@ def _env() -> dict[str, str]:
     return env
 
 
-def test_each_check_prints_as_it_finishes_then_a_verdict(tmp_path: Path) -> None:
-    with open(tmp_path / "stderr", "w+") as errf:
+@dataclass
+class TextRun:
+    first: str  # the first line, as it arrived
+    still_running: bool  # whether the doctor was still at work when it arrived
+    lines: list[str]
+    err: str
+
+
+@pytest.fixture(scope="module")
+def text_run(tmp_path_factory: pytest.TempPathFactory) -> TextRun:
+    """`concordia doctor` read line by line from a pipe (one run serves the tests below)."""
+    with open(tmp_path_factory.mktemp("doctor") / "stderr", "w+") as errf:
         p = subprocess.Popen([PYTHON, "-c", DOCTOR], stdout=subprocess.PIPE, stderr=errf, text=True, env=_env())
         assert p.stdout is not None
         first = p.stdout.readline()
@@ -28,18 +40,21 @@ def test_each_check_prints_as_it_finishes_then_a_verdict(tmp_path: Path) -> None
         out = p.stdout.read()
         assert p.wait(timeout=300) == 0
         errf.seek(0)
-        err = errf.read()
+        return TextRun(first, still_running, (first + out).splitlines(), errf.read())
+
+
+def test_each_check_prints_as_it_finishes_then_a_verdict(text_run: TextRun) -> None:
+    first, lines = text_run.first, text_run.lines
     assert first.startswith("ok  concordia-ft ") and first.rstrip().endswith(" s)"), first
-    assert still_running, "the first line came only when the doctor had finished"
-    lines = (first + out).splitlines()
+    assert text_run.still_running, "the first line came only when the doctor had finished"
     assert [ln.split()[1] for ln in lines[:6]] == ["concordia-ft", "DRAM", "C", "torch", "serve:", "CUDA:"], lines
     assert all(ln[:4] in ("ok  ", "--  ") and ln.endswith(" s)") for ln in lines[:6]), lines
     assert lines[-1].startswith("verdict: works here: logs and recovery"), lines
     assert "sessions" in lines[-1]  # torch and transformers are in this environment
-    assert "Traceback" not in out + err
+    assert "Traceback" not in "\n".join(lines) + text_run.err
 
 
-def test_json_is_the_same_report() -> None:
+def test_json_is_the_same_report(text_run: TextRun) -> None:
     p = subprocess.run([PYTHON, "-c", DOCTOR, "--json"], capture_output=True, text=True, env=_env(), timeout=300)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
@@ -48,8 +63,7 @@ def test_json_is_the_same_report() -> None:
         assert key in doc, key
     assert doc["torch"] and doc["verdict"].startswith("works here: ")
     assert all(set(m) == {"what", "how"} for m in doc["missing"])
-    text = subprocess.run([PYTHON, "-c", DOCTOR], capture_output=True, text=True, env=_env(), timeout=300).stdout
-    assert text.splitlines()[-1] == "verdict: " + doc["verdict"]
+    assert text_run.lines[-1] == "verdict: " + doc["verdict"]
 
 
 def test_without_torch_the_verdict_names_the_extra() -> None:
