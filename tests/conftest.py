@@ -28,13 +28,16 @@ def _cuda_available() -> tuple[bool, str]:
     return True, ""
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """Workers for pyproject's ``-n auto``: one per CPU core when the selection excludes GPU tests (the README's
-    and CI's runs: most tests wait on a subprocess, a model load or a SIGKILLed child), else none (0: one
-    process), so GPU tests never share the device between workers and a targeted run starts no workers."""
-    if "not gpu" not in (config.getoption("markexpr") or ""):
-        return 0
-    return len(os.sched_getaffinity(0))
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """A pytest-xdist worker per CPU core when the selection excludes GPU tests (the README's and CI's runs:
+    most tests wait on a subprocess, a model load or a SIGKILLed child) and no ``-n`` was given; one process
+    otherwise, so GPU tests never share the device between workers and a targeted run starts no workers.
+    Here rather than in pyproject's addopts so that a machine without pytest-xdist still runs pytest."""
+    if not config.pluginmanager.hasplugin("xdist") or config.getoption("numprocesses", None) is not None:
+        return
+    if "not gpu" in (config.getoption("markexpr") or "") and not config.getoption("usepdb"):
+        config.option.numprocesses = len(os.sched_getaffinity(0))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
