@@ -36,6 +36,8 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
     Here rather than in pyproject's addopts so that a machine without pytest-xdist still runs pytest."""
     if not config.pluginmanager.hasplugin("xdist") or config.getoption("numprocesses", None) is not None:
         return
+    if hasattr(config, "workerinput") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # an xdist worker: it must not start workers of its own (each would again, without end)
     if "not gpu" in (config.getoption("markexpr") or "") and not config.getoption("usepdb"):
         config.option.numprocesses = len(os.sched_getaffinity(0))
 

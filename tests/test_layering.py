@@ -139,10 +139,8 @@ LAYERS = (
     ("concordia_ft.cli", 8),
 )
 FACADE = "concordia_ft"  # the package's __init__: re-exports the public names (lazily), so it may name any layer
-# the one circle this test still lets through: Session and graph decode are being merged into one LLM stack,
-# which removes it (issue 31); delete the entry with that change
-ALLOWED_CYCLES = [{"concordia_ft.session", "concordia_ft.integrations.graph_decode"}]
-ALLOWED_UPWARD = {("concordia_ft.integrations.graph_decode", "concordia_ft.session")}  # the same circle
+ALLOWED_CYCLES: list[set[str]] = []  # none: a new circle is a module split in two, or a missing lower layer
+ALLOWED_UPWARD: set[tuple[str, str]] = set()
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from .integrations.generation import (
     restore_sampler_state,
     should_stop,
 )
+from .integrations.graph_decode import META_KEY  # the Session metadata key, defined below this layer
 from .integrations.transformers import ArenaKVCache, dtype_name, parse_dtype, plan_arena
 
 SDPA_CHOICES = ("reproducible", "default")
@@ -67,7 +68,6 @@ def sdpa_backends(choice: str, device: Any) -> contextlib.AbstractContextManager
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
-META_KEY = "concordia.session"
 # 2: the sampler is the device-independent ``sampler`` region (integrations/generation.py), the settings are a
 # resolved GenerationConfig. 1: the raw generator state in ``rng`` (its size that of the writer's device), the
 # Session's own settings fields. recover() reads both; a version-1 log continues in version 2.

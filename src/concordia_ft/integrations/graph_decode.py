@@ -52,6 +52,8 @@ from ..core.regions import RegionSpec
 from ..core.tracking import RegionDelta
 from ..errors import CheckpointError, ConfigError
 
+META_KEY = "concordia.session"  # a Session's metadata key in its epochs (session.py re-exports it)
+
 log = logging.getLogger("concordia_ft.graph_decode")
 
 DURABILITY = ("durable", "pipelined")
@@ -248,7 +250,6 @@ class _NativeWriter:
 def native_template(session: Any) -> tuple[list[bytes], list[int]] | None:
     """The session's epoch metadata as the C writer's template (None: it cannot be expressed as one)."""
     from ..core import slotlog
-    from ..session import META_KEY
 
     S = slotlog.SENTINELS
     n_layers = len(session.cache.layers)
