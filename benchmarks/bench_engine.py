@@ -38,38 +38,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch  # noqa: E402
+from bench_serve import build, sync  # noqa: E402
 from benchreport import median, percentile, print_table, write_results  # noqa: E402
 
 from concordia_ft.serve import Engine, SamplingParams  # noqa: E402
 
 HBM_BPS = 4.8e12
 ENGINE_MODES = ("nolog", "epochs", "cublas", "cublas_epochs")
-
-
-def config(dims: str) -> Any:
-    from transformers import Qwen3Config
-
-    if dims == "0.6b":
-        return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                           num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
-    if dims == "8b":
-        return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
-    return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-
-
-def build(dims: str, device: str, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config(dims), dtype=dtype).eval()
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def prompts(n: int, plen: int, vocab: int, seed: int) -> list[list[int]]:

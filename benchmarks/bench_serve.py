@@ -48,6 +48,9 @@ def qwen3(dims: str) -> Any:
     if dims == "8b":
         return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+    if dims == "small":  # a CPU model whose KV rows are large enough (16 KiB in float32) for the log to matter
+        return Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=4, head_dim=128)
     return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # "tiny"
 

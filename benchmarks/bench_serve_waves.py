@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from bench_serve import build, sync  # noqa: E402
 from benchreport import median, percentile, print_table, write_results  # noqa: E402
 
 from concordia_ft.serve import Engine, SamplingParams  # noqa: E402
@@ -54,36 +55,6 @@ MODES: dict[str, dict[str, Any]] = {
     "runtime": {"step_epochs": "runtime"},
     "runtime-async": {"step_epochs": "runtime", "async_epochs": True},
 }
-
-
-def qwen3(dims: str) -> Any:
-    from transformers import Qwen3Config
-
-    if dims == "0.6b":
-        return Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                           num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
-    if dims == "8b":
-        return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
-    if dims == "small":  # a CPU model whose KV rows are large enough (16 KiB in float32) for the log to matter
-        return Qwen3Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                           num_attention_heads=4, num_key_value_heads=4, head_dim=128)
-    return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # "tiny"
-
-
-def build(dims: str, device: str, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(qwen3(dims), dtype=dtype)
-    return model.eval()
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def log_root(need_bytes: int) -> tuple[Path, str]:
