@@ -47,10 +47,18 @@ def interpreted() -> bool:
 
 
 def prepare_interpreter() -> None:
-    """Under Triton's interpreter only: Triton 3.6's interpreter turns a loop bound into an int with ``int(array)`` on a one-element array, which
-    numpy >= 2.3 refuses; take the element instead (no effect on compiled kernels)."""
+    """Under Triton's interpreter only (no effect on compiled kernels), two changes:
+
+    - Triton 3.6's interpreter turns a loop bound into an int with ``int(array)`` on a one-element array, which
+      numpy >= 2.3 refuses; take the element instead.
+    - ``tl.dot`` becomes a product whose every output element sums over K in one fixed order. The interpreter's
+      own ``np.matmul`` goes to the machine's BLAS, whose kernels may sum a row in another order depending on
+      where the row sits in the tile (OpenBLAS on AVX-512 does); a GPU's MMA of a fixed tile shape does not, and
+      the kernels' batch invariance rests on that.
+    """
     if not interpreted():
         return
+    import numpy as np
     from triton.runtime import interpreter as ti
 
     orig = ti._patch_lang_tensor
@@ -61,8 +69,21 @@ def prepare_interpreter() -> None:
         orig(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
+    orig_dot = ti.InterpreterBuilder.create_dot
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, max_num_imprecise_acc: Any) -> Any:
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc = d.data.dtype
+        a_data, b_data = a.data.astype(acc), b.data.astype(acc)
+        # [M, K, 1] * [1, K, N] summed over K by numpy's sequential reduction of a non-last axis: out[i, j]
+        # adds k = 0, 1, ... in order whatever M is and wherever row i sits
+        prod = a_data[..., :, :, None] * b_data[..., None, :, :]
+        return ti.TensorHandle(np.add.reduce(prod, axis=-2) + d.data, d.dtype.scalar)
+
     patched._concordia = True  # type: ignore[attr-defined]
     ti._patch_lang_tensor = patched
+    ti.InterpreterBuilder.create_dot = create_dot
 
 
 def _build() -> Any:
