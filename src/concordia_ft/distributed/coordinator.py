@@ -94,7 +94,8 @@ class JobFailed(Exception):
 class Coordinator:
     def __init__(self, job_dir: Path, opts: DistOptions) -> None:
         self.job_dir, self.opts = job_dir, opts
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+        self.store = dist.TCPStore("127.0.0.1", 0,  # type: ignore[attr-defined]  # re-exported without __all__
+                                   is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=30))
         self.port = self.store.port
         (job_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -539,12 +540,12 @@ class Coordinator:
         raw = self.store.get(key)
         old = self.beats.get(wid)
         if old is None or old[0] != raw:
-            beat = Beat.decode(raw)
-            self.beats[wid] = (raw, now, beat)
+            fresh = Beat.decode(raw)
+            self.beats[wid] = (raw, now, fresh)
             if old is None:
                 self._write_pids()  # it is up: a coordinator started after this one may keep it
-            if beat.slowest_step_ms > 0:
-                self.slowest_ms.append(beat.slowest_step_ms)
+            if fresh.slowest_step_ms > 0:
+                self.slowest_ms.append(fresh.slowest_step_ms)
             return None
         _, seen, beat = old
         return classify_silence(rank, beat, seen, now, t)
@@ -661,7 +662,7 @@ class Coordinator:
         t_plan = time.monotonic_ns()
         for wid in self.members:
             self.spawn("rank", wid, plan, from_scratch=True)
-        rec = {"gen": self.gen, "cut": plan.cut, "kind": v.kind.value, "action": "restart-all",
+        rec: dict[str, Any] = {"gen": self.gen, "cut": plan.cut, "kind": v.kind.value, "action": "restart-all",
                "ranks": [v.rank], "standby": {}, "failed_wids": failed_wids, "t_detect_ns": t_detect,
                "t_abort_end_ns": t_killed,
                "t_plan_ns": t_plan, "members": list(self.members), "mode": "restart"}
@@ -852,7 +853,11 @@ def main(argv: list[str] | None = None) -> int:
     job_dir = Path(a.job_dir)
     opts = DistOptions.from_json((job_dir / "options.json").read_text())
     coord = Coordinator(job_dir, opts)
-    signal.signal(signal.SIGTERM, lambda *_: (coord.shutdown(), os._exit(143)))
+    def on_sigterm(*_: object) -> None:
+        coord.shutdown()
+        os._exit(143)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return coord.run()
     finally:

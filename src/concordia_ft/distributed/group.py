@@ -50,8 +50,9 @@ class Interrupted(Exception):
         return f"{self.reason}: {self.message}"
 
 
-def connect_store(port: int, timeout_s: float = 30.0) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s),
+def connect_store(port: int, timeout_s: float = 30.0) -> Any:
+    return dist.TCPStore(  # type: ignore[attr-defined]  # torch.distributed re-exports it without __all__
+        "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
 
@@ -115,12 +116,16 @@ class Watch:
     def _loop(self) -> None:
         fds = [fd for fd in (self.coord_fd, _LAUNCHER_FD) if fd is not None]
         while not self._stop.is_set():
-            hit = select.select(fds, [], [], self.period_s)[0] if fds else self._stop.wait(self.period_s)
+            hit: list[int] = []
+            if fds:
+                hit = select.select(fds, [], [], self.period_s)[0]
+            else:
+                self._stop.wait(self.period_s)
             if self._stop.is_set():
                 return
-            if _LAUNCHER_FD is not None and _LAUNCHER_FD in (hit or []):
+            if _LAUNCHER_FD is not None and _LAUNCHER_FD in hit:
                 os._exit(3)  # the launcher is gone: nobody restarts the coordinator, nobody reads the result
-            if self.coord_fd is not None and self.coord_fd in (hit or []):
+            if self.coord_fd is not None and self.coord_fd in hit:
                 self.lost = "the coordinator died"
                 self._changed.set()
                 return
@@ -206,7 +211,7 @@ def build_group(backend: str, store: Any, prefix_name: str, rank: int, world: in
                 device: str) -> Any:
     """A fresh torch process group on its own store prefix (``pg/<gen>``, or a spare's: never an old one),
     connected: NCCL's first collective (its lazy connect) is paid here, not by the first step."""
-    prefix = dist.PrefixStore(prefix_name, store)
+    prefix = dist.PrefixStore(prefix_name, store)  # type: ignore[attr-defined]  # re-exported without __all__
     timeout = timedelta(milliseconds=timeout_ms)
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefix, rank, world, timeout)
@@ -214,7 +219,7 @@ def build_group(backend: str, store: Any, prefix_name: str, rank: int, world: in
     opts._timeout = timeout
     pg = dist.ProcessGroupNCCL(prefix, rank, world, opts)
     x = torch.zeros(1, device=device)
-    work = pg.allreduce([x])  # connect now: the first step must not pay for it
+    work = pg.allreduce([x])  # type: ignore[attr-defined]  # the C++ class's method, absent from torch's stubs  # connect now: the first step must not pay for it
     while not work.is_completed():  # never a device-wide synchronize: an aborted group's kernel may still spin
         time.sleep(0.0005)
     work.wait()

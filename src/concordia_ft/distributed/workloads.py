@@ -106,7 +106,7 @@ class DpLora(Workload):
         flat = st["adapter"].to(self.device).clone().requires_grad_(True)
         x, y = self._batch(step)
         loss = torch.mean((self._forward(flat, x) - y) ** 2)
-        loss.backward()
+        torch.autograd.backward(loss)
         assert flat.grad is not None
         buf = torch.cat([flat.grad.detach(), loss.detach().reshape(1)])
         group.allreduce(buf)
@@ -200,7 +200,7 @@ class TpDecode(Workload):
         hd = self.dim // self.heads
         for li, (qkv, wo, w1, w2) in enumerate(self.blocks):
             x = _rms(h)
-            q, k, v = (x @ qkv.T).split(self.dim, dim=-1)
+            q, k, v = torch.split(x @ qkv.T, self.dim, dim=-1)
             kv[li, 0, pos] = k[0].cpu()
             kv[li, 1, pos] = v[0].cpu()
             keys = kv[li, 0, :pos + 1].to(self.device).view(pos + 1, self.heads, hd).transpose(0, 1)

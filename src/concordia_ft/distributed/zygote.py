@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+from typing import Any
 
 
 def _serve() -> int:
@@ -41,7 +42,7 @@ def _serve() -> int:
     return 0
 
 
-def _child(req: dict, libc: ctypes.CDLL) -> None:
+def _child(req: dict[str, Any], libc: ctypes.CDLL) -> None:
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
