@@ -13,11 +13,9 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "src" / "concordia_ft"
 HISTORY = re.compile(r"\b(session|issue)s?\s+\d+", re.IGNORECASE)
 
-# Files whose owners rewrite them this session (a file leaves this list when it is clean, and then stays clean):
-# the serving engine's design notes (the lead and the serve helpers), the distributed design notes (the
-# distributed helper).
+# Files whose owners are rewriting them (a file leaves this list when it is clean, and then stays clean): the
+# distributed design notes (the distributed helper).
 ALLOWED = {
-    "serve/DESIGN.md",
     "distributed/DESIGN.md",
 }
 
