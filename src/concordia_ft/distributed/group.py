@@ -66,8 +66,8 @@ def _pidfd(pid: int) -> int | None:
         return None
 
 
-def _fired(fd: int | None) -> bool:
-    return fd is not None and bool(select.select([fd], [], [], 0)[0])
+def _fired(fd: int | None, wait_s: float = 0.0) -> bool:
+    return fd is not None and bool(select.select([fd], [], [], wait_s)[0])
 
 
 _LAUNCHER_FD = _pidfd(int(os.environ[LAUNCHER_ENV])) if os.environ.get(LAUNCHER_ENV, "").isdigit() else None
@@ -100,8 +100,11 @@ class Watch:
         self._thread = threading.Thread(target=self._loop, name=f"concordia-watch-{wid}", daemon=True)
         self._thread.start()
 
-    def coordinator_dead(self) -> bool:
-        return self.lost is not None or _fired(self.coord_fd)
+    def coordinator_dead(self, wait_s: float = 0.0) -> bool:
+        """The coordinator is gone (its store lost, or its pidfd fired). ``wait_s``: after a store call failed,
+        how long its pidfd may take to fire: a SIGKILLed process's sockets are closed before it becomes a zombie
+        (the kernel's exit path), so a survivor's call can fail first; under load, by milliseconds or more."""
+        return self.lost is not None or _fired(self.coord_fd, wait_s)
 
     def beat(self) -> None:
         now = time.monotonic_ns()

@@ -24,6 +24,9 @@ from __future__ import annotations
 import time
 
 STARTED_NS = time.monotonic_ns()  # before the heavy imports: a cold standby's start is measured from here
+# after a store call failed: how long the coordinator's pidfd may take to fire before the failure is taken for
+# something else (group.Watch.coordinator_dead)
+STORE_LOSS_S = 2.0
 
 import argparse  # noqa: E402
 import faulthandler  # noqa: E402
@@ -117,7 +120,7 @@ class Member:
                         return got
                     nxt, why = got, "coordinator"
             except Exception:
-                if not self.watch.coordinator_dead():
+                if not self.watch.coordinator_dead(wait_s=STORE_LOSS_S):
                     raise
                 # a store call failed because the coordinator (the store) died under it
                 t_int = t_ab = time.monotonic_ns()
@@ -159,7 +162,7 @@ class Member:
                                                                   "slots": self.epochs.slot_cuts}))
                 plan = _wait_assignment(self.store, self.wid, self.watch, standby=False)
             except Exception:  # noqa: BLE001 - that coordinator died too: wait for the next one
-                if self.watch.coordinator_dead():
+                if self.watch.coordinator_dead(wait_s=STORE_LOSS_S):
                     continue
                 raise
             if plan is None:
@@ -438,7 +441,7 @@ def _wait_assignment(store: Any, wid: str, watch: Watch, *, standby: bool = True
             return P.Plan.decode(store.get(P.assign_key(wid)))
         except (dist.DistStoreError, RuntimeError) as e:
             if "timeout" not in str(e).lower():
-                if watch.coordinator_dead():
+                if watch.coordinator_dead(wait_s=STORE_LOSS_S):
                     return None
                 raise
 
