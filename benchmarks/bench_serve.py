@@ -293,10 +293,7 @@ def _log_facts(log: Path) -> dict[str, Any]:
 # ring), "streamed_s32" (32 MiB slots: half the chunks), "streamed_cold" (the graph captured at the first
 # step, after the restore), "streamed_py" / "streamed_py_cold" (memcpy fills, the graph warm or cold),
 # "streamed_pop" (8 threads populating the log's mappings during its open: RecoveryOptions.populate),
-# "streamed_reg" (the log's pages registered for DMA from the plan's end backwards: RecoveryOptions.register_log),
-# "streamed_prefetch" / "streamed_noprefetch" (the ring page-locked while the log opens, or after: the default;
-# EngineOptions.prefetch_ring), "streamed_nt" (the fills write the ring with streaming stores:
-# RecoveryOptions.nontemporal),
+# "streamed_nt" (the fills write the ring with streaming stores: RecoveryOptions.nontemporal),
 # "image" (a whole pinned host image, one DMA). ':N' after a mode sets the copy threads.
 RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed": {"streamed": True},
@@ -308,11 +305,6 @@ RECOVERY_MODES: dict[str, dict[str, Any]] = {
     "streamed_cold": {"streamed": True, "warm_graphs": False},
     "streamed_py": {"streamed": True, "nontemporal": False},
     "streamed_pop": {"streamed": True, "populate": 8},  # 8 populate threads in the open
-    # the ring page-locked while the log opens (EngineOptions.prefetch_ring=True; off by default since session 12)
-    "streamed_prefetch": {"streamed": True, "engine": {"prefetch_ring": True}},
-    "streamed_noprefetch": {"streamed": True, "engine": {"prefetch_ring": False}},
-    # the log's pages registered for DMA from the end of the plan backwards, those chunks sent straight from the log
-    "streamed_reg": {"streamed": True, "register_log": True},
     "streamed_py_cold": {"streamed": True, "warm_graphs": False},
     "streamed_nt": {"streamed": True, "nontemporal": True},
     # the first step's graph captured beside the restore after one eager warm-up forward, or none (the model ran
@@ -389,7 +381,6 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
                     "stream_verified_gb": st.extra.get("verified_bytes", 0.0) / 1e9,
                     "stream_verify_combine_s": st.extra.get("verify_combine_s", 0.0), "stream_finish_s": st.finish_s,
                     "stream_sink_setup_s": st.extra.get("sink_setup_s", 0.0),
-                    "stream_ring_prefetched": bool(st.extra.get("ring_prefetched", 0.0)),
                     "stream_verify_on_device": bool(st.extra.get("verify_on_device", 0.0)),
                     "stream_device_crc_tiles": int(st.extra.get("device_crc_tiles", 0.0)),
                     "stream_c_loop": bool(st.extra.get("c_loop", 0.0)),
@@ -398,9 +389,6 @@ def recover_once(log: Path, model: Any, device: str, backend: str, ref_pool: Any
                     "open_populated_gb": st.extra.get("open_populated_bytes", 0.0) / 1e9,
                     "open_populate_s": st.extra.get("open_populate_s", 0.0),
                     "open_populate_pending": int(st.extra.get("open_populate_pending", 0.0)),
-                    "stream_registered_chunks": int(st.extra.get("registered_chunks", 0.0)),
-                    "stream_registered_gb": st.extra.get("registered_bytes", 0.0) / 1e9,
-                    "stream_register_s": st.extra.get("register_s", 0.0),
                     "stream_mirror_chunks": int(st.extra.get("mirror_chunks", 0.0)),
                     "stream_mirror_gb": st.extra.get("mirror_bytes", 0.0) / 1e9,
                     "stream_mirror_attach_s": st.extra.get("mirror_attach_s", 0.0),
@@ -562,8 +550,7 @@ def bench_recovery(dims: str, device: str, dtype: torch.dtype, n: int, prompt: i
                      "construct_s": "constr", "load_s": "load", "verify_s": "verify", "streamed_s": "stream",
                      "streamed_gbps": "GB/s", "stream_plan_s": "plan", "stream_fill_wait_s": "fillw",
                      "stream_slot_wait_s": "slotw", "stream_finish_s": "fin", "stream_verify_combine_s": "comb",
-                     "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring", "stream_ring_prefetched": "pre", "open_populated_gb": "popGB",
-                     "stream_registered_chunks": "regch", "stream_registered_gb": "regGB", "stream_register_s": "regs",
+                     "stream_verified_gb": "vGB", "stream_direct_chunks": "direct", "stream_chunks": "chunks", "stream_sink_setup_s": "ring", "open_populated_gb": "popGB",
                      "image_copy_s": "icopy", "image_restore_s": "irest", "pool_byte_equal": "equal",
                      "copy_gbps": "copyGB/s", "e2e_gbps": "e2eGB/s", "warm_capture_s": "wcap",
                      "capture_wait_s": "capw", "stream_verify_on_device": "dev",
@@ -620,7 +607,7 @@ def main() -> int:
     ap.add_argument("--recovery-prompt", type=int, default=2000)
     ap.add_argument("--recovery-modes", default="streamed",
                     help="comma-separated, of RECOVERY_MODES (streamed, streamed_host, streamed_open, "
-                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_reg, streamed_prefetch, streamed_noprefetch, streamed_nt, image); ':N' sets the copy threads, "
+                         "streamed_prefault, streamed_r24, streamed_s32, streamed_cold, streamed_py, streamed_py_cold, streamed_pop, streamed_nt, image); ':N' sets the copy threads, "
                          "e.g. streamed:8")
     ap.add_argument("--image-dims", default="", help="dims that also run the image path (e.g. 0.6b)")
     ap.add_argument("--build-batch-tokens", type=int, default=None,

@@ -46,13 +46,13 @@ def main() -> int:
         # B: the eager loop by hand, cache_position passed (the graph's call), default stream
         s = session("B" + sfx, "eager")
         s.generate(prompt, max_new_tokens=1)
-        kw = {"use_cache": True, "logits_to_keep": 1, s._cache_kw: s.cache}
+        kw = {"use_cache": True, "logits_to_keep": 1, s.cache_kw: s.cache}
         toks = [int(s.tokens[s.n_tokens - 1])]
         with torch.inference_mode():
             for _ in range(n - 1):
                 L = int(s.cache.get_seq_length())
                 ids = torch.tensor([[toks[-1]]], device="cuda")
-                if s._cache_position_kw:
+                if s.cache_position_kw:
                     kw["cache_position"] = torch.tensor([L], device="cuda")
                 lg = model(input_ids=ids, **kw).logits[:, -1].to(copy=True, dtype=torch.float32)
                 toks.append(int(torch.argmax(lg, dim=-1).item()))
@@ -69,7 +69,7 @@ def main() -> int:
                 if captured:
                     dec.capture(toks[0], L)
                 else:
-                    dec._set_state(toks[0], L)
+                    dec.set_state(toks[0], L)
                 for _ in range(n - 1):
                     if captured:
                         dec.graph.replay()

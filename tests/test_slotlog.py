@@ -76,6 +76,7 @@ def _run(log: RecoveryLog, n_steps: int, *, n_slots: int = 6, template: tuple[li
     w = slotlog.SlotLogWriter(log, ring_address=ring.address, n_slots=n_slots, slot_bytes=ring.slot_bytes,
                               slot_header=H.SLOT_HEADER, max_pages=H.max_pages(), kv=kv, tokens_image=image,
                               tokens=tok, meta=template or _template())
+    assert not w.reached(0)  # nothing submitted: nothing committed
     for i in range(n_steps):
         row = start_row + i
         if i >= n_slots:
@@ -84,6 +85,7 @@ def _run(log: RecoveryLog, n_steps: int, *, n_slots: int = 6, template: tuple[li
         ring.fill(i, row, 1000 + row)
         w.submit(i, row + 1, i + 1, i == n_steps - 1)
     w.wait(n_steps - 1)
+    assert w.reached(n_steps - 1) and not w.reached(n_steps)
     assert log.last_epoch == w.stats()[-1, 5]  # the log sees what committed while its tail is leased
     w.stop()
     st = w.stats()

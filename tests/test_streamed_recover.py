@@ -292,109 +292,23 @@ def test_recovery_options_pass_the_populate_threads_to_the_replay() -> None:
         ReplayOptions(populate=1.5)  # type: ignore[arg-type]
 
 
-def test_the_registrars_page_ranges_stay_disjoint_and_cover_what_was_asked() -> None:
-    rng = np.random.default_rng(4)
-    starts: list[int] = []
-    ends: list[int] = []
-    covered: set[int] = set()
-    for _ in range(300):
-        lo = int(rng.integers(0, 200))
-        hi = lo + int(rng.integers(1, 30))
-        gaps = streamed_mod._gaps(starts, ends, lo, hi)
-        assert {p for a, b in gaps for p in range(a, b)} == set(range(lo, hi)) - covered  # exactly the new part
-        for a, b in gaps:
-            streamed_mod._insert(starts, ends, a, b)
-        covered |= set(range(lo, hi))
-        assert all(s < e for s, e in zip(starts, ends, strict=True))
-        assert all(ends[i] < starts[i + 1] for i in range(len(starts) - 1))  # disjoint, merged when touching
-        assert {p for a, b in zip(starts, ends, strict=True) for p in range(a, b)} == covered
-
-
-@pytest.mark.parametrize("register", [True, "first"])
-@pytest.mark.parametrize("damaged", [False, True])
-def test_registered_chunks_go_straight_from_the_log_and_are_still_checked(shm_dir: Path, damaged: bool,
-                                                                          register: bool | str) -> None:
-    log = shm_dir / "log"
-    final = _big_paged_log(log)
-    if damaged:  # a byte of the oldest record (the prefill epoch): its chunks are the last ones, the registrar's
-        seg = sorted(log.glob("*.cft"))[0]
-        raw = bytearray(seg.read_bytes())
-        at = raw.find(final[: 64].tobytes())
-        assert at >= 0
-        raw[at + 4096 * 100] ^= 0x01  # page 100 of the prefill, superseded by nothing
-        seg.write_bytes(bytes(raw))
-    res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",), threads=2, parallel_min_bytes=0))
-    assert res.pending is not None
-    plan = res.pending.streamed_plan("kv", 64 << 10)
-    assert len(plan.chunks) > 100
-    out = np.zeros(plan.spec.n_pages * 4096, dtype=np.uint8)
-    sink = HostSink(out, 4096, slots=2, slot_bytes=64 << 10, verify=True, register=True)
-    res.pending.before_unmap(sink.wait_released)
-    try:
-        if damaged:
-            with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch"):
-                run_streamed(plan, sink, threads=2, register=register)
-            return
-        st = run_streamed(plan, sink, threads=2, register=register)
-    finally:
-        regs = list(sink.registered)
-        sink.close()
-        res.close()
-    assert np.array_equal(out[: final.nbytes], final)
-    assert st.extra["registered_chunks"] >= 1, st.extra  # the registrar reached chunks before the loop did
-    if register == "first":  # every one-run chunk but the first was registered before the stream began
-        assert st.extra["registered_chunks"] == sum(c.run_start >= 0 for c in plan.chunks[1:])
-    assert not st.extra["register_failed"]
-    page = 4096
-    assert all(a % page == 0 and n % page == 0 and n > 0 for a, n in regs)
-    spans = sorted(regs)
-    assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:], strict=False))  # never a page twice
-
-
 def test_without_a_verifying_sink_nothing_is_sent_around_the_fills(shm_dir: Path) -> None:
+    """A mirror holding every byte, but a sink that does not checksum what lands: every chunk goes through the
+    fills (which checksum), none straight from the mirror."""
+    from concordia_ft.core.streamed import range_translator
+
     log = shm_dir / "log"
     final = _big_paged_log(log)
     res = replay(log, materialize=False, options=ReplayOptions(defer=("kv",)))
     assert res.pending is not None
+    whole = range_translator([(a, a + ln, a, ln) for _, a, ln in res.pending.mapped_segments()])
     plan = res.pending.streamed_plan("kv", 64 << 10)
     out = np.zeros(plan.spec.n_pages * 4096, dtype=np.uint8)
-    sink = HostSink(out, 4096, slots=2, slot_bytes=64 << 10, verify=False, register=True)
-    st = run_streamed(plan, sink, threads=2, register=True)  # the fills checksum: all via slots
+    sink = HostSink(out, 4096, slots=2, slot_bytes=64 << 10, verify=False)
+    st = run_streamed(plan, sink, threads=2, mirror=whole)
     res.close()
-    assert "registered_chunks" not in st.extra and not sink.registered
+    assert "mirror_chunks" not in st.extra
     assert np.array_equal(out[: final.nbytes], final)
-
-
-@pytest.mark.parametrize("big", [False, True])
-def test_hooks_before_unmap_run_before_the_log_is_unmapped(shm_dir: Path, big: bool,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    from concordia_ft.core import replay as replay_mod
-
-    log = shm_dir / "log"
-    _big_paged_log(log)
-    if not big:
-        monkeypatch.setattr(replay_mod, "BACKGROUND_UNMAP_BYTES", 1 << 40)  # unmapped on the closing thread
-    else:
-        monkeypatch.setattr(replay_mod, "BACKGROUND_UNMAP_BYTES", 0)
-        monkeypatch.setattr(replay_mod, "BACKGROUND_UNMAP_DELAY_S", 0.0)
-    res = replay(log, materialize=False)
-    assert res.pending is not None
-    mappings = list(res.pending._mappings or [])
-    seen: list[bool] = []
-    done = __import__("threading").Event()
-
-    def hook() -> None:
-        seen.append(all(not m.closed for m in mappings))  # still mapped when the hook runs
-        done.set()
-
-    res.pending.before_unmap(hook)
-    res.close()
-    assert done.wait(10)
-    for _ in range(500):
-        if all(m.closed for m in mappings):
-            break
-        time.sleep(0.01)
-    assert seen == [True] and all(m.closed for m in mappings)
 
 
 @pytest.mark.skipif(not streamed_mod.stream_copy_available(), reason="the C extension _ntcopy is not built")

@@ -47,13 +47,6 @@ class RecoveryOptions:
     # streamed restore's copy threads take no first-touch page faults; 0: none. Off by default: on the H200 host
     # 8 of them took 0.25 s for 15-19 GB and stretched the open from ~0.1 to 0.28 s (serve/DESIGN.md, Recovery)
     populate: int = 0
-    # streamed restores: a registrar thread makes the log's own pages DMA-able (cuMemHostRegister, read-only) from
-    # the end of the plan backwards, and the chunks it reaches first go to the device straight from the log, their
-    # bytes crossing host memory once instead of three times (core/streamed.py run_streamed(register=True));
-    # "first": every such chunk registered before the stream starts (the direct path alone). Off: on the H200
-    # (driver 580) the driver serialises each registration against the stream's DMA submissions, and the 8B
-    # restore took 2.2 s instead of 1.2 (serve/DESIGN.md, Recovery)
-    register_log: bool | str = False
     # streamed restores: the copy threads write the ring's slots with streaming (non-temporal) stores instead of
     # memcpy, so the host's memory is not read for the slot lines each fill overwrites (glibc's memcpy streams only
     # above ~150 MiB on the H200 host, and a fill copies at most a 16 MiB slot). None (the default): on where the
@@ -76,8 +69,6 @@ class RecoveryOptions:
             raise ConfigError(f"RecoveryOptions.stream_verify={self.stream_verify!r}: use 'device' or 'host'")
         if not isinstance(self.prefault, int) or self.prefault < 0:
             raise ConfigError(f"RecoveryOptions.prefault={self.prefault!r}: use an int >= 0")
-        if self.register_log not in (False, True, "first"):
-            raise ConfigError(f"RecoveryOptions.register_log={self.register_log!r}: use False, True or 'first'")
         if self.nontemporal is not None and not isinstance(self.nontemporal, bool):
             raise ConfigError(f"RecoveryOptions.nontemporal={self.nontemporal!r}: use None (automatic), True or False")
         if not isinstance(self.populate, int) or self.populate < 0:

@@ -439,9 +439,6 @@ class Runtime:
                 allocs = {n: a for n in names if n not in sinks and (a := self._image_alloc(n, direct)) is not None}
                 if sinks:
                     assert res.pending is not None
-                    for sink in sinks.values():  # a sink that registered the log's pages releases them first
-                        if hasattr(sink, "wait_released"):
-                            res.pending.before_unmap(sink.wait_released)
                     plans = {}
                     for n, sink in sinks.items():
                         tp = time.perf_counter()
@@ -527,7 +524,7 @@ class Runtime:
         def stream(plan: Any, sink: Any, translate: Any) -> Any:
             try:
                 return run_streamed(plan, sink, threads=opts.threads, prefault=opts.prefault,
-                                    register=opts.register_log, nontemporal=self._nontemporal(), mirror=translate)
+                                    nontemporal=self._nontemporal(), mirror=translate)
             finally:
                 close = getattr(sink, "close", None)
                 if close is not None:
@@ -552,7 +549,6 @@ class Runtime:
                 stats.plan_s = plan_s
                 stats.seconds += plan_s
                 stats.extra["sink_setup_s"] = float(getattr(sink, "setup_s", 0.0))
-                stats.extra["ring_prefetched"] = float(bool(getattr(sink, "prefetched_ring", False)))
                 if view is not None:
                     stats.extra.update(mirror_attach_s=view.attach_s, mirror_segments=float(len(view.segments)),
                                        mirror_held_bytes=float(view.bytes))

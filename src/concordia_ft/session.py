@@ -213,8 +213,8 @@ class Session:
         self.recovery_phases: dict[str, Any] = {}  # Session.recover: where its time went (seconds)
         fwd = inspect.signature(model.forward).parameters
         self._logits_to_keep = "logits_to_keep" in fwd
-        self._cache_kw = "cache" if "cache" in fwd else "past_key_values"  # transformers renamed it in 5.x
-        self._cache_position_kw = "cache_position" in fwd
+        self.cache_kw = "cache" if "cache" in fwd else "past_key_values"  # transformers renamed it in 5.x
+        self.cache_position_kw = "cache_position" in fwd  # whether the forward takes cache_position
         self.runtime = _runtime if _runtime is not None else _rt.Runtime(
             str(self.log_dir), fsync=fsync, backend=backend,
             **{"on_compaction_error": "warn", **_session_log_defaults(runtime_options)})  # a failed compaction never stops a chat
@@ -247,7 +247,8 @@ class Session:
     def ids(self) -> list[int]:
         return self.tokens[: self.n_tokens].tolist()
 
-    def _append(self, new: Sequence[int]) -> None:
+    def append_tokens(self, new: Sequence[int]) -> None:
+        """Append token ids to the conversation (``ConfigError`` past ``max_cache_len``)."""
         n = len(new)
         if self.n_tokens + n > self.max_cache_len:
             raise ConfigError(
@@ -257,8 +258,8 @@ class Session:
         self.tokens[self.n_tokens: self.n_tokens + n] = np.asarray(new, dtype=np.int64)
         self.n_tokens += n
 
-    def _meta(self, lengths: list[int], *, n_tokens: int | None = None, n_new: int | None = None,
-              done: bool | None = None) -> dict[str, Any]:
+    def epoch_meta(self, lengths: list[int], *, n_tokens: int | None = None, n_new: int | None = None,
+                   done: bool | None = None) -> dict[str, Any]:
         """The epoch's metadata. The graph decoder's writer passes the token count and the generate() progress
         of the token it commits (the decode thread is ahead of it by then)."""
         g = self.gen
@@ -300,7 +301,8 @@ class Session:
             encode_sampler_state(self.generator, self.rng)
         return lengths
 
-    def _marked_clean(self, lengths: list[int]) -> None:
+    def mark_logged(self, lengths: list[int]) -> None:
+        """After a commit: the committed KV rows (``lengths``) and token ids are the new marks, nothing dirty."""
         self.cache.mark_clean(lengths)
         self._tokens_marked = self.n_tokens
 
@@ -326,9 +328,9 @@ class Session:
         """Commit the session (new KV blocks, new token ids, sampler state, metadata) as ONE epoch."""
         t0 = time.perf_counter()
         lengths = self._mark()
-        epoch = self.runtime.checkpoint(meta=self._meta(lengths))  # finishes an async epoch in flight first
+        epoch = self.runtime.checkpoint(meta=self.epoch_meta(lengths))  # finishes an async epoch in flight first
         self._settle()
-        self._marked_clean(lengths)
+        self.mark_logged(lengths)
         self._record(self.runtime.last_stats, time.perf_counter() - t0)
         return int(epoch)
 
@@ -338,9 +340,9 @@ class Session:
         background writer commits it (``Runtime.checkpoint_async``). The next checkpoint finishes it first."""
         t0 = time.perf_counter()
         lengths = self._mark()
-        pending = self.runtime.checkpoint_async(meta=self._meta(lengths))
+        pending = self.runtime.checkpoint_async(meta=self.epoch_meta(lengths))
         self._settle()
-        self._marked_clean(lengths)  # the snapshot took these marks; a failed epoch gives them back to the runtime
+        self.mark_logged(lengths)  # the snapshot took these marks; a failed epoch gives them back to the runtime
         self._pending = (pending, time.perf_counter() - t0)  # stats recorded once it has committed
         return pending
 
@@ -372,7 +374,7 @@ class Session:
             raise ConfigError("input_ids is empty: generate() needs at least one prompt token")
         s = self.settings(max_new_tokens, do_sample, generation_config=generation_config, prompt_len=len(ids),
                           **settings)
-        self._rules_for(s, ids)  # a setting transformers refuses is refused before anything is logged
+        self.rules_for(s, ids)  # a setting transformers refuses is refused before anything is logged
         self._start(ids, s)
         return self._run(on_token)
 
@@ -384,7 +386,7 @@ class Session:
             keep = 0
         self.n_tokens = keep
         self._tokens_marked = min(self._tokens_marked, keep)
-        self._append(ids[keep:])
+        self.append_tokens(ids[keep:])
         if s.seed is not None:
             self.generator.manual_seed(int(s.seed))
         self.rng_dirty[:] = 1  # the first epoch of every generate() records the sampler state
@@ -395,7 +397,7 @@ class Session:
         g = self.gen
         if g is None:
             raise RecoveryError("no generate() to run: this session has never generated")
-        rules = self._rules_for(g.settings)
+        rules = self.rules_for(g.settings)
         with_ids = needs_ids(rules)
         # the first step of a run is eager unless the graph is captured already: a fresh generate()'s first step
         # is its prefill anyway; a resume() after a recovery gets its first token from one eager step (~40 ms
@@ -414,14 +416,14 @@ class Session:
                     cached = int(self.cache.get_seq_length())  # the arena is full: the eager step reports it
                 feed = torch.as_tensor(self.tokens[cached: self.n_tokens], device=self.device).unsqueeze(0)
                 kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
-                kw[self._cache_kw] = self.cache
+                kw[self.cache_kw] = self.cache
                 out = self.model(input_ids=feed, use_cache=True, **kw)
                 logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
                 seq = self._ids_tensor() if with_ids else None
                 tok, scores = pick_token(rules, seq, logits, self.generator)
                 if rules.do_sample:  # the blocks of the record that hold the state (a CUDA generator's: one)
                     self.rng_dirty[: self._sampler_blocks] = 1
-                self._append([tok])
+                self.append_tokens([tok])
                 g.n_new += 1
                 g.done = should_stop(rules, tok, g.n_new, self._ids_tensor() if with_ids else None, scores)
                 if feed.shape[1] > 1:
@@ -482,7 +484,7 @@ class Session:
     def _ids_tensor(self) -> torch.Tensor:
         return torch.as_tensor(self.tokens[: self.n_tokens], device=self.device).unsqueeze(0)
 
-    def _rules_for(self, settings: GenerationSettings, prompt: Sequence[int] | None = None) -> Any:
+    def rules_for(self, settings: GenerationSettings, prompt: Sequence[int] | None = None) -> Any:
         """transformers' processors and stopping criteria for ``settings`` (built once per generate() call, and
         again after a recovery from the logged settings: they keep no per-token state). ``prompt``: the ids
         the call starts from (default: the first ``prompt_len`` ids the session holds)."""
@@ -517,7 +519,7 @@ class Session:
         self.turns.append({"role": "user", "content": text})
         ids = self._render_turns()
         s = self.settings(max_new_tokens, do_sample, prompt_len=len(ids), **settings)
-        self._rules_for(s, ids)
+        self.rules_for(s, ids)
         self.turns.append({"role": "assistant", "start": len(ids), "end": -1})  # end -1: being generated
         self._start(ids, s, turn=len(self.turns) - 1)
         self._run(on_token)
@@ -596,7 +598,7 @@ class Session:
             s._load(m)
             t4 = perf()
             if s.gen is not None and not s.gen.done:
-                s._rules_for(s.gen.settings)  # e.g. stop_strings without the tokenizer: refused here, log closed
+                s.rules_for(s.gen.settings)  # e.g. stop_strings without the tokenizer: refused here, log closed
         except BaseException:
             rt.close()
             raise
@@ -725,10 +727,10 @@ class Standby:
                 dec.capture(0, 0)  # position-independent: the graph reads the position from a device tensor
                 # one replay now, so the first replay after a recovery does not pay for the graph's upload; its
                 # row and ring slot are overwritten before they are read, the counters are put back
-                saved = self.cache._full_lengths.clone()
+                saved = self.cache.full_lengths.clone()
                 dec.graph.replay()
-                self.cache._full_lengths.copy_(saved)
-                dec._set_state(0, 0)
+                self.cache.full_lengths.copy_(saved)
+                dec.set_state(0, 0)
                 torch.cuda.current_stream().synchronize()
         except Exception as e:  # noqa: BLE001
             dec.close()

@@ -188,7 +188,7 @@ def _pool_log(shm: Path, model: torch.nn.Module, *, slots_reused: bool) -> tuple
 
 
 @pytest.mark.parametrize("slots_reused", [False, True])
-@pytest.mark.parametrize("loop", ["python", "registered", "registered_overlap", "python_nt"])
+@pytest.mark.parametrize("loop", ["python", "python_nt"])
 def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees(shm: Path, slots_reused: bool,
                                                                                    loop: str) -> None:
     model = _bf16_model()
@@ -197,18 +197,11 @@ def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees
     shutil.copytree(log, copy)
     (copy / "LOCK").unlink(missing_ok=True)
     # a tiny ring (3 slots of 64 KiB) so that chunks wrap it many times, some straight into place, some scattered;
-    # "registered": the one-run chunks DMA'd straight from the log's registered pages (all registered first),
-    # "registered_overlap": registered beside the stream, from the end (what RecoveryOptions.register_log=True does)
     # "python_nt": the fills write the ring with streaming stores (RecoveryOptions.nontemporal)
-    reg = {"registered": "first", "registered_overlap": True}.get(loop, False)
     rec = Engine.recover(log, model, recovery={"ring_slots": 3, "slot_bytes": 64 << 10,
-                                               "register_log": reg, "nontemporal": loop.endswith("_nt")})
+                                               "nontemporal": loop.endswith("_nt")})
     st = rec.recovered.streamed["kv"]
     assert st.extra["nontemporal"] == float(loop.endswith("_nt"))
-    if loop == "registered":  # everything registered before the stream: every one-run chunk but the first direct
-        assert st.extra["registered_chunks"] > 0 and st.extra["registered_bytes"] > 0, st.extra
-    if reg:
-        assert not st.extra["register_failed"], st.extra
     assert st.chunks > 6 and 0 < st.direct_chunks < st.chunks
     assert torch.equal(rec.pool.arena, pool)
     old = Engine.recover(copy, model, recovery={"streamed": False})
@@ -220,7 +213,7 @@ def test_streamed_restore_gives_the_pool_byte_for_byte_and_the_image_path_agrees
     old.close()
 
 
-@pytest.mark.parametrize("verify", ["device", "host", "device_registered"])
+@pytest.mark.parametrize("verify", ["device", "host"])
 def test_streamed_restore_refuses_a_damaged_kv_payload_before_anything_is_restored(shm: Path, verify: str) -> None:
     from concordia_ft.errors import LogCorruptError
 
@@ -235,9 +228,8 @@ def test_streamed_restore_refuses_a_damaged_kv_payload_before_anything_is_restor
     (copy / "LOCK").unlink(missing_ok=True)
     # the default: the pool's checksums run by the streamed restore, on the bytes it copies; Engine.recover
     # raises, so no engine exists to serve a restored block
-    reg = "first" if verify == "device_registered" else False  # the damaged rows sent straight from the log
     with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch \\(found by the restore"):
-        Engine.recover(log, model, recovery={"stream_verify": verify.split("_")[0], "register_log": reg})
+        Engine.recover(log, model, recovery={"stream_verify": verify})
     # every checksum at the open: refused before the pool even exists
     with pytest.raises(LogCorruptError, match="'kv'.*checksum mismatch") as e:
         Engine.recover(copy, model, recovery={"defer_verify": ()})
@@ -256,14 +248,12 @@ def test_the_first_step_after_recovery_replays_a_graph_captured_beside_the_resto
     copy = shm / "copy"
     shutil.copytree(shm / "log", copy)
     (copy / "LOCK").unlink(missing_ok=True)
-    warm = Engine.recover(shm / "log", model, {"prefetch_ring": True})
+    warm = Engine.recover(shm / "log", model)
     assert warm.recover_phases["warm_captured"] == 1.0
     st = warm.recovered.streamed["kv"]
-    assert st.extra["ring_prefetched"] == 1.0  # page-locked while the log was opened (EngineOptions.prefetch_ring)
     assert st.extra["verify_on_device"] == 1.0 and st.extra["device_verified_pieces"] > 0
-    cold = Engine.recover(copy, model, warm_graphs=False)  # the default: the ring page-locked after the open
+    cold = Engine.recover(copy, model, warm_graphs=False)
     assert "warm_captured" not in cold.recover_phases
-    assert cold.recovered.streamed["kv"].extra["ring_prefetched"] == 0.0
     assert torch.equal(warm.pool.arena, cold.pool.arena)
     cap = warm.graphs.capture_s
     a, b = warm.step(), cold.step()

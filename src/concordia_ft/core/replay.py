@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 import mmap
 import os
 import queue
@@ -281,12 +280,6 @@ class PendingImages:
         self._names = list(names) if names is not None else []  # the segment each mapping is of
         self._options = options
         self._populator = populator
-        self._before_unmap: list[Callable[[], None]] = []
-
-    def before_unmap(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` after ``close`` and before the mappings are unmapped (on the unmapper thread for large
-        ones): e.g. wait until a driver registration of the log's pages is released."""
-        self._before_unmap.append(fn)
 
     def mapped_segments(self) -> list[tuple[str, int, int]]:
         """(segment name, host address, length) of each mapping the pending payloads point into."""
@@ -370,9 +363,6 @@ class PendingImages:
             self._populator.stop()
         mappings: list[Any] = list(self._mappings or [])
         self._mappings = None
-        hooks, self._before_unmap = self._before_unmap, []
-        if hooks:
-            mappings.insert(0, _Hooked(hooks))  # closed first by _unmap: the hooks run before any unmap
         if sum(len(m) for m in mappings) >= BACKGROUND_UNMAP_BYTES:
             # unmapping a large populated mapping tears down a page table entry per 4 KiB (~24 ms for 232 MB on
             # the H200 host) and stalls the whole process meanwhile: profiled there, an unmap running beside the
@@ -446,23 +436,6 @@ BACKGROUND_UNMAP_DELAY_S = 2.0  # after a recovery's first token on every host w
 _unmap_queue: queue.SimpleQueue[tuple[float, list[mmap.mmap]]] | None = None
 _unmap_pid = 0  # the process whose thread serves the queue (a fork() child starts its own)
 _unmap_lock = threading.Lock()
-
-
-class _Hooked:
-    """Callables that must run before the mappings after them in an unmap list are unmapped."""
-
-    def __init__(self, hooks: list[Callable[[], None]]) -> None:
-        self.hooks = hooks
-
-    def __len__(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        for fn in self.hooks:
-            try:
-                fn()
-            except Exception:  # noqa: BLE001 - the unmap goes on; what failed is logged
-                logging.getLogger(__name__).warning("a hook before unmapping the log failed", exc_info=True)
 
 
 def _unmap(mappings: list[mmap.mmap]) -> None:

@@ -184,6 +184,10 @@ class SlotLogWriter:
         if e > (self.log.last_epoch or 0):
             self.log.last_epoch = e
 
+    def reached(self, seq: int) -> bool:
+        """Whether the epoch of step ``seq`` has committed, without waiting (a failure is ``wait``'s to raise)."""
+        return int(self._w.wait(seq, 0.0)) >= seq
+
     @property
     def committed(self) -> int:
         return int(self._w.state()["committed"])

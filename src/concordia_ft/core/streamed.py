@@ -319,7 +319,7 @@ def _first_failed(plan: StreamedPlan, crcs: list[int]) -> DeferredCheck | None:
 
 
 def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = None,
-                 pool: Executor | None = None, prefault: int = 0, register: bool | str = False, nontemporal: bool = False,
+                 pool: Executor | None = None, prefault: int = 0, nontemporal: bool = False,
                  mirror: Callable[[int, int], int | None] | None = None) -> StreamedStats:
     """Stream ``plan`` through ``sink``'s ring; returns when every byte has arrived (``sink.finish()``) and every
     deferred checksum the plan carries passed (``LogCorruptError`` for the earliest record that failed).
@@ -329,15 +329,6 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
     helper threads that map the chunks' source pages ahead of the copies (``MADV_POPULATE_READ``), so the copy
     threads do not take first-touch page faults on the mapped log.
 
-    ``register`` (a sink with ``can_register``): a registrar thread makes the log's own pages
-    DMA-able (``sink.register_source``: ``cuMemHostRegister``, read-only) for the chunks at the END of the plan,
-    walking backwards while the loop walks forwards; a chunk of one run whose sources are all registered by the
-    time the loop reaches it is sent straight from the log (``sink.put_direct``: no fill, no slot), so its bytes
-    cross host memory once instead of three times (read, write into the ring, DMA read). The sink releases the
-    registrations after its last transfer; they must be gone before the log's mappings are unmapped
-    (``wait_released``). ``register="first"``: every such chunk is registered before the stream starts (the
-    direct path alone: the ablation, and what the tests drive).
-
     ``nontemporal``: the fills write the slots with streaming stores (``_ntcopy.copy``), so the
     host's memory is not read for the slot lines the fill overwrites; ConfigError where the C extension is not
     built.
@@ -345,7 +336,7 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
     ``mirror`` (a sink with ``put_direct`` that checksums on the device, or a plan without
     checks): ``translate(address, nbytes)`` gives a device-readable copy of source bytes (a pinned log mirror,
     cuda/mirror.py) or None; a chunk of one run whose sources all translate is sent from there (``put_direct``
-    with the translation), the others through the ring. Replaces ``register``."""
+    with the translation), the others through the ring."""
     t0 = time.perf_counter()
     if nontemporal and not stream_copy_available():
         raise ConfigError(f"nontemporal=True needs the C extension _ntcopy ({_NT_WHY}): build it with "
@@ -361,7 +352,7 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
     ex: Executor | None = ThreadPoolExecutor(workers, thread_name_prefix="concordia-restore") if own else pool
     faulters: list[threading.Thread] = []
     stop = threading.Event()
-    registrar: _Registrar | _Done | _Mirrored | None = None
+    mirrored: _Mirrored | None = None
     try:
         sink.begin(plan)
         on_sink = bool(plan.checks) and bool(getattr(sink, "verifies", False))
@@ -378,31 +369,18 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
         filling: deque[tuple[int, int, Future[None] | None]] = deque()
         sending: deque[int] = deque()
         k = 0
-        progress = [0]  # the next chunk the loop hands out (the registrar stops short of it)
         # direct sends skip the fills, so they need the sink to checksum what lands (or nothing to check)
         if mirror is not None and chunks and (on_sink or not plan.checks):
-            registrar = _Mirrored(chunks, mirror)
-        elif register and chunks and getattr(sink, "can_register", False) and (on_sink or not plan.checks):
-            registrar = _Registrar(chunks, sink, progress, stop)
-            if register == "first":
-                registrar.run()  # on this thread, before the first chunk; join() below is then a no-op
-                registrar = _Done(registrar)
-            else:
-                registrar.start()
+            mirrored = _Mirrored(chunks, mirror)
         while k < len(chunks) or filling:
-            while registrar is not None and k < len(chunks) and registrar.ready[k]:
-                if isinstance(registrar, _Mirrored):
-                    sink.put_direct(chunks[k], mirror)  # type: ignore[attr-defined]  # from the pinned mirror
-                else:
-                    sink.put_direct(chunks[k])  # type: ignore[attr-defined]  # straight from the registered log
+            while mirrored is not None and k < len(chunks) and mirrored.ready[k]:
+                sink.put_direct(chunks[k], mirror)  # type: ignore[attr-defined]  # from the pinned mirror
                 stats.direct_chunks += 1
-                registrar.sent += 1
+                mirrored.sent += 1
                 k += 1
-                progress[0] = k
             while k < len(chunks) and free:
-                if registrar is not None and registrar.ready[k]:
+                if mirrored is not None and mirrored.ready[k]:
                     break  # sent directly by the loop above
-                progress[0] = k + 1
                 s = free.popleft()
                 fut = ex.submit(_fill, sink.slot(s), chunks[k], fill_crcs, nontemporal) if ex is not None else None
                 if fut is None:
@@ -454,64 +432,13 @@ def run_streamed(plan: StreamedPlan, sink: StreamSink, *, threads: int | None = 
         stop.set()
         for th in faulters:
             th.join()
-        if registrar is not None:
-            registrar.join()  # no registration may start after the sink's close releases them
-            if isinstance(registrar, _Mirrored):
-                stats.extra.update(mirror_chunks=float(registrar.sent), mirror_bytes=float(registrar.nbytes),
-                                   mirror_plan_s=registrar.busy_s)
-            else:
-                stats.extra.update(registered_chunks=float(registrar.sent), registered_bytes=float(registrar.nbytes),
-                                   register_s=registrar.busy_s, register_failed=float(registrar.failed))
+        if mirrored is not None:
+            stats.extra.update(mirror_chunks=float(mirrored.sent), mirror_bytes=float(mirrored.nbytes),
+                               mirror_plan_s=mirrored.busy_s)
         if own and ex is not None:
             ex.shutdown(wait=True)
     stats.seconds = time.perf_counter() - t0
     return stats
-
-
-class _Registrar(threading.Thread):
-    """``run_streamed(register=True)``: registers the source pages of the plan's one-run chunks from the last
-    chunk backwards (``sink.register_source`` per range of pages not registered yet) and marks each chunk whose
-    sources are all registered ``ready``; stops where it meets the loop, at the first refusal, or on ``stop``."""
-
-    def __init__(self, chunks: list[Chunk], sink: Any, progress: list[int], stop: threading.Event) -> None:
-        super().__init__(name="concordia-register", daemon=True)
-        self.chunks, self.sink, self.progress, self.stop = chunks, sink, progress, stop
-        self.ready = [False] * len(chunks)
-        self.sent = 0  # chunks the loop sent straight from the log
-        self.nbytes = 0
-        self.busy_s = 0.0
-        self.failed = False
-
-    def run(self) -> None:
-        t0 = time.perf_counter()
-        starts: list[int] = []  # registered page ranges, disjoint and sorted: starts[i] .. ends[i]
-        ends: list[int] = []
-        try:
-            for k in range(len(self.chunks) - 1, -1, -1):
-                if self.stop.is_set() or k < self.progress[0] + 1:
-                    return
-                c = self.chunks[k]
-                if c.run_start < 0:
-                    continue
-                for src, _, _ in c.copies:
-                    if not src.nbytes:
-                        continue
-                    a = int(np.frombuffer(src, dtype=np.uint8).ctypes.data)
-                    lo, hi = a - a % _PAGE, -(-(a + src.nbytes) // _PAGE) * _PAGE
-                    for glo, ghi in _gaps(starts, ends, lo, hi):
-                        if not self.sink.register_source(glo, ghi - glo):
-                            self.failed = True
-                            return
-                        self.nbytes += ghi - glo
-                        _insert(starts, ends, glo, ghi)
-                if self.progress[0] <= k:  # the loop has not handed it out: it will send it directly
-                    self.ready[k] = True
-        except Exception:  # noqa: BLE001 - best effort: the loop fills whatever is not ready
-            _log.warning("streamed restore: registering the log's pages failed; the ring copies the rest",
-                         exc_info=True)
-            self.failed = True
-        finally:
-            self.busy_s = time.perf_counter() - t0
 
 
 def range_translator(rows: Sequence[tuple[int, int, int, int]]) -> Callable[[int, int], int | None]:
@@ -536,14 +463,13 @@ def range_translator(rows: Sequence[tuple[int, int, int, int]]) -> Callable[[int
 
 class _Mirrored:
     """``run_streamed(mirror=...)``: the one-run chunks whose every source range the mirror holds (decided before
-    the stream starts: the mirror is attached already), in the registrar's shape for the loop."""
+    the stream starts: the mirror is attached already)."""
 
     def __init__(self, chunks: list[Chunk], translate: Callable[[int, int], int | None]) -> None:
         t0 = time.perf_counter()
         self.ready = [False] * len(chunks)
         self.sent = 0
         self.nbytes = 0
-        self.failed = False
         for k, c in enumerate(chunks):
             if c.run_start < 0:
                 continue
@@ -558,48 +484,6 @@ class _Mirrored:
                 self.ready[k] = True
                 self.nbytes += n
         self.busy_s = time.perf_counter() - t0
-
-    def join(self) -> None:
-        return None
-
-
-class _Done:
-    """A registrar that ran on the calling thread (``register="first"``): the loop's view of it."""
-
-    def __init__(self, r: _Registrar) -> None:
-        self.ready, self.sent, self.nbytes, self.busy_s, self.failed = r.ready, 0, r.nbytes, r.busy_s, r.failed
-
-    def join(self) -> None:
-        return None
-
-
-def _gaps(starts: list[int], ends: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
-    """The parts of [lo, hi) that no registered range covers."""
-    out = []
-    i = bisect.bisect_right(ends, lo)  # the first range that ends after lo
-    pos = lo
-    while pos < hi:
-        if i < len(starts) and starts[i] <= pos:
-            pos = max(pos, ends[i])
-            i += 1
-            continue
-        nxt = min(hi, starts[i]) if i < len(starts) else hi
-        out.append((pos, nxt))
-        pos = nxt
-    return out
-
-
-def _insert(starts: list[int], ends: list[int], lo: int, hi: int) -> None:
-    """Add [lo, hi) (disjoint from every range) and merge it with the neighbours it touches."""
-    i = bisect.bisect_left(starts, lo)
-    starts.insert(i, lo)
-    ends.insert(i, hi)
-    if i + 1 < len(starts) and starts[i + 1] == ends[i]:
-        ends[i] = ends.pop(i + 1)
-        starts.pop(i + 1)
-    if i > 0 and ends[i - 1] == starts[i]:
-        ends[i - 1] = ends.pop(i)
-        starts.pop(i)
 
 
 MADV_POPULATE_READ = 22  # Linux >= 5.14
@@ -658,19 +542,13 @@ class HostSink:
     checksums each checked piece where it landed (as the device sink does on the GPU), so the fills only copy."""
 
     def __init__(self, padded: npt.NDArray[np.uint8], page_bytes: int, *, slots: int = 4,
-                 slot_bytes: int = 4 << 20, verify: bool = False, register: bool = False) -> None:
+                 slot_bytes: int = 4 << 20, verify: bool = False) -> None:
         self.padded, self.page_bytes = padded, page_bytes
         self.slots, self.slot_bytes = slots, slot_bytes
         self._ring_mem = np.empty((slots, slot_bytes), dtype=np.uint8)  # one block, a slot per row
         self._ring = list(self._ring_mem)
         self.verifies = verify
         self._crcs: dict[int, int] = {}
-        # ``register``: the protocol of ``run_streamed(register=True)`` on the host (nothing to pin here: the
-        # ranges are recorded, and put_direct copies straight from the log's mapping), the CUDA sink's reference
-        self.can_register = register
-        self.registered: list[tuple[int, int]] = []
-        self.released = threading.Event()
-        self.released.set()
 
     def begin(self, plan: StreamedPlan) -> None:
         if plan.unfilled:
@@ -695,33 +573,19 @@ class HostSink:
         if chunk.run_start < 0:
             self.padded.reshape(-1, pb)[chunk.pages] = src.reshape(-1, pb)
 
-    def register_source(self, address: int, nbytes: int) -> bool:
-        self.released.clear()
-        self.registered.append((address, nbytes))
-        return True
-
-    def put_direct(self, chunk: Chunk, translate: Callable[[int, int], int | None] | None = None) -> None:
-        """A one-run chunk copied from its sources (the log's mapping, or where ``translate`` says a copy of
-        those bytes is: a mirror) straight into place, no slot."""
+    def put_direct(self, chunk: Chunk, translate: Callable[[int, int], int | None]) -> None:
+        """A one-run chunk copied straight into place (no slot) from where ``translate`` says a copy of its
+        source bytes is (a mirror)."""
         pb = self.page_bytes
         base = chunk.run_start * pb
         for data, off, pid in chunk.copies:
             dst = self.padded[base + off:base + off + data.nbytes]
-            if translate is not None and data.nbytes:
+            if data.nbytes:
                 at = translate(int(np.frombuffer(data, dtype=np.uint8).ctypes.data), data.nbytes)
                 assert at is not None  # run_streamed sends only chunks whose every range translates
                 dst[:] = np.ctypeslib.as_array((ctypes.c_uint8 * data.nbytes).from_address(at))
-            else:
-                dst[:] = np.frombuffer(data, dtype=np.uint8)
             if self.verifies and pid >= 0:
                 self._crcs[pid] = crc32c(dst.data)
-
-    def wait_released(self) -> None:
-        self.released.wait()
-
-    def close(self) -> None:
-        self.registered = []
-        self.released.set()
 
     def collect_crcs(self, crcs: list[int]) -> int:
         for pid, c in self._crcs.items():

@@ -20,14 +20,12 @@ from . import driver
 
 
 class HostRegistration:
-    """A host range pinned with ``cuMemHostRegister``; ``close`` unregisters it (before the memory goes).
-    ``read_only``: a read-only mapping (a replayed segment), DMA'd from only (``CU_MEMHOSTREGISTER_READ_ONLY``)."""
+    """A host range pinned with ``cuMemHostRegister``; ``close`` unregisters it (before the memory goes)."""
 
-    def __init__(self, address: int, nbytes: int, *, device: int | None = None, read_only: bool = False) -> None:
-        self.device = driver.ensure_context(device)
+    def __init__(self, address: int, nbytes: int) -> None:
+        self.device = driver.ensure_context()
         drv = driver.bindings()
-        flags = drv.CU_MEMHOSTREGISTER_READ_ONLY if read_only else \
-            drv.CU_MEMHOSTREGISTER_PORTABLE | drv.CU_MEMHOSTREGISTER_DEVICEMAP
+        flags = drv.CU_MEMHOSTREGISTER_PORTABLE | drv.CU_MEMHOSTREGISTER_DEVICEMAP
         driver.check(drv.cuMemHostRegister(address, nbytes, flags), f"cuMemHostRegister({nbytes} bytes)")
         self.address, self.nbytes = int(address), int(nbytes)
 

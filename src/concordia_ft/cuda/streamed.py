@@ -20,17 +20,15 @@ stream a decode graph is being captured on beside it (serve/engine.py ``warm_gra
 would then be captured instead of run, and its events refused (``CUDA_ERROR_CAPTURED_EVENT``).
 
 The ring is ``cuMemHostAlloc`` memory (~0.1 s to page-lock 256 MiB on the H200 host), page-locked when the sink
-is built, and freed on a helper thread after the last transfer (``close``). ``prefetch_ring`` page-locks it on
-a helper thread while the log is opened instead (``EngineOptions.prefetch_ring``): off by default, because on
-the H200 host that stretched the open by more than it hid, with the driver's allocation (GIL released) as with
-torch's pinned allocator (serve/DESIGN.md, "Recovery").
+is built, and freed on a helper thread after the last transfer (``close``). (Page-locking it on a helper
+thread while the log was opened stretched the open on the H200 host by more than it hid: serve/DESIGN.md,
+"Recovery".)
 """
 
 from __future__ import annotations
 
-import logging
 import threading
-from concurrent.futures import Future
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -54,65 +52,8 @@ def _alloc_ring(slots: int, slot_bytes: int, device: int | None) -> Any:
     return PinnedBuffer(slots * slot_bytes, mapped=False)
 
 
-_prefetched: dict[int, tuple[int, Future[Any]]] = {}  # device -> (bytes, the ring being page-locked)
-_prefetch_lock = threading.Lock()
-
-
-def prefetch_ring(slots: int, slot_bytes: int, device: int) -> None:
-    """Start page-locking a restore ring of ``slots * slot_bytes`` for ``device`` on a helper thread (the
-    driver call releases the GIL), so that it is ready when the streamed restore builds its sink after the log's
-    open (~0.1 s for 256 MiB on the H200 host, otherwise spent between the open and the first chunk; measured
-    there, the open itself got slower by more). The next ``CudaSink`` on that device that fits in it takes it;
-    ``discard_prefetched`` frees one never taken."""
-    with _prefetch_lock:
-        if device in _prefetched:
-            return
-        fut: Future[Any] = Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(_alloc_ring(slots, slot_bytes, device))
-            except BaseException as e:  # noqa: BLE001 - the sink allocates its own then
-                fut.set_exception(e)
-
-        _prefetched[device] = (slots * slot_bytes, fut)
-        threading.Thread(target=run, name="concordia-ring-prefetch", daemon=True).start()
-
-
-def _take_ring(nbytes: int, device: int) -> Any:
-    with _prefetch_lock:
-        got = _prefetched.pop(device, None)
-    if got is not None:
-        size, fut = got
-        try:
-            ring = fut.result()
-        except Exception:  # noqa: BLE001 - could not page-lock it there: allocate here (and say why then)
-            _log.debug("the prefetched restore ring failed", exc_info=True)
-            ring = None
-        if ring is not None and size >= nbytes:
-            return ring
-        if ring is not None:
-            ring.close()
-    return None
-
-
-def discard_prefetched(device: int) -> None:
-    """Free a ring ``prefetch_ring`` prepared that no sink took (a recovery that did not stream)."""
-    with _prefetch_lock:
-        got = _prefetched.pop(device, None)
-    if got is not None:
-        def free() -> None:
-            try:
-                got[1].result().close()
-            except Exception:  # noqa: BLE001 - nothing was allocated
-                pass
-
-        threading.Thread(target=free, name="concordia-ring-free", daemon=True).start()
-
-
 _NOT_READY = 600  # CUDA_ERROR_NOT_READY
 DIRECT_LANES = 8  # put_direct's CRC descriptor rows in flight (a row is reused once its upload has run)
-_log = logging.getLogger(__name__)
 
 
 class CudaSink:
@@ -142,10 +83,7 @@ class CudaSink:
         # host ring: cuMemHostAlloc memory (page-locked for this restore, freed after it on a helper thread)
         self.raw_slot = self.slot_bytes
         ring_bytes = self.slots * self.raw_slot
-        self.ring = _take_ring(ring_bytes, self.dev_no)  # page-locked during the open (prefetch_ring), or now
-        self.prefetched_ring = self.ring is not None
-        if self.ring is None:
-            self.ring = _alloc_ring(self.slots, self.raw_slot, self.dev_no)
+        self.ring = _alloc_ring(self.slots, self.raw_slot, self.dev_no)
         self.host_np: npt.NDArray[np.uint8] = self.ring.numpy()[:ring_bytes].reshape(self.slots, self.raw_slot)
         self.host_ptr = int(self.ring.host_ptr)
         self.small = PinnedBuffer(self.slots * per * 8, mapped=False)  # the scatter's page indices
@@ -162,13 +100,6 @@ class CudaSink:
         self._crc: Any = None
         self._piece_dev: list[int] = []  # pid -> device pointer of where its bytes landed (0: not on the device)
         self.crc_stats = {"tiles": 0, "launches": 0}
-        # run_streamed(register=True): the log's pages registered for DMA (read-only), released after the last
-        # transfer (close); ``released`` is set once they all are, before the log's mappings may go
-        self.can_register = True
-        self._registered: list[Any] = []  # mapped.HostRegistration of each registered range
-        self.released = threading.Event()
-        self.released.set()
-        self._lock = threading.Lock()
         self._lane = 0  # the next direct lane (a meta row + event of its own, after the slots')
         self._lane_used = [False] * DIRECT_LANES
         self._lane_events = [driver.check(drv.cuEventCreate(flags), "cuEventCreate") for _ in range(DIRECT_LANES)]
@@ -242,37 +173,19 @@ class CudaSink:
         driver.check(driver.bindings().cuEventRecord(self.events[i], self.ds.handle), "cuEventRecord")
         self.used[i] = True
 
-    def register_source(self, address: int, nbytes: int) -> bool:
-        """Make ``nbytes`` of the log's mapping at ``address`` DMA-able (``cuMemHostRegister``, read-only: the
-        replay maps segments read-only). False if the driver refuses (the ring then copies those chunks)."""
-        from ..errors import DeviceError
-        from .mapped import HostRegistration
-
-        try:
-            reg = HostRegistration(address, nbytes, device=self.dev_no, read_only=True)  # on the registrar's thread
-        except DeviceError as e:
-            _log.warning("%s; the ring copies the rest", e)
-            return False
-        with self._lock:
-            self.released.clear()
-            self._registered.append(reg)
-        return True
-
-    def put_direct(self, chunk: Chunk, translate: Any = None) -> None:
-        """A one-run chunk DMA'd from its registered sources straight into place (no slot), then its pieces
-        checksummed where they landed, as ``put`` does. ``translate(address, nbytes)``: where the device reads
-        those source bytes instead (a pinned log mirror, cuda/mirror.py; mapped for the device only, so the
-        copy is the driver's unified one)."""
+    def put_direct(self, chunk: Chunk, translate: Callable[[int, int], int | None]) -> None:
+        """A one-run chunk DMA'd straight into place (no slot) from where ``translate(address, nbytes)`` says the
+        device reads its source bytes (a pinned log mirror, cuda/mirror.py; mapped for the device only, so the
+        copy is the driver's unified one), then its pieces checksummed where they landed, as ``put`` does."""
         dst = self.flat_ptr + chunk.run_start * self.page_bytes
-        drv = driver.bindings() if translate is not None else None
+        drv = driver.bindings()
         for src, off, _ in chunk.copies:
             if src.nbytes:
                 a = int(np.frombuffer(src, dtype=np.uint8).ctypes.data)
-                if drv is not None:
-                    driver.check(drv.cuMemcpyAsync(dst + off, translate(a, src.nbytes), src.nbytes, self.ds.handle),
-                                 "cuMemcpyAsync (pinned log mirror -> pool)")
-                else:
-                    driver.memcpy_htod_async(dst + off, a, src.nbytes, self.ds)
+                at = translate(a, src.nbytes)
+                assert at is not None  # run_streamed sends only chunks whose every range translates
+                driver.check(drv.cuMemcpyAsync(dst + off, at, src.nbytes, self.ds.handle),
+                             "cuMemcpyAsync (pinned log mirror -> pool)")
         if self.verifies:
             j = self._lane
             self._lane = (j + 1) % DIRECT_LANES
@@ -281,10 +194,6 @@ class CudaSink:
             self._verify_put(self.slots + j, chunk, dst)
             driver.check(driver.bindings().cuEventRecord(self._lane_events[j], self.ds.handle), "cuEventRecord")
             self._lane_used[j] = True
-
-    def wait_released(self) -> None:
-        """Block until every registration of the log's pages is released (the log may be unmapped then)."""
-        self.released.wait()
 
     def _verify_put(self, i: int, chunk: Chunk, base: int) -> None:
         """The tile kernel over the chunk's checked pieces, where they are on the device now (``base``: where
@@ -371,17 +280,10 @@ class CudaSink:
                 drv.cuEventDestroy(ev)
             self.events, self._lane_events = [], []
             dev_no = self.dev_no
-            with self._lock:
-                registered, self._registered = self._registered, []
 
             def free() -> None:
                 driver.ensure_context(dev_no)
-                try:
-                    for reg in registered:  # every DMA from them has run (the synchronize above)
-                        reg.close()
-                finally:
-                    self.released.set()
-                    for b in bufs:
-                        b.close()
+                for b in bufs:
+                    b.close()
 
             threading.Thread(target=free, name="concordia-ring-free", daemon=True).start()

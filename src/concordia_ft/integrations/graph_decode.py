@@ -191,8 +191,8 @@ class _Writer:
         tpages = np.arange(t0, t1, dtype=np.int64)
         tview = memoryview(dec.tokens_image.view(np.uint8)[t0 * tb:t1 * tb].copy())
         deltas = [RegionDelta(dec.kv_spec, pages, payload), RegionDelta(dec.tok_spec, tpages, tview)]
-        meta = dec.session._meta([rec.row + 1] * len(dec.session.cache.layers), n_tokens=item.n_tokens,
-                                 n_new=item.n_new, done=item.done)
+        meta = dec.session.epoch_meta([rec.row + 1] * len(dec.session.cache.layers), n_tokens=item.n_tokens,
+                                      n_new=item.n_new, done=item.done)
         a0 = time.perf_counter()
         res = dec.session.runtime.log.append(deltas=deltas, meta=meta)
         a1 = time.perf_counter()
@@ -253,8 +253,8 @@ def native_template(session: Any) -> tuple[list[bytes], list[int]] | None:
 
     S = slotlog.SENTINELS
     n_layers = len(session.cache.layers)
-    doc = session._meta([S[slotlog.HOLE_LENGTH]] * n_layers, n_tokens=S[slotlog.HOLE_N_TOKENS],
-                        n_new=S[slotlog.HOLE_N_NEW], done=S[slotlog.HOLE_DONE])
+    doc = session.epoch_meta([S[slotlog.HOLE_LENGTH]] * n_layers, n_tokens=S[slotlog.HOLE_N_TOKENS],
+                             n_new=S[slotlog.HOLE_N_NEW], done=S[slotlog.HOLE_DONE])
     doc[META_KEY]["time"] = S[slotlog.HOLE_TIME]
     return slotlog.meta_template(doc, {slotlog.HOLE_N_TOKENS: 1, slotlog.HOLE_N_NEW: 1, slotlog.HOLE_DONE: 1,
                                        slotlog.HOLE_LENGTH: n_layers, slotlog.HOLE_TIME: 1})
@@ -270,7 +270,7 @@ class GraphDecoder:
                  with_epoch: bool = True, writer: str = "auto") -> None:
         self._setup(session.model, session.cache, durability=durability, pipeline_depth=pipeline_depth,
                     with_epoch=with_epoch, writer=writer, kv_page_bytes=session.runtime.table["kv"].page_bytes,
-                    cache_kw=session._cache_kw, cache_position_kw=session._cache_position_kw)
+                    cache_kw=session.cache_kw, cache_position_kw=session.cache_position_kw)
         self.bind(session)
 
     @classmethod
@@ -369,7 +369,8 @@ class GraphDecoder:
         self.pos.add_(1)
         self.seq.add_(1)
 
-    def _set_state(self, last_token: int, length: int) -> None:
+    def set_state(self, last_token: int, length: int) -> None:
+        """Set the graph's device inputs: the last token, the cache length and the next ring sequence number."""
         self.ids.fill_(int(last_token))
         self.pos.fill_(int(length))
         self.seq.fill_(int(self.next_seq))
@@ -378,8 +379,8 @@ class GraphDecoder:
         """Warm the step on a side stream (state restored after), then capture it."""
         t0 = time.perf_counter()
         cache = self.cache
-        saved = cache._full_lengths.clone()
-        self._set_state(last_token, length)
+        saved = cache.full_lengths.clone()
+        self.set_state(last_token, length)
         warm = max(0, min(2, self.max_cache_len - 1 - length))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -389,15 +390,15 @@ class GraphDecoder:
                     for _ in range(warm):
                         self._step()
                 torch.cuda.current_stream().wait_stream(side)
-            cache._full_lengths.copy_(saved)
-            self._set_state(last_token, length)
+            cache.full_lengths.copy_(saved)
+            self.set_state(last_token, length)
             g = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(g, capture_error_mode="thread_local"):
                     self._step()
             finally:
-                cache._full_lengths.copy_(saved)
-                self._set_state(last_token, length)
+                cache.full_lengths.copy_(saved)
+                self.set_state(last_token, length)
         torch.cuda.current_stream().synchronize()
         self.graph = g
         self.stats.capture_s = time.perf_counter() - t0
@@ -408,7 +409,7 @@ class GraphDecoder:
         ``plain``: no epochs and no writer (the benchmark's graph decode without checkpoints)."""
         s = self.session
         g = s.gen
-        rules = s._rules_for(g.settings)
+        rules = s.rules_for(g.settings)
         eos, max_new = set(rules.eos), int(rules.max_new_tokens)
         lengths = s.cache.lengths()
         length = lengths[0]
@@ -422,7 +423,7 @@ class GraphDecoder:
         if self.graph is None:
             self.capture(int(s.tokens[s.n_tokens - 1]), length)
         else:
-            self._set_state(int(s.tokens[s.n_tokens - 1]), length)
+            self.set_state(int(s.tokens[s.n_tokens - 1]), length)
         writer: _Writer | _NativeWriter | None = None
         plain = plain or not self.with_epoch
         if not plain:
@@ -475,7 +476,7 @@ class GraphDecoder:
                     if tok is None:
                         raise CheckpointError(None, s.runtime.log.last_epoch, False,
                                               f"ring slot of step {seq} was not written by the graph")
-                    s._append([tok])
+                    s.append_tokens([tok])
                     g.n_new += 1
                     g.done = tok in eos or g.n_new >= max_new  # generation.should_stop without criteria
                     if writer is not None:
@@ -518,11 +519,10 @@ class GraphDecoder:
             # are not the session's
             undo = overshoot + len(inflight)
             if undo:
-                s.cache._full_lengths.sub_(undo)
+                s.cache.full_lengths.sub_(undo)
         lengths = s.cache.lengths()
         if not plain:
-            s.cache.mark_clean(lengths)  # every row up to here is in the log (the flags were never set)
-            s._tokens_marked = s.n_tokens
+            s.mark_logged(lengths)  # every row up to here is in the log (the flags were never set)
             # the token epochs count toward the runtime's compaction threshold like its own appends
             s.runtime.count_appended(sum(stats.epoch_bytes) - n_bytes0, stats.epochs - n_epochs0)
         if on_token is not None and unshown:

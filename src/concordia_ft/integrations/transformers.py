@@ -329,6 +329,11 @@ class ArenaKVCache(Cache):
             self._full_views.append(view)
 
     # -- lengths -------------------------------------------------------------------------------------------
+    @property
+    def full_lengths(self) -> torch.Tensor:
+        """The full layers' length counters as the ONE device tensor they are views of (saved, restored in place)."""
+        return self._full_lengths
+
     def lengths(self) -> list[int]:
         """Every layer's cumulative length, read with ONE device copy (not one sync per layer)."""
         out = [0] * len(self.layers)

@@ -116,11 +116,6 @@ class EngineOptions:
     # which beside the first decode steps cost them throughput and p99) and the step epochs' pinned bulk buffer
     # for a full prefill. Construction takes that much longer (benchmarks report it apart). Not logged.
     prepare_ahead: bool = True
-    # Engine.recover on a GPU: page-lock the streamed restore's ring on a helper thread while the log is opened
-    # (cuda/streamed.py prefetch_ring), instead of between the open and the first chunk. Off: on the H200 host it
-    # stretched the open by 0.1-0.2 s (the pinning and the open's mappings share the process's memory map lock),
-    # more than the 0.09-0.12 s it hid (8B: 1.24 vs 1.03 s to the first token; serve/DESIGN.md)
-    prefetch_ring: bool = False
     # eager forwards on a side stream before each decode graph's capture (lazy initialisation: cuBLAS handles and
     # workspaces, SDPA backend choice). Each is a Python forward on the host; a recovering engine captures the
     # first step's graph beside the restore's copy threads (serve/DESIGN.md, "The restore's critical path").
@@ -1080,23 +1075,13 @@ class Engine:
             # once); a CPU pool is replayed into its own buffer after every checksum passed at the open
             rec_opts = dataclasses.replace(rec_opts, defer_verify=("kv",) if cuda and rec_opts.streamed else ())
         t0 = time.perf_counter()
-        prefetch = cuda and rec_opts.streamed and opts.prefetch_ring
-        if prefetch:  # the streamed restore's pinned ring, page-locked on a helper thread while the log opens
-            from ..cuda.streamed import discard_prefetched, prefetch_ring
-
-            prefetch_ring(rec_opts.ring_slots, rec_opts.slot_bytes, dev.index if dev.index is not None else
-                          torch.cuda.current_device())
+        rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
+                                runtime_options={**(runtime_options or {}), "recovery": rec_opts})
         try:
-            rt, m = open_to_recover(log_dir, META_KEY, "concordia serve", fsync=opts.fsync, backend=opts.backend,
-                                    runtime_options={**(runtime_options or {}), "recovery": rec_opts})
-            try:
-                return cls._recover_open(log_dir, model, opts, rt, m, t0, warm_graphs, tokenizer)
-            except BaseException:
-                rt.close()
-                raise
-        finally:
-            if prefetch:  # a ring no sink took (nothing was streamed) is freed
-                discard_prefetched(dev.index if dev.index is not None else torch.cuda.current_device())
+            return cls._recover_open(log_dir, model, opts, rt, m, t0, warm_graphs, tokenizer)
+        except BaseException:
+            rt.close()
+            raise
 
     @classmethod
     def _recover_open(cls, log_dir: str | Path, model: Any, opts: EngineOptions, rt: Any, m: dict[str, Any],

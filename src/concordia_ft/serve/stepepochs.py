@@ -114,7 +114,7 @@ class StepPending:
         if self.done:
             return True
         w = self.owner.writer
-        if not self.sent or w is None or w._w.wait(self.seq, 0.0) < self.seq:
+        if not self.sent or w is None or not w.reached(self.seq):
             return False
         self.owner.wait(self)
         return True
