@@ -252,6 +252,8 @@ class Stream(threading.Thread):
             c.close()
 
 
+# ~65 s of the fast run's 2 cores: slow; test_serve_client's SIGTERM notice is the fast run's drain check
+@pytest.mark.slow
 def test_sigterm_drains_32_streams_within_5_s_and_a_restart_resumes_them(model_dir: Path, tmp_path: Path) -> None:
     n, max_tokens = 32, 1200
     args = ("--served-model-name", "tiny", "--max-running", str(n), "--block-size", "16", "--num-blocks", "2600",
