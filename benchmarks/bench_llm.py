@@ -84,13 +84,13 @@ def sync(device: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- decode
 def decode_run(model: Any, log_root: Path, backend: str, every: int, prompt: torch.Tensor, new: int,
-               device: str, async_checkpoint: bool = False) -> dict[str, Any]:
+               device: str, durability: str = "durable") -> dict[str, Any]:
     from concordia_ft.session import Session
 
     stamps: list[float] = []
     d = Path(tempfile.mkdtemp(dir=log_root))
     s = Session(model, d / "log", checkpoint_every=every, max_cache_len=prompt.shape[1] + new + 8,
-                backend=backend, runtime_options=RT_OPTS, async_checkpoint=async_checkpoint)
+                backend=backend, runtime_options=RT_OPTS, durability=durability)
     try:
         s.generate(prompt, max_new_tokens=new, eos_token_ids=(), on_token=lambda t: stamps.append(time.perf_counter()))
         sync(device)
@@ -114,13 +114,13 @@ def bench_decode(model: Any, log_root: Path, backend: str, device: str, quick: b
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, model.config.vocab_size, (1, 128), generator=g)
     decode_run(model, log_root, backend, 1, prompt, 8, device)  # warm-up (kernels, handler module load)
-    decode_run(model, log_root, backend, 1, prompt, 8, device, async_checkpoint=True)
+    decode_run(model, log_root, backend, 1, prompt, 8, device, durability="pipelined")
     runs: dict[str, list[dict[str, Any]]] = {"none": [], "every": [], "every_async": []}
     for _ in range(1 if quick else 5):  # interleaved: the host's clock drifts over a run
         runs["none"].append(decode_run(model, log_root, backend, 10**9, prompt, new, device))
         runs["every"].append(decode_run(model, log_root, backend, 1, prompt, new, device))
         runs["every_async"].append(decode_run(model, log_root, backend, 1, prompt, new, device,
-                                              async_checkpoint=True))
+                                              durability="pipelined"))
     assert all(r["tokens"] == runs["none"][0]["tokens"] for rs in runs.values() for r in rs), "tokens differ"
     # plain generate() (DynamicCache, its own loop) for reference
     ids = prompt.to(device)

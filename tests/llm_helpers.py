@@ -140,7 +140,7 @@ def write_lora(log, device: str, steps: int) -> list[float]:
 
 
 def run_writer(log_dir: str, family: str, window: int | None, mode: str, max_new: int, every: int,
-               delay_s: float, async_checkpoint: bool = False, settings: dict | None = None) -> None:
+               delay_s: float, durability: str = "durable", settings: dict | None = None) -> None:
     """Child process: generate with a checkpoint every ``every`` tokens, print each token as it is produced.
 
     ``delay_s`` makes the consumer slow (like a terminal or a network client) so the parent can kill it
@@ -153,7 +153,7 @@ def run_writer(log_dir: str, family: str, window: int | None, mode: str, max_new
 
     model = tiny_model(family, sliding_window=window)
     tok = byte_tokenizer() if settings and "stop_strings" in settings else None
-    s = Session(model, log_dir, tok, checkpoint_every=every, max_cache_len=96, async_checkpoint=async_checkpoint)
+    s = Session(model, log_dir, tok, checkpoint_every=every, max_cache_len=96, durability=durability)
 
     def on_token(tok: int) -> None:
         print(f"TOKEN {tok}", flush=True)
@@ -204,5 +204,5 @@ if __name__ == "__main__":
         raise SystemExit(0)
     _, log_dir, family, window, mode, max_new, every, delay, *rest = sys.argv
     run_writer(log_dir, family, None if window == "none" else int(window), mode, int(max_new), int(every),
-               float(delay), async_checkpoint=rest[:1] == ["async"],
+               float(delay), durability="pipelined" if rest[:1] == ["async"] else "durable",
                settings=json.loads(rest[1]) if len(rest) > 1 else None)

@@ -163,7 +163,7 @@ def test_async_epochs_log_what_sync_epochs_log(mode, tmp_path):
     model = tiny_model("qwen3")
     out = {}
     for epochs in ("sync", "async"):
-        with Session(model, tmp_path / epochs, max_cache_len=96, async_checkpoint=epochs == "async") as s:
+        with Session(model, tmp_path / epochs, max_cache_len=96, durability="pipelined" if epochs == "async" else "durable") as s:
             toks = s.generate(prompt_ids(12), max_new_tokens=20, eos_token_ids=(), **GEN_KW[mode])
             assert s.runtime._inflight is None  # generate() returned with nothing in flight
             assert s.stats.epochs == 1 + 20  # the prompt's, then one per token (async ones recorded once committed)

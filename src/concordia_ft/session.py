@@ -135,7 +135,7 @@ class Session:
     def __init__(self, model: Any, log_dir: str | Path, tokenizer: Any = None, checkpoint_every: int = 1, *,
                  max_cache_len: int = DEFAULT_MAX_CACHE_LEN, fsync: str = "never", backend: str = "file",
                  log_weights: bool = False, block_bytes: int = 4096, system_prompt: str | None = None,
-                 runtime_options: dict[str, Any] | None = None, async_checkpoint: bool = False,
+                 runtime_options: dict[str, Any] | None = None,
                  decode: str = "auto", durability: str = "durable", pipeline_depth: int = 2,
                  sdpa: str = "reproducible", standby: Standby | None = None,
                  _recovering: dict[str, Any] | None = None, _runtime: Any = None) -> None:
@@ -172,7 +172,8 @@ class Session:
         # the next token is computed; on_token then runs before its epoch commits (it commits during the next
         # step; a kill loses at most the tokens since, which recovery regenerates identically). The prompt's
         # epoch and the last token's of every generate() stay synchronous: generate() returns durable.
-        self.async_checkpoint = bool(async_checkpoint) or durability == "pipelined"
+        # eager decode under "pipelined": each token's epoch is written in the background (checkpoint_async)
+        self.async_checkpoint = durability == "pipelined"
         self._pending: tuple[Any, float] | None = None  # (PendingEpoch, call seconds): stats not recorded yet
         self.log_weights = log_weights
         p = next(model.parameters())
@@ -559,7 +560,7 @@ class Session:
     @classmethod
     def recover(cls, log_dir: str | Path, model: Any, tokenizer: Any = None, *, fsync: str = "never",
                 backend: str = "file", checkpoint_every: int = 1,
-                runtime_options: dict[str, Any] | None = None, async_checkpoint: bool = False,
+                runtime_options: dict[str, Any] | None = None,
                 decode: str = "auto", durability: str = "durable", pipeline_depth: int = 2,
                 sdpa: str = "reproducible", standby: Standby | None = None) -> Session:
         """Rebuild the session from the last committed epoch (in a fresh process); then call resume().
@@ -592,7 +593,7 @@ class Session:
                                     f"{m['arena_nbytes']}: recover with the same model configuration")
             t2 = perf()
             s = cls(model, log_dir, tokenizer, checkpoint_every, log_weights=bool(m.get("log_weights")),
-                    async_checkpoint=async_checkpoint, decode=decode, durability=durability,
+                    decode=decode, durability=durability,
                     pipeline_depth=pipeline_depth, sdpa=sdpa, standby=standby, _recovering=m, _runtime=rt)
             t3 = perf()
             s._load(m)
