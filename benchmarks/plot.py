@@ -2,11 +2,11 @@
 
     python benchmarks/plot.py [--root DIR] [RESULTS.json ...]
 
-A results file gets the figure of its benchmark (the JSON's "benchmark" field): pause/resume latency and cost
-(pause), the probe cost per shape and per Triton kernel (qwen3_probes), the serving engine's epoch cost and
-restart time (serve), or a bar chart per table of its main metric (the benchmarks in GENERIC). Others are
+A results file gets the figure of its benchmark (the JSON's "benchmark" field): the serving engine's epoch cost
+and restart time (serve), or a bar chart per table of its main metric (the benchmarks in GENERIC). Others are
 tables, not pictures: the README row and the JSON say all there is. A file that is not a results document is
-reported and skipped (exit status 1); the others are still drawn.
+reported and skipped (exit status 1); the others are still drawn. experiments/plot_lab.py draws the lab
+measurements' figures (experiments/results/) with the same chart and command line.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _KEYS = ("case", "op", "what", "n", "path", "region_mib", "dirty_pages", "dirty_
 _BARE = ("case", "op", "what", "config", "resident")  # shown as their value alone
 _METRICS = ("vs_none", "wall_ms", "p50_us", "value", "total_ms", "overhead_pct", "seconds", "delta_ms_gpu_handlers",
             "cpu_wall_ms", "dtoh_ms", "gb_s")
-GENERIC = ("delta_gpu", "log", "sm_share")
+GENERIC = ("delta_gpu", "log")
 
 
 def label(row: dict[str, Any]) -> str:
@@ -48,7 +48,8 @@ def metric(rows: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,7 +70,7 @@ def generic(doc: dict[str, Any], path: Path) -> Path | None:
     plots = [(g, rs, m) for g, rs in groups.items() if (m := metric(rs)) is not None]
     if not plots:
         return None
-    plt = _plt()
+    plt = pyplot()
     heights = [max(1.2, 0.22 * len(rs) + 0.8) for _, rs, _ in plots]
     fig, axes = plt.subplots(len(plots), 1, figsize=(10, sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
@@ -84,109 +85,6 @@ def generic(doc: dict[str, Any], path: Path) -> Path | None:
             ax.set_xscale("log")
         ax.set_title(f"{group}: {m}", fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
-    out = save_figure(fig, doc, path)
-    plt.close(fig)
-    return out
-
-
-# ------------------------------------------------------------------------------------------------ pause/resume
-
-def pause(doc: dict[str, Any], path: Path) -> Path | None:
-    """Pause latency against one wave's run time, the resume launch, and the armed probes' cost, per kernel and
-    grid size."""
-    from benchreport import save_figure
-
-    rows = doc["rows"]
-    plt = _plt()
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
-    for (kernel, bp), marker in zip([("matmul", True), ("softmax", False), ("softmax", True),
-                                     ("layernorm", False), ("layernorm", True)], "osxd^", strict=True):
-        rs = [r for r in rows if r["kernel"] == kernel and r["barrier_probes_on"] == bp]
-        if not rs:
-            continue
-        name = f"{kernel}{' +barrier probes' if bp and kernel != 'matmul' else ''}"
-        blocks = [r["blocks"] for r in rs]
-        axes[0].plot(blocks, [r["pause_latency_ms_median"] * 1e3 for r in rs], marker=marker, label=name)
-        axes[0].plot(blocks, [r["wave_ms"] * 1e3 for r in rs], marker=marker, ls=":", color="grey")
-        axes[1].plot(blocks, [r["resume_ms_median"] * 1e3 for r in rs], marker=marker, label=name)
-        axes[1].plot(blocks, [r["empty_resume_ms"] * 1e3 for r in rs], marker=marker, ls=":", color="grey")
-        axes[2].plot(blocks, [r["overhead_armed_pct"] for r in rs], marker=marker, label=name)
-    axes[0].set(title="pause: flag written -> drained (dotted: one wave)", ylabel="us")
-    axes[1].set(title="resume launch (dotted: nothing left to run)", ylabel="us")
-    axes[2].set(title="armed probes vs the kernel without probes", ylabel="% of plain kernel time")
-    for ax in axes:
-        ax.set_xscale("log")
-        ax.set_xlabel("blocks in the grid")
-        ax.grid(alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[1].set_yscale("log")
-    axes[2].axhline(0, color="k", lw=0.5)
-    axes[0].legend(fontsize=8)
-    out = save_figure(fig, doc, path, "cooperative pause/resume", fontsize=12)
-    plt.close(fig)
-    return out
-
-
-# ---------------------------------------------------------------------------------- probes on the Qwen3 layer
-
-_PROBE_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
-                 "tab:olive", "tab:cyan")
-
-
-def _short(kernel: str) -> str:
-    parts = kernel.split("_")
-    return f"{parts[1]}..{parts[-1]}" if len(parts) > 3 else kernel
-
-
-def qwen3_probes(doc: dict[str, Any], path: Path) -> Path | None:
-    """Left: each variant's time against the plain process per shape (plain_b/plain: a second plain process,
-    the A/A control), the 2% target dashed. Right: per Triton kernel of one shape, GPU time against plain."""
-    from benchreport import save_figure
-
-    rows = [r for r in doc["rows"] if "target" in r]
-    summary = next((r for r in doc["rows"] if r.get("variant") == "summary"), {})
-    keys = sorted({f"{r['variant']}/{r['mode']}" for r in rows if r["variant"] != "plain"})
-    colors = {k: ("black" if k.startswith("plain_b") else _PROBE_COLORS[i % len(_PROBE_COLORS)])
-              for i, k in enumerate(keys)}
-    plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(16, 5))
-    groups = sorted({(r["target"], r["shape"], r["how"]) for r in rows})
-    plain = {(r["target"], r["shape"], r["how"]): r for r in rows if r["mode"] == "plain" and r["variant"] == "plain"}
-    ticks = []
-    for g in groups:
-        p = plain.get(g)
-        tok = f"\n{p['tokens_per_s']:.3g} tok/s" if p else ""
-        ticks.append(f"{g[0]} {g[1]}\n{'graph' if g[2] == 'graph' else 'host-bound'}{tok}")
-    w = 0.8 / max(1, len(keys))
-    for j, key in enumerate(keys):
-        ys = []
-        for g in groups:
-            r = next((r for r in rows if (r["target"], r["shape"], r["how"]) == g
-                      and f"{r['variant']}/{r['mode']}" == key), None)
-            ys.append(r.get("vs_plain_pct", 0.0) if r else 0.0)
-        axes[0].bar([i + (j - (len(keys) - 1) / 2) * w for i in range(len(groups))], ys, w, label=key,
-                    color=colors[key])
-    axes[0].set_xticks(range(len(groups)), ticks, fontsize=7)
-    axes[0].axhline(2, color="red", lw=0.8, ls="--")
-    axes[0].axhline(0, color="black", lw=0.6)
-    axes[0].set(title=f"vs the plain process; stack = {summary.get('stack_layers')} layers",
-                ylabel="% time (median of rounds)")
-    axes[0].title.set_fontsize(9)
-    if keys:
-        axes[0].legend(fontsize=7)
-    pk = [r for r in summary.get("per_kernel", []) if r.get("kernel", "").startswith("triton_")]
-    if pk:
-        shape = pk[0]["shape"]
-        pk = [r for r in pk if r["shape"] == shape]
-        for j, key in enumerate(keys):
-            col = key.replace("/", "_") + "_pct"
-            axes[1].bar([i + (j - (len(keys) - 1) / 2) * w for i in range(len(pk))],
-                        [r.get(col, 0.0) for r in pk], w, label=key, color=colors[key])
-        axes[1].set_xticks(range(len(pk)), [f"{_short(r['kernel'])}\n{r.get('blocks', '?')} blk\n"
-                                             f"{r['plain_us']:.1f} us" for r in pk], fontsize=7)
-        axes[1].axhline(0, color="black", lw=0.6)
-        axes[1].set(title=f"Triton kernels at {shape}: GPU time vs plain (torch.profiler medians)", ylabel="%")
-        axes[1].legend(fontsize=8)
     out = save_figure(fig, doc, path)
     plt.close(fig)
     return out
@@ -265,7 +163,7 @@ def serve(doc: dict[str, Any], path: Path) -> Path | None:
     rec = [r for r in doc["rows"] if r.get("part") == "recovery"]
     if not thr and not rec:
         return None
-    plt = _plt()
+    plt = pyplot()
     widths = ([1.1, 1] if thr else []) + ([1.6] if rec else [])
     fig, axes = plt.subplots(1, len(widths), figsize=(6.5 * len(widths), 5.2), squeeze=False,
                              gridspec_kw={"width_ratios": widths})
@@ -278,32 +176,33 @@ def serve(doc: dict[str, Any], path: Path) -> Path | None:
     return out
 
 
-FIGURES: dict[str, Callable[[dict[str, Any], Path], Path | None]] = {
-    "pause": pause, "qwen3_probes": qwen3_probes, "serve": serve, **{name: generic for name in GENERIC}}
+Figure = Callable[[dict[str, Any], Path], Path | None]
+FIGURES: dict[str, Figure] = {"serve": serve, **{name: generic for name in GENERIC}}
 
 
-def plot(path: Path) -> Path | None:
-    """The PNG drawn for one results JSON, or None when its benchmark has no figure. ValueError, KeyError,
-    TypeError or AttributeError: not a results document this version can draw."""
+def plot(path: Path, figures: dict[str, Figure] | None = None) -> Path | None:
+    """The PNG drawn for one results JSON (by ``figures``, default FIGURES), or None when its benchmark has no
+    figure. ValueError, KeyError, TypeError or AttributeError: not a results document this version can draw."""
     doc = json.loads(path.read_text())
     if not isinstance(doc, dict):
         raise TypeError(f"a results document is a JSON object, not {type(doc).__name__}")
-    draw = FIGURES.get(str(doc.get("benchmark", "")))
+    draw = (FIGURES if figures is None else figures).get(str(doc.get("benchmark", "")))
     return draw(doc, path) if draw else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("files", nargs="*", type=Path, help="results JSONs (default: every one in ROOT/benchmarks/results)")
+def main(argv: list[str] | None = None, *, figures: dict[str, Figure] | None = None,
+         results: str = "benchmarks/results", description: str = __doc__) -> int:
+    ap = argparse.ArgumentParser(description=description.split("\n")[0])
+    ap.add_argument("files", nargs="*", type=Path, help=f"results JSONs (default: every one in ROOT/{results})")
     ap.add_argument("--root", type=Path, default=ROOT, help="the checkout (default: this script's)")
     a = ap.parse_args(argv)
     root = a.root.resolve()
-    files = a.files or sorted((root / "benchmarks" / "results").glob("*.json"))
+    files = a.files or sorted((root / results).glob("*.json"))
     status = 0
     for path in files:
         shown = path.resolve().relative_to(root) if path.resolve().is_relative_to(root) else path
         try:
-            out = plot(path)
+            out = plot(path, figures)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             print(f"skipped {shown}: not a results file this version can plot ({type(e).__name__}: {e})")
             status = 1

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU half of the project on one lent H200: GPU tests and the benchmarks, results stamped and written to
-# ${OUT:-benchmarks/results}. The machine's image has torch/triton/cuda-bindings/transformers/peft but not
-# crc32c: a crc32c wheel in .whl/ (ignored by git) is installed first when present.
+# ${OUT:-benchmarks/results}; the lab parts (executor, sm_share, instrument, interposer: scripts in experiments/)
+# to ${OUT:-experiments/results}. The machine's image has torch/triton/cuda-bindings/transformers/peft but
+# not crc32c: a crc32c wheel in .whl/ (ignored by git) is installed first when present.
 #   bash benchmarks/run_h200.sh tests executor sm_share delta llm[:decode,recovery,lora] serve[:throughput,recovery] dist dist_bench instrument interposer graph_epochs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results}"
+lab_out="${OUT:-experiments/results}"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
@@ -18,8 +20,8 @@ for part in "$@"; do
   echo "=== $part ($(date -u +%H:%M:%S))"
   case "$part" in
     tests) python3 -m pytest tests/gpu -q -p no:cacheprovider --durations=10 2>&1 | tail -40 ;;
-    executor) python3 benchmarks/bench_executor.py --out-dir "$out" 2>&1 | tail -60 ;;
-    sm_share) python3 benchmarks/bench_sm_share.py --out-dir "$out" 2>&1 | grep -v -i warn | tail -60 ;;
+    executor) python3 experiments/bench_executor.py --out-dir "$lab_out" 2>&1 | tail -60 ;;
+    sm_share) python3 experiments/bench_sm_share.py --out-dir "$lab_out" 2>&1 | grep -v -i warn | tail -60 ;;
     delta) python3 benchmarks/bench_delta_gpu.py --out-dir "$out" 2>&1 | tail -40 ;;
     llm|llm:*) only="${part#llm}"; only="${only#:}"
        python3 benchmarks/bench_llm.py --out "$out" ${only:+--only "$only"} 2>&1 | tail -60 ;;
@@ -30,8 +32,8 @@ for part in "$@"; do
     serve|serve:*) only="${part#serve}"; only="${only#:}"
        python3 benchmarks/bench_serve.py --out "$out" ${only:+--only "$only"} 2>&1 | grep -v -i warn | tail -40 ;;
     instrument) python3 -m pytest experiments/tests/gpu/test_instrument_pause_gpu.py experiments/tests/gpu/test_instrument_interposer_gpu.py -q -p no:cacheprovider 2>&1 | tail -30
-       [ -n "${SKIP_PAUSE_BENCH:-}" ] || python3 benchmarks/bench_pause.py --out-dir "$out" 2>&1 | tail -40 ;;
-    interposer) python3 benchmarks/bench_interposer.py --out-dir "$out" ${INTERPOSER_ARGS:-} 2>&1 | tail -40 ;;
+       [ -n "${SKIP_PAUSE_BENCH:-}" ] || python3 experiments/bench_pause.py --out-dir "$lab_out" 2>&1 | tail -40 ;;
+    interposer) python3 experiments/bench_interposer.py --out-dir "$lab_out" ${INTERPOSER_ARGS:-} 2>&1 | tail -40 ;;
     *) echo "unknown part $part"; rc=2 ;;
   esac
   [ "${PIPESTATUS[0]}" -ne 0 ] && rc=1

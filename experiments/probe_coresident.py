@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import benchreport
-from bench_executor import ev_ms  # noqa: E402 (benchmarks/, put on sys.path above)
 
+from bench_executor import ev_ms  # noqa: E402 - beside this script, on sys.path when it runs
 from concordia_lab.executor import guard
 from concordia_lab.executor import ring as R
 from concordia_lab.executor.resident import ExecutorImage, ExecutorOptions, ResidentExecutor, compile_executor

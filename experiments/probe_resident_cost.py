@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import benchreport
-from bench_executor import ev_ms  # noqa: E402 (benchmarks/, put on sys.path above)
 
+from bench_executor import ev_ms  # noqa: E402 - beside this script, on sys.path when it runs
 from concordia_ft.cuda import driver, nvrtc
 from concordia_ft.cuda.memory import PinnedBuffer
 

@@ -1,6 +1,6 @@
 """benchmarks/plot.py: a results JSON of a benchmark with a generic figure
 becomes a PNG with one panel per table, rows labelled by what distinguishes them and the table's main metric on
-the axis; the pause, probe and serve figures draw the README's results files."""
+the axis; the serve figures draw the README's results files (the lab figures: experiments/tests/test_plot_lab.py)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_plot_writes_one_png_per_results_file(tmp_path: Path) -> None:
     rows = [{"table": "T7", "what": f"op {i}", "p50_us": 1.0 + i} for i in range(4)]
     rows += [{"table": "T9", "shape_mnk": "4096x4096x4096", "config": c, "vs_none": v}
              for c, v in (("none", 1.0), ("executor", 0.8))]
-    path = write_results("sm_share", rows, notes="test", out_dir=tmp_path, tag="cpu")
+    path = write_results("delta_gpu", rows, notes="test", out_dir=tmp_path, tag="cpu")
     png = plot.plot(path)
     assert png is not None and png.suffix == ".png" and png.stat().st_size > 10_000
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -51,7 +51,7 @@ def test_a_results_file_without_numbers_or_a_figure_plots_nothing(tmp_path: Path
     assert plot.plot(other) is None  # a benchmark without a figure: its README row and JSON say it all
 
 
-@pytest.mark.parametrize("name", ["pause-h200", "qwen3_probes-h200", "serve-h200-throughput", "serve-h200-recovery"])
+@pytest.mark.parametrize("name", ["serve-h200-throughput", "serve-h200-recovery"])
 def test_the_readme_figures_draw_from_the_committed_results(tmp_path: Path, name: str) -> None:
     src = ROOT / "benchmarks" / "results" / f"{name}.json"
     path = tmp_path / src.name

@@ -1,4 +1,4 @@
-"""CPU CI: the probe-cost benchmark's baseline is provably plain. Its workers (benchmarks/bench_qwen3_probes.py)
+"""CPU CI: the probe-cost benchmark's baseline is provably plain. Its workers (experiments/bench_qwen3_probes.py)
 each get their own Triton and Inductor caches (``worker_env``); a process that never installs the hook
 compiles kernels without probes into its cache, one that installs it compiles them with probes into its own,
 and ``triton_hook.scan_cache`` tells them apart. Real Triton compiles for sm_90 (no GPU), one process each."""
@@ -36,7 +36,7 @@ for name in ("poi_silu_mul", "softmax"):
 
 
 def _bench_module():
-    spec = importlib.util.spec_from_file_location("bench_qwen3_probes", ROOT / "benchmarks" / "bench_qwen3_probes.py")
+    spec = importlib.util.spec_from_file_location("bench_qwen3_probes", ROOT / "experiments" / "bench_qwen3_probes.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

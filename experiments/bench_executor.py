@@ -9,26 +9,30 @@ T7:   trigger cost: Python ring submit (NOP and a full 6-argument descriptor), r
       ordinary memory, no GPU: the interpreter's share of the cost, comparable across machines.
 T9:   the executor's SM footprint; bf16 matmul and HBM copy throughput with the executor resident vs not.
 
-Usage: python benchmarks/bench_executor.py [--quick] [--host-only] [--out-dir benchmarks/results]
-Writes benchmarks/results/executor-<tag>.json via benchreport.py (``--host-only``: only T7h, no GPU,
+Usage: python experiments/bench_executor.py [--quick] [--host-only] [--out-dir experiments/results]
+Writes experiments/results/executor-<tag>.json via benchreport.py (``--host-only``: only T7h, no GPU,
 executor-host-<tag>.json); prints the tables last.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import threading
 import time
 import timeit
+from pathlib import Path
 from typing import Any
 
-import benchreport
 import numpy as np
 import torch
 
-from concordia_lab.executor import guard
-from concordia_lab.executor import ring as R
-from concordia_lab.executor.resident import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchreport
+import benchreport  # noqa: E402
+
+from concordia_lab.executor import guard  # noqa: E402
+from concordia_lab.executor import ring as R  # noqa: E402
+from concordia_lab.executor.resident import (  # noqa: E402
     ArmedChannel,
     ExecutorImage,
     ExecutorOptions,
@@ -147,7 +151,7 @@ def ev_ms(fn: Any, iters: int = 20, warm: int = 3) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--out-dir", default="experiments/results")
     ap.add_argument("--host-only", action="store_true", help="only T7h (Python fast paths, no GPU)")
     args = ap.parse_args()
     reps = 50 if args.quick else 200

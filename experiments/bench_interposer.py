@@ -1,12 +1,12 @@
 """The interposer on the H200: completeness against torch.profiler on a real workload, and its cost.
 
-Runs benchmarks/interposer_workload.py in fresh processes:
+Runs experiments/interposer_workload.py in fresh processes:
 - qwen3 (a random-weight Qwen3 decode of 16 tokens, a training step, a torch.compile'd MLP): once with the
   interposer, once with torch.profiler (the independent ground truth), once with both at the same time;
   coverage = sum over kernels of min(seen by interposer, seen by profiler) / launches the profiler saw;
 - launch: host time per tiny torch launch with and without the interposer (the baseline: no interposer);
 - load: median cuModuleLoadData of a small cubin with and without.
-Writes benchmarks/results/interposer-<tag>.json.  Run: python3 benchmarks/bench_interposer.py --out-dir DIR
+Writes experiments/results/interposer-<tag>.json.  Run: python3 experiments/bench_interposer.py --out-dir DIR
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "experiments"))  # concordia_lab: the instrumentation and the executor
+sys.path.insert(0, str(ROOT / "benchmarks"))  # benchreport
 
 from benchreport import median, print_table, write_results  # noqa: E402
 
@@ -36,7 +37,7 @@ def run(workload: str, mode: str) -> dict:
     tmp = tempfile.mkdtemp(prefix=f"cft-{workload}-{mode}-")
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tmp, "inductor")
     env["TRITON_CACHE_DIR"] = os.path.join(tmp, "triton")
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "interposer_workload.py"), "--workload", workload,
+    r = subprocess.run([sys.executable, str(ROOT / "experiments" / "interposer_workload.py"), "--workload", workload,
                         "--mode", mode], capture_output=True, text=True, timeout=400, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -56,7 +57,7 @@ def coverage(seen: dict[str, int], truth: dict[str, int]) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--out-dir", default="experiments/results")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--modes", default="interposer,profiler,both",
                     help="qwen3 runs: interposer and profiler (required), both (the two in one process)")

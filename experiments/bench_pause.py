@@ -7,7 +7,7 @@ For matmul, softmax and layernorm at several sizes, in one process:
   run time (the bound: a block that passed entry finishes); the resume launch's time; bit-equality of the
   resumed output with the uninterrupted one (every trial);
 - the cost of a resume launch in which every block already ran (all exit at entry) vs grid size.
-Writes benchmarks/results/pause-<tag>.json.  Run: python3 benchmarks/bench_pause.py --out-dir DIR
+Writes experiments/results/pause-<tag>.json.  Run: python3 experiments/bench_pause.py --out-dir DIR
 
 ``--drain``: does a pause drain within one block's run time? A kernel whose blocks each run long (``--block-us``,
 default ~100 us, each block's length drawn from 0.5-1.5x so the waves do not stay in step), several waves of
@@ -32,9 +32,10 @@ import triton
 import triton.testing
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "experiments" / "tests"))  # instrument_kernels
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "experiments"))  # concordia_lab: the instrumentation and the executor
+sys.path.insert(0, str(ROOT / "benchmarks"))  # benchreport
 
 from benchreport import median, print_table, write_results  # noqa: E402
 
@@ -304,7 +305,7 @@ def drain_case(block_us: float, waves_n: float, fractions: list[float], repeats:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--out-dir", default="experiments/results")
     ap.add_argument("--trials", type=int, default=7)
     ap.add_argument("--only", default="", help="comma-separated kernels (matmul,softmax,layernorm)")
     ap.add_argument("--name", default="pause", help="results file name")

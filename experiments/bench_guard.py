@@ -1,12 +1,12 @@
 """The executor's hazard guard, driven by the interposer, on the H200: hangs over a user's workload (target 0).
 
-Runs benchmarks/guard_workload.py in fresh processes:
+Runs experiments/guard_workload.py in fresh processes:
 - guarded: the interposer loaded by the driver (its native guard), no Python hooks, a resident executor that
   never leaves by itself, through eager first launches, cuBLAS's first call, a new Triton kernel, a
   torch.compile'd function, empty_cache, synchronize and a Qwen3 build + decode; every step under a watchdog;
 - control (the baseline: what a user has without it): the same executor and the cuBLAS step, no interposer,
   no hooks: the step must hang and the watchdog end it (shows that the watchdog, and the test, can fail).
-Writes benchmarks/results/guard-<tag>.json.  Run: python3 benchmarks/bench_guard.py --out-dir DIR
+Writes experiments/results/guard-<tag>.json.  Run: python3 experiments/bench_guard.py --out-dir DIR
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "experiments"))  # concordia_lab: the instrumentation and the executor
+sys.path.insert(0, str(ROOT / "benchmarks"))  # benchreport
 
 from benchreport import write_results  # noqa: E402
 
 from concordia_lab.instrument import interposer as ip  # noqa: E402
 
-WORKLOAD = ROOT / "benchmarks" / "guard_workload.py"
+WORKLOAD = ROOT / "experiments" / "guard_workload.py"
 
 
 def run_workload(*, guarded: bool, steps: str | None = None, step_timeout: float = 120.0,
@@ -99,7 +100,7 @@ def problems(g: dict[str, Any]) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--out-dir", default="experiments/results")
     ap.add_argument("--control-timeout", type=float, default=8.0)
     ap.add_argument("--child-timeout", type=float, default=500.0, help="the guarded process's wall limit")
     ap.add_argument("--control-from", default="", help="a guard results JSON whose control run to keep "

@@ -1,6 +1,6 @@
 """One process of the interposer benchmark (run by bench_interposer.py, never on its own in CI).
 
-  python3 benchmarks/interposer_workload.py --workload qwen3|launch|load --mode none|interposer|profiler|both
+  python3 experiments/interposer_workload.py --workload qwen3|launch|load --mode none|interposer|profiler|both
 
 The process itself is unmodified PyTorch + Triton + cuBLAS code; "interposer" means the parent started it
 with CUDA_INJECTION64_PATH set (concordia_lab.instrument.interposer.child_env). Prints one JSON line last.

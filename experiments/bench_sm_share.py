@@ -12,7 +12,7 @@ measures, in one interleaved run, bf16 matmul throughput for several shapes unde
 
 and the kernel name cuBLAS picked in each configuration (torch profiler).
 
-Usage: python benchmarks/bench_sm_share.py [--quick] [--out-dir benchmarks/results]
+Usage: python experiments/bench_sm_share.py [--quick] [--out-dir experiments/results]
 """
 
 from __future__ import annotations
@@ -20,16 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-import benchreport
 import torch
-from bench_executor import ev_ms  # the benchmarks directory is on sys.path when a script runs
 
-from concordia_lab.executor import ring as R
-from concordia_lab.executor.resident import ExecutorOptions, LaunchExecutor, ResidentExecutor
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchreport
+import benchreport  # noqa: E402
+
+from bench_executor import ev_ms  # noqa: E402 - beside this script, on sys.path when it runs
+from concordia_lab.executor import ring as R  # noqa: E402
+from concordia_lab.executor.resident import ExecutorOptions, LaunchExecutor, ResidentExecutor  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 8192, 1024), (2048, 4864, 896), (8192, 2048, 8192)]
 
@@ -82,7 +86,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--carveouts", default="1")
     ap.add_argument("--period-ms", type=float, default=20.0, help="matmul time between two triggers (duty cycle)")
-    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--out-dir", default="experiments/results")
     ap.add_argument("--tag", default="h200")
     args = ap.parse_args()
     carve = [int(x) for x in args.carveouts.split(",") if x]

@@ -3,7 +3,7 @@
 Eager torch.add on a small tensor (the op is not a boundary: the trigger's fixed cost per op), and a gloo
 all_reduce (world size 1) that is one (the boundary callback included), each without the trigger (the
 baseline a user runs) and with it; 5 alternating rounds, medians. CPU tensors here: on the H200 host the
-dispatch overhead is the same Python path.  Run: python benchmarks/bench_boundaries.py --out-dir DIR
+dispatch overhead is the same Python path.  Run: python experiments/bench_boundaries.py --out-dir DIR
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))  # concordia_lab
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # benchreport
 
 from benchreport import median, print_table, write_results  # noqa: E402
 
@@ -39,7 +40,7 @@ def per_op_us(fn, n: int, mode) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--out-dir", default="experiments/results")
     ap.add_argument("--n", type=int, default=20000)
     ns = ap.parse_args()
     torch.set_num_threads(1)

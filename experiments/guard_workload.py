@@ -1,6 +1,6 @@
 """One process of the guard benchmark (run by bench_guard.py and tests/gpu/test_instrument_guard_gpu.py).
 
-  python3 benchmarks/guard_workload.py [--steps a,b,...] [--step-timeout S]
+  python3 experiments/guard_workload.py [--steps a,b,...] [--step-timeout S]
 
 A resident executor that never leaves by itself (idle timeout and lease 10 minutes) stays attached while the
 process does what a user's program does: eager kernels launched for the first time, cuBLAS's first call, a new

@@ -53,7 +53,7 @@ local memory and blocks per SM of each kernel's CUfunction.
 
 Writes <out-dir>/qwen3_probes-<tag>.json (rewritten after each round), worker logs, and with ``--ptx-dir`` the
 PTX files of each worker's cache (the Inductor kernels, for CPU tests).
-Run: python3 benchmarks/bench_qwen3_probes.py --out-dir DIR [--stack 28] [--budget-s S]
+Run: python3 experiments/bench_qwen3_probes.py --out-dir DIR [--stack 28] [--budget-s S]
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "experiments"))  # concordia_lab: the instrumentation and the executor
+sys.path.insert(0, str(ROOT / "benchmarks"))  # benchreport
 
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "plain": None,
@@ -490,7 +491,7 @@ def _median(v: list[float]) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out-dir", default="benchmarks/results")
+    ap.add_argument("--out-dir", default="experiments/results")
     ap.add_argument("--shapes", default="8x512,1x1,8x1", help="BxS per shape, comma separated")
     ap.add_argument("--stack", type=int, default=28, help="layers of the stack (distinct weights); 0: no stack")
     ap.add_argument("--stack-shapes", default="1x1,8x1", help="the shapes the stack is timed at")
