@@ -11,7 +11,7 @@
 - :class:`LaunchExecutor`: a plain launch of the wide dispatcher per task.
 
 All three run the same opcodes (``executor.ring.Opcode``) from one module built from ``resident.cuh``.
-:func:`choose_path` picks one per region kind and size from measurements (benchmarks/bench_executor.py).
+:func:`choose_path` picks one per region kind and size from measurements (experiments/bench_executor.py).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ class ExecutorOptions:
     # exit after this long without a task (the next submit relaunches it). Short on purpose: while resident the
     # block holds one SM, and cuBLAS's persistent GEMMs (grid = 132 CTAs in 2-CTA clusters) lose 0-24 % to that
     # (experiments/results/resident_cost-h200.json); exiting 1 ms after a burst of tasks keeps GEMM phases whole
-    # (benchmarks/results/sm_share-h200.json, duty-cycle rows) at the price of one relaunch for the first task after a quiet spell.
+    # (experiments/results/sm_share-h200.json, duty-cycle rows) at the price of one relaunch for the first task after a quiet spell.
     idle_timeout_ms: float = 1.0
     lease_ms: float = 1000.0  # exit at a task boundary after this long resident, busy or not
     poll_sleep_ns: int = 0  # __nanosleep between polls (0: spin)
@@ -696,7 +696,7 @@ class LaunchExecutor:
 # ---------------------------------------------------------------------------------------------- policy
 
 # Work a single resident block handles itself; above this a full-width launch wins. Measured on the H200
-# (benchmarks/results/executor-h200.json): the ring beats eager PyTorch up to N = 65,536 float32 (256 KiB per
+# (experiments/results/executor-h200.json): the ring beats eager PyTorch up to N = 65,536 float32 (256 KiB per
 # operand) and loses at 262,144; one block scans ~35-70 GB/s, so a 1 MiB page diff takes 30 us on the ring vs
 # 20 us through a plain full-width launch. Full width: a plain launch beat the pre-armed launch on the H200
 # (NOP trigger->done 20 us vs 36 us, 256 MiB scan 169 us vs 190 us: the armed path pays a stream-ordered

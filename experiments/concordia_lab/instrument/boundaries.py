@@ -7,7 +7,7 @@ functional/compiled code) and, optionally, named extern ops (``aten::mm`` etc.).
 Dynamo skip the frame, and the frame then stays eager even after the mode exits), and at run time the mode
 sees only the dispatcher calls the compiled artifact makes: collectives and extern kernels, exactly the
 boundaries, not the fused kernels between them (tests/test_instrument_boundaries.py checks both; the cost per
-op: benchmarks/results/boundaries-cpu.json).
+op: experiments/results/boundaries-cpu.json).
 """
 
 from __future__ import annotations

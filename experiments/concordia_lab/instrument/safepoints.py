@@ -102,7 +102,7 @@ _LOCAL_SPACES = (".shared", ".local", ".param")
 
 @dataclass(frozen=True)
 class SafepointOptions:
-    # Off by default: measured on the H200 (benchmarks/results/pause-h200.json) they cost 4% (layernorm) to
+    # Off by default: measured on the H200 (experiments/results/pause-h200.json) they cost 4% (layernorm) to
     # 48% (softmax: short blocks, barriers close together) armed, and shorten pauses only for long blocks.
     barrier_probes: bool = False
     strict: bool = False  # raise UnsafeKernelError instead of leaving a refused kernel unchanged
