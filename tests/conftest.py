@@ -40,6 +40,8 @@ def pytest_cmdline_main(config: pytest.Config) -> None:
         return  # an xdist worker: it must not start workers of its own (each would again, without end)
     if "not gpu" in (config.getoption("markexpr") or "") and not config.getoption("usepdb"):
         config.option.numprocesses = len(os.sched_getaffinity(0))
+        if config.getoption("dist", "no") in ("no", "load"):
+            config.option.dist = "worksteal"  # an idle worker takes queued tests from a busy one: no long tail
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -313,6 +313,7 @@ def test_coordinator_killed_from_outside_is_started_again_and_resumes(scratch: P
     _check_consistent(r, 4)
 
 
+@pytest.mark.slow  # the fast run's repairs are of the data-parallel and replica workloads
 def test_tensor_parallel_decode_survives_a_kill(scratch: Path) -> None:
     base = {"workload": "tp_decode", "world": 2, "steps": 10, "standby": {"hot": 0, "warm": 0}}
     ref = run_job(scratch / "tp-ref", base, timeout_s=240).same_on_every_rank()

@@ -181,12 +181,13 @@ def test_sixteen_streams_survive_two_sigkills(model_dir: Path, tmp_path: Path) -
     _kill_twice_and_compare(model_dir, tmp_path, BATCH_ARGS, (N * 25, N * 60))
 
 
+@pytest.mark.slow  # the pipelined step-epoch server below is the fast run's SIGKILL of an asynchronous epoch
 def test_streams_survive_a_sigkill_with_async_epochs(model_dir: Path, tmp_path: Path) -> None:
     """Epochs written while the next step computes: a token still leaves only once its epoch committed."""
     _kill_twice_and_compare(model_dir, tmp_path, [*BATCH_ARGS, "--async-epochs"], (N * 30,))
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("pipelined", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_streams_survive_sigkills_with_step_epochs(model_dir: Path, tmp_path: Path, pipelined: bool) -> None:
     """The step-epoch path (the C writer commits each step): durable, and pipelined with --async-epochs."""
     args = [*BATCH_ARGS, "--step-epochs", "c", *(["--async-epochs"] if pipelined else [])]

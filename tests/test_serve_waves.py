@@ -40,7 +40,7 @@ def _live_bound(eng: Engine, running: int) -> int:
     return running * per_req * (eng.geo.row_bytes + 512) + eng.rng.buf.nbytes + (256 << 10)
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("pipelined", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_ten_waves_keep_the_epoch_work_flat(shm_dir: Path, reference: dict[str, list[int]], pipelined: bool) -> None:
     eng = compact_often(Engine(tiny_model("llama"), shm_dir / "log",
                                {**OPTIONS, "step_epochs": "c", "async_epochs": pipelined}))
@@ -100,7 +100,7 @@ def test_ten_waves_keep_the_epoch_work_flat(shm_dir: Path, reference: dict[str, 
     rec.close()
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True])
+@pytest.mark.parametrize("prefix_caching", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_compaction_drops_the_rows_of_finished_requests(shm_dir: Path, reference: dict[str, list[int]],
                                                         prefix_caching: bool) -> None:
     """Idle after three waves, every block was freed: a compaction's base holds the rows of the blocks the prefix

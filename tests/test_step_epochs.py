@@ -164,8 +164,10 @@ def _state(log: Path) -> tuple[dict[str, bytes], dict[str, object], int]:
     return {k: bytes(v.data) for k, v in r.regions.items()}, m, int(r.epoch)
 
 
-@pytest.mark.parametrize(("pipelined", "depth", "cap"), [(False, 1, 0), (True, 1, 0), (True, 8, 0), (False, 1, 8),
-                                                         (True, 4, 8)])
+# the fast run takes the two capped cases (each path, durable and pipelined); the slow run all five
+@pytest.mark.parametrize(("pipelined", "depth", "cap"), [
+    pytest.param(False, 1, 0, marks=pytest.mark.slow), pytest.param(True, 1, 0, marks=pytest.mark.slow),
+    pytest.param(True, 8, 0, marks=pytest.mark.slow), (False, 1, 8), (True, 4, 8)])
 def test_step_epochs_log_what_the_generic_path_logs(shm_dir: Path, pipelined: bool, depth: int, cap: int) -> None:
     """Both paths side by side, step by step: after every step the two logs replay to the same regions (kv,
     tokens, rng) and the same metadata; the step path's flags are clear after it logged them. Pipelined with
@@ -275,7 +277,8 @@ def test_steps_that_do_not_fit_take_the_generic_path(shm_dir: Path) -> None:
     rec.close()
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
+# pipelined: the slow run (test_serve_http's pipelined step-epoch server is the fast run's SIGKILL of it)
+@pytest.mark.parametrize("pipelined", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_sigkilled_engine_on_step_epochs_recovers_token_exact(shm_dir: Path, pipelined: bool) -> None:
     from test_serve_engine import _run_child
 
