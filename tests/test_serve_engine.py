@@ -121,6 +121,9 @@ def _run_child(log_dir: Path, mode: str, kill_after_steps: int | None
     return proc.wait(timeout=60), have, got
 
 
+# slow: the openai client's two SIGKILLs of a server (test_serve_client) and the SIGKILL mid-preemption below are
+# the fast run's
+@pytest.mark.slow
 def test_sigkilled_engine_recovers_token_exact_twice(shm_dir: Path, reference: dict[str, list[int]]) -> None:
     log = shm_dir / "log"
     rc, _, before = _run_child(log, "new", kill_after_steps=9)

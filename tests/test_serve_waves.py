@@ -180,7 +180,7 @@ def test_sigkill_while_compacting_recovers_token_exact(shm_dir: Path, reference:
             assert after.get(rid) == ref, rid
 
 
-@pytest.mark.parametrize("path", ["c", "runtime"])
+@pytest.mark.parametrize("path", ["c", pytest.param("runtime", marks=pytest.mark.slow)])
 def test_finished_outputs_live_in_a_region_not_in_every_epochs_metadata(shm_dir: Path, reference: dict[str, list[int]],
                                                                         path: str) -> None:
     """Ten waves with every output kept (keep_finished 64): the metadata names each finished output by its slot

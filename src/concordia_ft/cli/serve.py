@@ -125,19 +125,22 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from aiohttp import web  # missing: main says `pip install 'concordia-ft[serve]'`
-
     from ..errors import ConfigError
-    from ..models import load_causal_lm
-    from ..serve.engine import Engine, EngineOptions
-    from ..serve.server import Server, ServerOptions
 
-    log = Path(args.log)
+    # the arguments are checked before torch, transformers and the model load (seconds): a bad one fails at once
     if args.mirror and (not args.device.startswith("cuda") or args.backend != "dram" or args.no_checkpoint):
         raise ConfigError("--mirror keeps a pinned copy of a DRAM log for the GPU to restore from: use it with "
                           "--device cuda --backend dram (and a --log directory on tmpfs, e.g. under /dev/shm)")
     if args.shutdown_grace_s < 0:
         raise ConfigError(f"--shutdown-grace-s={args.shutdown_grace_s} must be >= 0")
+
+    from aiohttp import web  # missing: main says `pip install 'concordia-ft[serve]'`
+
+    from ..models import load_causal_lm
+    from ..serve.engine import Engine, EngineOptions
+    from ..serve.server import Server, ServerOptions
+
+    log = Path(args.log)
     recovering = log.is_dir() and any(log.iterdir()) and not args.no_checkpoint
     made_dir = not log.exists()  # what a failed start removes: only what it made
     was_empty = log.is_dir() and not any(log.iterdir())
