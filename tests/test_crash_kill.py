@@ -119,12 +119,12 @@ def _kill_loop(log_dir: Path, *, n_kills: int, seed: int, rng: np.random.Generat
 
 
 def test_writers_sigkilled_at_random_moments_lose_nothing_committed(tmp_path: Path) -> None:
-    """CI sample: 12 kills of real fsync=always writers on one log (background compaction every ~6 MiB); the
+    """CI sample: 8 kills of real fsync=always writers on one log (background compaction every ~6 MiB); the
     slow run's test_two_hundred_sigkills_on_one_log is the same with 220."""
-    stats = _kill_loop(tmp_path / "log", n_kills=12, seed=7, rng=np.random.default_rng(7),
+    stats = _kill_loop(tmp_path / "log", n_kills=8, seed=7, rng=np.random.default_rng(7),
                        compact_after=6 << 20, max_delay_s=0.9)
-    assert stats["kills"] >= 8, stats  # the children were really killed, mostly mid-run
-    assert stats["epochs"] >= 12, stats  # and made progress across restarts
+    assert stats["kills"] >= 5, stats  # the children were really killed, mostly mid-run
+    assert stats["epochs"] >= 8, stats  # and made progress across restarts
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="needs a tmpfs at /dev/shm")
@@ -136,10 +136,10 @@ def test_mapped_dram_writers_sigkilled_at_random_moments_lose_nothing_committed(
 
     root = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="cft-mapped-kill-"))
     try:
-        stats = _kill_loop(root / "log", n_kills=8, seed=9, rng=np.random.default_rng(9),
+        stats = _kill_loop(root / "log", n_kills=6, seed=9, rng=np.random.default_rng(9),
                            compact_after=6 << 20, max_delay_s=0.9, backend="dram")
-        assert stats["kills"] >= 5, stats
-        assert stats["epochs"] >= 8, stats
+        assert stats["kills"] >= 4, stats
+        assert stats["epochs"] >= 6, stats
         assert any(p.name.startswith("incr.") for p in (root / "log").iterdir())
     finally:
         shutil.rmtree(root, ignore_errors=True)

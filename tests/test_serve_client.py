@@ -164,7 +164,24 @@ def test_a_request_sent_while_the_server_is_down_and_a_sigterm_notice(model_dir:
         srv = ServerProc(model_dir, log, *ARGS, "--port", str(port))
         reader.join(timeout=300)
         assert reader.error is None and len(reader.tokens) == MAX_TOKENS and transport.reconnects > before
-        # the asyncio client through its transport, SIGKILLed once: the same tokens as the stream above
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow  # one more server start and stream: the sync transport above is the fast run's
+def test_the_asyncio_client_resumes_through_a_sigkill(model_dir: Path, tmp_path: Path) -> None:
+    """The asyncio client through its transport, its server SIGKILLed mid-stream: the same tokens as the
+    synchronous client's uninterrupted stream of the same request."""
+    port = _free_port()
+    log = tmp_path / "log"
+    srv = ServerProc(model_dir, log, *ARGS, "--port", str(port))
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                               http_client=resuming_http_client(retry_for_s=180))
+        reader = Reader(client, {**SPECS[0]})
+        reader.start()
+        reader.join(timeout=300)
+        assert reader.error is None and len(reader.tokens) == MAX_TOKENS
         got_async: list[int] = []
 
         async def read() -> None:

@@ -277,8 +277,10 @@ def test_steps_that_do_not_fit_take_the_generic_path(shm_dir: Path) -> None:
     rec.close()
 
 
-# pipelined: the slow run (test_serve_http's pipelined step-epoch server is the fast run's SIGKILL of it)
-@pytest.mark.parametrize("pipelined", [False, pytest.param(True, marks=pytest.mark.slow)])
+# slow: the fast run SIGKILLs the C step-epoch path durable (test_serve_waves, mid-compaction) and pipelined
+# (test_serve_http's server)
+@pytest.mark.slow
+@pytest.mark.parametrize("pipelined", [False, True])
 def test_sigkilled_engine_on_step_epochs_recovers_token_exact(shm_dir: Path, pipelined: bool) -> None:
     from test_serve_engine import _run_child
 
