@@ -301,14 +301,15 @@ class Engine:
         if opts.invariant is None:
             self.opts = opts = dataclasses.replace(opts, invariant=self.device.type == "cuda")
         if opts.invariant:
-            if self.device.type != "cuda" and not attention.interpreted():
-                raise ConfigError(f"invariant=True runs Triton kernels on the GPU; the model is on {self.device} "
-                                  "(on the CPU only under Triton's interpreter, TRITON_INTERPRET=1)")
+            if self.device.type not in ("cuda", "cpu"):
+                raise ConfigError(f"invariant=True runs Triton kernels on a CUDA GPU or torch ops on the CPU; the "
+                                  f"model is on {self.device}")
             from . import invariant
 
             invariant.install(model)
-        # the paged attention kernel on CUDA (batch-invariant, no gather), gather + SDPA elsewhere
-        self.kernel = kernel_attention(self.device)
+        # the paged attention kernel on CUDA (batch-invariant, no gather); on the CPU its batches computed by torch
+        # ops in the invariant mode (attention.TorchAttention); gather + SDPA otherwise
+        self.kernel = kernel_attention(self.device, bool(opts.invariant))
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.attn_bq = attention.block_q(int(cfg.num_attention_heads) // self.geo.kv_heads) if self.kernel else 0
         self.decoder = model.get_decoder()
