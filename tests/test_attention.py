@@ -30,7 +30,7 @@ def test_kernel_case(case: str) -> None:
 
 def test_invariant_mode_on_the_cpu_runs_torch_ops_and_stays_off_by_default() -> None:
     """Without Triton's interpreter a CPU model takes invariant=True (serve/invariant.py's torch ops and
-    attention.TorchAttention: tests/test_invariant_cpu.py) and runs a step; the default stays off on the CPU."""
+    invariant.TorchAttention: tests/test_invariant_cpu.py) and runs a step; the default stays off on the CPU."""
     import sys
 
     from concordia_ft.serve import Engine, SamplingParams

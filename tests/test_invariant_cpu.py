@@ -1,4 +1,4 @@
-"""The invariant mode on the CPU without Triton (serve/invariant.py's torch ops, attention.TorchAttention): the
+"""The invariant mode on the CPU without Triton (serve/invariant.py's torch ops, invariant.TorchAttention): the
 ops match float64 within rounding and give every row the same bits for any row count, subset, order and row
 block; the attention gives a query the same bits alone, among other requests, at another place in the batch,
 chunked and as a decode step; an engine with ``invariant=True`` gives each request, greedy and seeded, the same
@@ -105,7 +105,7 @@ def test_rms_norm_matches_transformers_and_is_batch_invariant(dtype: torch.dtype
 
 
 class TorchPool(Pool):
-    """attention_pool's random pool and requests, the step computed by attention.TorchAttention."""
+    """attention_pool's random pool and requests, the step computed by invariant.TorchAttention."""
 
     def run(self, feeds: list[tuple[int, int, int]]) -> dict[tuple[int, int], torch.Tensor]:
         q = torch.cat([self.q[r][lo:hi] for r, lo, hi in feeds])
@@ -119,7 +119,7 @@ class TorchPool(Pool):
         w = self.hkv * self.d
         k = self.storage[:, self.view.k_off: self.view.k_off + w].view(-1, self.hkv, self.d)
         v = self.storage[:, self.view.v_off: self.view.v_off + w].view(-1, self.hkv, self.d)
-        plan = A.TorchAttention(self.tab, torch.tensor(tiles, dtype=torch.long), len(tiles) // 4, self.page)
+        plan = inv.TorchAttention(self.tab, torch.tensor(tiles, dtype=torch.long), len(tiles) // 4, self.page)
         plan(q, out, k, v, self.scale)
         res = {}
         for (r, lo, hi), f in zip(feeds, firsts, strict=True):

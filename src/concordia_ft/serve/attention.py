@@ -23,15 +23,8 @@ whose bits do not depend on the batch, and both prefill and decode through one c
 
 ``reference_attention`` is the float64 definition the kernel is tested against (and the CPU path's oracle).
 
-``TorchAttention``: the same contract in torch ops for CPU tensors (the engine's invariant mode on a CPU model,
-Triton's interpreter off). Each query at position ``p`` is computed over exactly ``ceil((p + 1) / BLOCK_N)``
-tiles of keys (positions ``0 .. L - 1``, ``L`` a multiple of ``BLOCK_N``; keys past ``p`` masked), together
-with the other queries of the step that need as many tiles, whatever their request: every reduction (``q . k``
-over D, the softmax's max and sum over L, ``P @ V`` over L) is a sum over the last dim of a contiguous buffer
-whose length is fixed by ``p`` alone, and torch reduces each output of such a sum on its own in an order fixed
-by its length (serve/invariant.py). The softmax's exponential is ``invariant.exp_f32``. So the output row of a
-query depends only on its query, its position and its request's keys: not on the batch, the chunking, or
-whether the position was computed in a prefill or a decode step.
+``invariant.TorchAttention`` keeps the same contract in torch ops for CPU tensors (the invariant mode on a CPU
+model, Triton's interpreter off).
 """
 
 from __future__ import annotations
@@ -242,63 +235,6 @@ def launch(q: torch.Tensor, out: torch.Tensor, view: PoolView, tables: torch.Ten
         num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
-class TorchAttention:
-    """The batch-invariant attention of one step in torch ops (module docstring), planned once per step from the
-    kernel's tiles (``[n_tiles, 4]``: table row, first packed token, tokens, first position) and block tables, and
-    run per layer by ``__call__``."""
-
-    def __init__(self, tables: torch.Tensor, tiles: torch.Tensor, n_tiles: int, page: int) -> None:
-        meta = tiles.view(-1)[: 4 * n_tiles].view(n_tiles, 4).tolist()
-        rows: list[int] = []
-        toks: list[int] = []
-        pos: list[int] = []
-        for r, t0, n, p0 in meta:
-            rows += [r] * n
-            toks += range(t0, t0 + n)
-            pos += range(p0, p0 + n)
-        rows_t = torch.as_tensor(rows, dtype=torch.long)
-        toks_t = torch.as_tensor(toks, dtype=torch.long)
-        pos_t = torch.as_tensor(pos, dtype=torch.long)
-        ntiles = pos_t // BLOCK_N + 1
-        tab = tables.to(torch.long)
-        w = tab.shape[1]
-        # per group of queries that need the same number of key tiles: packed tokens [G], key slots [G, L] and
-        # the causal mask [G, L]
-        self.groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        for nt in sorted(set(ntiles.tolist())):
-            sel = (ntiles == nt).nonzero().view(-1)
-            keys = torch.arange(nt * BLOCK_N)
-            blk = tab[rows_t[sel]][:, (keys // page).clamp(max=w - 1)]  # [G, L] (past the table: masked keys)
-            slots = blk * page + keys % page
-            mask = keys[None, :] <= pos_t[sel][:, None]
-            self.groups.append((toks_t[sel], slots, mask))
-
-    def __call__(self, q: torch.Tensor, out: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
-                 scale: float) -> None:
-        """``out[T, Hq, D] = attention(q[T, Hq, D])`` over one layer's pool K/V ``[slots, Hkv, D]``."""
-        from .invariant import CPU_BUFFER_ELEMS, dot_rows, exp_f32
-
-        hq, d = q.shape[1], q.shape[2]
-        hkv = k_layer.shape[1]
-        rep = hq // hkv
-        for toks, slots, mask in self.groups:
-            length = slots.shape[1]
-            chunk = max(1, CPU_BUFFER_ELEMS // (hq * length * d))  # queries per product buffer (memory only)
-            for c0 in range(0, len(toks), chunk):
-                tk, sl, mk = toks[c0: c0 + chunk], slots[c0: c0 + chunk], mask[c0: c0 + chunk]
-                g = len(tk)
-                qg = q[tk].to(torch.float32).view(g, hkv, rep, 1, d)
-                kg = k_layer[sl].to(torch.float32).permute(0, 2, 1, 3)[:, :, None]  # [G, Hkv, 1, L, D]
-                s = dot_rows(qg, kg, (g, hkv, rep, length, d)) * scale  # [G, Hkv, rep, L]
-                m4 = mk[:, None, None, :]
-                s = torch.where(m4, s, float("-inf"))
-                e = exp_f32(s - s.amax(-1, keepdim=True))  # exp(-inf) = 0: masked keys add nothing
-                denom = e.sum(-1, keepdim=True)
-                vg = v_layer[sl].to(torch.float32).permute(0, 2, 3, 1)[:, :, None]  # [G, Hkv, 1, D, L]
-                pv = dot_rows(e[:, :, :, None, :], vg, (g, hkv, rep, d, length))  # [G, Hkv, rep, D]
-                out[tk] = (pv / denom).view(g, hq, d).to(out.dtype)
-
-
 def reference_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, positions: list[int],
                         scale: float) -> torch.Tensor:
     """float64 causal attention of one request: ``q[T, Hq, D]`` at ``positions`` over its keys
@@ -314,4 +250,4 @@ def reference_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Ten
     return out
 
 
-__all__ = ["BLOCK_N", "M_ROWS", "PoolView", "TorchAttention", "block_q", "interpreted", "kernel", "prepare_interpreter", "write_kv", "launch", "plan_tiles", "reference_attention"]
+__all__ = ["BLOCK_N", "M_ROWS", "PoolView", "block_q", "interpreted", "kernel", "prepare_interpreter", "write_kv", "launch", "plan_tiles", "reference_attention"]
