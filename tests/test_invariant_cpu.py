@@ -189,9 +189,11 @@ def _serve(eng: Engine, prompts: list[list[int]], order: list[int], joins: dict[
     return reqs, rows
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_engine_request_equals_the_request_alone_whatever_joins_and_however_chunked(family: str) -> None:
-    model = tiny_model(family)
+@pytest.mark.parametrize(("family", "dtype"), [("qwen3", torch.float32), ("llama", torch.float32),
+                                                ("qwen3", torch.bfloat16)])
+def test_engine_request_equals_the_request_alone_whatever_joins_and_however_chunked(family: str,
+                                                                                   dtype: torch.dtype) -> None:
+    model = tiny_model(family, dtype=dtype)
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (9, 70, 4, 13, 66, 1)]
     eng = Engine(model, None, OPTS)
