@@ -28,15 +28,27 @@ def test_kernel_case(case: str) -> None:
     assert f"ok {case}" in r.stdout
 
 
-def test_invariant_mode_off_the_gpu_says_what_it_needs() -> None:
-    from concordia_ft.errors import ConfigError
-    from concordia_ft.serve import Engine
+def test_invariant_mode_on_the_cpu_runs_torch_ops_and_stays_off_by_default() -> None:
+    """Without Triton's interpreter a CPU model takes invariant=True (serve/invariant.py's torch ops and
+    invariant.TorchAttention: tests/test_invariant_cpu.py) and runs a step; the default stays off on the CPU."""
+    import sys
+
+    from concordia_ft.serve import Engine, SamplingParams
     from llm_helpers import tiny_model
 
     if A.interpreted():
-        pytest.skip("Triton's interpreter is on: the mode runs on the CPU then")
-    with pytest.raises(ConfigError, match="invariant=True runs Triton kernels on the GPU"):
-        Engine(tiny_model("qwen3"), None, {"checkpoint": False, "invariant": True})
+        pytest.skip("Triton's interpreter is on: the mode runs the Triton kernels on the CPU then")
+    model = tiny_model("qwen3")
+    eng = Engine(model, None, {"checkpoint": False, "invariant": True})
+    assert eng.opts.invariant and eng.kernel
+    r = eng.submit([5, 6, 7], SamplingParams(max_new_tokens=2, temperature=0.0))
+    while eng.has_work:
+        eng.step()
+    assert len(r.generated) == 2
+    assert not A.interpreted() and eng.device.type == "cpu"
+    off = Engine(tiny_model("qwen3"), None, {"checkpoint": False})
+    assert off.opts.invariant is False and not off.kernel
+    assert "triton.language" not in sys.modules or A._kernel is None  # the CPU path built no Triton kernel
 
 
 def test_more_query_heads_per_kv_head_than_rows_are_refused() -> None:

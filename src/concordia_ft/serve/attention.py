@@ -22,6 +22,9 @@ whose decode splits the key axis by a plan that depends on the batch): the recov
 whose bits do not depend on the batch, and both prefill and decode through one code path.
 
 ``reference_attention`` is the float64 definition the kernel is tested against (and the CPU path's oracle).
+
+``invariant.TorchAttention`` keeps the same contract in torch ops for CPU tensors (the invariant mode on a CPU
+model, Triton's interpreter off).
 """
 
 from __future__ import annotations

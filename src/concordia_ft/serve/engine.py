@@ -95,7 +95,9 @@ class EngineOptions:
     # always): a request's tokens do not depend on what else is in the batch, so a request resumed after a crash
     # equals the one run alone whatever arrives after the recovery. None (the default): on for a CUDA model (its
     # Triton GEMM is faster than cuBLAS at these shapes: results/serve_throughput-h200.json), off on the CPU,
-    # where it runs only under Triton's interpreter. False: cuBLAS and torch's norms. Logged.
+    # where True runs torch ops built to be row-invariant (0.24-0.48x the default's tokens/s on the tiny test
+    # model: serve/DESIGN.md) or, under Triton's interpreter, the Triton kernels. False: cuBLAS and torch's norms.
+    # Logged.
     invariant: bool | None = None
     # True: the epoch of step N is written by the runtime's background writer while step N+1 computes
     # (Runtime.checkpoint_async); step() then returns step N's output once its epoch is committed, one step late
@@ -301,14 +303,15 @@ class Engine:
         if opts.invariant is None:
             self.opts = opts = dataclasses.replace(opts, invariant=self.device.type == "cuda")
         if opts.invariant:
-            if self.device.type != "cuda" and not attention.interpreted():
-                raise ConfigError(f"invariant=True runs Triton kernels on the GPU; the model is on {self.device} "
-                                  "(on the CPU only under Triton's interpreter, TRITON_INTERPRET=1)")
+            if self.device.type not in ("cuda", "cpu"):
+                raise ConfigError(f"invariant=True runs Triton kernels on a CUDA GPU or torch ops on the CPU; the "
+                                  f"model is on {self.device}")
             from . import invariant
 
             invariant.install(model)
-        # the paged attention kernel on CUDA (batch-invariant, no gather), gather + SDPA elsewhere
-        self.kernel = kernel_attention(self.device)
+        # the paged attention kernel on CUDA (batch-invariant, no gather); on the CPU its batches computed by torch
+        # ops in the invariant mode (invariant.TorchAttention); gather + SDPA otherwise
+        self.kernel = kernel_attention(self.device, bool(opts.invariant))
         cfg = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         self.attn_bq = attention.block_q(int(cfg.num_attention_heads) // self.geo.kv_heads) if self.kernel else 0
         self.decoder = model.get_decoder()

@@ -14,10 +14,29 @@ So, with ``invariant`` on, the engine swaps the forward of its model's ``nn.Line
 - ``gate_up``: a SiLU-gated MLP's gate and up projections as ``linear`` computes them, SiLU and the product in the
   same kernel (two launches and two elementwise kernels fewer per layer).
 The swap is per module instance (no global dispatcher override), made once when the engine is built.
+
+On the CPU (CPU tensors, Triton's interpreter off) the same three functions are torch ops whose every output
+element is reduced by the same call shape whatever M is (``_cpu_*`` below, serve/DESIGN.md "The forward"):
+- a product of row ``i`` and weight row ``j`` is an elementwise product written into a fresh contiguous
+  ``[rows, N, K]`` buffer and summed over its last (contiguous) dim: torch reduces each output of an
+  inner-contiguous sum on its own, in an order fixed by ``K`` alone (parallel work is split over outputs,
+  never over the reduced dim), so neither the row count, the row's place, nor the row block it falls in (rows
+  are taken in blocks only to bound the buffer) changes a bit. Operands in float32 (bfloat16 upcast exactly),
+  one rounding at the end. Not ``F.linear`` / ``bmm``: the BLAS (and oneDNN, for bfloat16) choose kernels and
+  blockings by M, and a row's sum over K changes with them;
+- transcendental functions (SiLU's exponential, the attention's softmax) are ``exp_f32``: Cody-Waite range
+  reduction and a polynomial in float64 built only of IEEE adds, multiplies and integer ops, so an element's
+  value never depends on whether torch's loop reaches it through a SIMD lane or the scalar tail (torch's
+  vectorized ``exp`` and its scalar ``exp`` are different implementations, and which one an element gets
+  depends on the tensor's size and the thread split);
+- RMSNorm's mean of squares is that same inner-contiguous sum over the row, and ``1 / sqrt`` (both correctly
+  rounded IEEE operations) instead of ``rsqrt``;
+- the attention is ``TorchAttention``: each query over a number of key tiles fixed by its position.
 """
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any
 
@@ -91,6 +110,84 @@ def _build() -> dict[str, Any]:
     return {"linear": concordia_linear, "gate_up": concordia_gate_up, "rms_norm": concordia_rms_norm}
 
 
+# at most this many float32 elements in a CPU product buffer (rows are taken in blocks that fit it)
+CPU_BUFFER_ELEMS = 1 << 22
+_LOG2E = 1.4426950408889634
+_LN2_HI = 0.6931471803691238  # ln 2 split so that n * _LN2_HI is exact for |n| < 2^20
+_LN2_LO = 1.9082149292705877e-10
+_EXP_COEFFS = tuple(1.0 / math.factorial(i) for i in range(13, -1, -1))  # Taylor, highest first
+
+
+def torch_path(x: torch.Tensor) -> bool:
+    """Whether the invariant ops on ``x`` run as torch ops (a CPU tensor with Triton's interpreter off)."""
+    from . import attention
+
+    return x.device.type != "cuda" and not attention.interpreted()
+
+
+def exp_f32(x: torch.Tensor) -> torch.Tensor:
+    """``exp(x)`` of a float32 tensor as float32, from IEEE adds, multiplies and integer ops only (so the same
+    bits for an element wherever it sits in any tensor): ``x = n ln2 + r``, ``|r| <= ln2 / 2``, ``exp(r)`` by a
+    degree-13 Taylor polynomial in float64 (error < 1e-17 relative), times ``2^n`` built from its bits; one
+    rounding to float32. ``-inf`` gives 0; inputs are clamped to [-150, 89] (beyond: 0 and inf in float32)."""
+    xd = x.to(torch.float64).clamp(-150.0, 89.0)
+    n = torch.floor(xd * _LOG2E + 0.5)
+    r = (xd - n * _LN2_HI) - n * _LN2_LO
+    p = torch.full_like(r, _EXP_COEFFS[0])
+    for c in _EXP_COEFFS[1:]:
+        p = p * r + c
+    two_n = ((n.to(torch.int64) + 1023) << 52).view(torch.float64)
+    return (p * two_n).to(torch.float32)
+
+
+def silu_f32(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(x)`` of a float32 tensor, elementwise from ``exp_f32`` (position-independent bits)."""
+    return x / (1.0 + exp_f32(-x))
+
+
+def dot_rows(a: torch.Tensor, b: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``sum(a * b, -1)`` (float32, broadcast to ``shape``, whose last dim is reduced): the product is written
+    into a contiguous buffer of ``shape`` so the sum is an inner-contiguous reduction, each output reduced on
+    its own in an order fixed by ``shape[-1]`` (see the module docstring)."""
+    buf = torch.empty(shape, dtype=torch.float32, device=a.device)
+    torch.mul(a, b, out=buf)
+    return buf.sum(-1)
+
+
+def _cpu_products(x2: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """``x2 @ w.T`` in float32 for each ``w``, rows in blocks of a size that depends on the weight alone."""
+    m, k = x2.shape
+    n = weights[0].shape[0]
+    xf = x2.to(torch.float32)
+    wf = [w.to(torch.float32)[None] for w in weights]  # [1, N, K]
+    block = max(1, CPU_BUFFER_ELEMS // max(1, n * k))
+    outs = [torch.empty(m, n, dtype=torch.float32, device=x2.device) for _ in weights]
+    for r0 in range(0, m, block):
+        xr = xf[r0: r0 + block, None, :]  # [R, 1, K]
+        for o, w in zip(outs, wf, strict=True):
+            o[r0: r0 + block] = dot_rows(xr, w, (xr.shape[0], n, k))
+    return outs
+
+
+def _cpu_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    (y,) = _cpu_products(x2, (weight,))
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x2.dtype)
+
+
+def _cpu_gate_up(x2: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    g, u = _cpu_products(x2, (gate, up))
+    return (silu_f32(g) * u).to(x2.dtype)
+
+
+def _cpu_rms_norm(x2: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    xf = x2.to(torch.float32)
+    var = dot_rows(xf, xf, tuple(xf.shape)) / xf.shape[1]
+    h = (xf * (1.0 / torch.sqrt(var + eps))[:, None]).to(dtype)
+    return (weight * h).to(dtype)
+
+
 def kernels() -> dict[str, Any]:
     if not _kernels:
         _kernels.update(_build())
@@ -111,6 +208,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(-1, shape[-1])
     m, k = x2.shape
     n = weight.shape[0]
+    if torch_path(x):
+        return _cpu_linear(x2, weight, bias).view(*shape[:-1], n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn, bk, warps = tiles(n, k)
     kernels()["linear"][(-(-m // bm), -(-n // bn))](
@@ -129,6 +228,8 @@ def gate_up(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tens
     n = gate.shape[0]
     if up.shape != gate.shape or up.stride() != gate.stride():
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} projections must match")
+    if torch_path(x):
+        return _cpu_gate_up(x2, gate, up).view(*shape[:-1], n)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm, bn, bk, warps = tiles(n, k)
     kernels()["gate_up"][(-(-m // bm), -(-n // bn))](
@@ -144,12 +245,78 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     n = x2.shape[1]
+    if torch_path(x):
+        return _cpu_rms_norm(x2, weight, eps, torch.promote_types(weight.dtype, x.dtype)).view(shape)
     y = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     import triton
 
     kernels()["rms_norm"][(x2.shape[0],)](x2, weight, y, n, x2.stride(0), y.stride(0), float(eps),
                                           BLOCK=triton.next_power_of_2(n), num_warps=4)
     return y.view(shape)
+
+
+class TorchAttention:
+    """The batch-invariant attention of one step in torch ops for CPU tensors, the paged attention kernel's
+    contract (serve/attention.py). Each query at position ``p`` is computed over exactly ``ceil((p + 1) /
+    BLOCK_N)`` tiles of keys (positions ``0 .. L - 1``, keys past ``p`` masked), together with the step's other
+    queries that need as many tiles, whatever their request: every reduction (``q . k`` over D, the softmax's
+    max and sum over L, ``P @ V`` over L) is a ``dot_rows`` sum (or a max) over the last dim of length fixed by
+    ``p`` alone, and the exponential is ``exp_f32``. So a query's output depends only on its query, its position
+    and its request's keys: not on the batch, the chunking, or whether the position is computed in a prefill or
+    a decode step. Planned once per step from the
+    kernel's tiles (``[n_tiles, 4]``: table row, first packed token, tokens, first position) and block tables, and
+    run per layer by ``__call__``."""
+
+    def __init__(self, tables: torch.Tensor, tiles: torch.Tensor, n_tiles: int, page: int) -> None:
+        from .attention import BLOCK_N
+
+        meta = tiles.view(-1)[: 4 * n_tiles].view(n_tiles, 4).tolist()
+        rows: list[int] = []
+        toks: list[int] = []
+        pos: list[int] = []
+        for r, t0, n, p0 in meta:
+            rows += [r] * n
+            toks += range(t0, t0 + n)
+            pos += range(p0, p0 + n)
+        rows_t = torch.as_tensor(rows, dtype=torch.long)
+        toks_t = torch.as_tensor(toks, dtype=torch.long)
+        pos_t = torch.as_tensor(pos, dtype=torch.long)
+        ntiles = pos_t // BLOCK_N + 1
+        tab = tables.to(torch.long)
+        w = tab.shape[1]
+        # per group of queries that need the same number of key tiles: packed tokens [G], key slots [G, L] and
+        # the causal mask [G, L]
+        self.groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for nt in sorted(set(ntiles.tolist())):
+            sel = (ntiles == nt).nonzero().view(-1)
+            keys = torch.arange(nt * BLOCK_N)
+            blk = tab[rows_t[sel]][:, (keys // page).clamp(max=w - 1)]  # [G, L] (past the table: masked keys)
+            slots = blk * page + keys % page
+            mask = keys[None, :] <= pos_t[sel][:, None]
+            self.groups.append((toks_t[sel], slots, mask))
+
+    def __call__(self, q: torch.Tensor, out: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor,
+                 scale: float) -> None:
+        """``out[T, Hq, D] = attention(q[T, Hq, D])`` over one layer's pool K/V ``[slots, Hkv, D]``."""
+        hq, d = q.shape[1], q.shape[2]
+        hkv = k_layer.shape[1]
+        rep = hq // hkv
+        for toks, slots, mask in self.groups:
+            length = slots.shape[1]
+            chunk = max(1, CPU_BUFFER_ELEMS // (hq * length * d))  # queries per product buffer (memory only)
+            for c0 in range(0, len(toks), chunk):
+                tk, sl, mk = toks[c0: c0 + chunk], slots[c0: c0 + chunk], mask[c0: c0 + chunk]
+                g = len(tk)
+                qg = q[tk].to(torch.float32).view(g, hkv, rep, 1, d)
+                kg = k_layer[sl].to(torch.float32).permute(0, 2, 1, 3)[:, :, None]  # [G, Hkv, 1, L, D]
+                s = dot_rows(qg, kg, (g, hkv, rep, length, d)) * scale  # [G, Hkv, rep, L]
+                m4 = mk[:, None, None, :]
+                s = torch.where(m4, s, float("-inf"))
+                e = exp_f32(s - s.amax(-1, keepdim=True))  # exp(-inf) = 0: masked keys add nothing
+                denom = e.sum(-1, keepdim=True)
+                vg = v_layer[sl].to(torch.float32).permute(0, 2, 3, 1)[:, :, None]  # [G, Hkv, 1, D, L]
+                pv = dot_rows(e[:, :, :, None, :], vg, (g, hkv, rep, d, length))  # [G, Hkv, rep, D]
+                out[tk] = (pv / denom).view(g, hq, d).to(out.dtype)
 
 
 def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -190,4 +357,4 @@ def install(model: torch.nn.Module) -> int:
     return n
 
 
-__all__ = ["gate_up", "install", "kernels", "linear", "rms_norm", "tiles"]
+__all__ = ["TorchAttention", "dot_rows", "exp_f32", "gate_up", "install", "kernels", "linear", "rms_norm", "silu_f32", "tiles", "torch_path"]

@@ -25,7 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..integrations.transformers import FULL_TYPES, dtype_name, layer_types_and_windows, parse_dtype
-from . import attention
+from . import attention, invariant
 
 ATTN_NAME = "concordia_paged"
 ROW_ALIGN = 512
@@ -157,14 +157,16 @@ class KernelBatch:
     tables: torch.Tensor
     tiles: torch.Tensor
     n_tiles: int
+    torch_plan: invariant.TorchAttention | None = None  # the CPU path's plan, made by the step's first layer
 
 
-def kernel_attention(device: torch.device) -> bool:
-    """Whether an engine on ``device`` runs the paged attention kernel: on CUDA where Triton is installed, and on
-    the CPU when Triton's interpreter is switched on (``TRITON_INTERPRET=1``: the kernel's exact semantics,
-    slowly, for tests); else the gather + SDPA path."""
+def kernel_attention(device: torch.device, invariant: bool = False) -> bool:
+    """Whether an engine on ``device`` runs the paged attention kernel's batches (``KernelBatch``): on CUDA where
+    Triton is installed; on the CPU when Triton's interpreter is switched on (``TRITON_INTERPRET=1``: the
+    kernel's exact semantics, slowly, for tests), or in the invariant mode (``invariant``), where
+    ``invariant.TorchAttention`` computes them in torch ops; else the gather + SDPA path."""
     if device.type != "cuda" and not attention.interpreted():
-        return False
+        return invariant
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -240,6 +242,16 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
                           "batch; run it through serve.Engine")
     layer = int(module.layer_idx)
     pool = batch.pool
+    if isinstance(batch, KernelBatch) and query.device.type != "cuda" and not attention.interpreted():
+        kl, vl = pool.k[layer], pool.v[layer]  # the CPU's invariant path (invariant.TorchAttention)
+        kl.index_copy_(0, batch.write_slots, key[0].transpose(0, 1).to(kl.dtype))
+        vl.index_copy_(0, batch.write_slots, value[0].transpose(0, 1).to(vl.dtype))
+        if batch.torch_plan is None:
+            batch.torch_plan = invariant.TorchAttention(batch.tables, batch.tiles, batch.n_tiles, pool.geo.block_size)
+        q = query[0].transpose(0, 1)  # [T, Hq, D]
+        out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
+        batch.torch_plan(q, out, kl, vl, scaling if scaling is not None else q.shape[-1] ** -0.5)
+        return out.unsqueeze(0), None
     if isinstance(batch, KernelBatch):
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
         attention.write_kv(k if k.stride(2) == 1 else k.contiguous(), v if v.stride(2) == 1 else v.contiguous(),
