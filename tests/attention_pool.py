@@ -39,6 +39,10 @@ class Pool:
         vv = self.storage[slots, v.v_off: v.v_off + self.hkv * self.d].view(-1, self.hkv, self.d)
         return k.cpu(), vv.cpu()
 
+    def attend(self, q: torch.Tensor, out: torch.Tensor, tiles: torch.Tensor, n_tiles: int) -> None:
+        """One step's attention of the packed queries ``q`` into ``out``: the paged attention kernel."""
+        A.launch(q, out, self.view, self.tab, tiles, n_tiles, self.scale)
+
     def run(self, feeds: list[tuple[int, int, int]]) -> dict[tuple[int, int], torch.Tensor]:
         """Feeds ``(request, lo, hi)`` packed in order; returns each (request, position)'s output row."""
         q = torch.cat([self.q[r][lo:hi] for r, lo, hi in feeds])
@@ -49,8 +53,7 @@ class Pool:
             t += hi - lo
         tiles = A.plan_tiles([r for r, _, _ in feeds], firsts, [hi - lo for _, lo, hi in feeds],
                              [lo for _, lo, _ in feeds], A.block_q(self.rep))
-        A.launch(q, out, self.view, self.tab, torch.tensor(tiles, dtype=torch.long, device=q.device), len(tiles) // 4,
-                 self.scale)
+        self.attend(q, out, torch.tensor(tiles, dtype=torch.long, device=q.device), len(tiles) // 4)
         res = {}
         for (r, lo, hi), f in zip(feeds, firsts, strict=True):
             for j in range(lo, hi):

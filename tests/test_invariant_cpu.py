@@ -107,25 +107,11 @@ def test_rms_norm_matches_transformers_and_is_batch_invariant(dtype: torch.dtype
 class TorchPool(Pool):
     """attention_pool's random pool and requests, the step computed by invariant.TorchAttention."""
 
-    def run(self, feeds: list[tuple[int, int, int]]) -> dict[tuple[int, int], torch.Tensor]:
-        q = torch.cat([self.q[r][lo:hi] for r, lo, hi in feeds])
-        out = torch.full_like(q, float("nan"))
-        firsts, t = [], 0
-        for _, lo, hi in feeds:
-            firsts.append(t)
-            t += hi - lo
-        tiles = A.plan_tiles([r for r, _, _ in feeds], firsts, [hi - lo for _, lo, hi in feeds],
-                             [lo for _, lo, _ in feeds], A.block_q(self.rep))
+    def attend(self, q: torch.Tensor, out: torch.Tensor, tiles: torch.Tensor, n_tiles: int) -> None:
         w = self.hkv * self.d
         k = self.storage[:, self.view.k_off: self.view.k_off + w].view(-1, self.hkv, self.d)
         v = self.storage[:, self.view.v_off: self.view.v_off + w].view(-1, self.hkv, self.d)
-        plan = inv.TorchAttention(self.tab, torch.tensor(tiles, dtype=torch.long), len(tiles) // 4, self.page)
-        plan(q, out, k, v, self.scale)
-        res = {}
-        for (r, lo, hi), f in zip(feeds, firsts, strict=True):
-            for j in range(lo, hi):
-                res[(r, j)] = out[f + j - lo]
-        return res
+        inv.TorchAttention(self.tab, tiles, n_tiles, self.page)(q, out, k, v, self.scale)
 
 
 @pytest.mark.parametrize("rep", [1, 2, 3])

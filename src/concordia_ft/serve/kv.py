@@ -232,6 +232,13 @@ def build_batch(pool: KVPool, tables: list[torch.Tensor], starts: list[int], end
     return batch, positions, offsets + qlen - 1
 
 
+def _write_rows(pool: Any, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """The step's K/V rows (``[1, Hkv, T, D]``) into the pool's slots of ``layer``, by torch ops."""
+    kl, vl = pool.k[layer], pool.v[layer]
+    kl.index_copy_(0, slots, key[0].transpose(0, 1).to(kl.dtype))
+    vl.index_copy_(0, slots, value[0].transpose(0, 1).to(vl.dtype))
+
+
 def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -242,30 +249,26 @@ def paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
                           "batch; run it through serve.Engine")
     layer = int(module.layer_idx)
     pool = batch.pool
-    if isinstance(batch, KernelBatch) and query.device.type != "cuda" and not attention.interpreted():
-        kl, vl = pool.k[layer], pool.v[layer]  # the CPU's invariant path (invariant.TorchAttention)
-        kl.index_copy_(0, batch.write_slots, key[0].transpose(0, 1).to(kl.dtype))
-        vl.index_copy_(0, batch.write_slots, value[0].transpose(0, 1).to(vl.dtype))
-        if batch.torch_plan is None:
-            batch.torch_plan = invariant.TorchAttention(batch.tables, batch.tiles, batch.n_tiles, pool.geo.block_size)
+    if isinstance(batch, KernelBatch):
         q = query[0].transpose(0, 1)  # [T, Hq, D]
         out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
-        batch.torch_plan(q, out, kl, vl, scaling if scaling is not None else q.shape[-1] ** -0.5)
-        return out.unsqueeze(0), None
-    if isinstance(batch, KernelBatch):
+        sc = scaling if scaling is not None else q.shape[-1] ** -0.5
+        if invariant.torch_path(query):  # the CPU's invariant mode: the kernel's batch in torch ops
+            _write_rows(pool, layer, batch.write_slots, key, value)
+            if batch.torch_plan is None:
+                batch.torch_plan = invariant.TorchAttention(batch.tables, batch.tiles, batch.n_tiles,
+                                                            pool.geo.block_size)
+            batch.torch_plan(q, out, pool.k[layer], pool.v[layer], sc)
+            return out.unsqueeze(0), None
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
         attention.write_kv(k if k.stride(2) == 1 else k.contiguous(), v if v.stride(2) == 1 else v.contiguous(),
                            pool.views[layer], batch.write_slots)
-        q = query[0].transpose(0, 1)  # [T, Hq, D]
         if q.stride(2) != 1:
             q = q.contiguous()
-        out = torch.empty(q.shape, dtype=query.dtype, device=query.device)
-        sc = scaling if scaling is not None else q.shape[-1] ** -0.5
         attention.launch(q, out, pool.views[layer], batch.tables, batch.tiles, batch.n_tiles, sc)
         return out.unsqueeze(0), None
+    _write_rows(pool, layer, batch.write_slots, key, value)
     kl, vl = pool.k[layer], pool.v[layer]
-    kl.index_copy_(0, batch.write_slots, key[0].transpose(0, 1).to(kl.dtype))
-    vl.index_copy_(0, batch.write_slots, value[0].transpose(0, 1).to(vl.dtype))
     k = kl[batch.kv_slots].permute(0, 2, 1, 3)  # [B, Hkv, L, D]
     v = vl[batch.kv_slots].permute(0, 2, 1, 3)
     if batch.dense:  # one query per request: a K/V head's query heads are its queries (no K/V copy for GQA)
